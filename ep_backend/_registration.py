@@ -1,0 +1,108 @@
+"""Registration of the ``"ep"`` backend with torch.distributed and its creator function."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore
+
+from ._native import native
+
+BACKEND_NAME = "ep"
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _cuda_usable() -> bool:
+    return bool(
+        native().cuda_enabled or torch.version.cuda is not None
+    ) and torch.cuda.is_available() and dist.is_nccl_available()
+
+
+def _make_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    return dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+
+
+def _make_nccl(
+    store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str,
+    global_ranks: list[int] | None,
+) -> Any:
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    if group_name:
+        opts.group_name = group_name
+    if global_ranks:
+        opts.global_ranks_in_group = list(global_ranks)
+    return ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
+
+
+def make_backend(
+    store: Any,
+    rank: int,
+    size: int,
+    options: Any | None = None,
+    *,
+    timeout: datetime.timedelta | None = None,
+    group_name: str = "",
+    global_ranks: list[int] | None = None,
+) -> Any:
+    """Builds an ``EPProcessGroup`` over ``store`` (internal Gloo for CPU, NCCL for CUDA)."""
+    _C = native()
+    if options is None:
+        options = _C.Options()
+    elif not isinstance(options, _C.Options):
+        raise TypeError(
+            f"ep: pg_options must be ep_backend.Options or None, got {type(options).__name__}"
+        )
+    if timeout is not None:
+        options.timeout = timeout
+    if group_name:
+        options.group_name = group_name
+    if global_ranks:
+        options.global_ranks_in_group = list(global_ranks)
+    gloo = _make_gloo(store, rank, size, options.timeout)
+    nccl = (
+        _make_nccl(store, rank, size, options.timeout, group_name, global_ranks)
+        if _cuda_usable()
+        else None
+    )
+    backend = _C.EPProcessGroup(store, rank, size, options, gloo, nccl)
+
+    def split_factory(child_store: Any, child_rank: int, child_size: int, child_opts: Any) -> Any:
+        return make_backend(
+            child_store,
+            child_rank,
+            child_size,
+            child_opts,
+            group_name=child_opts.group_name,
+            global_ranks=list(child_opts.global_ranks_in_group),
+        )
+
+    backend._set_split_factory(split_factory)
+    return backend
+
+
+def _create_backend(dist_backend_opts: Any, pg_options: Any | None) -> Any:
+    """Creator called by torch.distributed (``extended_api=True``) for every new "ep" group."""
+    return make_backend(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        pg_options,
+        timeout=dist_backend_opts.timeout or _DEFAULT_TIMEOUT,
+        group_name=str(dist_backend_opts.group_id or ""),
+        global_ranks=list(dist_backend_opts.global_ranks_in_group or []),
+    )
+
+
+def register() -> None:
+    """Registers ``"ep"`` for CPU and CUDA tensors; idempotent."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
+    )

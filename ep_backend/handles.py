@@ -1,0 +1,167 @@
+"""Typed results and handles of the MoE collectives.
+
+These dataclasses are shared by the executable spec (``ep_backend.reference``) and by the
+real implementations, so both return exactly the same structure. Shapes use the notation of
+``docs/semantics.md``: ``T`` tokens on this rank, ``H`` hidden size, ``K`` top-k, ``E`` experts,
+``R`` ranks, ``E_loc = E // R`` experts per rank, ``N`` received rows (or the fixed capacity
+``num_worst_tokens`` when that is set), ``M`` = ``num_max_dispatch_tokens_per_rank``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DispatchLayout:
+    """Result of ``get_dispatch_layout``.
+
+    Attributes:
+        num_tokens_per_rank: int32 ``[R]``; tokens this rank sends to each rank (a token counts
+            once per rank however many of its experts live there).
+        num_tokens_per_expert: int32 ``[E]``; (token, expert) selections per global expert.
+        is_token_in_rank: bool ``[T, R]``; whether token ``t`` is sent to rank ``r``.
+    """
+
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
+    is_token_in_rank: torch.Tensor
+
+    def __iter__(self):  # allows ``a, b, c = layout``
+        return iter((self.num_tokens_per_rank, self.num_tokens_per_expert, self.is_token_in_rank))
+
+
+@dataclass
+class DispatchHandle:
+    """Routing of one high-throughput dispatch; what combine and cached dispatch need.
+
+    Attributes:
+        num_ranks: ``R``.
+        num_experts: ``E``.
+        is_token_in_rank: bool ``[T, R]``; send map of this rank's tokens.
+        num_tokens_per_rank: int32 ``[R]``; rows this rank sent to each rank.
+        num_recv_tokens_per_rank: int32 ``[R]``; rows received from each source rank.
+        recv_src_idx: int32 ``[N]``; source token index of every received row, ``-1`` on padding.
+        recv_src_rank: int32 ``[N]``; source rank of every received row, ``-1`` on padding.
+        num_worst_tokens: fixed receive capacity, ``0`` when outputs are exactly sized.
+    """
+
+    num_ranks: int
+    num_experts: int
+    is_token_in_rank: torch.Tensor
+    num_tokens_per_rank: torch.Tensor
+    num_recv_tokens_per_rank: torch.Tensor
+    recv_src_idx: torch.Tensor
+    recv_src_rank: torch.Tensor
+    num_worst_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``: tokens on this rank when the handle was made."""
+        return int(self.is_token_in_rank.shape[0])
+
+    @property
+    def num_recv_rows(self) -> int:
+        """Rows of the received tensors (``N``: exact count, or the fixed capacity)."""
+        return int(self.recv_src_idx.shape[0])
+
+
+@dataclass
+class DispatchOutput:
+    """Result of a high-throughput dispatch.
+
+    Attributes:
+        recv_x: ``[N, H]`` received rows, same dtype as ``x`` (BF16, FP8 e4m3, or float32/64);
+            ordered by source rank, then by source token index. With ``num_worst_tokens`` the rows
+            past the valid count are padding (contents unspecified).
+        recv_x_scales: ``[N, S]`` scales passed through untouched (FP8 input), else ``None``.
+        recv_topk_idx: ``[N, K]`` *local* expert ids (``-1`` for experts on other ranks and on
+            padding), dtype of the input ``topk_idx``; ``None`` for a cached dispatch.
+        recv_topk_weights: float32 ``[N, K]``, ``0`` where ``recv_topk_idx`` is ``-1``; ``None``
+            when no weights were given or for a cached dispatch.
+        num_recv_tokens_per_expert: int32 ``[E_loc]`` on the device of ``x``: rows per local
+            expert, each rounded up to ``expert_alignment``; ``None`` for a cached dispatch.
+        num_recv_tokens_per_expert_list: the same as a Python list (empty with
+            ``num_worst_tokens`` > 0 or for a cached dispatch: reading it would need a host sync).
+        handle: the routing, for ``combine`` and cached dispatch.
+        work: the ``Work`` of an ``async_op=True`` call (``None`` otherwise); wait on it before
+            using the tensors.
+    """
+
+    recv_x: torch.Tensor
+    recv_x_scales: torch.Tensor | None
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    num_recv_tokens_per_expert: torch.Tensor | None
+    num_recv_tokens_per_expert_list: list[int] = field(default_factory=list)
+    handle: DispatchHandle | None = None
+    work: object | None = None
+
+
+@dataclass
+class CombineOutput:
+    """Result of a high-throughput combine.
+
+    Attributes:
+        combined_x: ``[T, H]`` in the dtype of the combined ``x``.
+        combined_topk_weights: float32 ``[T, K]`` (sum of the returned weights) or ``None``.
+        work: the ``Work`` of an ``async_op=True`` call, else ``None``.
+    """
+
+    combined_x: torch.Tensor
+    combined_topk_weights: torch.Tensor | None = None
+    work: object | None = None
+
+    def __iter__(self):  # allows ``x, w = combine(...)``
+        return iter((self.combined_x, self.combined_topk_weights))
+
+
+@dataclass
+class LowLatencyHandle:
+    """Routing of one low-latency dispatch.
+
+    Attributes:
+        src_info: int32 ``[E_loc, R*M]``; source token index of every valid slot (``-1`` past
+            ``recv_count``).
+        layout_range: int64 ``[E_loc, R]``; ``(begin << 32) | count`` of each source rank's rows
+            inside the expert's slots.
+        num_max_dispatch_tokens_per_rank: ``M``.
+        hidden: ``H``.
+        num_experts: ``E``.
+        num_ranks: ``R``.
+        buffer_index: which of the two alternating buffers the call used (``0`` on CPU).
+    """
+
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    num_ranks: int
+    buffer_index: int = 0
+
+
+@dataclass
+class LowLatencyDispatchOutput:
+    """Result of a low-latency dispatch.
+
+    Attributes:
+        recv_x: ``[E_loc, R*M, H]`` BF16, or FP8 e4m3 when ``use_fp8``; only the first
+            ``recv_count[e]`` rows of expert ``e`` are valid. Rows of one expert are ordered by
+            source rank, then source token index.
+        recv_x_scales: with ``use_fp8``: float32 ``[E_loc, R*M, H/128]``, or int32
+            ``[E_loc, R*M, H/512]`` (four UE8M0 exponents per int32) with ``use_ue8m0``; else None.
+        recv_count: int32 ``[E_loc]`` valid rows per local expert.
+        handle: the routing, for ``low_latency_combine``.
+        hook: with ``return_recv_hook=True``, a callable that completes the receive; else None.
+        work: the ``Work`` of an ``async_op=True`` call, else ``None``.
+    """
+
+    recv_x: torch.Tensor
+    recv_x_scales: torch.Tensor | None
+    recv_count: torch.Tensor
+    handle: LowLatencyHandle
+    hook: object | None = None
+    work: object | None = None
