@@ -75,7 +75,7 @@ void bindProcessGroup(py::module_& m) {
           py::arg("options"),
           py::arg("cpu_backend"),
           py::arg("cuda_backend") = py::none())
-      .def_property_readonly("ep_options", &ep::EPProcessGroup::options)
+      .def_property_readonly("options", &ep::EPProcessGroup::options)
       .def_property_readonly("store", &ep::EPProcessGroup::store)
       .def_property_readonly("has_cuda_backend", &ep::EPProcessGroup::hasCudaBackend)
       .def_property_readonly("is_shutdown", &ep::EPProcessGroup::isShutdown)

@@ -173,7 +173,77 @@ c10::intrusive_ptr<c10d::Backend> EPProcessGroup::innerBackend(
 c10::intrusive_ptr<c10d::Backend> EPProcessGroup::route(const at::Tensor& tensor, const char* op) {
   TORCH_CHECK(tensor.defined(), "ep: ", op, " got an undefined tensor");
   ++seq_;
-  return innerBackend(tensor.device().type(), op);
+  auto backend = innerBackend(tensor.device().type(), op);
+  if (coalescing_ && backend == cuda_ && !cuda_coalescing_started_) {
+    cuda_->startCoalescing();
+    cuda_coalescing_started_ = true;
+  }
+  return backend;
+}
+
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::track(c10::intrusive_ptr<c10d::Work> work) {
+  if (coalescing_ && work && !cuda_coalescing_started_) {
+    coalesced_cpu_works_.push_back(work);
+  }
+  return work;
+}
+
+namespace {
+// The Work of a coalesced group of CPU ops: done when every member is done.
+class CoalescedWork : public c10d::Work {
+ public:
+  explicit CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : c10d::Work(-1, c10d::OpType::COALESCED), works_(std::move(works)) {}
+  bool isCompleted() override {
+    for (auto& w : works_) {
+      if (!w->isCompleted()) {
+        return false;
+      }
+    }
+    return true;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    bool ok = true;
+    for (auto& w : works_) {
+      ok = w->wait(timeout) && ok;
+    }
+    return ok;
+  }
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> all;
+    for (auto& w : works_) {
+      auto r = w->result();
+      all.insert(all.end(), r.begin(), r.end());
+    }
+    return all;
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+} // namespace
+
+void EPProcessGroup::startCoalescing() {
+  checkAlive("start_coalescing");
+  TORCH_CHECK(!coalescing_, "ep: start_coalescing called twice without end_coalescing");
+  coalescing_ = true;
+  cuda_coalescing_started_ = false;
+  coalesced_cpu_works_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::endCoalescing() {
+  TORCH_CHECK(coalescing_, "ep: end_coalescing called without start_coalescing");
+  coalescing_ = false;
+  if (cuda_coalescing_started_) {
+    cuda_coalescing_started_ = false;
+    TORCH_CHECK(
+        coalesced_cpu_works_.empty(),
+        "ep: a coalesced group mixed CPU and CUDA tensors");
+    return cuda_->endCoalescing();
+  }
+  auto works = std::move(coalesced_cpu_works_);
+  coalesced_cpu_works_.clear();
+  return c10::make_intrusive<CoalescedWork>(std::move(works));
 }
 
 c10::intrusive_ptr<c10d::Backend> EPProcessGroup::route(
@@ -199,7 +269,7 @@ c10::intrusive_ptr<c10d::Backend> EPProcessGroup::route(
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  return route(tensors, "broadcast")->broadcast(tensors, opts);
+  return track(route(tensors, "broadcast")->broadcast(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(
@@ -207,7 +277,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(
     const c10d::AllreduceOptions& opts) {
   auto backend = route(tensors, "allreduce");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return backend->allreduce(tensors, opts);
+    return track(backend->allreduce(tensors, opts));
   }
   // The result overwrites the tensors on every rank, so scaling them in place is safe.
   for (auto& t : tensors) {
@@ -220,10 +290,10 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(
   sum_opts.reduceOp = sumOp();
   auto work = backend->allreduce(tensors, sum_opts);
   if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return work;
+    return track(work);
   }
   const int size = getSize();
-  return thenApply(work, [tensors, size] { divideBy(tensors, size); });
+  return track(thenApply(work, [tensors, size] { divideBy(tensors, size); }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
@@ -231,7 +301,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
     const c10d::AllreduceCoalescedOptions& opts) {
   auto backend = route(tensors, "allreduce_coalesced");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return backend->allreduce_coalesced(tensors, opts);
+    return track(backend->allreduce_coalesced(tensors, opts));
   }
   for (auto& t : tensors) {
     if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
@@ -243,10 +313,10 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
   sum_opts.reduceOp = sumOp();
   auto work = backend->allreduce_coalesced(tensors, sum_opts);
   if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return work;
+    return track(work);
   }
   const int size = getSize();
-  return thenApply(work, [tensors, size] { divideBy(tensors, size); });
+  return track(thenApply(work, [tensors, size] { divideBy(tensors, size); }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(
@@ -254,7 +324,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(
     const c10d::ReduceOptions& opts) {
   auto backend = route(tensors, "reduce");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return backend->reduce(tensors, opts);
+    return track(backend->reduce(tensors, opts));
   }
   // Reduce into scaled copies: non-root tensors must keep their values.
   std::vector<at::Tensor> staged;
@@ -271,7 +341,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(
   const bool is_root = getRank() == static_cast<int>(opts.rootRank);
   const bool avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
   const int size = getSize();
-  return thenApply(work, [tensors, staged, is_root, avg, size] {
+  return track(thenApply(work, [tensors, staged, is_root, avg, size] {
     if (!is_root) {
       return;
     }
@@ -279,51 +349,51 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(
       at::Tensor result = avg ? staged[i].div(size) : staged[i];
       const_cast<at::Tensor&>(tensors[i]).copy_(result);
     }
-  });
+  }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allgather(
     std::vector<std::vector<at::Tensor>>& output_tensors,
     std::vector<at::Tensor>& input_tensors,
     const c10d::AllgatherOptions& opts) {
-  return route(input_tensors, "allgather")->allgather(output_tensors, input_tensors, opts);
+  return track(route(input_tensors, "allgather")->allgather(output_tensors, input_tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  return route(input, "all_gather_into_tensor")->_allgather_base(output, input, opts);
+  return track(route(input, "all_gather_into_tensor")->_allgather_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& output_lists,
     std::vector<at::Tensor>& input_list,
     const c10d::AllgatherOptions& opts) {
-  return route(input_list, "allgather_coalesced")
-      ->allgather_coalesced(output_lists, input_list, opts);
+  return track(route(input_list, "allgather_coalesced")
+      ->allgather_coalesced(output_lists, input_list, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return route(inputs, "allgather_into_tensor_coalesced")
-      ->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return track(route(inputs, "allgather_into_tensor_coalesced")
+      ->allgather_into_tensor_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::gather(
     std::vector<std::vector<at::Tensor>>& output_tensors,
     std::vector<at::Tensor>& input_tensors,
     const c10d::GatherOptions& opts) {
-  return route(input_tensors, "gather")->gather(output_tensors, input_tensors, opts);
+  return track(route(input_tensors, "gather")->gather(output_tensors, input_tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::scatter(
     std::vector<at::Tensor>& output_tensors,
     std::vector<std::vector<at::Tensor>>& input_tensors,
     const c10d::ScatterOptions& opts) {
-  return route(output_tensors, "scatter")->scatter(output_tensors, input_tensors, opts);
+  return track(route(output_tensors, "scatter")->scatter(output_tensors, input_tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter(
@@ -332,7 +402,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   auto backend = route(output_tensors, "reduce_scatter");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return backend->reduce_scatter(output_tensors, input_tensors, opts);
+    return track(backend->reduce_scatter(output_tensors, input_tensors, opts));
   }
   std::vector<std::vector<at::Tensor>> staged(input_tensors.size());
   for (size_t i = 0; i < input_tensors.size(); ++i) {
@@ -347,10 +417,10 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter(
   sum_opts.reduceOp = sumOp();
   auto work = backend->reduce_scatter(output_tensors, staged, sum_opts);
   if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return thenApply(work, [staged] {}); // keeps the staged inputs alive until completion
+    return track(thenApply(work, [staged] {})); // keeps the staged inputs alive until completion
   }
   const int size = getSize();
-  return thenApply(work, [output_tensors, staged, size] { divideBy(output_tensors, size); });
+  return track(thenApply(work, [output_tensors, staged, size] { divideBy(output_tensors, size); }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::_reduce_scatter_base(
@@ -359,7 +429,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::_reduce_scatter_base(
     const c10d::ReduceScatterOptions& opts) {
   auto backend = route(input, "reduce_scatter_tensor");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return backend->_reduce_scatter_base(output, input, opts);
+    return track(backend->_reduce_scatter_base(output, input, opts));
   }
   if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
     checkFloatingForAvg(input, "reduce_scatter_tensor");
@@ -371,11 +441,11 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::_reduce_scatter_base(
   const bool avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
   const int size = getSize();
   std::vector<at::Tensor> outputs{output};
-  return thenApply(work, [outputs, staged, avg, size] {
+  return track(thenApply(work, [outputs, staged, avg, size] {
     if (avg) {
       divideBy(outputs, size);
     }
-  });
+  }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter_tensor_coalesced(
@@ -384,7 +454,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   auto backend = route(inputs, "reduce_scatter_tensor_coalesced");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return backend->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+    return track(backend->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   }
   std::vector<at::Tensor> staged;
   for (auto& t : inputs) {
@@ -398,11 +468,11 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter_tensor_coalesced(
   auto work = backend->reduce_scatter_tensor_coalesced(outputs, staged, sum_opts);
   const bool avg = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
   const int size = getSize();
-  return thenApply(work, [outputs, staged, avg, size] {
+  return track(thenApply(work, [outputs, staged, avg, size] {
     if (avg) {
       divideBy(outputs, size);
     }
-  });
+  }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall_base(
@@ -411,35 +481,35 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall_base(
     std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes,
     const c10d::AllToAllOptions& opts) {
-  return route(input, "all_to_all_single")
-      ->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  return track(route(input, "all_to_all_single")
+      ->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall(
     std::vector<at::Tensor>& output_tensors,
     std::vector<at::Tensor>& input_tensors,
     const c10d::AllToAllOptions& opts) {
-  return route(input_tensors, "all_to_all")->alltoall(output_tensors, input_tensors, opts);
+  return track(route(input_tensors, "all_to_all")->alltoall(output_tensors, input_tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::send(
     std::vector<at::Tensor>& tensors,
     int dst_rank,
     int tag) {
-  return route(tensors, "send")->send(tensors, dst_rank, tag);
+  return track(route(tensors, "send")->send(tensors, dst_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::recv(
     std::vector<at::Tensor>& tensors,
     int src_rank,
     int tag) {
-  return route(tensors, "recv")->recv(tensors, src_rank, tag);
+  return track(route(tensors, "recv")->recv(tensors, src_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::recvAnysource(
     std::vector<at::Tensor>& tensors,
     int tag) {
-  return route(tensors, "recv_anysource")->recvAnysource(tensors, tag);
+  return track(route(tensors, "recv_anysource")->recvAnysource(tensors, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::barrier(const c10d::BarrierOptions& opts) {
@@ -448,12 +518,12 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::barrier(const c10d::BarrierOption
   const bool on_cuda = (opts.device.has_value() && opts.device->is_cuda()) ||
       !opts.device_ids.empty();
   if (on_cuda && cuda_ != nullptr) {
-    return cuda_->barrier(opts);
+    return track(cuda_->barrier(opts));
   }
   c10d::BarrierOptions cpu_opts = opts;
   cpu_opts.device_ids.clear();
   cpu_opts.device = std::nullopt;
-  return cpu_->barrier(cpu_opts);
+  return track(cpu_->barrier(cpu_opts));
 }
 
 void EPProcessGroup::setTimeout(std::chrono::milliseconds timeout) {

@@ -133,6 +133,14 @@ class EPProcessGroup : public c10d::Backend {
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
 
+  // Coalescing (batch_isend_irecv, _coalescing_manager with a device): CUDA ops are grouped by
+  // the NCCL backend; CPU ops run as issued and the coalesced Work waits for all of them.
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
   bool supportsSplitting() const override {
     return true;
   }
@@ -155,6 +163,8 @@ class EPProcessGroup : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> route(const at::Tensor& tensor, const char* op);
   c10::intrusive_ptr<c10d::Backend> route(const std::vector<at::Tensor>& tensors, const char* op);
   void checkAlive(const char* op) const;
+  // Records `work` for endCoalescing while coalescing CPU ops; returns it unchanged.
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<EPOptions> options_;
@@ -165,6 +175,9 @@ class EPProcessGroup : public c10d::Backend {
   // splitGroup may ask each device type of a group to split; both must get the same child.
   std::map<std::string, c10::intrusive_ptr<c10d::Backend>> split_children_;
   std::atomic<uint64_t> seq_{0};
+  bool coalescing_ = false;
+  bool cuda_coalescing_started_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cpu_works_;
   std::atomic<bool> shutdown_{false};
 };
 

@@ -1,0 +1,310 @@
+// High-throughput intranode combine: the reverse of dispatch, with a fixed-order reduction.
+//
+//  * Senders (expert side): the rows held from source s, x[recv_prefix[s] + i], go back to rank s,
+//    into slot i of the region this rank owns in s's combine area (i is the row's position in s's
+//    send list, i.e. s's send_pos), with its top-k weights and a per-row flag = sequence number
+//    published with a system-scope release. Rows this rank holds from itself are not sent: the
+//    owner side reads them straight from x.
+//  * Receivers (owner side): token t waits for the flags of its rows from every rank r with
+//    send_pos[t, r] >= 0, then computes, element by element,
+//      acc = +0; for r = 0..R-1 ascending: acc += row_r; acc += bias0; acc += bias1
+//    in float32 (float64 for float64 rows) with round-to-nearest adds (no contraction), and
+//    stores acc rounded to nearest-even in the element type. Weights are summed the same way.
+// Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
+// token order and the reduction overlaps the transfer.
+#include "intranode_kernels.hpp"
+#include "ptx_utils.cuh"
+
+namespace ep {
+namespace {
+
+constexpr uint32_t kFull = 0xffffffffu;
+
+template <int kElemBytes>
+struct ElemOps;
+
+template <>
+struct ElemOps<2> {  // bfloat16
+  using Acc = float;
+  static constexpr int kPerVec = 8;
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
+    const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] = __fadd_rn(acc[2 * i], device::bf16_to_float(w[i] & 0xFFFFu));
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], device::bf16_to_float(w[i] >> 16));
+    }
+  }
+  static __device__ __forceinline__ int4 pack(const Acc* acc) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = uint32_t(device::float_to_bf16_rne(acc[2 * i])) |
+             (uint32_t(device::float_to_bf16_rne(acc[2 * i + 1])) << 16);
+    return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+  }
+};
+
+template <>
+struct ElemOps<4> {  // float32
+  using Acc = float;
+  static constexpr int kPerVec = 4;
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
+    acc[0] = __fadd_rn(acc[0], __int_as_float(v.x));
+    acc[1] = __fadd_rn(acc[1], __int_as_float(v.y));
+    acc[2] = __fadd_rn(acc[2], __int_as_float(v.z));
+    acc[3] = __fadd_rn(acc[3], __int_as_float(v.w));
+  }
+  static __device__ __forceinline__ int4 pack(const Acc* acc) {
+    return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                     __float_as_int(acc[3]));
+  }
+};
+
+template <>
+struct ElemOps<8> {  // float64
+  using Acc = double;
+  static constexpr int kPerVec = 2;
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
+    const long long lo = (static_cast<long long>(uint32_t(v.y)) << 32) | uint32_t(v.x);
+    const long long hi = (static_cast<long long>(uint32_t(v.w)) << 32) | uint32_t(v.z);
+    acc[0] = __dadd_rn(acc[0], __longlong_as_double(lo));
+    acc[1] = __dadd_rn(acc[1], __longlong_as_double(hi));
+  }
+  static __device__ __forceinline__ int4 pack(const Acc* acc) {
+    const long long lo = __double_as_longlong(acc[0]);
+    const long long hi = __double_as_longlong(acc[1]);
+    return make_int4(int(lo & 0xffffffff), int(lo >> 32), int(hi & 0xffffffff), int(hi >> 32));
+  }
+};
+
+__device__ void combine_send(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
+                             int warp, int lane) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk;
+  const int hidden_bytes = p.hidden * p.elem_bytes;
+  const CombineRow row = CombineRow::make(hidden_bytes, K);
+  const int n16 = hidden_bytes / 16;
+  const int first = blockIdx.x * p.num_send_warps + warp;
+  const int stride = gridDim.x * p.num_send_warps;
+  const int prefix = lane <= R ? p.recv_prefix[lane] : 0;
+  const uint64_t* entered =
+      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+  uint32_t ready = 1u << me;
+
+  int max_count = 0;
+  for (int s = 0; s < R; ++s) {
+    const int n = __shfl_sync(kFull, prefix, s + 1) - __shfl_sync(kFull, prefix, s);
+    if (s != me) max_count = max(max_count, n);
+  }
+  for (int i = first; i < max_count; i += stride) {
+    for (int k = 1; k < R; ++k) {
+      const int dst = (me + k) % R;
+      const int base = __shfl_sync(kFull, prefix, dst);
+      const int count = __shfl_sync(kFull, prefix, dst + 1) - base;
+      if (i >= count) continue;
+      if (!((ready >> dst) & 1u)) {
+        bool ok = true;
+        if (lane == 0)
+          ok = device::spin_wait(ctx, dst,
+                                 [&] { return device::ld_acquire_sys(entered + dst) >= seq; });
+        if (!__shfl_sync(kFull, ok, 0)) return;
+        ready |= 1u << dst;
+      }
+      char* out = c.buffers.ptr[dst] + c.layout.combine_offset +
+                  c.layout.region_index(me, dst) * c.layout.combine_region_bytes +
+                  size_t(i) * row.stride;
+      const int r = base + i;
+      if (r < p.num_recv_capacity) {  // rows past the capacity never existed (overflow)
+        const int4* src =
+            reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(r) * hidden_bytes);
+        int4* o = reinterpret_cast<int4*>(out);
+        constexpr int kUnroll = 4;
+        for (int j = lane; j < n16; j += 32 * kUnroll) {
+          int4 v[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (j + 32 * u < n16) v[u] = device::ld_nc_v4(src + j + 32 * u);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (j + 32 * u < n16) device::st_v4(o + j + 32 * u, v[u]);
+        }
+        if (p.topk_weights != nullptr && lane < K)
+          reinterpret_cast<float*>(out + row.weights_offset)[lane] =
+              p.topk_weights[size_t(r) * K + lane];
+      }
+      __syncwarp();
+      if (lane == 0) {
+        device::fence_acq_rel_sys();
+        device::st_relaxed_sys(reinterpret_cast<uint64_t*>(out + row.flag_offset), seq);
+      }
+    }
+  }
+}
+
+template <int kElemBytes, int kRanks>
+__device__ void combine_recv(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
+                             int warp, int lane) {
+  using Ops = ElemOps<kElemBytes>;
+  using Acc = typename Ops::Acc;
+  // Chunks per lane in flight: kRanks * kUnroll 16-byte loads are issued before any add.
+  constexpr int kUnroll = kRanks <= 2 ? 4 : (kRanks <= 4 ? 2 : 1);
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk;
+  const int hidden_bytes = p.hidden * kElemBytes;
+  const CombineRow row = CombineRow::make(hidden_bytes, K);
+  const int n16 = hidden_bytes / 16;
+  const int num_recv_warps = kIntranodeThreads / 32 - p.num_send_warps;
+  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps);
+  const int stride = gridDim.x * num_recv_warps;
+  const int local_base = p.recv_prefix[me];
+  const char* area = c.buffers.ptr[me] + c.layout.combine_offset;
+
+  for (int t = first; t < p.num_tokens; t += stride) {
+    const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
+    bool ok = true;
+    if (lane < R && lane != me && pos >= 0) {
+      const uint64_t* flag = reinterpret_cast<const uint64_t*>(
+          area + c.layout.region_index(lane, me) * c.layout.combine_region_bytes +
+          size_t(pos) * row.stride + row.flag_offset);
+      ok = device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(flag) == seq; });
+    }
+    if (!__all_sync(kFull, ok)) return;
+    __syncwarp();  // the waiting lanes' acquires order every lane's reads below
+
+    const char* src[kRanks];
+    const float* src_w[kRanks];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      const int s = __shfl_sync(kFull, pos, r < R ? r : 0);
+      src[r] = nullptr;
+      src_w[r] = nullptr;
+      if (r < R && s >= 0) {
+        if (r == me) {
+          const int lr = local_base + s;
+          if (lr < p.num_recv_capacity) {
+            src[r] = static_cast<const char*>(p.x) + size_t(lr) * hidden_bytes;
+            if (p.topk_weights != nullptr) src_w[r] = p.topk_weights + size_t(lr) * K;
+          }
+        } else {
+          src[r] = area + c.layout.region_index(r, me) * c.layout.combine_region_bytes +
+                   size_t(s) * row.stride;
+          src_w[r] = reinterpret_cast<const float*>(src[r] + row.weights_offset);
+        }
+      }
+    }
+    const int4* b0 = p.bias0 == nullptr
+                         ? nullptr
+                         : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) +
+                                                         size_t(t) * hidden_bytes);
+    const int4* b1 = p.bias1 == nullptr
+                         ? nullptr
+                         : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
+                                                         size_t(t) * hidden_bytes);
+    int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
+
+    for (int i = lane; i < n16; i += 32 * kUnroll) {
+      int4 v[kRanks][kUnroll];
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r) {
+        if (src[r] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + 32 * u < n16) v[r][u] = device::ld_v4(reinterpret_cast<const int4*>(src[r]) + i + 32 * u);
+      }
+      Acc acc[kUnroll][Ops::kPerVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int e = 0; e < Ops::kPerVec; ++e) acc[u][e] = Acc(0);
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r) {
+        if (src[r] == nullptr) continue;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + 32 * u < n16) Ops::add(acc[u], v[r][u]);
+      }
+      if (b0 != nullptr) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + 32 * u < n16) Ops::add(acc[u], device::ld_nc_v4(b0 + i + 32 * u));
+      }
+      if (b1 != nullptr) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (i + 32 * u < n16) Ops::add(acc[u], device::ld_nc_v4(b1 + i + 32 * u));
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (i + 32 * u < n16) device::st_v4(out + i + 32 * u, Ops::pack(acc[u]));
+    }
+
+    if (p.out_topk_weights != nullptr && lane < K) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r)
+        if (src_w[r] != nullptr) acc = __fadd_rn(acc, src_w[r][lane]);
+      p.out_topk_weights[size_t(t) * K + lane] = acc;
+    }
+  }
+}
+
+template <int kElemBytes, int kRanks>
+__global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel(CombineParams p) {
+  __shared__ uint64_t s_seq;
+  const CommContext& c = p.comm;
+  const int me = c.rank, R = c.num_ranks;
+  const int warp = threadIdx.x / 32, lane = device::lane_id();
+  ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
+  if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
+  __syncthreads();
+  const uint64_t seq = s_seq;
+  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpCombine, me};
+  if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
+    device::st_release_sys(
+        reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me, seq);
+
+  if (!device::aborted(ctx)) {
+    if (warp < p.num_send_warps)
+      combine_send(p, ctx, seq, warp, lane);
+    else
+      combine_recv<kElemBytes, kRanks>(p, ctx, seq, warp, lane);
+  }
+  // Block 0 sees every peer enter (see the dispatch kernel for why).
+  if (blockIdx.x == 0 && warp == 0 && lane < R && lane != me && !device::aborted(ctx)) {
+    const uint64_t* entered =
+        reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+    device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) device::finish_block(ctrl, seq);
+}
+
+template <int kElemBytes>
+cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t stream) {
+  const int R = p.comm.num_ranks;
+  if (R <= 2)
+    intranode_combine_kernel<kElemBytes, 2><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+  else if (R <= 4)
+    intranode_combine_kernel<kElemBytes, 4><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+  else
+    intranode_combine_kernel<kElemBytes, 8><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_intranode_combine(const CombineParams& p, int num_sms, cudaStream_t stream) {
+  switch (p.elem_bytes) {
+    case 2:
+      return launch_for_elem<2>(p, num_sms, stream);
+    case 4:
+      return launch_for_elem<4>(p, num_sms, stream);
+    case 8:
+      return launch_for_elem<8>(p, num_sms, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace ep

@@ -1,0 +1,223 @@
+// Types shared by the intranode kernels and their host launchers: buffer layout, row layouts,
+// control/error records and the kernel parameter blocks. Torch-free and includable from plain C++
+// (the CUDA qualifiers below compile away outside nvcc).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EP_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define EP_HOST_DEVICE inline
+#endif
+
+namespace ep {
+
+constexpr int kMaxRanks = 8;   // intranode: at most 8 GPUs of one host
+constexpr int kMaxTopk = 32;   // top-k entries per token the kernels handle
+constexpr int kDefaultNumSms = 24;
+
+// Op codes in error records and messages.
+enum IntranodeOp : int {
+  kOpNone = 0,
+  kOpLayout = 1,
+  kOpNotify = 2,
+  kOpDispatch = 3,
+  kOpCachedDispatch = 4,
+  kOpCombine = 5,
+  kOpBarrier = 6,
+};
+
+enum ErrorCode : int {
+  kErrorNone = 0,
+  kErrorTimeout = 1,          // peer = the rank waited for; value_a = timeout in cycles
+  kErrorCapacity = 2,         // value_a = rows to receive, value_b = num_worst_tokens
+  kErrorInvalidTopkIdx = 3,   // value_a = offending value, value_b = flat (t*K+k) position
+};
+
+// Host-mapped (cudaHostAllocMapped) record of the first error a kernel hit. `code` is written
+// last, so a non-zero code means the other fields are complete.
+struct ErrorRecord {
+  int code;
+  int op;
+  int rank;
+  int peer;
+  long long value_a;
+  long long value_b;
+};
+
+// Private per-rank control words at the start of the rank's buffer. Peers never touch these.
+struct ControlBlock {
+  uint64_t epoch;             // sequence number of the last communicating kernel that finished
+  unsigned int blocks_done;   // arrival counter used by finish_block(), back to 0 after each kernel
+  int abort;                  // set on timeout: every later spin-wait gives up at once
+  int error_lock;             // first-error-wins lock of the ErrorRecord
+  int pad[27];
+};
+static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
+
+// Host-mapped counters written by the notify kernel in normal (host-synchronised) mode.
+struct HostCounters {
+  volatile int ready_ticket;  // equals the ticket passed to notify once the fields below are set
+  volatile int num_recv_tokens;
+  volatile int num_recv_tokens_per_rank[kMaxRanks];
+  volatile int pad[6];
+  // followed in the same allocation by int num_recv_tokens_per_expert[max_local_experts]
+};
+static_assert(sizeof(HostCounters) == 64, "per-expert counters start 64 bytes in");
+
+EP_HOST_DEVICE size_t align_up(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
+
+// Row of the dispatch receive area: [x: hidden_bytes][scales: S*4, padded to 16]
+// [meta: flag u64, src_idx i32, pad i32, local idx i32 x K, weight f32 x K; padded to 16].
+struct DispatchRow {
+  int stride;
+  int scales_offset;
+  int meta_offset;  // the flag is the first 8 bytes of meta
+  EP_HOST_DEVICE static DispatchRow make(int hidden_bytes, int num_scales, int num_topk) {
+    DispatchRow r;
+    r.scales_offset = hidden_bytes;
+    r.meta_offset = r.scales_offset + static_cast<int>(align_up(size_t(num_scales) * 4, 16));
+    r.stride = r.meta_offset + static_cast<int>(align_up(16 + size_t(num_topk) * 8, 16));
+    return r;
+  }
+};
+
+// Row of the combine receive area: [x: hidden_bytes][weights f32 x K, padded to 16][flag u64 +
+// pad: 16 bytes].
+struct CombineRow {
+  int stride;
+  int weights_offset;
+  int flag_offset;
+  EP_HOST_DEVICE static CombineRow make(int hidden_bytes, int num_topk) {
+    CombineRow r;
+    r.weights_offset = hidden_bytes;
+    r.flag_offset = r.weights_offset + static_cast<int>(align_up(size_t(num_topk) * 4, 16));
+    r.stride = r.flag_offset + 16;
+    return r;
+  }
+};
+
+// Where everything lives inside each rank's IPC buffer (identical on all ranks).
+//   [control 128 B][entered u64 x R][notify u64 x 2 parity x R src x (1 + max_local_experts)]
+//   [dispatch area: source regions][combine area: source regions]
+// Source regions are indexed relative to the receiver: source s lands in region
+// (s - receiver - 1 + R) % R, so no region is wasted on the receiver itself.
+struct BufferLayout {
+  int num_ranks;
+  int max_tokens;             // rows a region holds (max tokens of any rank)
+  int max_local_experts;
+  size_t entered_offset;
+  size_t notify_offset;
+  size_t dispatch_offset;
+  size_t dispatch_region_bytes;
+  size_t combine_offset;
+  size_t combine_region_bytes;
+  size_t total_bytes;
+
+  EP_HOST_DEVICE int region_index(int src, int receiver) const {
+    return (src - receiver - 1 + num_ranks) % num_ranks;
+  }
+  EP_HOST_DEVICE size_t notify_slot_words() const { return 1 + size_t(max_local_experts); }
+  // Slot (parity, src) of the notify area, in u64 words from the area's start.
+  EP_HOST_DEVICE size_t notify_slot(int parity, int src) const {
+    return (size_t(parity) * num_ranks + src) * notify_slot_words();
+  }
+};
+
+// Pointers to every rank's buffer as mapped in this process (peers: IPC/peer mappings).
+struct PeerBuffers {
+  char* ptr[kMaxRanks];
+};
+
+// Everything a communicating kernel needs to find buffers and report problems.
+struct CommContext {
+  PeerBuffers buffers;
+  BufferLayout layout;
+  ErrorRecord* error;          // host-mapped, device pointer
+  long long timeout_cycles;
+  int rank;
+  int num_ranks;
+};
+
+struct LayoutParams {
+  const void* topk_idx;        // [T, K] int64 or int32 (idx_bytes), -1 = none
+  int idx_bytes;
+  int num_tokens;
+  int num_topk;
+  int num_experts;
+  int num_ranks;
+  int* num_tokens_per_rank;    // [R]
+  int* num_tokens_per_expert;  // [E]
+  bool* is_token_in_rank;      // [T, R]
+  int* send_pos;               // [T, R]
+  ControlBlock* ctrl;
+  ErrorRecord* error;
+  int rank;
+};
+
+struct NotifyParams {
+  CommContext comm;
+  const int* num_tokens_per_rank;    // [R] from layout
+  const int* num_tokens_per_expert;  // [E] from layout
+  int experts_per_rank;
+  int expert_alignment;
+  int num_worst_tokens;              // > 0: capacity check only
+  int* recv_counts;                  // [R]   rows from each source rank
+  int* recv_prefix;                  // [R+1] exclusive prefix of recv_counts
+  int* num_recv_tokens_per_expert;   // [E_loc] aligned
+  HostCounters* host;                // device pointer of the host-mapped counters, or null
+  int* host_per_expert;              // device pointer of the host-mapped per-expert counters
+  int host_ticket;
+};
+
+struct DispatchParams {
+  CommContext comm;
+  const void* x;                 // [T, hidden_bytes] raw rows
+  int hidden_bytes;
+  const float* scales;           // [T, S] raw 4-byte words, or null
+  int num_scales;
+  const void* topk_idx;          // [T, K] (null: cached dispatch, no metadata)
+  int idx_bytes;
+  const float* topk_weights;     // [T, K] or null
+  int num_topk;
+  int num_tokens;
+  int experts_per_rank;
+  const int* send_pos;           // [T, R]
+  const int* recv_prefix;        // [R+1]
+  void* recv_x;                  // [cap, hidden_bytes]
+  float* recv_scales;            // [cap, S] or null
+  void* recv_topk_idx;           // [cap, K] or null
+  float* recv_topk_weights;      // [cap, K] or null
+  int* recv_src_idx;             // [cap] or null
+  int* recv_src_rank;            // [cap] or null
+  int num_worst_tokens;          // 0: exact N rows; > 0: capacity, padding rows filled
+  int num_send_warps;
+};
+
+struct CombineParams {
+  CommContext comm;
+  const void* x;                 // [N(cap), H] elements of elem_bytes (2: bf16, 4: f32, 8: f64)
+  int elem_bytes;
+  int hidden;                    // elements per row
+  const float* topk_weights;     // [N, K] or null
+  int num_topk;
+  const int* recv_prefix;        // [R+1] of the dispatch (expert side)
+  int num_recv_capacity;         // rows of x (rows past it are never read)
+  int num_tokens;                // T of this rank (owner side)
+  const int* send_pos;           // [T, R] of the dispatch (owner side)
+  const void* bias0;             // [T, H] or null
+  const void* bias1;             // [T, H] or null
+  void* out;                     // [T, H]
+  float* out_topk_weights;       // [T, K] or null (needs topk_weights)
+  int num_send_warps;
+};
+
+struct BarrierParams {
+  CommContext comm;
+};
+
+}  // namespace ep

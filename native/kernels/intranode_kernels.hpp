@@ -1,0 +1,30 @@
+// Host launchers of the intranode kernels (one kernel family per .cu file). Torch-free.
+// The runtime (native/runtime/intranode_runtime.hpp) is the intended caller: it owns the buffers,
+// validates arguments and fills the parameter blocks; these functions only launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "intranode_common.hpp"
+
+namespace ep {
+
+// Threads per block of the dispatch and combine kernels (warps split into senders/receivers).
+constexpr int kIntranodeThreads = 512;
+
+// intranode_layout.cu: per-rank/per-expert counts, is_token_in_rank, send_pos. Local only.
+cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream);
+
+// intranode_notify.cu: exchanges counts with every peer (one block).
+cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream);
+
+// intranode_dispatch.cu: pushes rows to peers and copies received rows out; num_sms blocks.
+cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream);
+
+// intranode_combine.cu: returns rows to their owners and reduces them; num_sms blocks.
+cudaError_t launch_intranode_combine(const CombineParams& p, int num_sms, cudaStream_t stream);
+
+// intranode_barrier.cu: all ranks' streams meet (a device-side barrier, no host involvement).
+cudaError_t launch_intranode_barrier(const BarrierParams& p, cudaStream_t stream);
+
+}  // namespace ep

@@ -1,0 +1,175 @@
+// Device helpers shared by the intranode kernels: PTX loads/stores with explicit memory-model
+// semantics, 16-byte vector copies, and the bounded spin-wait used by every cross-GPU wait.
+//
+// Memory-model notes (why these exact instructions):
+//  * Peers write into our buffer over NVLink; those writes become visible to us in an order only
+//    guaranteed by a release (sender) / acquire (receiver) pair at *system* scope, because the two
+//    GPUs are different agents. `.gpu` scope is not enough.
+//  * A warp publishes a row with: every lane stores its part, `__syncwarp()` (bar.warp.sync orders
+//    the lanes' accesses among the participants), then one lane issues `fence.acq_rel.sys` and
+//    relaxed flag stores. Release is cumulative, so the other lanes' stores are covered.
+//  * The receiver mirrors it: one lane polls with `ld.acquire.sys`, then `__syncwarp()`, after which
+//    every lane may read the payload with ordinary loads.
+//  * `ld.global.nc` (read-only path) is used only on inputs nobody writes during the kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "intranode_common.hpp"
+
+namespace ep {
+namespace device {
+
+// ---- scalar loads/stores with explicit semantics --------------------------------------------
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+__device__ __forceinline__ int ld_volatile_int(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// ---- 16-byte vector accesses -----------------------------------------------------------------
+
+// Read-only input (x, scales of the caller): non-coherent path, no L1 allocation.
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Data written by a peer during this kernel (after an acquire): coherent load, no L1 allocation.
+__device__ __forceinline__ int4 ld_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_v4(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ int lane_id() {
+  return static_cast<int>(threadIdx.x & 31u);
+}
+
+// ---- control block, errors and bounded waits ---------------------------------------------------
+
+// Shared by every warp of a kernel: where to report, how long to wait.
+struct WaitContext {
+  ControlBlock* ctrl;  // this rank's private control block (device memory)
+  ErrorRecord* err;    // host-mapped error record (device pointer)
+  long long timeout_cycles;
+  int op;
+  int rank;
+};
+
+// Records the first error of this runtime: the winner of the device-side lock fills the record
+// and publishes `code` last, so the host never sees a half-written record.
+__device__ __forceinline__ void report_error(const WaitContext& ctx, int code, int peer,
+                                             long long a, long long b) {
+  if (atomicCAS(&ctx.ctrl->error_lock, 0, 1) == 0) {
+    volatile ErrorRecord* e = ctx.err;
+    e->op = ctx.op;
+    e->rank = ctx.rank;
+    e->peer = peer;
+    e->value_a = a;
+    e->value_b = b;
+    __threadfence_system();
+    e->code = code;
+    __threadfence_system();
+  }
+}
+
+__device__ __forceinline__ bool aborted(const WaitContext& ctx) {
+  return ld_volatile_int(&ctx.ctrl->abort) != 0;
+}
+
+// Marks the runtime as failed: every other spin loop (this kernel and later ones) gives up.
+__device__ __forceinline__ void raise_timeout(const WaitContext& ctx, int peer) {
+  report_error(ctx, kErrorTimeout, peer, ctx.timeout_cycles, 0);
+  atomicExch(&ctx.ctrl->abort, 1);
+}
+
+// Spins (single thread) until `ready()` holds. Returns false on timeout or abort; on timeout the
+// error record names `peer` as the rank we waited for.
+template <typename Ready>
+__device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Ready ready) {
+  if (ready()) return true;
+  const long long start = clock64();
+  for (uint32_t iter = 1;; ++iter) {
+    if (ready()) return true;
+    if ((iter & 255u) == 0) {
+      if (aborted(ctx)) return false;
+      if (clock64() - start > ctx.timeout_cycles) {
+        raise_timeout(ctx, peer);
+        return false;
+      }
+    }
+  }
+}
+
+// Every communicating kernel reads the rank's epoch once: its sequence number is epoch + 1.
+__device__ __forceinline__ uint64_t read_sequence(const ControlBlock* ctrl) {
+  return ld_relaxed_sys(&ctrl->epoch) + 1;
+}
+
+// Called by thread 0 of every block after the block's work: the last block to finish advances
+// the epoch, so the next kernel on the stream gets the next sequence number. Every block read the
+// epoch at its start, before arriving here, so nobody can observe the new value too early.
+__device__ __forceinline__ void finish_block(ControlBlock* ctrl, uint64_t seq) {
+  __threadfence();
+  const unsigned int arrived = atomicAdd(&ctrl->blocks_done, 1u);
+  if (arrived == gridDim.x - 1) {
+    ctrl->blocks_done = 0;
+    st_relaxed_sys(&ctrl->epoch, seq);
+    __threadfence();
+  }
+}
+
+// ---- element conversions used by combine ------------------------------------------------------
+
+// float -> bfloat16 bits, round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0,
+// matching c10::BFloat16 so results are bitwise equal to PyTorch's CPU cast.
+__device__ __forceinline__ uint16_t float_to_bf16_rne(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float bf16_to_float(uint32_t bits16) {
+  return __uint_as_float(bits16 << 16);
+}
+
+}  // namespace device
+}  // namespace ep

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds ep_backend with CUDA against the installed torch, runs the GPU tests and the benchmark.
+# Usage (on a machine with GPUs): bash scripts/gpu_check.sh [extra pytest args]
+# Logs go to $OUT (default ./out). Repeat the figures in docs/performance.md with this script.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 EP_WITH_CUDA=${EP_WITH_CUDA:-1} TORCH_CUDA_ARCH_LIST=9.0a
+export EP_BUILD_DIR=${EP_BUILD_DIR:-$PWD/.build-gpu} MAX_JOBS=${MAX_JOBS:-16}
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' | tee -a "$OUT/gpus.txt"
+
+start=$(date +%s)
+if ! python -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+
+rc=0
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  python -m pytest -q -p no:cacheprovider -m gpu -x "$@" tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  rc=${PIPESTATUS[0]}
+  grep -E "^[0-9]+ (passed|failed)|passed|failed" "$OUT/gpu_tests.log" | tail -1
+fi
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+  python -m ep_backend.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  rc=$(( rc | PIPESTATUS[0] ))
+fi
+exit $rc

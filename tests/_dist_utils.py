@@ -1,0 +1,378 @@
+"""Run a function on a small local process group, for tests: ``run_distributed``.
+
+Example::
+
+    from _dist_utils import run_distributed
+
+    def _worker(rank: int, world_size: int, hidden: int) -> float:  # module level: picklable
+        x = torch.full((hidden,), float(rank))
+        dist.all_reduce(x)
+        return float(x[0])
+
+    def test_all_reduce():
+        assert run_distributed(_worker, 4, 8) == [6.0] * 4
+
+What it does:
+
+* starts ``world_size`` fresh processes, by default forked from a ``forkserver`` that has
+  imported ``FORKSERVER_PRELOAD`` (torch...) but never touched CUDA, so workers start in
+  milliseconds and can still use CUDA (``start_method="spawn"`` is the slow, fully fresh
+  alternative); each worker gets the parent's current environment plus ``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1),
+  ``MASTER_PORT`` and any ``env`` you pass, applied before ``fn`` is unpickled;
+* the parent hosts a ``TCPStore`` on 127.0.0.1 on a port the OS picks (no port races between
+  parallel tests); every worker calls ``init_process_group(backend, store=...)`` on it, with
+  ``timeout`` as the process-group timeout, after importing the modules that register
+  ``backend`` (``"ep"`` imports ``ep_backend``; see ``BACKEND_MODULES`` and ``import_modules``)
+  and, when CUDA is available, ``torch.cuda.set_device(rank % device_count)``;
+* runs ``fn(rank, world_size, *args)``, then ``destroy_process_group()``;
+* returns the per-rank return values (they must pickle; return CPU tensors or plain values).
+
+It never hangs: if a worker raises, the others get ``grace`` seconds to finish (they are often
+stuck in a collective waiting for the failed rank) and are then killed; after ``timeout``
+seconds all workers still running are sent SIGUSR1 (they dump their Python stacks to stderr,
+which pytest shows with the failure) and killed. The parent then raises:
+
+* the worker's own exception object (so ``pytest.raises(ValueError)`` works, and
+  ``pytest.skip(...)`` inside a worker skips the test), chained ``from`` a ``RemoteTraceback``
+  that holds the formatted tracebacks of every failed rank, the first failure first;
+* ``WorkerError`` when the exception does not pickle or a worker died without one (exit code,
+  signal);
+* ``DistributedTimeout`` (a ``TimeoutError``) on timeout.
+
+``backend`` is passed to ``init_process_group`` unchanged: ``"gloo"``, ``"nccl"``, ``"ep"``,
+``"cpu:gloo,cuda:nccl"``... ``fn`` and ``args`` must pickle: define ``fn`` at module level of an
+importable module (test modules are importable because pytest puts their folder on
+``sys.path``, and the workers inherit ``sys.path``). A test module's top level runs again in
+every worker when ``fn`` is unpickled: keep it cheap and free of side effects.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import importlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "BACKEND_MODULES",
+    "DistributedTimeout",
+    "RemoteTraceback",
+    "WorkerError",
+    "run_distributed",
+]
+
+HOST = "127.0.0.1"
+
+BACKEND_MODULES: dict[str, str] = {"ep": "ep_backend"}
+"""Backend name -> module whose import registers it (imported in each worker before init)."""
+
+_MSG_OK = "ok"
+_MSG_ERROR = "error"
+
+
+class RemoteTraceback(Exception):
+    """Formatted traceback(s) of failed workers; the ``__cause__`` of the re-raised error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class WorkerError(RuntimeError):
+    """A worker failed in a way that cannot be re-raised as its own exception."""
+
+
+class DistributedTimeout(TimeoutError):
+    """``run_distributed`` ran past its timeout; the workers were killed."""
+
+
+FORKSERVER_PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "pytest")
+"""Modules the forkserver imports once, so that workers start without importing them again."""
+
+
+def _default_start_method() -> str:
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _backend_names(backend: str) -> list[str]:
+    """``"cpu:gloo,cuda:ep"`` -> ``["gloo", "ep"]``; ``"ep"`` -> ``["ep"]``."""
+    return [part.split(":")[-1].strip() for part in backend.split(",") if part.strip()]
+
+
+def _worker_main(
+    payload: bytes,
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    timeout: float,
+    env: Mapping[str, str],
+    import_modules: Sequence[str],
+    set_cuda_device: bool | None,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """Entry point of one worker process: set up the group, run ``fn``, report, tear down.
+
+    ``payload`` is ``pickle.dumps((fn, args))``; it is loaded only after ``env`` is applied, so
+    that modules imported by unpickling already see the environment.
+    """
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    os.environ.update(env)  # forkserver children do not inherit the parent's current environ
+    try:
+        try:
+            for name in import_modules:
+                importlib.import_module(name)
+            fn, args = pickle.loads(payload)
+            use_cuda = torch.cuda.is_available() if set_cuda_device is None else set_cuda_device
+            if use_cuda and torch.cuda.device_count() > 0:
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            pg_timeout = datetime.timedelta(seconds=timeout)
+            store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=pg_timeout)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout
+            )
+            result = fn(rank, world_size, *args)
+            message = (_MSG_OK, pickle.dumps(result))
+        except BaseException as exc:
+            text = f"[rank {rank}] " + traceback.format_exc()
+            try:
+                exc_bytes: bytes | None = pickle.dumps(exc)
+                pickle.loads(exc_bytes)  # some exceptions pickle but do not unpickle
+            except Exception:
+                exc_bytes = None
+            message = (_MSG_ERROR, (exc_bytes, type(exc).__name__, str(exc), text))
+        conn.send_bytes(pickle.dumps(message))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            conn.close()
+
+
+@contextmanager
+def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Temporarily set environment variables (children started inside inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _stop(procs: Sequence[multiprocessing.process.BaseProcess], dump_stacks: bool) -> None:
+    """Terminate, then kill, every process still alive (optionally dumping its stacks first)."""
+    alive = [p for p in procs if p.is_alive()]
+    if dump_stacks and alive and hasattr(signal, "SIGUSR1"):
+        for p in alive:
+            if p.pid is not None:
+                with suppress(OSError):
+                    os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    import_modules: Sequence[str] = (),
+    set_cuda_device: bool | None = None,
+    start_method: str | None = None,
+    grace: float = 5.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes in one group.
+
+    Args:
+        fn: picklable (module-level) function; its return value must pickle.
+        world_size: number of processes (ranks).
+        *args: extra positional arguments for ``fn`` (must pickle).
+        backend: backend string for ``init_process_group`` (``"gloo"``, ``"nccl"``, ``"ep"``,
+            ``"cpu:gloo,cuda:nccl"``...). Names found in ``BACKEND_MODULES`` get their module
+            imported in each worker first.
+        timeout: seconds for the whole run (process start included); also the process-group
+            timeout inside the workers.
+        env: extra environment variables for the workers (set before they start).
+        import_modules: more modules to import in each worker before the group is created.
+        set_cuda_device: ``True``/``False`` to force calling ``torch.cuda.set_device(rank %
+            device_count)``; ``None`` calls it when CUDA is available.
+        start_method: multiprocessing start method; ``None`` picks ``"forkserver"`` where
+            available (workers fork from a server that has imported torch but never touched
+            CUDA: fast and CUDA-safe), else ``"spawn"``. ``"fork"`` is unsafe with CUDA.
+        grace: seconds the other workers get to finish after one has failed.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        The first failing worker's exception (chained from a ``RemoteTraceback``),
+        ``WorkerError`` or ``DistributedTimeout``; see the module docstring.
+    """
+    assert world_size >= 1, "world_size must be >= 1"
+    modules = list(import_modules)
+    for name in _backend_names(backend):
+        module = BACKEND_MODULES.get(name)
+        if module is not None and module not in modules:
+            modules.append(module)
+
+    payload = pickle.dumps((fn, args))  # fails here, early, if fn or args do not pickle
+    if start_method is None:
+        start_method = _default_start_method()
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    deadline = time.monotonic() + timeout
+    store = dist.TCPStore(
+        HOST,
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    port = store.port
+    procs: list[multiprocessing.process.BaseProcess] = []
+    conns: list[multiprocessing.connection.Connection] = []
+    results: dict[int, Any] = {}
+    errors: list[tuple[int, bytes | None, str, str, str]] = []  # arrival order
+    died: dict[int, str] = {}
+    timed_out = False
+    try:
+        for rank in range(world_size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            rank_env = {
+                **os.environ,  # what a spawned child would inherit (forkserver ones do not)
+                "MASTER_ADDR": HOST,
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                **dict(env or {}),
+            }
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(
+                    payload,
+                    rank,
+                    world_size,
+                    backend,
+                    port,
+                    timeout,
+                    rank_env,
+                    modules,
+                    set_cuda_device,
+                    send_end,
+                ),
+                name=f"run_distributed-rank{rank}",
+                daemon=True,
+            )
+            with _patched_environ(rank_env):
+                proc.start()
+            send_end.close()  # so that a dead worker reads as EOF here
+            procs.append(proc)
+            conns.append(recv_end)
+
+        pending = set(range(world_size))
+        failed_at: float | None = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + grace)
+            if now >= limit:
+                timed_out = failed_at is None
+                break
+            waitables: list[Any] = [conns[r] for r in pending]
+            waitables += [procs[r].sentinel for r in pending]
+            ready = multiprocessing.connection.wait(waitables, timeout=limit - now)
+            for rank in sorted(pending):
+                conn, proc = conns[rank], procs[rank]
+                if conn in ready or conn.poll():
+                    try:
+                        kind, payload = pickle.loads(conn.recv_bytes())
+                    except EOFError:
+                        proc.join(1.0)
+                        died[rank] = (
+                            f"[rank {rank}] died without a result, exit code {proc.exitcode}"
+                        )
+                        failed_at = failed_at or time.monotonic()
+                        pending.discard(rank)
+                        continue
+                    if kind == _MSG_OK:
+                        results[rank] = pickle.loads(payload)
+                    else:
+                        errors.append((rank, *payload))
+                        failed_at = failed_at or time.monotonic()
+                    pending.discard(rank)
+                elif proc.sentinel in ready and not conn.poll(0.2):
+                    proc.join(1.0)
+                    died[rank] = f"[rank {rank}] died without a result, exit code {proc.exitcode}"
+                    failed_at = failed_at or time.monotonic()
+                    pending.discard(rank)
+        unfinished = sorted(pending)
+    finally:
+        for p in procs:  # finished workers only tear down; give them a moment
+            if p.is_alive():
+                p.join(max(0.0, min(10.0, deadline - time.monotonic())) if not errors else 0.0)
+        _stop(procs, dump_stacks=timed_out)
+        for c in conns:
+            c.close()
+        del store
+
+    if errors or died:
+        texts = [text for *_, text in errors] + list(died.values())
+        if unfinished:
+            texts.append(f"ranks {unfinished} were still running and were killed")
+        cause = RemoteTraceback("\n".join(texts))
+        if died:  # a crashed worker is the likeliest root cause; the others' errors follow it
+            raise WorkerError("; ".join(died.values())) from cause
+        rank, exc_bytes, type_name, text, _ = errors[0]
+        if exc_bytes is not None:
+            exc = pickle.loads(exc_bytes)
+            if isinstance(exc, BaseException):
+                raise exc from cause
+        if type_name == "Skipped":  # pytest.skip() in a worker; its class does not pickle
+            import pytest
+
+            pytest.skip(text)
+        raise WorkerError(f"rank {rank} raised {type_name}: {text}") from cause
+    if timed_out:
+        raise DistributedTimeout(
+            f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}, "
+            f"backend={backend!r}) timed out after {timeout:.0f} s; ranks {unfinished} were "
+            "still running and were killed (their stacks were dumped to stderr)"
+        )
+    return [results[r] for r in range(world_size)]
