@@ -19,6 +19,24 @@ EPProcessGroup = _C.EPProcessGroup
 
 register()
 
+from . import reference  # noqa: E402  (the executable spec, pure torch)
+from .handles import (  # noqa: E402
+    CombineOutput,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+    LowLatencyDispatchOutput,
+    LowLatencyHandle,
+)
+from .moe import (  # noqa: E402
+    all_to_all_moe_dispatch,
+    combine,
+    dispatch,
+    get_dispatch_layout,
+    low_latency_combine,
+    low_latency_dispatch,
+)
+
 
 def get_backend(group=None) -> EPProcessGroup:
     """The ``EPProcessGroup`` behind ``group`` (default: the WORLD group).
@@ -37,10 +55,55 @@ def get_backend(group=None) -> EPProcessGroup:
     if wrapped is not None:
         backend = wrapped
     if not isinstance(backend, EPProcessGroup):
-        raise ValueError(
-            f"ep: group uses backend {dist.get_backend(pg)!r}, not {BACKEND_NAME!r}"
-        )
+        raise ValueError(f"ep: group uses backend {dist.get_backend(pg)!r}, not {BACKEND_NAME!r}")
     return backend
 
 
-__all__ = ["BACKEND_NAME", "EPProcessGroup", "Options", "get_backend", "register", "__version__"]
+def _group_of(backend: EPProcessGroup):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name = backend.options.group_name
+    if not name:
+        raise RuntimeError("ep: this backend is not attached to a named process group")
+    return _resolve_process_group(name)
+
+
+def _bind_method(fn):
+    def method(self, *args, **kwargs):
+        if kwargs.get("group") is not None:
+            raise TypeError("ep: the group of a backend method is the backend's own group")
+        kwargs["group"] = _group_of(self)
+        return fn(*args, **kwargs)
+
+    method.__name__ = fn.__name__
+    method.__doc__ = fn.__doc__
+    return method
+
+
+# The MoE collectives are also methods of the group's backend object (design card names).
+for _fn in (all_to_all_moe_dispatch, combine, get_dispatch_layout, low_latency_dispatch,
+            low_latency_combine):  # fmt: skip
+    setattr(EPProcessGroup, _fn.__name__, _bind_method(_fn))
+
+
+__all__ = [
+    "BACKEND_NAME",
+    "CombineOutput",
+    "DispatchHandle",
+    "DispatchLayout",
+    "DispatchOutput",
+    "EPProcessGroup",
+    "LowLatencyDispatchOutput",
+    "LowLatencyHandle",
+    "Options",
+    "__version__",
+    "all_to_all_moe_dispatch",
+    "combine",
+    "dispatch",
+    "get_backend",
+    "get_dispatch_layout",
+    "low_latency_combine",
+    "low_latency_dispatch",
+    "reference",
+    "register",
+]

@@ -16,9 +16,11 @@ _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def _cuda_usable() -> bool:
-    return bool(
-        native().cuda_enabled or torch.version.cuda is not None
-    ) and torch.cuda.is_available() and dist.is_nccl_available()
+    return (
+        bool(native().cuda_enabled or torch.version.cuda is not None)
+        and torch.cuda.is_available()
+        and dist.is_nccl_available()
+    )
 
 
 def _make_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
@@ -26,7 +28,11 @@ def _make_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) ->
 
 
 def _make_nccl(
-    store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str,
+    store: Any,
+    rank: int,
+    size: int,
+    timeout: datetime.timedelta,
+    group_name: str,
     global_ranks: list[int] | None,
 ) -> Any:
     from torch.distributed import ProcessGroupNCCL

@@ -109,8 +109,9 @@ def test_async_stream_semantics_without_host_sync() -> None:
 
 
 def _device_id_mesh_split(rank: int, world: int, port: int) -> dict:
-    import ep_backend
     from torch.distributed.device_mesh import init_device_mesh
+
+    import ep_backend
 
     dist.destroy_process_group()
     dev = torch.device("cuda", rank % torch.cuda.device_count())

@@ -119,7 +119,7 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
         const int4* src =
             reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(r) * hidden_bytes);
         int4* o = reinterpret_cast<int4*>(out);
-        constexpr int kUnroll = 4;
+        constexpr int kUnroll = 8;
         for (int j = lane; j < n16; j += 32 * kUnroll) {
           int4 v[kUnroll];
 #pragma unroll

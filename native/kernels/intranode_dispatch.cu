@@ -21,7 +21,7 @@ namespace ep {
 namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
-constexpr int kCopyUnroll = 4;  // 16-byte chunks in flight per lane
+constexpr int kCopyUnroll = 8;  // 16-byte chunks in flight per lane (latency hiding)
 
 // Copies n16 16-byte chunks from a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,

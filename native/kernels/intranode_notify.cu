@@ -75,8 +75,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     }
     p.recv_prefix[R] = total;
     if (write_host) p.host->num_recv_tokens = total;
-    if (p.num_worst_tokens > 0 && total > p.num_worst_tokens)
-      device::report_error(ctx, kErrorCapacity, -1, total, p.num_worst_tokens);
+    if (p.num_worst_tokens > 0 && total > p.num_worst_tokens) {
+      device::WaitContext dispatch_ctx = ctx;  // the user-facing op is the dispatch
+      dispatch_ctx.op = kOpDispatch;
+      device::report_error(dispatch_ctx, kErrorCapacity, -1, total, p.num_worst_tokens);
+    }
   }
   for (int e = tid; e < E_loc; e += kNotifyThreads) {
     int n = 0;

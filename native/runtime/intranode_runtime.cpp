@@ -441,6 +441,15 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   cuda_check(launch_intranode_combine(p, num_sms, stream), "combine launch");
 }
 
+void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps) {
+  const int warps = kIntranodeThreads / 32;
+  require(dispatch_send_warps >= 1 && dispatch_send_warps < warps && combine_send_warps >= 1 &&
+              combine_send_warps < warps,
+          "send warps must leave at least one receiver warp");
+  config_.dispatch_send_warps = dispatch_send_warps;
+  config_.combine_send_warps = combine_send_warps;
+}
+
 void IntranodeRuntime::barrier(cudaStream_t stream) {
   check_ready("barrier");
   BarrierParams p{};

@@ -171,6 +171,9 @@ class IntranodeRuntime {
   // bias1), accumulated in float32 (float64 for float64 rows); out_topk_weights likewise.
   void combine(const IntranodeCombineArgs& args, cudaStream_t stream);
 
+  // Tuning knob: warps per block (of 16) that send in dispatch / combine; the rest receive.
+  void set_send_warps(int dispatch_send_warps, int combine_send_warps);
+
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);
 

@@ -1,0 +1,630 @@
+"""The MoE collectives of ``ep``: layout, dispatch, combine, and their low-latency variants.
+
+Each function runs a ``TORCH_LIBRARY(ep)`` custom op on the group's ``"ep"`` backend (CPU tensors
+through the internal Gloo exchange, CUDA tensors through our kernels), so the calls compose with
+autograd and ``torch.compile``. The exact contract, with every shape and dtype, is in
+``docs/semantics.md``; ``ep_backend.reference`` is its executable form and the results here equal
+it bit for bit.
+
+``async_op=True`` follows torch.distributed: the op runs on the backend's communication stream
+after waiting for the current stream, and the returned ``work.wait()`` makes the *current stream*
+wait for it (the CPU does not block). On CPU tensors the op completes before the call returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .handles import (
+    CombineOutput,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchOutput,
+    LowLatencyDispatchOutput,
+    LowLatencyHandle,
+)
+
+__all__ = [
+    "all_to_all_moe_dispatch",
+    "combine",
+    "dispatch",
+    "get_dispatch_layout",
+    "low_latency_combine",
+    "low_latency_dispatch",
+]
+
+Group = dist.ProcessGroup | None
+_ops = torch.ops.ep
+
+
+def _group(group: Group) -> dist.ProcessGroup:
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("ep: torch.distributed is not initialized; call init_process_group")
+    if dist.get_backend(pg) != "ep":
+        raise ValueError(
+            f"ep: the MoE collectives need a group with backend 'ep', got {dist.get_backend(pg)!r}"
+        )
+    return pg
+
+
+def _split_x(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], x_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Accepts DeepEP's ``(x_fp8, scales)`` tuple as well as ``x`` plus ``x_scales=``."""
+    if isinstance(x, tuple):
+        if len(x) != 2 or x_scales is not None:
+            raise TypeError("ep: pass FP8 input either as (x, scales) or as x with x_scales=")
+        return x[0], x[1]
+    return x, x_scales
+
+
+def _opt(t: torch.Tensor, present: bool) -> torch.Tensor | None:
+    return t if present else None
+
+
+# --------------------------------------------------------------------------------------------
+# async_op: run on the backend's communication stream, hand back a Work
+# --------------------------------------------------------------------------------------------
+
+_comm_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _comm_streams:
+        _comm_streams[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _comm_streams[index]
+
+
+def _completed_work(result: list[torch.Tensor]) -> dist.Work:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+def _run(
+    fn: Callable[[], Any],
+    inputs: Sequence[torch.Tensor | None],
+    device: torch.device,
+    async_op: bool,
+    outputs_of: Callable[[Any], list[torch.Tensor]],
+) -> tuple[Any, dist.Work | None]:
+    """Runs ``fn`` synchronously (current stream) or asynchronously (comm stream + Work)."""
+    if not async_op:
+        return fn(), None
+    if device.type != "cuda":
+        result = fn()
+        return result, _completed_work(outputs_of(result))
+    current = torch.cuda.current_stream(device)
+    comm = _comm_stream(device)
+    comm.wait_stream(current)
+    with torch.cuda.stream(comm):
+        result = fn()
+        outputs = outputs_of(result)
+        fut: torch.futures.Future = torch.futures.Future(devices=[device])
+        fut.set_result(outputs)  # records an event on the comm stream
+    for t in inputs:
+        if t is not None and t.is_cuda:
+            t.record_stream(comm)  # inputs stay alive until the comm stream is done with them
+    for t in outputs:
+        if t.is_cuda:
+            t.record_stream(current)
+    return result, torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def get_dispatch_layout(
+    topk_idx: torch.Tensor, num_experts: int, group: Group = None
+) -> DispatchLayout:
+    """Per-rank and per-expert token counts of a routing (local computation, no communication).
+
+    Args:
+        topk_idx: int64 or int32 ``[T, K]`` global expert ids, ``-1`` = no expert.
+        num_experts: ``E``, a multiple of the group size ``R``.
+        group: an ``"ep"`` process group (default: WORLD); only its size is used.
+
+    Returns:
+        ``DispatchLayout``: ``num_tokens_per_rank`` int32 ``[R]`` (a token counts once per
+        rank), ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank`` bool ``[T, R]``.
+    """
+    pg = _group(group)
+    per_rank, per_expert, in_rank = _ops.dispatch_layout(topk_idx, num_experts, pg.size())
+    return DispatchLayout(per_rank, per_expert, in_rank)
+
+
+def all_to_all_moe_dispatch(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    topk_idx: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    *,
+    x_scales: torch.Tensor | None = None,
+    handle: DispatchHandle | None = None,
+    expert_alignment: int = 1,
+    num_worst_tokens: int = 0,
+    group: Group = None,
+    async_op: bool = False,
+) -> DispatchOutput:
+    """High-throughput dispatch: send each token once to every rank owning one of its experts.
+
+    Args:
+        x: ``[T, H]`` BF16 (or float16/32/64), or FP8 e4m3 with ``x_scales`` (also accepted as
+            DeepEP's tuple ``(x_fp8, scales)``); contiguous; ``H * element_size`` a multiple of
+            16 bytes.
+        topk_idx: int64 or int32 ``[T, K]`` (K <= 32) global expert ids, ``-1`` = none.
+        topk_weights: optional float32 ``[T, K]``.
+        num_experts: ``E`` (a multiple of the group size).
+        x_scales: float32 ``[T, S]`` (or int32 packed UE8M0) scales of FP8 ``x``, passed through.
+        handle: a previous dispatch's handle: re-send new ``x`` with the same routing (cached
+            dispatch; ``topk_idx``, ``topk_weights`` and ``num_experts`` must be None).
+        expert_alignment: round each ``num_recv_tokens_per_expert`` up to a multiple of this.
+        num_worst_tokens: if > 0, outputs have exactly this many rows and no host sync happens
+            (padding rows: ``recv_topk_idx`` -1, weights 0); it must cover every rank's receive.
+        group: an ``"ep"`` process group (default: WORLD).
+        async_op: return at once with ``out.work``; ``out.work.wait()`` before using outputs.
+
+    Returns:
+        ``DispatchOutput`` (see ``ep_backend.handles``): rows ordered by source rank then source
+        token; ``recv_topk_idx`` holds *local* expert ids (-1 for other ranks' experts, weight 0).
+
+    Raises:
+        RuntimeError: on every rank, before any data moves, if any rank's input is invalid or the
+            ranks disagree on E, H, K, dtypes or flags.
+    """
+    pg = _group(group)
+    x, x_scales = _split_x(x, x_scales)
+    if handle is not None:
+        if topk_idx is not None or topk_weights is not None or num_experts is not None:
+            raise ValueError(
+                "ep dispatch: with handle= (cached dispatch), topk_idx, topk_weights and "
+                "num_experts must be None"
+            )
+        return _cached_dispatch(x, x_scales, handle, pg, async_op)
+    if topk_idx is None or num_experts is None:
+        raise ValueError("ep dispatch: topk_idx and num_experts are required without a handle")
+
+    def run() -> tuple[torch.Tensor, ...]:
+        return _DispatchFn.apply(
+            x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+            num_worst_tokens, pg.group_name,
+        )  # fmt: skip
+
+    result, work = _run(run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list)
+    (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
+     per_rank, recv_per_rank, src_idx, src_rank) = result  # fmt: skip
+    handle = DispatchHandle(
+        num_ranks=pg.size(),
+        num_experts=num_experts,
+        is_token_in_rank=in_rank,
+        num_tokens_per_rank=per_rank,
+        num_recv_tokens_per_rank=recv_per_rank,
+        recv_src_idx=src_idx,
+        recv_src_rank=src_rank,
+        num_worst_tokens=num_worst_tokens,
+    )
+    per_expert_list: list[int] = []
+    if num_worst_tokens == 0 and not async_op:
+        per_expert_list = per_expert.tolist()
+    return DispatchOutput(
+        recv_x=recv_x,
+        recv_x_scales=_opt(recv_scales, x_scales is not None),
+        recv_topk_idx=recv_topk_idx,
+        recv_topk_weights=_opt(recv_topk_weights, topk_weights is not None),
+        num_recv_tokens_per_expert=per_expert,
+        num_recv_tokens_per_expert_list=per_expert_list,
+        handle=handle,
+        work=work,
+    )
+
+
+dispatch = all_to_all_moe_dispatch
+
+
+def _routing(handle: DispatchHandle) -> tuple[torch.Tensor, ...]:
+    return (
+        handle.is_token_in_rank,
+        handle.num_tokens_per_rank,
+        handle.num_recv_tokens_per_rank,
+        handle.recv_src_idx,
+        handle.recv_src_rank,
+    )
+
+
+def _check_handle(handle: Any, pg: dist.ProcessGroup, what: str) -> None:
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"ep {what}: handle must be a DispatchHandle, got {type(handle).__name__}")
+
+
+def _cached_dispatch(
+    x: torch.Tensor,
+    x_scales: torch.Tensor | None,
+    handle: DispatchHandle,
+    pg: dist.ProcessGroup,
+    async_op: bool,
+) -> DispatchOutput:
+    _check_handle(handle, pg, "cached dispatch")
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return _CachedDispatchFn.apply(x, x_scales, *_routing(handle), pg.group_name)
+
+    (recv_x, recv_scales), work = _run(run, (x, x_scales), x.device, async_op, list)
+    return DispatchOutput(
+        recv_x=recv_x,
+        recv_x_scales=_opt(recv_scales, x_scales is not None),
+        recv_topk_idx=None,
+        recv_topk_weights=None,
+        num_recv_tokens_per_expert=None,
+        handle=handle,
+        work=work,
+    )
+
+
+def combine(
+    x: torch.Tensor,
+    handle: DispatchHandle,
+    topk_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | tuple[torch.Tensor | None, ...] | None = None,
+    *,
+    group: Group = None,
+    async_op: bool = False,
+) -> CombineOutput:
+    """High-throughput combine: sum every dispatched row back into its source token.
+
+    Args:
+        x: ``[N, H]`` (BF16, float16/32/64) rows in the layout of the dispatch that made
+            ``handle`` (``N`` = its ``recv_x`` rows; padding rows are ignored).
+        handle: that dispatch's ``DispatchHandle``.
+        topk_weights: optional float32 ``[N, K]``, summed back into ``combined_topk_weights``.
+        bias: optional ``[T, H]`` tensor, or a tuple of up to two, added after the rows.
+        group: an ``"ep"`` process group (default: WORLD).
+        async_op: see the module docstring.
+
+    Returns:
+        ``CombineOutput``: ``combined_x`` ``[T, H]`` of ``x.dtype``: float32 sum starting at +0.0
+        over source ranks ascending, then the biases; bitwise deterministic run to run.
+    """
+    pg = _group(group)
+    _check_handle(handle, pg, "combine")
+    biases: list[torch.Tensor | None]
+    if bias is None:
+        biases = [None, None]
+    elif isinstance(bias, torch.Tensor):
+        biases = [bias, None]
+    else:
+        biases = [b for b in bias if b is not None]
+        if len(biases) > 2:
+            raise ValueError("ep combine: at most two bias tensors")
+        biases += [None] * (2 - len(biases))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return _CombineFn.apply(
+            x, topk_weights, biases[0], biases[1], *_routing(handle), pg.group_name
+        )
+
+    (combined, weights), work = _run(run, (x, topk_weights, *biases), x.device, async_op, list)
+    return CombineOutput(
+        combined_x=combined,
+        combined_topk_weights=_opt(weights, topk_weights is not None),
+        work=work,
+    )
+
+
+def low_latency_dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    *,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+    return_recv_hook: bool = False,
+    group: Group = None,
+    async_op: bool = False,
+) -> LowLatencyDispatchOutput:
+    """Low-latency dispatch (decode): one row per (token, expert) into a padded per-expert layout.
+
+    Args:
+        x: BF16 ``[T, H]`` with ``T <= num_max_dispatch_tokens_per_rank`` and ``H % 128 == 0``.
+        topk_idx: int64 or int32 ``[T, K]`` global expert ids, ``-1`` = none.
+        num_max_dispatch_tokens_per_rank: ``M``, the same on every rank.
+        num_experts: ``E``, a multiple of the group size.
+        use_fp8: quantise to FP8 e4m3 with per-128-channel scales on the sender.
+        round_scale: round the scales up to powers of two.
+        use_ue8m0: pack the scales as UE8M0 bytes (needs ``round_scale`` and ``H % 512 == 0``).
+        cumulative_local_expert_recv_stats: optional int32 ``[E_loc]``, incremented in place by
+            the received counts.
+        return_recv_hook: return at once with ``out.hook``; the outputs are valid after
+            ``out.hook()`` (every rank must call it). On CPU groups the exchange is complete
+            already and the hook does nothing more.
+        group: an ``"ep"`` process group (default: WORLD).
+        async_op: see the module docstring.
+
+    Returns:
+        ``LowLatencyDispatchOutput``: ``recv_x`` ``[E_loc, R*M, H]``, scales, ``recv_count``
+        int32 ``[E_loc]`` and the handle for ``low_latency_combine``.
+    """
+    pg = _group(group)
+    if async_op and return_recv_hook:
+        raise ValueError(
+            "ep low_latency_dispatch: async_op and return_recv_hook exclude each other"
+        )
+
+    def run() -> tuple[torch.Tensor, ...]:
+        return _ops.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+            use_ue8m0, pg.group_name,
+        )  # fmt: skip
+
+    result, work = _run(run, (x, topk_idx), x.device, async_op, list)
+    recv_x, recv_scales, recv_count, src_info, layout_range = result
+    if cumulative_local_expert_recv_stats is not None:
+        stats = cumulative_local_expert_recv_stats
+        if stats.dtype != torch.int32 or tuple(stats.shape) != (recv_count.numel(),):
+            raise ValueError(
+                "ep low_latency_dispatch: cumulative_local_expert_recv_stats must be int32 "
+                f"[E_loc={recv_count.numel()}], got {stats.dtype} {tuple(stats.shape)}"
+            )
+        stats += recv_count.to(stats.device)
+    handle = LowLatencyHandle(
+        src_info=src_info,
+        layout_range=layout_range,
+        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+        hidden=x.shape[1],
+        num_experts=num_experts,
+        num_ranks=pg.size(),
+    )
+    hook = (lambda: None) if return_recv_hook else None
+    return LowLatencyDispatchOutput(
+        recv_x=recv_x,
+        recv_x_scales=recv_scales if use_fp8 else None,
+        recv_count=recv_count,
+        handle=handle,
+        hook=hook,
+        work=work,
+    )
+
+
+def low_latency_combine(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    handle: LowLatencyHandle,
+    *,
+    out: torch.Tensor | None = None,
+    group: Group = None,
+    async_op: bool = False,
+) -> torch.Tensor:
+    """Low-latency combine: ``out[t] = sum_k w[t,k] * y(t, expert_k)`` in ``k`` order (-1 skipped).
+
+    Args:
+        x: BF16 ``[E_loc, R*M, H]`` expert outputs in the layout of the dispatch.
+        topk_idx: the ``[T, K]`` ids given to that dispatch on this rank.
+        topk_weights: float32 ``[T, K]``.
+        handle: that dispatch's ``LowLatencyHandle``.
+        out: optional BF16 ``[T, H]`` output.
+        group: an ``"ep"`` process group (default: WORLD).
+        async_op: see the module docstring (the Work is attached as ``result.work`` is not
+            possible for a tensor: use ``low_latency_combine_async``).
+
+    Returns:
+        BF16 ``[T, H]``.
+    """
+    pg = _group(group)
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(
+            f"ep low_latency_combine: handle must be a LowLatencyHandle, got {type(handle).__name__}"
+        )
+    if out is not None and (
+        out.dtype != torch.bfloat16 or out.shape != topk_idx.shape[:1] + x.shape[2:]
+    ):
+        raise ValueError("ep low_latency_combine: out must be BF16 [T, H]")
+
+    def run() -> torch.Tensor:
+        return _ops.low_latency_combine(
+            x, topk_idx, topk_weights, handle.src_info, handle.layout_range,
+            handle.num_max_dispatch_tokens_per_rank, pg.group_name,
+        )  # fmt: skip
+
+    result, _work = _run(run, (x, topk_idx, topk_weights), x.device, async_op, lambda r: [r])
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd: dispatch and combine are each other's adjoints
+# --------------------------------------------------------------------------------------------
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name
+    ):  # type: ignore[override]
+        outs = _ops.dispatch(
+            x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name
+        )
+        recv_topk_idx = outs[2]
+        routing = outs[5:]
+        ctx.save_for_backward(recv_topk_idx, *routing)
+        ctx.group_name = group_name
+        ctx.has_weights = topk_weights is not None
+        ctx.mark_non_differentiable(*outs[1:3], *outs[4:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_x, _gs, _gi, grad_w, *_rest):  # type: ignore[override]
+        recv_topk_idx, *routing = ctx.saved_tensors
+        if grad_x is None:
+            grad_x = torch.zeros((routing[3].shape[0], 0))  # unreachable in practice
+        weights = None
+        if ctx.has_weights:
+            if grad_w is None:
+                grad_w = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=grad_x.device)
+            # Weights of other ranks' experts were constants (0): no gradient flows to them.
+            weights = torch.where(recv_topk_idx >= 0, grad_w, 0.0).contiguous()
+        gx, gw = _ops.combine(grad_x.contiguous(), weights, None, None, *routing, ctx.group_name)
+        return gx, None, None, (gw if ctx.has_weights else None), None, None, None, None
+
+
+class _CachedDispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name):  # type: ignore[override]
+        outs = _ops.cached_dispatch(
+            x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
+        )
+        ctx.save_for_backward(in_rank, per_rank, recv_per_rank, src_idx, src_rank)
+        ctx.group_name = group_name
+        ctx.mark_non_differentiable(outs[1])
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_x, _gs):  # type: ignore[override]
+        routing = ctx.saved_tensors
+        gx, _ = _ops.combine(grad_x.contiguous(), None, None, None, *routing, ctx.group_name)
+        return gx, None, None, None, None, None, None, None
+
+
+def _pad_columns(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = (-t.shape[1]) % multiple
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        topk_weights,
+        bias0,
+        bias1,
+        in_rank,
+        per_rank,
+        recv_per_rank,
+        src_idx,
+        src_rank,
+        group_name,
+    ):  # type: ignore[override]
+        combined, weights = _ops.combine(
+            x, topk_weights, bias0, bias1, in_rank, per_rank, recv_per_rank, src_idx, src_rank,
+            group_name,
+        )  # fmt: skip
+        ctx.save_for_backward(in_rank, per_rank, recv_per_rank, src_idx, src_rank)
+        ctx.group_name = group_name
+        ctx.has_weights = topk_weights is not None
+        ctx.num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        ctx.has_bias = (bias0 is not None, bias1 is not None)
+        return combined, weights
+
+    @staticmethod
+    def backward(ctx, grad_combined, grad_weights):  # type: ignore[override]
+        routing = ctx.saved_tensors
+        gx, _ = _ops.cached_dispatch(grad_combined.contiguous(), None, *routing, ctx.group_name)
+        gw = None
+        if ctx.has_weights:
+            if grad_weights is None:
+                grad_weights = torch.zeros(
+                    (routing[0].shape[0], ctx.num_topk), dtype=torch.float32,
+                    device=grad_combined.device,
+                )  # fmt: skip
+            # Rows must be multiples of 16 bytes: pad K float32 columns to a multiple of 4.
+            padded = _pad_columns(grad_weights.contiguous(), 4)
+            gw, _ = _ops.cached_dispatch(padded, None, *routing, ctx.group_name)
+            gw = gw[:, : ctx.num_topk].contiguous()
+        g0 = grad_combined if ctx.has_bias[0] else None
+        g1 = grad_combined if ctx.has_bias[1] else None
+        return gx, gw, g0, g1, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Fake (meta) kernels, for torch.compile
+# --------------------------------------------------------------------------------------------
+
+
+def _group_size(group_name: str) -> int:
+    return torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+
+
+@torch.library.register_fake("ep::dispatch")
+def _dispatch_fake(x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name):
+    num_ranks = _group_size(group_name)
+    rows = worst if worst > 0 else torch.library.get_ctx().new_dynamic_size()
+    num_tokens, topk = topk_idx.shape
+    empty = x.new_empty((0,))
+    return (
+        x.new_empty((rows, x.shape[1])),
+        x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else empty,
+        topk_idx.new_empty((rows, topk)),
+        x.new_empty((rows, topk), dtype=torch.float32) if topk_weights is not None else empty,
+        x.new_empty((num_experts // num_ranks,), dtype=torch.int32),
+        x.new_empty((num_tokens, num_ranks), dtype=torch.bool),
+        x.new_empty((num_ranks,), dtype=torch.int32),
+        x.new_empty((num_ranks,), dtype=torch.int32),
+        x.new_empty((rows,), dtype=torch.int32),
+        x.new_empty((rows,), dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("ep::cached_dispatch")
+def _cached_dispatch_fake(
+    x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
+):
+    rows = src_idx.shape[0]
+    scales = (
+        x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,))
+    )
+    return x.new_empty((rows, x.shape[1])), scales
+
+
+@torch.library.register_fake("ep::combine")
+def _combine_fake(
+    x, topk_weights, bias0, bias1, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
+):
+    num_tokens = in_rank.shape[0]
+    weights = (
+        x.new_empty((num_tokens, topk_weights.shape[1]), dtype=torch.float32)
+        if topk_weights is not None
+        else x.new_empty((0,))
+    )
+    return x.new_empty((num_tokens, x.shape[1])), weights
+
+
+@torch.library.register_fake("ep::low_latency_dispatch")
+def _ll_dispatch_fake(
+    x, topk_idx, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, group_name
+):
+    num_ranks = _group_size(group_name)
+    experts_per_rank = num_experts // num_ranks
+    slots = num_ranks * max_tokens
+    hidden = x.shape[1]
+    dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+    if use_fp8 and use_ue8m0:
+        scales = x.new_empty((experts_per_rank, slots, hidden // 512), dtype=torch.int32)
+    elif use_fp8:
+        scales = x.new_empty((experts_per_rank, slots, hidden // 128), dtype=torch.float32)
+    else:
+        scales = x.new_empty((0,))
+    return (
+        x.new_empty((experts_per_rank, slots, hidden), dtype=dtype),
+        scales,
+        x.new_empty((experts_per_rank,), dtype=torch.int32),
+        x.new_empty((experts_per_rank, slots), dtype=torch.int32),
+        x.new_empty((experts_per_rank, num_ranks), dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake("ep::low_latency_combine")
+def _ll_combine_fake(x, topk_idx, topk_weights, src_info, layout_range, max_tokens, group_name):
+    return x.new_empty((topk_idx.shape[0], x.shape[2]))

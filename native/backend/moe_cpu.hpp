@@ -1,0 +1,46 @@
+// The MoE collectives on CPU tensors: the same contract as ep_backend/reference.py, bit for bit,
+// exchanged through the group's internal Gloo backend (one agreement all-gather and one packed
+// all-to-all per call). This is what runs in CI and on laptops.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+
+#include "moe_types.hpp"
+
+namespace ep {
+
+class EPProcessGroup;
+
+namespace cpu {
+
+// Local layout: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
+// is_token_in_rank bool [T, R]). Works on any device (plain tensor ops).
+std::tuple<at::Tensor, at::Tensor, at::Tensor>
+dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
+
+std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+    EPProcessGroup& pg,
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    const DispatchRouting& routing);
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& args);
+
+LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchArgs& args);
+
+at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& args);
+
+// FP8 e4m3 per-128-channel quantisation of the contract (reference.quantize_fp8_per128).
+std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(
+    const at::Tensor& x,
+    bool round_scale,
+    bool use_ue8m0);
+
+} // namespace cpu
+} // namespace ep

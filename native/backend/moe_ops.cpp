@@ -1,0 +1,221 @@
+// TORCH_LIBRARY(ep): the MoE collectives as custom ops taking a group name, so they compose with
+// torch.compile and autograd (fake kernels and autograd formulas live in ep_backend/moe.py).
+// Absent optional outputs come back as empty tensors; the Python layer maps them to None.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/library.h>
+
+#include "ep_process_group.hpp"
+#include "moe_cpu.hpp"
+
+namespace ep {
+namespace {
+
+using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
+
+c10::intrusive_ptr<EPProcessGroup> resolveGroup(const std::string& group_name, const char* op) {
+  auto pg = c10d::resolve_process_group(group_name);
+  auto backend = pg->getBackend(c10::DeviceType::CPU);
+  auto ep = c10::dynamic_intrusive_pointer_cast<EPProcessGroup>(backend);
+  TORCH_CHECK(
+      ep != nullptr,
+      "ep ",
+      op,
+      ": group '",
+      group_name,
+      "' does not use the \"ep\" backend (it uses '",
+      backend->getBackendName(),
+      "'); create it with backend=\"ep\"");
+  return ep;
+}
+
+at::Tensor orEmpty(const std::optional<at::Tensor>& t, const at::Tensor& like) {
+  return t.has_value() ? *t : at::empty({0}, like.options());
+}
+
+DispatchRouting routingOf(
+    const at::Tensor& is_token_in_rank,
+    const at::Tensor& num_tokens_per_rank,
+    const at::Tensor& num_recv_tokens_per_rank,
+    const at::Tensor& recv_src_idx,
+    const at::Tensor& recv_src_rank) {
+  return DispatchRouting{
+      is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx, recv_src_rank};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(
+    const at::Tensor& topk_idx,
+    int64_t num_experts,
+    int64_t num_ranks) {
+  return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
+}
+
+std::tuple<
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor>
+dispatchCpuOp(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    const at::Tensor& topk_idx,
+    const std::optional<at::Tensor>& topk_weights,
+    int64_t num_experts,
+    int64_t expert_alignment,
+    int64_t num_worst_tokens,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "dispatch");
+  DispatchArgs args{x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens};
+  DispatchResult r = cpu::dispatch(*pg, args);
+  return {
+      r.recv_x,
+      orEmpty(r.recv_x_scales, x),
+      r.recv_topk_idx,
+      orEmpty(r.recv_topk_weights, x),
+      r.num_recv_tokens_per_expert,
+      r.routing.is_token_in_rank,
+      r.routing.num_tokens_per_rank,
+      r.routing.num_recv_tokens_per_rank,
+      r.routing.recv_src_idx,
+      r.routing.recv_src_rank};
+}
+
+Tensors2 cachedDispatchCpuOp(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    const at::Tensor& is_token_in_rank,
+    const at::Tensor& num_tokens_per_rank,
+    const at::Tensor& num_recv_tokens_per_rank,
+    const at::Tensor& recv_src_idx,
+    const at::Tensor& recv_src_rank,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "cached dispatch");
+  auto [recv_x, recv_scales] = cpu::cachedDispatch(
+      *pg,
+      x,
+      x_scales,
+      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
+                recv_src_rank));
+  return {recv_x, orEmpty(recv_scales, x)};
+}
+
+Tensors2 combineCpuOp(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& topk_weights,
+    const std::optional<at::Tensor>& bias0,
+    const std::optional<at::Tensor>& bias1,
+    const at::Tensor& is_token_in_rank,
+    const at::Tensor& num_tokens_per_rank,
+    const at::Tensor& num_recv_tokens_per_rank,
+    const at::Tensor& recv_src_idx,
+    const at::Tensor& recv_src_rank,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "combine");
+  CombineArgs args{
+      x,
+      topk_weights,
+      bias0,
+      bias1,
+      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
+                recv_src_rank)};
+  auto [combined, weights] = cpu::combine(*pg, args);
+  return {combined, orEmpty(weights, x)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCpuOp(
+    const at::Tensor& x,
+    const at::Tensor& topk_idx,
+    int64_t num_max_dispatch_tokens_per_rank,
+    int64_t num_experts,
+    bool use_fp8,
+    bool round_scale,
+    bool use_ue8m0,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "low_latency_dispatch");
+  LowLatencyDispatchArgs args{
+      x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0};
+  auto r = cpu::lowLatencyDispatch(*pg, args);
+  return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
+}
+
+at::Tensor lowLatencyCombineCpuOp(
+    const at::Tensor& x,
+    const at::Tensor& topk_idx,
+    const at::Tensor& topk_weights,
+    const at::Tensor& src_info,
+    const at::Tensor& layout_range,
+    int64_t num_max_dispatch_tokens_per_rank,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "low_latency_combine");
+  LowLatencyCombineArgs args{
+      x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank};
+  return cpu::lowLatencyCombine(*pg, args);
+}
+
+Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 128 == 0, "ep quantize_fp8: H must be a multiple of 128");
+  TORCH_CHECK(!use_ue8m0 || (round_scale && x.size(-1) % 512 == 0),
+              "ep quantize_fp8: use_ue8m0 needs round_scale and H % 512 == 0");
+  auto [q, s] = cpu::quantizeFp8Per128(x, round_scale, use_ue8m0);
+  return {q, s};
+}
+
+} // namespace
+
+TORCH_LIBRARY(ep, m) {
+  const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  m.def(
+      "dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> (Tensor, Tensor, Tensor)",
+      tags);
+  m.def(
+      "dispatch(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, int num_experts, "
+      "int expert_alignment, int num_worst_tokens, str group_name) -> (Tensor recv_x, "
+      "Tensor recv_x_scales, Tensor recv_topk_idx, Tensor recv_topk_weights, "
+      "Tensor num_recv_tokens_per_expert, Tensor is_token_in_rank, Tensor num_tokens_per_rank, "
+      "Tensor num_recv_tokens_per_rank, Tensor recv_src_idx, Tensor recv_src_rank)",
+      tags);
+  m.def(
+      "cached_dispatch(Tensor x, Tensor? x_scales, Tensor is_token_in_rank, "
+      "Tensor num_tokens_per_rank, Tensor num_recv_tokens_per_rank, Tensor recv_src_idx, "
+      "Tensor recv_src_rank, str group_name) -> (Tensor recv_x, Tensor recv_x_scales)",
+      tags);
+  m.def(
+      "combine(Tensor x, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, "
+      "Tensor is_token_in_rank, Tensor num_tokens_per_rank, Tensor num_recv_tokens_per_rank, "
+      "Tensor recv_src_idx, Tensor recv_src_rank, str group_name) -> (Tensor combined_x, "
+      "Tensor combined_topk_weights)",
+      tags);
+  m.def(
+      "low_latency_dispatch(Tensor x, Tensor topk_idx, int num_max_dispatch_tokens_per_rank, "
+      "int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, str group_name) -> "
+      "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, "
+      "Tensor layout_range)",
+      tags);
+  m.def(
+      "low_latency_combine(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, "
+      "Tensor layout_range, int num_max_dispatch_tokens_per_rank, str group_name) -> Tensor",
+      tags);
+  m.def("quantize_fp8(Tensor x, bool round_scale, bool use_ue8m0) -> (Tensor, Tensor)", tags);
+}
+
+TORCH_LIBRARY_IMPL(ep, CompositeExplicitAutograd, m) {
+  m.impl("dispatch_layout", &dispatchLayoutOp);
+  m.impl("quantize_fp8", &quantizeFp8Op);
+}
+
+TORCH_LIBRARY_IMPL(ep, CPU, m) {
+  m.impl("dispatch", &dispatchCpuOp);
+  m.impl("cached_dispatch", &cachedDispatchCpuOp);
+  m.impl("combine", &combineCpuOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchCpuOp);
+  m.impl("low_latency_combine", &lowLatencyCombineCpuOp);
+}
+
+} // namespace ep

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Compiles every CUDA source of native/ for sm_90a, compile only (works without a GPU).
+# NVSHMEM headers come from the nvidia-nvshmem-cu13 wheel (installed here if missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NVCC=${NVCC:-nvcc}
+CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v "$NVCC")")")}
+nvshmem_inc=$(python - <<'PY' 2>/dev/null || true
+import importlib.util, os
+spec = importlib.util.find_spec("nvidia.nvshmem")
+if spec and spec.submodule_search_locations:
+    print(os.path.join(list(spec.submodule_search_locations)[0], "include"))
+PY
+)
+if [ -z "$nvshmem_inc" ] && compgen -G "native/**/*nvshmem*" >/dev/null; then
+  python -m pip install -q nvidia-nvshmem-cu13
+  nvshmem_inc=$(python -c 'import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], "include"))')
+fi
+flags=(-std=c++17 -O3 -arch=sm_90a -I native/kernels -I native/runtime -I "$CUDA_HOME/include/cccl")
+[ -n "$nvshmem_inc" ] && flags+=(-I "$nvshmem_inc")
+n=0
+for f in native/kernels/*.cu native/runtime/*.cu; do
+  [ -e "$f" ] || continue
+  rdc=()
+  grep -q nvshmem "$f" && rdc=(-rdc=true)
+  "$NVCC" "${flags[@]}" "${rdc[@]}" -c "$f" -o /dev/null
+  n=$((n + 1))
+done
+echo "compiled $n CUDA sources for sm_90a"
