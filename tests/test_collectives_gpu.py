@@ -77,6 +77,7 @@ def _stream_semantics(rank: int, world: int) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     side = torch.cuda.Stream()
     t = torch.zeros(1 << 20, device=dev)
+    dist.all_reduce(t)  # the first collective creates the NCCL communicator (host-blocking)
     torch.cuda.synchronize()
     cycles = int(2e8)  # ~0.1 s of GPU time: the producer is still running when we enqueue
     with torch.cuda.stream(side):
