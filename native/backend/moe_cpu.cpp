@@ -29,7 +29,7 @@ at::Tensor rowsAsBytes(const at::Tensor& t) {
   at::Tensor c = t.contiguous();
   const int64_t row_bytes = productOfRowDims(c) * c.element_size();
   if (c.size(0) == 0) {
-    return at::empty({0, row_bytes}, at::kByte);
+    return at::empty({0, row_bytes}, c.options().dtype(at::kByte));
   }
   return c.reshape({c.size(0), productOfRowDims(c)}).view(at::kByte);
 }
@@ -45,7 +45,7 @@ at::Tensor bytesToRows(
   std::vector<int64_t> shape{n};
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
   if (n == 0) {
-    return at::empty(shape, at::TensorOptions().dtype(dtype));
+    return at::empty(shape, bytes.options().dtype(dtype));
   }
   return bytes.narrow(1, offset, nbytes).contiguous().view(dtype).reshape(shape);
 }
@@ -69,7 +69,7 @@ struct RowPacker {
 };
 
 std::vector<int64_t> toVector(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kLong).contiguous();
+  at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
@@ -87,9 +87,10 @@ at::Tensor allToAllRows(
     const std::vector<int64_t>& send_counts,
     const std::vector<int64_t>& recv_counts) {
   const int64_t num_recv = sum(recv_counts);
-  at::Tensor recv = at::empty({num_recv * row_bytes + 1}, at::kByte).narrow(0, 0, num_recv * row_bytes);
-  at::Tensor send_flat = send.numel() > 0 ? send.contiguous().view(-1)
-                                          : at::empty({1}, at::kByte).narrow(0, 0, 0);
+  const auto bytes = send.options().dtype(at::kByte);
+  at::Tensor recv = at::empty({num_recv * row_bytes + 1}, bytes).narrow(0, 0, num_recv * row_bytes);
+  at::Tensor send_flat =
+      send.numel() > 0 ? send.contiguous().view(-1) : at::empty({1}, bytes).narrow(0, 0, 0);
   std::vector<int64_t> in_splits, out_splits;
   for (int64_t c : send_counts) {
     in_splits.push_back(c * row_bytes);
@@ -99,7 +100,8 @@ at::Tensor allToAllRows(
   }
   c10d::AllToAllOptions opts;
   opts.timeout = pg.options()->timeout;
-  pg.innerBackend(c10::DeviceType::CPU, op)
+  opts.asyncOp = false; // on CUDA: enqueue on the current stream, like the surrounding ops
+  pg.innerBackend(send.device().type(), op)
       ->alltoall_base(recv, send_flat, out_splits, in_splits, opts)
       ->wait();
   return recv.view({num_recv, row_bytes});
@@ -251,8 +253,11 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
       "); nothing was exchanged");
 
   const int64_t experts_per_rank = a.num_experts / num_ranks;
+  const auto dev = a.x.options();
   at::Tensor dest = at::repeat_interleave(
-      at::arange(num_ranks, at::kLong), at::tensor(send_counts, at::kLong), std::nullopt);
+      at::arange(num_ranks, dev.dtype(at::kLong)),
+      at::tensor(send_counts, at::kLong).to(dev.device()),
+      std::nullopt);
   at::Tensor sent_topk = a.topk_idx.index_select(0, send_token).to(at::kLong);
   at::Tensor dest_col = dest.unsqueeze(1);
   at::Tensor on_dest = sent_topk.ge(0).logical_and(sent_topk.div(experts_per_rank, "floor").eq(dest_col));
@@ -289,7 +294,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                                         packer.spans[src_block].second, at::kInt, {1})
                                 .reshape({num_recv});
   at::Tensor recv_src_rank = at::repeat_interleave(
-      at::arange(num_ranks, at::kInt), at::tensor(recv_counts, at::kLong), 0, num_recv);
+      at::arange(num_ranks, dev.dtype(at::kInt)),
+      at::tensor(recv_counts, at::kLong).to(dev.device()),
+      0,
+      num_recv);
 
   at::Tensor selected = recv_local.masked_select(recv_local.ge(0));
   at::Tensor per_expert = at::bincount(selected, {}, experts_per_rank);
@@ -312,8 +320,9 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     recv_src_rank = padRows(recv_src_rank, cap, -1);
   }
   out.routing.is_token_in_rank = is_token_in_rank;
-  out.routing.num_tokens_per_rank = at::tensor(send_counts, at::kLong).to(at::kInt);
-  out.routing.num_recv_tokens_per_rank = at::tensor(recv_counts, at::kLong).to(at::kInt);
+  out.routing.num_tokens_per_rank = at::tensor(send_counts, at::kLong).to(dev.device(), at::kInt);
+  out.routing.num_recv_tokens_per_rank =
+      at::tensor(recv_counts, at::kLong).to(dev.device(), at::kInt);
   out.routing.recv_src_idx = recv_src_idx;
   out.routing.recv_src_rank = recv_src_rank;
   return out;
@@ -387,14 +396,14 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   at::Tensor rows = bytesToRows(returned, packer.spans[x_block].first,
                                 packer.spans[x_block].second, a.x.scalar_type(), {hidden});
   const auto acc_dtype = a.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor acc = at::zeros({num_tokens, hidden}, at::TensorOptions().dtype(acc_dtype));
+  at::Tensor acc = at::zeros({num_tokens, hidden}, a.x.options().dtype(acc_dtype));
   std::optional<at::Tensor> acc_w;
   at::Tensor w_rows;
   if (has_weights) {
     const int64_t topk = a.topk_weights->size(1);
     w_rows = bytesToRows(returned, packer.spans[w_block].first, packer.spans[w_block].second,
                          at::kFloat, {topk});
-    acc_w = at::zeros({num_tokens, topk}, at::kFloat);
+    acc_w = at::zeros({num_tokens, topk}, a.x.options().dtype(at::kFloat));
   }
   // Fixed order: ranks ascending, each adding once into the tokens it served.
   int64_t offset = 0;
@@ -445,7 +454,7 @@ std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(
   std::vector<int64_t> four = packed_shape;
   four.push_back(4);
   exps = exps.reshape(four);
-  at::Tensor packed = at::zeros(packed_shape, at::kLong);
+  at::Tensor packed = at::zeros(packed_shape, x.options().dtype(at::kLong));
   for (int64_t j = 0; j < 4; ++j) {
     packed.bitwise_or_(exps.select(-1, j).bitwise_left_shift(8 * j));
   }
@@ -489,7 +498,8 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   const int64_t slots = num_ranks * max_tokens;
   const int64_t hidden = a.x.size(1);
   // recv_matrix [src rank, local expert]
-  at::Tensor recv_matrix = gathered.narrow(1, rank * experts_per_rank, experts_per_rank).contiguous();
+  at::Tensor recv_matrix =
+      gathered.narrow(1, rank * experts_per_rank, experts_per_rank).contiguous().to(a.x.device());
   at::Tensor send_matrix = per_expert.reshape({num_ranks, experts_per_rank});
   std::vector<int64_t> send_counts = toVector(send_matrix.sum(1));
   std::vector<int64_t> recv_counts = toVector(recv_matrix.sum(1));
@@ -514,10 +524,11 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   at::Tensor seg_count = recv_matrix.reshape(-1);
   at::Tensor seg_begin = (recv_matrix.cumsum(0) - recv_matrix).reshape(-1);
   at::Tensor seg_offset = seg_count.cumsum(0) - seg_count;
-  at::Tensor seg_expert = at::arange(experts_per_rank, at::kLong).repeat({num_ranks});
+  const auto dev = a.x.options();
+  at::Tensor seg_expert = at::arange(experts_per_rank, dev.dtype(at::kLong)).repeat({num_ranks});
   at::Tensor entry_seg = at::repeat_interleave(
-      at::arange(seg_count.numel(), at::kLong), seg_count, 0, num_entries);
-  at::Tensor entry_pos = at::arange(num_entries, at::kLong);
+      at::arange(seg_count.numel(), dev.dtype(at::kLong)), seg_count, 0, num_entries);
+  at::Tensor entry_pos = at::arange(num_entries, dev.dtype(at::kLong));
   at::Tensor entry_slot =
       seg_begin.index_select(0, entry_seg) + entry_pos - seg_offset.index_select(0, entry_seg);
   at::Tensor entry_expert = seg_expert.index_select(0, entry_seg);
@@ -526,7 +537,7 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   const auto x_dtype = a.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16;
   at::Tensor rows = bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
                                 x_dtype, {hidden});
-  out.recv_x = at::zeros({experts_per_rank, slots, hidden}, at::TensorOptions().dtype(x_dtype));
+  out.recv_x = at::zeros({experts_per_rank, slots, hidden}, dev.dtype(x_dtype));
   out.recv_x.index_put_({entry_expert, entry_slot}, rows);
   if (a.use_fp8) {
     const int64_t cols = scales.size(1);
@@ -538,7 +549,7 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   at::Tensor recv_src = bytesToRows(recv, packer.spans[src_block].first,
                                     packer.spans[src_block].second, at::kInt, {1})
                             .reshape({num_entries});
-  out.src_info = at::full({experts_per_rank, slots}, -1, at::kInt);
+  out.src_info = at::full({experts_per_rank, slots}, -1, dev.dtype(at::kInt));
   out.src_info.index_put_({entry_expert, entry_slot}, recv_src);
   at::Tensor begin = (recv_matrix.cumsum(0) - recv_matrix).t();
   out.layout_range = begin.bitwise_left_shift(32).bitwise_or(recv_matrix.t()).contiguous();
@@ -584,8 +595,10 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& a)
 
   const int64_t hidden = a.x.size(2);
   std::vector<at::Tensor> back_rows;
-  auto b = begin.accessor<int64_t, 2>();
-  auto c = count.accessor<int64_t, 2>();
+  at::Tensor begin_host = begin.cpu();
+  at::Tensor count_host = count.cpu();
+  auto b = begin_host.accessor<int64_t, 2>();
+  auto c = count_host.accessor<int64_t, 2>();
   for (int64_t s = 0; s < num_ranks; ++s) {
     for (int64_t le = 0; le < experts_per_rank; ++le) {
       back_rows.push_back(a.x.select(0, le).narrow(0, b[le][s], c[le][s]));
@@ -599,10 +612,10 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& a)
 
   const int64_t num_tokens = a.topk_idx.size(0);
   const int64_t topk = a.topk_idx.size(1);
-  at::Tensor y = at::zeros({num_tokens, topk, hidden}, at::kFloat);
+  at::Tensor y = at::zeros({num_tokens, topk, hidden}, a.x.options().dtype(at::kFloat));
   y.index_put_({entry_token, entry_k}, rows.to(at::kFloat));
   at::Tensor valid = a.topk_idx.ge(0);
-  at::Tensor acc = at::zeros({num_tokens, hidden}, at::kFloat);
+  at::Tensor acc = at::zeros({num_tokens, hidden}, a.x.options().dtype(at::kFloat));
   for (int64_t k = 0; k < topk; ++k) {
     at::Tensor weighted = a.topk_weights.select(1, k).unsqueeze(1) * y.select(1, k);
     acc = at::where(valid.select(1, k).unsqueeze(1), acc + weighted, acc);

@@ -8,6 +8,7 @@
 
 #include "ep_process_group.hpp"
 #include "moe_cpu.hpp"
+#include "moe_validation.hpp"
 
 namespace ep {
 namespace {
@@ -159,6 +160,11 @@ at::Tensor lowLatencyCombineCpuOp(
   return cpu::lowLatencyCombine(*pg, args);
 }
 
+void rejectOp(const std::string& op, const std::string& message, const std::string& group_name) {
+  auto pg = resolveGroup(group_name, op.c_str());
+  rejectCollectively(*pg, op.c_str(), message);
+}
+
 Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 128 == 0, "ep quantize_fp8: H must be a multiple of 128");
   TORCH_CHECK(!use_ue8m0 || (round_scale && x.size(-1) % 512 == 0),
@@ -203,11 +209,24 @@ TORCH_LIBRARY(ep, m) {
       "Tensor layout_range, int num_max_dispatch_tokens_per_rank, str group_name) -> Tensor",
       tags);
   m.def("quantize_fp8(Tensor x, bool round_scale, bool use_ue8m0) -> (Tensor, Tensor)", tags);
+  // The agreement step of a rank whose arguments the Python layer rejected: its peers raise
+  // instead of waiting for it (it always raises; see moe_validation.hpp, rejectCollectively).
+  m.def("reject(str op, str message, str group_name) -> ()", &rejectOp);
 }
 
 TORCH_LIBRARY_IMPL(ep, CompositeExplicitAutograd, m) {
   m.impl("dispatch_layout", &dispatchLayoutOp);
   m.impl("quantize_fp8", &quantizeFp8Op);
+}
+
+// CUDA tensors take the same ATen implementation with NCCL exchanges until the NVLink kernels
+// serve them; every result is identical either way.
+TORCH_LIBRARY_IMPL(ep, CUDA, m) {
+  m.impl("dispatch", &dispatchCpuOp);
+  m.impl("cached_dispatch", &cachedDispatchCpuOp);
+  m.impl("combine", &combineCpuOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchCpuOp);
+  m.impl("low_latency_combine", &lowLatencyCombineCpuOp);
 }
 
 TORCH_LIBRARY_IMPL(ep, CPU, m) {
