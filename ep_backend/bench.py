@@ -1,0 +1,308 @@
+"""Benchmark of the ep MoE collectives against the NCCL/Gloo all-to-all pipeline.
+
+``python -m ep_backend.bench`` runs on every local GPU (one process each) if there are any, else on
+two local CPU processes (small default shape). It prints, per op, the median time (µs; CUDA events
+with the L2 cache flushed before every timed call, the max over ranks), remote GB/s (bytes that
+leave the GPU) and logical GB/s (all received rows × row bytes, local ones included), and, in the
+same run, the Megatron-style baseline: count exchange + host sync + permute + ``all_to_all_single``
++ unpermute, both directions. With ``--sweep`` it also times dispatch+combine over T and writes a
+PNG plot. Results go to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@dataclass
+class Row:
+    op: str
+    tokens: int
+    us: float
+    remote_gbps: float
+    logical_gbps: float
+    note: str = ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _routing(num_tokens: int, num_experts: int, topk: int, device: torch.device, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, device=device, generator=g)
+    weights, idx = scores.topk(topk, dim=1)
+    return idx, weights.float()
+
+
+class _Timer:
+    """Median wall time of a callable: CUDA events (L2 flushed) on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.flush = (
+            torch.empty(256 << 20, dtype=torch.uint8, device=device)
+            if device.type == "cuda"
+            else None
+        )
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        samples = []
+        for _ in range(self.iters):
+            if self.flush is not None:
+                self.flush.zero_()
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                dist.barrier()
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3)
+            else:
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e6)
+        mine = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+        if self.device.type == "cuda":
+            mine = mine.to(self.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return float(mine.item())
+
+
+def _nccl_pipeline(x, idx, weights, num_experts: int, group) -> Callable[[], torch.Tensor]:
+    """Megatron-style all-to-all dispatcher (permute, a2a, unpermute; then the way back)."""
+    num_ranks = dist.get_world_size(group)
+    experts_per_rank = num_experts // num_ranks
+    num_tokens, topk = idx.shape
+
+    def run() -> torch.Tensor:
+        # dispatch: one row per (token, expert), grouped by destination rank then local expert
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        per_expert = torch.bincount(flat, minlength=num_experts)
+        send_counts = per_expert.view(num_ranks, experts_per_rank).sum(1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        recv_per_expert = torch.empty_like(per_expert)
+        dist.all_to_all_single(recv_per_expert, per_expert, group=group)
+        send_list, recv_list = send_counts.tolist(), recv_counts.tolist()  # host sync
+        permuted = x.index_select(0, order // topk)
+        received = x.new_empty((sum(recv_list), x.shape[1]))
+        dist.all_to_all_single(received, permuted, recv_list, send_list, group=group)
+        # unpermute on the expert side: source-rank-major -> local-expert-major
+        rpe = recv_per_expert.view(num_ranks, experts_per_rank)
+        seg = torch.arange(rpe.numel(), device=x.device).view(num_ranks, experts_per_rank)
+        seg_of_row = torch.repeat_interleave(seg.reshape(-1), rpe.reshape(-1))
+        expert_major = torch.argsort(
+            seg_of_row % experts_per_rank * num_ranks + seg_of_row // experts_per_rank, stable=True
+        )
+        expert_input = received.index_select(0, expert_major)
+        # combine: the way back, then a weighted sum per token
+        back = torch.empty_like(received)
+        back.index_copy_(0, expert_major, expert_input)
+        returned = x.new_empty((sum(send_list), x.shape[1]))
+        dist.all_to_all_single(returned, back, send_list, recv_list, group=group)
+        out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+        w = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        out.index_add_(0, order // topk, returned.float() * w)
+        return out.to(x.dtype)
+
+    return run
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_path: str) -> None:
+    os.environ.update(_ENV)
+    import ep_backend as ep
+
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group("ep", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    group = dist.group.WORLD
+    timer = _Timer(device, args.iters, args.warmup)
+    hidden, topk, num_experts = args.hidden, args.topk, args.experts
+    rows: list[Row] = []
+
+    def measure(num_tokens: int, full: bool) -> None:
+        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
+        idx, weights = _routing(num_tokens, num_experts, topk, device, seed=rank)
+        layout = ep.get_dispatch_layout(idx, num_experts)
+        remote_rows = int(layout.num_tokens_per_rank.sum() - layout.num_tokens_per_rank[rank])
+        out = ep.dispatch(x, idx, weights, num_experts)
+        recv_rows = out.recv_x.shape[0]
+        # the baseline moves one row per (token, expert) instead of one per (token, rank)
+        remote_entries = int((idx // (num_experts // world) != rank).sum())
+        counts = torch.tensor(
+            [remote_rows, recv_rows, remote_entries], dtype=torch.float64, device=device
+        )
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        remote_rows, recv_rows, remote_entries = (int(c) for c in counts.tolist())
+        row_bf16 = hidden * 2
+        row_fp8 = hidden + hidden // 128 * 4
+
+        def add(
+            op: str, us: float, row_bytes: int, remote: int, logical: int, note: str = ""
+        ) -> None:
+            rows.append(Row(op, num_tokens, us, remote * row_bytes / us / 1e3 if us else 0.0,
+                            logical * row_bytes / us / 1e3 if us else 0.0, note))  # fmt: skip
+
+        y = out.recv_x
+        t_dispatch = timer(lambda: ep.dispatch(x, idx, weights, num_experts))
+        t_combine = timer(lambda: ep.combine(y, out.handle))
+        baseline = _nccl_pipeline(x, idx, weights, num_experts, group)
+        t_base = timer(baseline)
+        add(
+            "ep dispatch+combine BF16",
+            t_dispatch + t_combine,
+            row_bf16,
+            2 * remote_rows,
+            2 * recv_rows,
+        )
+        add("baseline a2a pipeline (both ways)", t_base, row_bf16, 2 * remote_entries, 0,
+            f"ep is {t_base / (t_dispatch + t_combine):.2f}x faster")  # fmt: skip
+        if not full:
+            return
+        x8, s8 = ep.reference.quantize_fp8_per128(x)
+        t_layout = timer(lambda: ep.get_dispatch_layout(idx, num_experts))
+        t_fp8 = timer(lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8))
+        t_cached = timer(lambda: ep.dispatch(x, handle=out.handle))
+        add("ep layout", t_layout, 0, 0, 0)
+        add("ep dispatch BF16", t_dispatch, row_bf16, remote_rows, recv_rows)
+        add("ep dispatch FP8", t_fp8, row_fp8, remote_rows, recv_rows)
+        add("ep cached dispatch BF16", t_cached, row_bf16, remote_rows, recv_rows)
+        add("ep combine BF16", t_combine, row_bf16, remote_rows, recv_rows)
+
+    measure(args.tokens, full=True)
+    if args.sweep:
+        t = 128
+        while t <= args.sweep_max:
+            measure(t, full=False)
+            t *= 2
+    if rank == 0:
+        Path(result_path).write_text(json.dumps([asdict(r) for r in rows]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print_table(rows: list[dict], header: str) -> None:
+    print(header)
+    print(f"{'op':38s} {'T':>6s} {'time µs':>10s} {'remote GB/s':>12s} {'logical GB/s':>13s}  note")
+    for r in rows:
+        print(f"{r['op']:38s} {r['tokens']:6d} {r['us']:10.1f} {r['remote_gbps']:12.3f} "
+              f"{r['logical_gbps']:13.3f}  {r['note']}")  # fmt: skip
+
+
+def _plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    for op, label in (
+        ("ep dispatch+combine BF16", "ep"),
+        ("baseline a2a pipeline (both ways)", "all_to_all pipeline"),
+    ):
+        pts = sorted((r["tokens"], r["us"]) for r in rows if r["op"] == op)
+        plt.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    plt.xscale("log", base=2)
+    plt.yscale("log")
+    plt.xlabel("tokens per rank")
+    plt.ylabel("dispatch + combine time (µs)")
+    plt.legend()
+    plt.grid(True, which="both", alpha=0.3)
+    plt.savefig(path, dpi=120, bbox_inches="tight")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ep_backend.bench", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="run on CPU processes even if GPUs exist"
+    )
+    parser.add_argument(
+        "--nprocs", type=int, default=0, help="processes (default: GPUs, or 2 on CPU)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=0, help="T per rank (default 4096 GPU / 256 CPU)"
+    )
+    parser.add_argument("--hidden", type=int, default=0, help="H (default 7168 GPU / 1024 CPU)")
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=0, help="E (default 256 GPU / 16 CPU)")
+    parser.add_argument("--iters", type=int, default=0, help="timed calls (default 30 GPU / 5 CPU)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true", help="also sweep T from 128 (GPU default)")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--sweep-max", type=int, default=16384)
+    parser.add_argument("--out", type=str, default="bench_out")
+    args = parser.parse_args(argv)
+    os.environ.update(_ENV)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 0
+    on_gpu = gpus > 0
+    args.cpu = not on_gpu
+    nprocs = args.nprocs or (gpus if on_gpu else 2)
+    args.tokens = args.tokens or (4096 if on_gpu else 256)
+    args.hidden = args.hidden or (7168 if on_gpu else 1024)
+    args.experts = args.experts or (256 if on_gpu else 16)
+    args.iters = args.iters or (30 if on_gpu else 5)
+    args.sweep = (args.sweep or on_gpu) and not args.no_sweep
+    if not on_gpu:
+        args.sweep_max = min(args.sweep_max, 1024)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result_path = out / "bench.json"
+    device_name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
+    print(f"ep bench: {nprocs} x {device_name}, T={args.tokens} H={args.hidden} top-{args.topk} "
+          f"of E={args.experts}, BF16; torch {torch.__version__}", flush=True)  # fmt: skip
+    mp.start_processes(_worker, args=(nprocs, _free_port(), args, str(result_path)), nprocs=nprocs,
+                       start_method="spawn")  # fmt: skip
+    rows = json.loads(result_path.read_text())
+    main_rows = [r for r in rows if r["tokens"] == args.tokens]
+    _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==")
+    sweep_rows = [r for r in rows if "dispatch+combine" in r["op"] or "baseline" in r["op"]]
+    if args.sweep:
+        _print_table(sweep_rows, "\n== sweep over T: dispatch+combine vs baseline ==")
+        png = out / "bench_sweep.png"
+        if _plot(sweep_rows, png):
+            print(f"plot: {png}")
+    print(f"results: {result_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
