@@ -145,7 +145,29 @@ EPProcessGroup::EPProcessGroup(
   init();
 }
 
-EPProcessGroup::~EPProcessGroup() = default;
+EPProcessGroup::~EPProcessGroup() {
+  runShutdownHooks();
+}
+
+void EPProcessGroup::addShutdownHook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  shutdown_hooks_.push_back(std::move(hook));
+}
+
+void EPProcessGroup::runShutdownHooks() {
+  std::vector<std::function<void()>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(hooks_mutex_);
+    hooks.swap(shutdown_hooks_);
+  }
+  for (auto& hook : hooks) {
+    try {
+      hook();
+    } catch (const std::exception& e) {
+      TORCH_WARN("ep: error while releasing group resources: ", e.what());
+    }
+  }
+}
 
 void EPProcessGroup::checkAlive(const char* op) const {
   TORCH_CHECK(!shutdown_.load(), "ep: ", op, " called on a process group that was shut down");
@@ -595,6 +617,7 @@ void EPProcessGroup::eagerConnectSingleDevice(at::Device device) {
 }
 
 void EPProcessGroup::abort() {
+  // Kernels may still be running: transport buffers are released at destruction, not here.
   shutdown_.store(true);
   cpu_->abort();
   if (cuda_ != nullptr) {
@@ -606,6 +629,7 @@ void EPProcessGroup::shutdown() {
   if (shutdown_.exchange(true)) {
     return;
   }
+  runShutdownHooks();
   cpu_->shutdown();
   if (cuda_ != nullptr) {
     cuda_->shutdown();

@@ -155,6 +155,8 @@ class EPProcessGroup : public c10d::Backend {
 
   void abort() override;
   void shutdown() override;
+  // Runs `hook` once when the group shuts down (or is destroyed): frees transport resources.
+  void addShutdownHook(std::function<void()> hook);
   bool isShutdown() const {
     return shutdown_.load();
   }
@@ -179,6 +181,9 @@ class EPProcessGroup : public c10d::Backend {
   bool cuda_coalescing_started_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cpu_works_;
   std::atomic<bool> shutdown_{false};
+  std::mutex hooks_mutex_;
+  std::vector<std::function<void()>> shutdown_hooks_;
+  void runShutdownHooks();
 };
 
 } // namespace ep

@@ -8,12 +8,24 @@
 
 #include "ep_process_group.hpp"
 #include "moe_cpu.hpp"
+#include "moe_intranode.hpp"
 #include "moe_validation.hpp"
 
 namespace ep {
 namespace {
 
 using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
+using DispatchOutputs = std::tuple<
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor,
+    at::Tensor>;
 
 c10::intrusive_ptr<EPProcessGroup> resolveGroup(const std::string& group_name, const char* op) {
   auto pg = c10d::resolve_process_group(group_name);
@@ -173,6 +185,106 @@ Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
   return {q, s};
 }
 
+bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
+#ifdef EP_WITH_CUDA
+  return x.is_cuda() && intranode::usable(pg, x.device());
+#else
+  (void)pg;
+  (void)x;
+  return false;
+#endif
+}
+
+DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x) {
+  return {
+      r.recv_x,
+      orEmpty(r.recv_x_scales, x),
+      r.recv_topk_idx,
+      orEmpty(r.recv_topk_weights, x),
+      r.num_recv_tokens_per_expert,
+      r.routing.is_token_in_rank,
+      r.routing.num_tokens_per_rank,
+      r.routing.num_recv_tokens_per_rank,
+      r.routing.recv_src_idx,
+      r.routing.recv_src_rank};
+}
+
+DispatchOutputs dispatchCudaOp(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    const at::Tensor& topk_idx,
+    const std::optional<at::Tensor>& topk_weights,
+    int64_t num_experts,
+    int64_t expert_alignment,
+    int64_t num_worst_tokens,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "dispatch");
+  if (!useIntranode(*pg, x)) {
+    return dispatchCpuOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                         num_worst_tokens, group_name);
+  }
+#ifdef EP_WITH_CUDA
+  DispatchArgs args{x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens};
+  return packDispatch(intranode::dispatch(*pg, args), x);
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
+Tensors2 cachedDispatchCudaOp(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    const at::Tensor& is_token_in_rank,
+    const at::Tensor& num_tokens_per_rank,
+    const at::Tensor& num_recv_tokens_per_rank,
+    const at::Tensor& recv_src_idx,
+    const at::Tensor& recv_src_rank,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "cached dispatch");
+  if (!useIntranode(*pg, x)) {
+    return cachedDispatchCpuOp(x, x_scales, is_token_in_rank, num_tokens_per_rank,
+                               num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
+  }
+#ifdef EP_WITH_CUDA
+  auto [recv_x, recv_scales] = intranode::cachedDispatch(
+      *pg, x, x_scales,
+      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
+                recv_src_rank));
+  return {recv_x, orEmpty(recv_scales, x)};
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
+Tensors2 combineCudaOp(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& topk_weights,
+    const std::optional<at::Tensor>& bias0,
+    const std::optional<at::Tensor>& bias1,
+    const at::Tensor& is_token_in_rank,
+    const at::Tensor& num_tokens_per_rank,
+    const at::Tensor& num_recv_tokens_per_rank,
+    const at::Tensor& recv_src_idx,
+    const at::Tensor& recv_src_rank,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "combine");
+  // The kernels sum BF16, float32 and float64 rows; float16 takes the ATen path.
+  if (x.scalar_type() == at::kHalf || !useIntranode(*pg, x)) {
+    return combineCpuOp(x, topk_weights, bias0, bias1, is_token_in_rank, num_tokens_per_rank,
+                        num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
+  }
+#ifdef EP_WITH_CUDA
+  CombineArgs args{
+      x, topk_weights, bias0, bias1,
+      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
+                recv_src_rank)};
+  auto [combined, weights] = intranode::combine(*pg, args);
+  return {combined, orEmpty(weights, x)};
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
 } // namespace
 
 TORCH_LIBRARY(ep, m) {
@@ -219,12 +331,12 @@ TORCH_LIBRARY_IMPL(ep, CompositeExplicitAutograd, m) {
   m.impl("quantize_fp8", &quantizeFp8Op);
 }
 
-// CUDA tensors take the same ATen implementation with NCCL exchanges until the NVLink kernels
-// serve them; every result is identical either way.
+// CUDA tensors: the NVLink kernels where every rank is a GPU of this host (2-8 ranks), else the
+// ATen implementation with NCCL exchanges; every result is identical either way.
 TORCH_LIBRARY_IMPL(ep, CUDA, m) {
-  m.impl("dispatch", &dispatchCpuOp);
-  m.impl("cached_dispatch", &cachedDispatchCpuOp);
-  m.impl("combine", &combineCpuOp);
+  m.impl("dispatch", &dispatchCudaOp);
+  m.impl("cached_dispatch", &cachedDispatchCudaOp);
+  m.impl("combine", &combineCudaOp);
   m.impl("low_latency_dispatch", &lowLatencyDispatchCpuOp);
   m.impl("low_latency_combine", &lowLatencyCombineCpuOp);
 }

@@ -167,7 +167,10 @@ void checkScales(
 
 } // namespace
 
-std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks) {
+std::string validateDispatch(
+    const DispatchArgs& a,
+    int64_t num_ranks,
+    std::optional<bool> check_values) {
   Checker c("dispatch");
   checkX(c, a.x, "x");
   if (c.failed()) {
@@ -196,7 +199,9 @@ std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks) {
       .require(a.num_worst_tokens >= 0, "num_worst_tokens must be >= 0, got ", a.num_worst_tokens);
   checkScales(c, a.x, a.x_scales, "dispatch");
   // Values of topk_idx are checked here on CPU; the CUDA kernels check them on the device.
-  checkTopk(c, a.topk_idx, a.x.size(0), a.x.device(), a.num_experts, a.x.device().is_cpu());
+  checkTopk(
+      c, a.topk_idx, a.x.size(0), a.x.device(), a.num_experts,
+      check_values.value_or(a.x.device().is_cpu()));
   if (!c.failed()) {
     checkWeights(c, a.topk_weights, a.topk_idx, a.x.device());
   }
@@ -235,6 +240,23 @@ std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t
       .require(
           r.recv_src_idx.dim() == 1 && r.recv_src_rank.sizes() == r.recv_src_idx.sizes(),
           "the handle's recv_src_idx/recv_src_rank do not match");
+  if (c.failed() || !r.is_token_in_rank.device().is_cpu()) {
+    return c.message();
+  }
+  // Host-side consistency of the counts (free on CPU; on CUDA the kernels trust the handle).
+  // A handle whose send map and counts disagree would post mismatched exchanges.
+  const at::Tensor sent = r.is_token_in_rank.sum(0).to(at::kLong);
+  const at::Tensor per_rank = r.num_tokens_per_rank.to(at::kCPU).to(at::kLong);
+  const at::Tensor recv = r.num_recv_tokens_per_rank.to(at::kCPU).to(at::kLong);
+  c.require(
+       at::equal(sent, per_rank),
+       "the handle's num_tokens_per_rank does not match its is_token_in_rank")
+      .require(
+          recv.min().item<int64_t>() >= 0 &&
+              recv.sum().item<int64_t>() <= r.recv_src_idx.size(0),
+          "the handle's num_recv_tokens_per_rank does not fit its ",
+          r.recv_src_idx.size(0),
+          " received rows");
   return c.message();
 }
 
@@ -303,7 +325,10 @@ std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
          a.x.size(1),
          "], got ",
          shapeOf(**b))
-        .require((*b)->scalar_type() == a.x.scalar_type(), "bias must have the dtype of x")
+        .require(
+            isReducibleDtype((*b)->scalar_type()),
+            "bias must be bfloat16, float16, float32 or float64, got ",
+            (*b)->scalar_type())
         .require((*b)->device() == a.x.device(), "bias must be on the device of x");
   }
   return c.message();
@@ -372,8 +397,49 @@ std::string validateLowLatencyCombine(const LowLatencyCombineArgs& a, int64_t nu
       .require(
           a.topk_idx.device() == a.x.device() && a.topk_weights.device() == a.x.device(),
           "topk_idx and topk_weights must be on the device of x");
+  if (c.failed()) {
+    return c.message();
+  }
+  // The ids must be those given to the dispatch: at least their range is checked (on CPU).
+  checkTopk(
+      c,
+      a.topk_idx,
+      a.topk_idx.size(0),
+      a.x.device(),
+      a.x.size(0) * num_ranks,
+      a.x.device().is_cpu());
   return c.message();
 }
+
+namespace {
+
+// Fields of the fixed-width header row: error flag, op id, field count, payload size, fields.
+constexpr int64_t kHeaderFixed = 4;
+constexpr int64_t kMaxAgreedFields = 16;
+constexpr int64_t kHeaderWidth = kHeaderFixed + kMaxAgreedFields;
+
+// A stable id of the collective's name (FNV-1a), so that ranks in different collectives notice.
+int64_t opId(const char* op) {
+  uint64_t h = 1469598103934665603ULL;
+  for (const char* p = op; *p != '\0'; ++p) {
+    h ^= static_cast<unsigned char>(*p);
+    h *= 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
+
+at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
+  const int64_t num_ranks = pg.getSize();
+  const int64_t width = static_cast<int64_t>(row.size());
+  at::Tensor mine = at::tensor(row, at::kLong);
+  at::Tensor all = at::empty({num_ranks * width}, at::kLong);
+  c10d::AllgatherOptions opts;
+  opts.timeout = pg.options()->timeout;
+  pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
+  return all.view({num_ranks, width});
+}
+
+} // namespace
 
 at::Tensor agreeAcrossRanks(
     EPProcessGroup& pg,
@@ -381,21 +447,20 @@ at::Tensor agreeAcrossRanks(
     const std::string& local_error,
     const std::vector<AgreedField>& fields,
     const std::vector<int64_t>& payload) {
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
   const int64_t num_ranks = pg.getSize();
-  const int64_t width = 1 + static_cast<int64_t>(fields.size() + payload.size());
-  std::vector<int64_t> row;
-  row.reserve(width);
-  row.push_back(local_error.empty() ? 0 : 1);
-  for (const auto& f : fields) {
-    row.push_back(f.value);
+  const int64_t rank = pg.getRank();
+  // Phase 1: a header of the same width on every rank and in every collective, so that ranks
+  // whose inputs, collectives or payload sizes differ never post mismatched exchanges.
+  std::vector<int64_t> header(kHeaderWidth, 0);
+  header[0] = local_error.empty() ? 0 : 1;
+  header[1] = opId(op);
+  header[2] = static_cast<int64_t>(fields.size());
+  header[3] = static_cast<int64_t>(payload.size());
+  for (size_t f = 0; f < fields.size(); ++f) {
+    header[kHeaderFixed + f] = fields[f].value;
   }
-  row.insert(row.end(), payload.begin(), payload.end());
-  at::Tensor mine = at::tensor(row, at::kLong);
-  at::Tensor all = at::empty({num_ranks * width}, at::kLong);
-  c10d::AllgatherOptions opts;
-  opts.timeout = pg.options()->timeout;
-  pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
-  all = all.view({num_ranks, width});
+  at::Tensor all = allGatherRows(pg, op, header);
   auto acc = all.accessor<int64_t, 2>();
 
   std::vector<int64_t> bad_ranks;
@@ -405,7 +470,7 @@ at::Tensor agreeAcrossRanks(
     }
   }
   if (!local_error.empty()) {
-    TORCH_CHECK(false, local_error, " (rank ", pg.getRank(), "; nothing was exchanged)");
+    TORCH_CHECK(false, local_error, " (rank ", rank, "; nothing was exchanged)");
   }
   if (!bad_ranks.empty()) {
     std::ostringstream os;
@@ -420,9 +485,20 @@ at::Tensor agreeAcrossRanks(
         os.str(),
         " rejected their inputs (see their error); nothing was exchanged");
   }
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    TORCH_CHECK(
+        acc[r][1] == header[1] && acc[r][2] == header[2],
+        "ep ",
+        op,
+        ": rank ",
+        r,
+        " is in a different MoE collective than rank ",
+        rank,
+        " (the ranks must call the same collectives in the same order); nothing was exchanged");
+  }
   for (size_t f = 0; f < fields.size(); ++f) {
     for (int64_t r = 0; r < num_ranks; ++r) {
-      if (acc[r][1 + f] != fields[f].value) {
+      if (acc[r][kHeaderFixed + f] != fields[f].value) {
         TORCH_CHECK(
             false,
             "ep ",
@@ -430,18 +506,41 @@ at::Tensor agreeAcrossRanks(
             ": ranks disagree on ",
             fields[f].name,
             " (rank ",
-            pg.getRank(),
+            rank,
             " has ",
             fields[f].value,
             ", rank ",
             r,
             " has ",
-            acc[r][1 + f],
+            acc[r][kHeaderFixed + f],
             "); nothing was exchanged");
       }
     }
   }
-  return all.narrow(1, 1 + static_cast<int64_t>(fields.size()), static_cast<int64_t>(payload.size()));
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    TORCH_CHECK(
+        acc[r][3] == header[3],
+        "ep ",
+        op,
+        ": ranks disagree on the size of the routing metadata (rank ",
+        rank,
+        " has ",
+        header[3],
+        ", rank ",
+        r,
+        " has ",
+        acc[r][3],
+        "); nothing was exchanged");
+  }
+  // Phase 2: the payloads, now known to have the same size everywhere.
+  if (payload.empty()) {
+    return at::empty({num_ranks, 0}, at::kLong);
+  }
+  return allGatherRows(pg, op, payload);
+}
+
+void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message) {
+  agreeAcrossRanks(pg, op, message.empty() ? std::string("invalid arguments") : message, {}, {});
 }
 
 } // namespace ep

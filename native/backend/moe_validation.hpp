@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,7 +13,11 @@
 namespace ep {
 
 // Each returns "" when the call is valid on this rank, else a message for the user.
-std::string validateDispatch(const DispatchArgs& args, int64_t num_ranks);
+// `check_values` reads topk_idx on the host (default: only for CPU tensors).
+std::string validateDispatch(
+    const DispatchArgs& args,
+    int64_t num_ranks,
+    std::optional<bool> check_values = std::nullopt);
 std::string validateRouting(const DispatchRouting& routing, int64_t num_ranks, int64_t num_tokens);
 std::string validateCachedDispatch(
     const at::Tensor& x,
@@ -29,14 +34,21 @@ struct AgreedField {
   int64_t value;
 };
 
-// All-gathers, over the group's CPU backend, [error flag, fields..., payload...] from every rank.
-// Throws on every rank if any rank had an error or the fields differ; otherwise returns the
-// gathered payloads as int64 [R, payload.size()].
+// The agreement step, over the group's CPU backend. First all-gathers a fixed-width header
+// [error flag, id of `op`, #fields, #payload, fields...] (the same size in every collective, so
+// ranks never post exchanges of different sizes); throws on every rank if any rank had an error,
+// the ranks are in different collectives, or the fields or payload sizes differ. Then
+// all-gathers the payloads and returns them as int64 [R, payload.size()]. At most 16 fields.
 at::Tensor agreeAcrossRanks(
     EPProcessGroup& pg,
     const char* op,
     const std::string& local_error,
     const std::vector<AgreedField>& fields,
     const std::vector<int64_t>& payload);
+
+// The agreement step of a rank whose inputs were rejected before it reached the C++ op (by
+// the Python layer): its peers in `op` (or any other MoE collective) raise "rank(s) ...
+// rejected their inputs"; this rank raises RuntimeError with `message`.
+void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message);
 
 } // namespace ep

@@ -1,0 +1,473 @@
+#ifdef EP_WITH_CUDA
+
+#include "moe_intranode.hpp"
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include "ep_process_group.hpp"
+#include "intranode_runtime.hpp"
+#include "moe_validation.hpp"
+
+namespace ep::intranode {
+namespace {
+
+// Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
+struct GroupState {
+  bool decided = false;
+  bool usable = false;
+  int generation = 0;
+  std::unique_ptr<IntranodeRuntime> runtime;
+};
+
+std::mutex& registryMutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::map<EPProcessGroup*, std::shared_ptr<GroupState>>& registry() {
+  static std::map<EPProcessGroup*, std::shared_ptr<GroupState>> r;
+  return r;
+}
+
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+  std::lock_guard<std::mutex> lock(registryMutex());
+  auto& entry = registry()[&pg];
+  if (!entry) {
+    entry = std::make_shared<GroupState>();
+    EPProcessGroup* key = &pg;
+    pg.addShutdownHook([key] {
+      std::shared_ptr<GroupState> state;
+      {
+        std::lock_guard<std::mutex> lock(registryMutex());
+        auto it = registry().find(key);
+        if (it == registry().end()) {
+          return;
+        }
+        state = it->second;
+        registry().erase(it);
+      }
+      if (state->runtime) {
+        cudaDeviceSynchronize();
+        state->runtime->destroy();
+      }
+    });
+  }
+  return entry;
+}
+
+std::string keyPrefix(EPProcessGroup& pg) {
+  return "ep_intranode/" + pg.options()->group_name + "/";
+}
+
+std::vector<uint8_t> toBytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+std::string fromBytes(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+
+// Every rank decides with the same inputs (all ranks' host names and peer-access verdicts).
+bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
+  const int num_ranks = pg.getSize();
+  const int rank = pg.getRank();
+  if (num_ranks < 2 || num_ranks > kMaxRanks) {
+    return false;
+  }
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::ostringstream mine;
+  mine << host << '|' << device.index();
+  auto& store = pg.store();
+  const std::string prefix = keyPrefix(pg) + "topology/";
+  store->set(prefix + std::to_string(rank), toBytes(mine.str()));
+  std::vector<std::string> hosts(num_ranks);
+  std::vector<int> devices(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) {
+    std::string v = fromBytes(store->get(prefix + std::to_string(r)));
+    auto bar = v.rfind('|');
+    hosts[r] = v.substr(0, bar);
+    devices[r] = std::stoi(v.substr(bar + 1));
+  }
+  bool ok = true;
+  for (int r = 0; r < num_ranks; ++r) {
+    ok = ok && hosts[r] == hosts[0];
+    if (ok && r != rank && devices[r] != device.index()) {
+      int can = 0;
+      cudaDeviceCanAccessPeer(&can, device.index(), devices[r]);
+      ok = ok && can;
+    }
+  }
+  store->set(prefix + "ok/" + std::to_string(rank), toBytes(ok ? "1" : "0"));
+  bool all = true;
+  for (int r = 0; r < num_ranks; ++r) {
+    all = all && fromBytes(store->get(prefix + "ok/" + std::to_string(r))) == "1";
+  }
+  return all;
+}
+
+int roundUpPow2(int v, int floor) {
+  int p = floor;
+  while (p < v) {
+    p *= 2;
+  }
+  return p;
+}
+
+struct Needs {
+  int64_t tokens = 0;
+  int64_t hidden_bytes = 0;
+  int64_t topk = 0;
+  int64_t scales = 0;
+  int64_t local_experts = 0;
+};
+
+bool fits(const IntranodeConfig& c, const Needs& n) {
+  return n.tokens <= c.max_tokens_per_rank && n.hidden_bytes <= c.max_hidden_bytes &&
+      n.topk <= c.max_topk && n.scales <= c.max_scales && n.local_experts <= c.max_local_experts;
+}
+
+// Makes sure a connected runtime big enough for `needs` (the max over ranks) exists. Collective:
+// every rank calls it with the same `needs`.
+IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, Needs needs) {
+  if (st.runtime && fits(st.runtime->config(), needs)) {
+    return *st.runtime;
+  }
+  IntranodeConfig cfg;
+  if (st.runtime) {
+    const auto& old = st.runtime->config();
+    needs.tokens = std::max<int64_t>(needs.tokens, old.max_tokens_per_rank);
+    needs.hidden_bytes = std::max<int64_t>(needs.hidden_bytes, old.max_hidden_bytes);
+    needs.topk = std::max<int64_t>(needs.topk, old.max_topk);
+    needs.scales = std::max<int64_t>(needs.scales, old.max_scales);
+    needs.local_experts = std::max<int64_t>(needs.local_experts, old.max_local_experts);
+    // Peers may still run kernels on the old buffers: drain, then agree, then free.
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    pg.innerBackend(c10::DeviceType::CPU, "intranode rebuild")->barrier()->wait();
+    st.runtime->destroy();
+    st.runtime.reset();
+  }
+  cfg.max_tokens_per_rank = roundUpPow2(static_cast<int>(needs.tokens), 1024);
+  cfg.max_hidden_bytes = static_cast<int>(std::max<int64_t>(needs.hidden_bytes, 16));
+  cfg.max_topk = static_cast<int>(std::max<int64_t>(needs.topk, 8));
+  cfg.max_scales = static_cast<int>(std::max<int64_t>(needs.scales, 1));
+  cfg.max_local_experts = static_cast<int>(std::max<int64_t>(needs.local_experts, 1));
+  cfg.timeout_seconds = pg.options()->kernel_timeout_s;
+  cfg.num_sms = static_cast<int>(pg.options()->num_sms);
+  st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
+  const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";
+  auto handle = st.runtime->ipc_handle();
+  pg.store()->set(prefix + std::to_string(pg.getRank()),
+                  std::vector<uint8_t>(handle.begin(), handle.end()));
+  std::vector<std::vector<char>> all(pg.getSize());
+  for (int r = 0; r < pg.getSize(); ++r) {
+    auto v = pg.store()->get(prefix + std::to_string(r));
+    all[r] = std::vector<char>(v.begin(), v.end());
+  }
+  st.runtime->connect(all);
+  return *st.runtime;
+}
+
+// A kernel error of an earlier call (a timeout naming the stalled peer, a capacity overflow)
+// surfaces at the next call on this group.
+void raisePendingError(GroupState& st, const char* op) {
+  if (!st.runtime) {
+    return;
+  }
+  std::string error = st.runtime->check_error();
+  if (error.empty()) {
+    return;
+  }
+  if (!st.runtime->failed()) {
+    st.runtime->clear_error();
+  }
+  TORCH_CHECK(false, error, " (reported by the next call, ", op, ")");
+}
+
+Needs maxNeeds(const at::Tensor& gathered) {
+  // gathered [R, >=5]: tokens, hidden bytes, top-k, scales, local experts
+  Needs n;
+  at::Tensor m = std::get<0>(gathered.narrow(1, 0, 5).max(0));
+  auto a = m.accessor<int64_t, 1>();
+  n.tokens = a[0];
+  n.hidden_bytes = a[1];
+  n.topk = a[2];
+  n.scales = a[3];
+  n.local_experts = a[4];
+  return n;
+}
+
+void checkHandleAgrees(const char* op, const at::Tensor& g, int64_t offset, int64_t rank) {
+  // g[:, offset: offset + 2R] = (sent to each rank, received from each rank) per rank
+  const int64_t num_ranks = g.size(0);
+  auto a = g.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    for (int64_t d = 0; d < num_ranks; ++d) {
+      TORCH_CHECK(
+          a[s][offset + d] == a[d][offset + num_ranks + s],
+          "ep ", op, ": the handle does not match across ranks (rank ", s, " sent ",
+          a[s][offset + d], " rows to rank ", d, ", which expects ", a[d][offset + num_ranks + s],
+          "); nothing was exchanged (seen on rank ", rank, ")");
+    }
+  }
+}
+
+std::vector<int64_t> hostVector(const at::Tensor& t, int64_t n) {
+  if (!t.defined() || t.numel() != n) {
+    return std::vector<int64_t>(n, 0);
+  }
+  at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + n);
+}
+
+// Per-token send positions and receive prefix of a handle (the kernels' view of the routing).
+std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
+  at::Tensor in_rank = r.is_token_in_rank.to(at::kInt);
+  at::Tensor send_pos =
+      at::where(r.is_token_in_rank, in_rank.cumsum(0, at::kInt) - 1, -1).to(at::kInt).contiguous();
+  at::Tensor prefix = at::zeros({r.num_recv_tokens_per_rank.numel() + 1},
+                                r.num_recv_tokens_per_rank.options().dtype(at::kInt));
+  prefix.narrow(0, 1, r.num_recv_tokens_per_rank.numel())
+      .copy_(r.num_recv_tokens_per_rank.cumsum(0, at::kInt));
+  return {send_pos, prefix};
+}
+
+template <typename T>
+T* ptrOr(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->numel() > 0 ? static_cast<T*>(t->data_ptr()) : nullptr;
+}
+
+} // namespace
+
+bool usable(EPProcessGroup& pg, const at::Device& device) {
+  auto st = stateOf(pg);
+  if (!st->decided) {
+    c10::cuda::CUDAGuard guard(device);
+    st->usable = decideUsable(pg, device);
+    st->decided = true;
+  }
+  return st->usable;
+}
+
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "dispatch");
+  // Values of topk_idx are read on the host only when the call syncs anyway.
+  const std::string error = validateDispatch(a, num_ranks, a.num_worst_tokens == 0);
+  const bool ok = error.empty();
+  const bool has_scales = a.x_scales.has_value();
+  const bool has_weights = a.topk_weights.has_value();
+  std::vector<AgreedField> fields{
+      {"num_experts", a.num_experts},
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
+      {"top-k", ok ? a.topk_idx.size(1) : -1},
+      {"topk_idx dtype", ok ? static_cast<int64_t>(a.topk_idx.scalar_type()) : -1},
+      {"x_scales columns", ok && has_scales ? a.x_scales->size(1) : 0},
+      {"x_scales dtype", ok && has_scales ? static_cast<int64_t>(a.x_scales->scalar_type()) : -1},
+      {"presence of topk_weights", has_weights ? 1 : 0},
+      {"expert_alignment", a.expert_alignment},
+      {"num_worst_tokens", a.num_worst_tokens},
+  };
+  std::vector<int64_t> payload{
+      ok ? a.x.size(0) : 0,
+      ok ? a.x.size(1) * a.x.element_size() : 0,
+      ok ? a.topk_idx.size(1) : 0,
+      ok && has_scales ? a.x_scales->size(1) : 0,
+      ok ? a.num_experts / num_ranks : 0};
+  at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload);
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+
+  const int64_t num_tokens = a.x.size(0);
+  const int64_t topk = a.topk_idx.size(1);
+  const int64_t experts_per_rank = a.num_experts / num_ranks;
+  const auto i32 = a.x.options().dtype(at::kInt);
+  at::Tensor per_rank = at::empty({num_ranks}, i32);
+  at::Tensor per_expert = at::empty({a.num_experts}, i32);
+  at::Tensor in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
+  at::Tensor send_pos = at::empty({num_tokens, num_ranks}, i32);
+  const int idx_bytes = static_cast<int>(a.topk_idx.element_size());
+  rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens), static_cast<int>(topk),
+            static_cast<int>(a.num_experts), per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
+            in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(), stream);
+  at::Tensor recv_counts = at::empty({num_ranks}, i32);
+  at::Tensor recv_prefix = at::empty({num_ranks + 1}, i32);
+  at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
+  const bool host_counts = a.num_worst_tokens == 0;
+  const int ticket = rt.notify(
+      per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
+      static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
+      recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(),
+      host_counts, stream);
+  int64_t rows = a.num_worst_tokens;
+  if (host_counts) {
+    rows = rt.wait_recv_counts(ticket).num_recv_tokens;
+  }
+
+  DispatchResult out;
+  out.recv_x = at::empty({rows, a.x.size(1)}, a.x.options());
+  if (has_scales) {
+    out.recv_x_scales = at::empty({rows, a.x_scales->size(1)}, a.x_scales->options());
+  }
+  out.recv_topk_idx = at::empty({rows, topk}, a.topk_idx.options());
+  if (has_weights) {
+    out.recv_topk_weights = at::empty({rows, topk}, a.topk_weights->options());
+  }
+  at::Tensor src_idx = at::empty({rows}, i32);
+  at::Tensor src_rank = at::empty({rows}, i32);
+
+  IntranodeDispatchArgs args;
+  args.x = a.x.data_ptr();
+  args.num_tokens = static_cast<int>(num_tokens);
+  args.hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
+  args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;
+  args.num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
+  args.topk_idx = a.topk_idx.data_ptr();
+  args.idx_bytes = idx_bytes;
+  args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+  args.num_topk = static_cast<int>(topk);
+  args.num_experts = static_cast<int>(a.num_experts);
+  args.send_pos = send_pos.data_ptr<int>();
+  args.recv_prefix = recv_prefix.data_ptr<int>();
+  args.recv_x = out.recv_x.data_ptr();
+  args.recv_x_scales = has_scales ? static_cast<float*>(out.recv_x_scales->data_ptr()) : nullptr;
+  args.recv_topk_idx = out.recv_topk_idx.data_ptr();
+  args.recv_topk_weights = has_weights ? out.recv_topk_weights->data_ptr<float>() : nullptr;
+  args.recv_src_idx = src_idx.data_ptr<int>();
+  args.recv_src_rank = src_rank.data_ptr<int>();
+  args.num_worst_tokens = static_cast<int>(a.num_worst_tokens);
+  rt.dispatch(args, stream);
+
+  out.num_recv_tokens_per_expert = recv_per_expert;
+  out.routing.is_token_in_rank = in_rank;
+  out.routing.num_tokens_per_rank = per_rank;
+  out.routing.num_recv_tokens_per_rank = recv_counts;
+  out.routing.recv_src_idx = src_idx;
+  out.routing.recv_src_rank = src_rank;
+  return out;
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+    EPProcessGroup& pg,
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    const DispatchRouting& routing) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "cached dispatch");
+  const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
+  const bool ok = error.empty();
+  std::vector<AgreedField> fields{
+      {"hidden size H", ok ? x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(x.scalar_type()) : -1},
+      {"x_scales columns", ok && x_scales ? x_scales->size(1) : 0},
+  };
+  std::vector<int64_t> payload{
+      ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
+      ok && x_scales ? x_scales->size(1) : 0, 0};
+  auto sent = hostVector(routing.num_tokens_per_rank, num_ranks);
+  auto recv = hostVector(routing.num_recv_tokens_per_rank, num_ranks);
+  payload.insert(payload.end(), sent.begin(), sent.end());
+  payload.insert(payload.end(), recv.begin(), recv.end());
+  at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
+  checkHandleAgrees("cached dispatch", gathered, 5, pg.getRank());
+
+  const at::Device device = x.device();
+  c10::cuda::CUDAGuard guard(device);
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  auto [send_pos, recv_prefix] = kernelRouting(routing);
+  const int64_t rows = routing.recv_src_idx.size(0);
+  at::Tensor recv_x = at::empty({rows, x.size(1)}, x.options());
+  std::optional<at::Tensor> recv_scales;
+  if (x_scales) {
+    recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
+  }
+  IntranodeDispatchArgs args;
+  args.x = x.data_ptr();
+  args.num_tokens = static_cast<int>(x.size(0));
+  args.hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
+  args.x_scales = x_scales ? static_cast<const float*>(x_scales->data_ptr()) : nullptr;
+  args.num_scales = x_scales ? static_cast<int>(x_scales->size(1)) : 0;
+  args.send_pos = send_pos.data_ptr<int>();
+  args.recv_prefix = recv_prefix.data_ptr<int>();
+  args.recv_x = recv_x.data_ptr();
+  args.recv_x_scales = recv_scales ? static_cast<float*>(recv_scales->data_ptr()) : nullptr;
+  // Rows past the valid count (a num_worst_tokens handle) are written as padding.
+  args.num_worst_tokens = static_cast<int>(rows);
+  rt.cached_dispatch(args, stream);
+  return {recv_x, recv_scales};
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "combine");
+  const std::string error = validateCombine(a, num_ranks);
+  const bool ok = error.empty();
+  const bool has_weights = a.topk_weights.has_value();
+  std::vector<AgreedField> fields{
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
+      {"presence of topk_weights", has_weights ? 1 : 0},
+      {"top-k of topk_weights", ok && has_weights ? a.topk_weights->size(1) : 0},
+  };
+  const auto& r = a.routing;
+  std::vector<int64_t> payload{
+      ok ? r.is_token_in_rank.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0,
+      ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
+  auto sent = hostVector(r.num_tokens_per_rank, num_ranks);
+  auto recv = hostVector(r.num_recv_tokens_per_rank, num_ranks);
+  payload.insert(payload.end(), sent.begin(), sent.end());
+  payload.insert(payload.end(), recv.begin(), recv.end());
+  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
+  checkHandleAgrees("combine", gathered, 5, pg.getRank());
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  auto [send_pos, recv_prefix] = kernelRouting(r);
+  const int64_t num_tokens = r.is_token_in_rank.size(0);
+  at::Tensor out = at::empty({num_tokens, a.x.size(1)}, a.x.options());
+  std::optional<at::Tensor> out_w;
+  if (has_weights) {
+    out_w = at::empty({num_tokens, a.topk_weights->size(1)}, a.topk_weights->options());
+  }
+  IntranodeCombineArgs args;
+  args.x = a.x.data_ptr();
+  args.elem_bytes = static_cast<int>(a.x.element_size());
+  args.hidden = static_cast<int>(a.x.size(1));
+  args.num_recv_rows = static_cast<int>(a.x.size(0));
+  args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+  args.num_topk = has_weights ? static_cast<int>(a.topk_weights->size(1)) : 0;
+  args.recv_prefix = recv_prefix.data_ptr<int>();
+  args.send_pos = send_pos.data_ptr<int>();
+  args.num_tokens = static_cast<int>(num_tokens);
+  args.bias0 = a.bias0 ? a.bias0->data_ptr() : nullptr;
+  args.bias1 = a.bias1 ? a.bias1->data_ptr() : nullptr;
+  args.out = out.data_ptr();
+  args.out_topk_weights = out_w ? out_w->data_ptr<float>() : nullptr;
+  rt.combine(args, stream);
+  return {out, out_w};
+}
+
+} // namespace ep::intranode
+
+#endif // EP_WITH_CUDA
