@@ -47,7 +47,9 @@ at::Tensor bytesToRows(
   if (n == 0) {
     return at::empty(shape, bytes.options().dtype(dtype));
   }
-  return bytes.narrow(1, offset, nbytes).contiguous().view(dtype).reshape(shape);
+  // clone, not contiguous(): a single row is contiguous already, and contiguous() would keep
+  // the block's byte offset in the storage, which view(dtype) needs divisible by the element size.
+  return bytes.narrow(1, offset, nbytes).clone(at::MemoryFormat::Contiguous).view(dtype).reshape(shape);
 }
 
 // Packs per-row byte blocks side by side; records each block's (offset, size).

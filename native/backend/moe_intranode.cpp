@@ -88,7 +88,7 @@ bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   std::ostringstream mine;
-  mine << host << '|' << device.index();
+  mine << host << '|' << static_cast<int>(device.index());
   auto& store = pg.store();
   const std::string prefix = keyPrefix(pg) + "topology/";
   store->set(prefix + std::to_string(rank), toBytes(mine.str()));

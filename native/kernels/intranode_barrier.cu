@@ -27,6 +27,11 @@ __global__ void __launch_bounds__(32, 1) intranode_barrier_kernel(BarrierParams 
 
 }  // namespace
 
+cudaError_t preload_intranode_barrier() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, intranode_barrier_kernel);
+}
+
 cudaError_t launch_intranode_barrier(const BarrierParams& p, cudaStream_t stream) {
   intranode_barrier_kernel<<<1, 32, 0, stream>>>(p);
   return cudaGetLastError();

@@ -19,6 +19,7 @@ namespace ep {
 namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
+constexpr int kWarps = kIntranodeThreads / 32;
 
 template <int kElemBytes>
 struct ElemOps;
@@ -78,8 +79,16 @@ struct ElemOps<8> {  // float64
   }
 };
 
+// Start of the combine row `slot` that `src` writes into `owner`'s buffer (mapped as `buffer`).
+__device__ __forceinline__ char* combine_row(const CommContext& c, char* buffer, int src, int owner,
+                                             int slot, int stride) {
+  return buffer + c.layout.combine_offset +
+         c.layout.region_index(src, owner) * c.layout.combine_region_bytes + size_t(slot) * stride;
+}
+
+// Expert side: rows held from source s go back into s's combine area; progress to the publisher.
 __device__ void combine_send(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
-                             int warp, int lane) {
+                             int warp, int lane, int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
   const int hidden_bytes = p.hidden * p.elem_bytes;
@@ -97,9 +106,10 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
     const int n = __shfl_sync(kFull, prefix, s + 1) - __shfl_sync(kFull, prefix, s);
     if (s != me) max_count = max(max_count, n);
   }
-  for (int i = first; i < max_count; i += stride) {
-    for (int k = 1; k < R; ++k) {
-      const int dst = (me + k) % R;
+  int k = 0;
+  for (int i = first; i < max_count; i += stride, ++k) {
+    for (int step = 1; step < R; ++step) {
+      const int dst = (me + step) % R;
       const int base = __shfl_sync(kFull, prefix, dst);
       const int count = __shfl_sync(kFull, prefix, dst + 1) - base;
       if (i >= count) continue;
@@ -111,15 +121,13 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
         if (!__shfl_sync(kFull, ok, 0)) return;
         ready |= 1u << dst;
       }
-      char* out = c.buffers.ptr[dst] + c.layout.combine_offset +
-                  c.layout.region_index(me, dst) * c.layout.combine_region_bytes +
-                  size_t(i) * row.stride;
+      char* out = combine_row(c, c.buffers.ptr[dst], me, dst, i, row.stride);
       const int r = base + i;
       if (r < p.num_recv_capacity) {  // rows past the capacity never existed (overflow)
         const int4* src =
             reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(r) * hidden_bytes);
         int4* o = reinterpret_cast<int4*>(out);
-        constexpr int kUnroll = 8;
+        constexpr int kUnroll = 16;
         for (int j = lane; j < n16; j += 32 * kUnroll) {
           int4 v[kUnroll];
 #pragma unroll
@@ -133,118 +141,203 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
           reinterpret_cast<float*>(out + row.weights_offset)[lane] =
               p.topk_weights[size_t(r) * K + lane];
       }
-      __syncwarp();
-      if (lane == 0) {
-        device::fence_acq_rel_sys();
-        device::st_relaxed_sys(reinterpret_cast<uint64_t*>(out + row.flag_offset), seq);
+    }
+    __syncwarp();
+    if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
+  }
+}
+
+// Lane l publishes the rows of sender warp l of this block (see the dispatch publisher).
+__device__ void combine_publish(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
+                                int lane, const int* progress) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  const CombineRow row = CombineRow::make(p.hidden * p.elem_bytes, p.num_topk);
+  const int S = p.num_send_warps;
+  const int stride = gridDim.x * S;
+  const int first = blockIdx.x * S + lane;
+  int count[kMaxRanks];
+  int max_count = 0;
+#pragma unroll
+  for (int d = 0; d < kMaxRanks; ++d) {
+    count[d] = (d < R && d != me) ? p.recv_prefix[d + 1] - p.recv_prefix[d] : 0;
+    max_count = max(max_count, count[d]);
+  }
+  const int total = (lane < S && first < max_count) ? (max_count - 1 - first) / stride + 1 : 0;
+  int published = 0;
+  long long idle_since = 0;
+  for (uint32_t idle = 0;;) {
+    const int done = lane < S ? device::ld_acquire_cta_shared(progress + lane) : 0;
+    const bool fresh = done > published;
+    if (fresh) {
+      device::fence_acq_rel_sys();
+      for (int k = published; k < done; ++k) {
+        const int i = first + k * stride;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (i < count[d])
+            device::st_relaxed_sys(
+                reinterpret_cast<uint64_t*>(combine_row(c, c.buffers.ptr[d], me, d, i, row.stride) +
+                                            row.flag_offset),
+                seq);
+      }
+      published = done;
+    }
+    if (__all_sync(kFull, published >= total)) return;
+    if (__any_sync(kFull, fresh)) {
+      idle = 0;
+      continue;
+    }
+    if (idle++ == 0) idle_since = clock64();
+    __nanosleep(32);
+    if ((idle & 255u) == 0) {
+      if (device::aborted(ctx)) return;
+      if (clock64() - idle_since > ctx.timeout_cycles) {
+        if (lane == 0) device::raise_timeout(ctx, me);
+        return;
       }
     }
   }
 }
 
+// Owner side: reduce token t whose rows from rank r sit at pos[r] (-1: none).
 template <int kElemBytes, int kRanks>
-__device__ void combine_recv(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
-                             int warp, int lane) {
+__device__ __forceinline__ void combine_token(const CombineParams& p, int t, const int (&pos)[kRanks],
+                                              int lane) {
   using Ops = ElemOps<kElemBytes>;
   using Acc = typename Ops::Acc;
-  // Chunks per lane in flight: kRanks * kUnroll 16-byte loads are issued before any add.
-  constexpr int kUnroll = kRanks <= 2 ? 4 : (kRanks <= 4 ? 2 : 1);
+  // 16-byte loads in flight per lane: kRanks * kUnroll, all issued before any add.
+  constexpr int kUnroll = kRanks <= 2 ? 8 : (kRanks <= 4 ? 2 : 1);  // no register spills
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
   const int hidden_bytes = p.hidden * kElemBytes;
   const CombineRow row = CombineRow::make(hidden_bytes, K);
   const int n16 = hidden_bytes / 16;
-  const int num_recv_warps = kIntranodeThreads / 32 - p.num_send_warps;
-  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps);
-  const int stride = gridDim.x * num_recv_warps;
-  const int local_base = p.recv_prefix[me];
-  const char* area = c.buffers.ptr[me] + c.layout.combine_offset;
+  char* const own = c.buffers.ptr[me];
 
-  for (int t = first; t < p.num_tokens; t += stride) {
-    const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
-    bool ok = true;
-    if (lane < R && lane != me && pos >= 0) {
-      const uint64_t* flag = reinterpret_cast<const uint64_t*>(
-          area + c.layout.region_index(lane, me) * c.layout.combine_region_bytes +
-          size_t(pos) * row.stride + row.flag_offset);
-      ok = device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(flag) == seq; });
+  int local_row = -1;  // row of x this rank holds from itself for token t
+  const char* src[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) {
+    src[r] = nullptr;
+    if (r < R && pos[r] >= 0) {
+      if (r == me) {
+        local_row = p.recv_prefix[me] + pos[r];
+        if (local_row < p.num_recv_capacity)
+          src[r] = static_cast<const char*>(p.x) + size_t(local_row) * hidden_bytes;
+      } else {
+        src[r] = combine_row(c, own, r, me, pos[r], row.stride);
+      }
     }
-    if (!__all_sync(kFull, ok)) return;
-    __syncwarp();  // the waiting lanes' acquires order every lane's reads below
+  }
+  const int4* b0 = p.bias0 == nullptr
+                       ? nullptr
+                       : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) +
+                                                       size_t(t) * hidden_bytes);
+  const int4* b1 = p.bias1 == nullptr
+                       ? nullptr
+                       : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
+                                                       size_t(t) * hidden_bytes);
+  int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
 
-    const char* src[kRanks];
-    const float* src_w[kRanks];
+  for (int i = lane; i < n16; i += 32 * kUnroll) {
+    int4 v[kRanks][kUnroll];
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) {
-      const int s = __shfl_sync(kFull, pos, r < R ? r : 0);
-      src[r] = nullptr;
-      src_w[r] = nullptr;
-      if (r < R && s >= 0) {
-        if (r == me) {
-          const int lr = local_base + s;
-          if (lr < p.num_recv_capacity) {
-            src[r] = static_cast<const char*>(p.x) + size_t(lr) * hidden_bytes;
-            if (p.topk_weights != nullptr) src_w[r] = p.topk_weights + size_t(lr) * K;
-          }
-        } else {
-          src[r] = area + c.layout.region_index(r, me) * c.layout.combine_region_bytes +
-                   size_t(s) * row.stride;
-          src_w[r] = reinterpret_cast<const float*>(src[r] + row.weights_offset);
-        }
-      }
-    }
-    const int4* b0 = p.bias0 == nullptr
-                         ? nullptr
-                         : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) +
-                                                         size_t(t) * hidden_bytes);
-    const int4* b1 = p.bias1 == nullptr
-                         ? nullptr
-                         : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
-                                                         size_t(t) * hidden_bytes);
-    int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
-
-    for (int i = lane; i < n16; i += 32 * kUnroll) {
-      int4 v[kRanks][kUnroll];
-#pragma unroll
-      for (int r = 0; r < kRanks; ++r) {
-        if (src[r] == nullptr) continue;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + 32 * u < n16) v[r][u] = device::ld_v4(reinterpret_cast<const int4*>(src[r]) + i + 32 * u);
-      }
-      Acc acc[kUnroll][Ops::kPerVec];
+      if (src[r] == nullptr) continue;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int e = 0; e < Ops::kPerVec; ++e) acc[u][e] = Acc(0);
-#pragma unroll
-      for (int r = 0; r < kRanks; ++r) {
-        if (src[r] == nullptr) continue;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + 32 * u < n16) Ops::add(acc[u], v[r][u]);
-      }
-      if (b0 != nullptr) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + 32 * u < n16) Ops::add(acc[u], device::ld_nc_v4(b0 + i + 32 * u));
-      }
-      if (b1 != nullptr) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (i + 32 * u < n16) Ops::add(acc[u], device::ld_nc_v4(b1 + i + 32 * u));
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i + 32 * u < n16) device::st_v4(out + i + 32 * u, Ops::pack(acc[u]));
+        if (i + 32 * u < n16)
+          v[r][u] = device::ld_v4(reinterpret_cast<const int4*>(src[r]) + i + 32 * u);
     }
-
-    if (p.out_topk_weights != nullptr && lane < K) {
-      float acc = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i + 32 * u >= n16) continue;
+      Acc acc[Ops::kPerVec];
+#pragma unroll
+      for (int e = 0; e < Ops::kPerVec; ++e) acc[e] = Acc(0);  // +0: the spec's start value
 #pragma unroll
       for (int r = 0; r < kRanks; ++r)
-        if (src_w[r] != nullptr) acc = __fadd_rn(acc, src_w[r][lane]);
-      p.out_topk_weights[size_t(t) * K + lane] = acc;
+        if (src[r] != nullptr) Ops::add(acc, v[r][u]);
+      if (b0 != nullptr) Ops::add(acc, device::ld_nc_v4(b0 + i + 32 * u));
+      if (b1 != nullptr) Ops::add(acc, device::ld_nc_v4(b1 + i + 32 * u));
+      device::st_v4(out + i + 32 * u, Ops::pack(acc));
+    }
+  }
+
+  if (p.out_topk_weights != nullptr && lane < K) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (src[r] == nullptr) continue;
+      const float* w = r == me ? p.topk_weights + size_t(local_row) * K
+                               : reinterpret_cast<const float*>(src[r] + row.weights_offset);
+      acc = __fadd_rn(acc, w[lane]);
+    }
+    p.out_topk_weights[size_t(t) * K + lane] = acc;
+  }
+}
+
+// Owner side: 32 tokens per batch, lane j polls the flags of token first + (k0 + j) * stride and
+// the warp reduces every token whose rows have all arrived.
+template <int kElemBytes, int kRanks>
+__device__ void combine_recv(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
+                             int warp, int lane) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  const CombineRow row = CombineRow::make(p.hidden * kElemBytes, p.num_topk);
+  const int num_recv_warps = kWarps - p.num_send_warps - 1;
+  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
+  const int stride = gridDim.x * num_recv_warps;
+  char* const own = c.buffers.ptr[me];
+
+  for (int k0 = 0; first + k0 * stride < p.num_tokens; k0 += 32) {
+    const int my_t = first + (k0 + lane) * stride;
+    const bool valid = my_t < p.num_tokens;
+    int my_pos[kRanks];
+    uint32_t waiting = 0;  // remote ranks whose row of my_t has not been seen yet
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      my_pos[r] = (valid && r < R) ? p.send_pos[size_t(my_t) * R + r] : -1;
+      if (r != me && my_pos[r] >= 0) waiting |= 1u << r;
+    }
+    uint32_t pending = __ballot_sync(kFull, valid);
+    long long idle_since = 0;
+    for (uint32_t idle = 0; pending != 0;) {
+      if (((pending >> lane) & 1u) && waiting != 0) {
+#pragma unroll
+        for (int r = 0; r < kRanks; ++r) {
+          if (!((waiting >> r) & 1u)) continue;
+          const uint64_t* flag = reinterpret_cast<const uint64_t*>(
+              combine_row(c, own, r, me, my_pos[r], row.stride) + row.flag_offset);
+          if (device::flag_arrived(flag, seq)) waiting &= ~(1u << r);
+        }
+      }
+      uint32_t ready = __ballot_sync(kFull, ((pending >> lane) & 1u) && waiting == 0);
+      __syncwarp();  // the polling lanes' acquires order every lane's reads below
+      pending &= ~ready;
+      if (ready != 0) {
+        idle = 0;
+      } else {
+        if (idle++ == 0) idle_since = clock64();
+        __nanosleep(64);  // leave the issue slots to the working warps of this SM
+        if ((idle & 63u) == 0) {
+          if (device::aborted(ctx)) return;
+          if (clock64() - idle_since > ctx.timeout_cycles) {
+            const uint32_t w = __reduce_or_sync(kFull, waiting);
+            if (lane == 0) device::raise_timeout(ctx, __ffs(w) - 1);
+            return;
+          }
+        }
+      }
+      while (ready != 0) {
+        const int j = __ffs(ready) - 1;
+        ready &= ready - 1;
+        int pos[kRanks];
+#pragma unroll
+        for (int r = 0; r < kRanks; ++r) pos[r] = __shfl_sync(kFull, my_pos[r], j);
+        combine_token<kElemBytes, kRanks>(p, first + (k0 + j) * stride, pos, lane);
+      }
     }
   }
 }
@@ -252,11 +345,13 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
 template <int kElemBytes, int kRanks>
 __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel(CombineParams p) {
   __shared__ uint64_t s_seq;
+  __shared__ int s_progress[kWarps];
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
   if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
+  if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t seq = s_seq;
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpCombine, me};
@@ -266,7 +361,9 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
 
   if (!device::aborted(ctx)) {
     if (warp < p.num_send_warps)
-      combine_send(p, ctx, seq, warp, lane);
+      combine_send(p, ctx, seq, warp, lane, s_progress);
+    else if (warp == p.num_send_warps)
+      combine_publish(p, ctx, seq, lane, s_progress);
     else
       combine_recv<kElemBytes, kRanks>(p, ctx, seq, warp, lane);
   }
@@ -292,7 +389,23 @@ cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t st
   return cudaGetLastError();
 }
 
+template <int kElemBytes>
+cudaError_t preload_for_elem() {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 2>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 4>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 8>);
+  return e;
+}
+
 }  // namespace
+
+cudaError_t preload_intranode_combine() {
+  cudaError_t e = preload_for_elem<2>();
+  if (e == cudaSuccess) e = preload_for_elem<4>();
+  if (e == cudaSuccess) e = preload_for_elem<8>();
+  return e;
+}
 
 cudaError_t launch_intranode_combine(const CombineParams& p, int num_sms, cudaStream_t stream) {
   switch (p.elem_bytes) {

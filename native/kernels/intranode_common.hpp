@@ -196,6 +196,7 @@ struct DispatchParams {
   int* recv_src_rank;            // [cap] or null
   int num_worst_tokens;          // 0: exact N rows; > 0: capacity, padding rows filled
   int num_send_warps;
+  int use_tma;                   // senders move rows with cp.async.bulk (needs dynamic smem)
 };
 
 struct CombineParams {
@@ -214,6 +215,7 @@ struct CombineParams {
   void* out;                     // [T, H]
   float* out_topk_weights;       // [T, K] or null (needs topk_weights)
   int num_send_warps;
+  int use_tma;
 };
 
 struct BarrierParams {

@@ -1,16 +1,21 @@
 // High-throughput intranode dispatch (normal, worst-case and cached), push model over NVLink.
 //
-// Each block has `num_send_warps` sender warps and the rest receiver warps.
+// Block = 16 warps: `num_send_warps` senders, one publisher, the rest receivers.
 //  * Senders: global sender warp w takes tokens w, w + W, w + 2W, ... (all warps walk the tokens
 //    together, so rows reach every receiver in roughly increasing slot order). Per token it reads
-//    the x row once (ld.global.nc, 16 B per lane) and writes it to every destination: straight into
-//    recv_x for this rank (HBM to HBM, never through the buffer), and for a peer into the slot
-//    send_pos[t, peer] of the region this rank owns in the peer's buffer, followed by scales,
-//    metadata (source index, local expert ids, weights) and finally a per-row flag = sequence
-//    number, published with a system-scope release.
-//  * Receivers: global receiver warp v takes slots v, v + V, ... of every remote source, waits for
-//    the row's flag (acquire) and copies the row to its final place recv_prefix[src] + slot. Rows
-//    are thus copied out while later rows are still in flight.
+//    the x row once (ld.global.nc, 16 B per lane, many loads in flight) and writes it to every
+//    destination: straight into recv_x for this rank (HBM to HBM, never through the buffer), and
+//    for a peer into slot send_pos[t, peer] of the region this rank owns in the peer's buffer,
+//    followed by scales and metadata (source index, local expert ids, weights). Senders never
+//    wait for their remote stores: after each token they hand progress to the publisher through
+//    shared memory (release/acquire at CTA scope).
+//  * Publisher: one warp; lane l follows sender warp l. When a sender reports new tokens, the
+//    lane issues one fence.acq_rel.sys (cumulative: it covers the sender's stores it observed)
+//    and writes the per-row flags (= sequence number) of those tokens' remote rows.
+//  * Receivers: global receiver warp v owns slots v, v + V, ... of every remote source. It polls
+//    32 of its rows at once (one per lane, ld.acquire.sys on the row flag) and copies every row
+//    that has arrived to recv_prefix[src] + slot, so rows leave the buffer while later rows are
+//    still in flight.
 // Before a sender first writes into a peer's buffer it waits for the peer's "entered" flag of this
 // sequence: the peer has finished every earlier kernel, so the region is no longer being read.
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
@@ -21,18 +26,20 @@ namespace ep {
 namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
-constexpr int kCopyUnroll = 8;  // 16-byte chunks in flight per lane (latency hiding)
+constexpr int kWarps = kIntranodeThreads / 32;
+constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more spills registers)
+constexpr int kRecvUnroll = 16;
 
 // Copies n16 16-byte chunks from a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
                                                char* const (&dst)[kMaxRanks], int lane) {
-  for (int i = lane; i < n16; i += 32 * kCopyUnroll) {
-    int4 v[kCopyUnroll];
+  for (int i = lane; i < n16; i += 32 * kSendUnroll) {
+    int4 v[kSendUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
+    for (int u = 0; u < kSendUnroll; ++u)
       if (i + 32 * u < n16) v[u] = device::ld_nc_v4(src + i + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < kSendUnroll; ++u) {
       if (i + 32 * u < n16) {
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d)
@@ -44,13 +51,13 @@ __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int
 
 // Copies a row a peer wrote into our buffer (coherent loads) to its output row.
 __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane) {
-  for (int i = lane; i < n16; i += 32 * kCopyUnroll) {
-    int4 v[kCopyUnroll];
+  for (int i = lane; i < n16; i += 32 * kRecvUnroll) {
+    int4 v[kRecvUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
+    for (int u = 0; u < kRecvUnroll; ++u)
       if (i + 32 * u < n16) v[u] = device::ld_v4(src + i + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
+    for (int u = 0; u < kRecvUnroll; ++u)
       if (i + 32 * u < n16) device::st_v4(dst + i + 32 * u, v[u]);
   }
 }
@@ -67,115 +74,260 @@ __device__ __forceinline__ long long load_idx(const void* base, size_t i, int id
                         : static_cast<long long>(static_cast<const int*>(base)[i]);
 }
 
-__device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane) {
+// Start of the row `slot` that `src` writes into `receiver`'s buffer (mapped as `buffer`).
+__device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer, int src,
+                                              int receiver, int slot, int stride) {
+  return buffer + c.layout.dispatch_offset +
+         c.layout.region_index(src, receiver) * c.layout.dispatch_region_bytes +
+         size_t(slot) * stride;
+}
+
+// Per token, by the whole warp: destinations (waiting for peers to enter this sequence on first
+// use), destination row pointers, scales and metadata. The x payload is left to the caller.
+// Returns false when the kernel must give up.
+__device__ __forceinline__ bool dispatch_prepare_token(const DispatchParams& p,
+                                                       const device::WaitContext& ctx, uint64_t seq,
+                                                       int t, int lane, uint32_t& ready,
+                                                       char* (&dst)[kMaxRanks]) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
-  const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
-  const bool with_meta = p.topk_idx != nullptr;
-  const int first = blockIdx.x * p.num_send_warps + warp;
-  const int stride = gridDim.x * p.num_send_warps;
-  const int local_base = p.recv_prefix[me];
-  const uint64_t* entered =
-      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
-  uint32_t ready = 1u << me;  // peers known to have entered this sequence
-
-  for (int t = first; t < p.num_tokens; t += stride) {
-    const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
-    const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
-    if (dest_mask == 0) continue;
-    const uint32_t need = dest_mask & ~ready;
-    if (need != 0) {
-      bool ok = true;
-      if ((need >> lane) & 1u)
-        ok = device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
-      if (!__all_sync(kFull, ok)) return;
-      ready |= need;
+  const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
+  const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
+  const uint32_t need = dest_mask & ~ready;
+  if (need != 0) {
+    bool ok = true;
+    if ((need >> lane) & 1u) {
+      const uint64_t* entered =
+          reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset) + lane;
+      ok = device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered) >= seq; });
     }
-
-    // Destination rows: recv_x for ourselves, the peer's buffer slot otherwise.
-    char* dst[kMaxRanks];
-    int local_row = -1;
+    if (!__all_sync(kFull, ok)) return false;
+    ready |= need;
+  }
+  int local_row = -1;
 #pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      const int slot = __shfl_sync(kFull, pos, d);
-      dst[d] = nullptr;
-      if (d < R && slot >= 0) {
-        if (d == me) {
-          const int r = local_base + slot;
-          if (cap == 0 || r < cap) {
-            local_row = r;
-            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
-          }
-        } else {
-          dst[d] = c.buffers.ptr[d] + c.layout.dispatch_offset +
-                   c.layout.region_index(me, d) * c.layout.dispatch_region_bytes +
-                   size_t(slot) * row.stride;
+  for (int d = 0; d < kMaxRanks; ++d) {
+    const int slot = __shfl_sync(kFull, pos, d);
+    dst[d] = nullptr;
+    if (d < R && slot >= 0) {
+      if (d == me) {
+        const int r = p.recv_prefix[me] + slot;
+        if (cap == 0 || r < cap) {
+          local_row = r;
+          dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
         }
+      } else {
+        dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
       }
     }
+  }
+  if (dest_mask == 0) return true;
 
+  for (int j = lane; j < S; j += 32) {
+    const float v = p.scales[size_t(t) * S + j];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (dst[d] == nullptr) continue;
+      if (d == me)
+        p.recv_scales[size_t(local_row) * S + j] = v;
+      else
+        reinterpret_cast<float*>(dst[d] + row.scales_offset)[j] = v;
+    }
+  }
+
+  if (p.topk_idx != nullptr) {
+    long long idx = -1;
+    float w = 0.0f;
+    if (lane < K) {
+      idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
+      if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
+    }
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (dst[d] == nullptr) continue;
+      const long long lo = static_cast<long long>(d) * p.experts_per_rank;
+      const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
+      const float local_w = local_idx >= 0 ? w : 0.0f;
+      if (d == me) {
+        if (lane < K && p.recv_topk_idx != nullptr) {
+          store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
+          if (p.recv_topk_weights != nullptr)
+            p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
+        }
+        if (lane == 0) {
+          if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
+          if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
+        }
+      } else {
+        char* meta = dst[d] + row.meta_offset;
+        if (lane < K) {
+          reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
+          reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
+        }
+        if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
+      }
+    }
+  }
+  return true;
+}
+
+// Register path: every lane loads 16-byte chunks of x and stores them to every destination.
+__device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
+                              int warp, int lane, int* progress) {
+  const int n16 = p.hidden_bytes / 16;
+  const int first = blockIdx.x * p.num_send_warps + warp;
+  const int stride = gridDim.x * p.num_send_warps;
+  uint32_t ready = 1u << p.comm.rank;  // peers known to have entered this sequence
+  int k = 0;
+  for (int t = first; t < p.num_tokens; t += stride, ++k) {
+    char* dst[kMaxRanks];
+    if (!dispatch_prepare_token(p, ctx, seq, t, lane, ready, dst)) return;
     copy_row_multi(reinterpret_cast<const int4*>(static_cast<const char*>(p.x) +
                                                  size_t(t) * p.hidden_bytes),
                    n16, dst, lane);
-
-    for (int j = lane; j < S; j += 32) {
-      const float v = p.scales[size_t(t) * S + j];
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr) continue;
-        if (d == me)
-          p.recv_scales[size_t(local_row) * S + j] = v;
-        else
-          reinterpret_cast<float*>(dst[d] + row.scales_offset)[j] = v;
-      }
-    }
-
-    if (with_meta) {
-      long long idx = -1;
-      float w = 0.0f;
-      if (lane < K) {
-        idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
-        if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
-      }
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr) continue;
-        const long long lo = static_cast<long long>(d) * p.experts_per_rank;
-        const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
-        const float local_w = local_idx >= 0 ? w : 0.0f;
-        if (d == me) {
-          if (lane < K && p.recv_topk_idx != nullptr) {
-            store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
-            if (p.recv_topk_weights != nullptr)
-              p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
-          }
-          if (lane == 0) {
-            if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
-            if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
-          }
-        } else {
-          char* meta = dst[d] + row.meta_offset;
-          if (lane < K) {
-            reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
-            reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
-          }
-          if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
-        }
-      }
-    }
-
-    // Publish the remote rows: one system-scope fence covers the whole warp's stores.
+    // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
     __syncwarp();
-    const uint32_t remote = dest_mask & ~(1u << me);
-    if (lane == 0 && remote != 0) {
-      device::fence_acq_rel_sys();
+    if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
+  }
+}
+
+// Waits (lane 0) for the TMA load into `bar`'s stage; bounded like every wait.
+__device__ __forceinline__ bool wait_tma_load(const device::WaitContext& ctx, uint64_t* bar,
+                                              uint32_t parity) {
+  return device::spin_wait(ctx, ctx.rank, [&] { return device::mbar_try_wait(bar, parity); });
+}
+
+// TMA path: lane 0 streams the x rows of this warp's tokens through kTmaStages shared-memory
+// stages (load of item n+1 overlaps the stores of item n) and keeps kTmaLag items of stores in
+// flight; a token is reported to the publisher once all its bulk stores have completed.
+constexpr int kTmaLag = 2;
+
+__device__ void dispatch_send_tma(const DispatchParams& p, const device::WaitContext& ctx,
+                                  uint64_t seq, int warp, int lane, int* progress, char* smem) {
+  const int first = blockIdx.x * p.num_send_warps + warp;
+  const int stride = gridDim.x * p.num_send_warps;
+  const int hb = p.hidden_bytes;
+  const int n_chunks = (hb + kTmaChunk - 1) / kTmaChunk;
+  const int my_tokens = first < p.num_tokens ? (p.num_tokens - 1 - first) / stride + 1 : 0;
+  const int items = my_tokens * n_chunks;
+  char* stages = smem;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kTmaStages * kTmaChunk);
+  const char* x = static_cast<const char*>(p.x);
+  if (lane == 0) {
+    for (int s = 0; s < kTmaStages; ++s) device::mbar_init(&bars[s], 1);
+    device::fence_mbar_init();
+  }
+  __syncwarp();
+  auto issue_load = [&](int n) {
+    const int off = (n % n_chunks) * kTmaChunk;
+    const int bytes = min(kTmaChunk, hb - off);
+    const int st = n % kTmaStages;
+    device::mbar_arrive_expect_tx(&bars[st], bytes);
+    device::tma_load_1d(stages + st * kTmaChunk,
+                        x + size_t(first + (n / n_chunks) * stride) * hb + off, bytes, &bars[st]);
+  };
+  uint32_t phases = 0;  // lane 0: parity of the next completion of each stage's barrier
+  if (lane == 0 && items > 0) issue_load(0);
+  uint32_t ready = 1u << p.comm.rank;
+  char* dst[kMaxRanks];
+  int reported = 0;
+  for (int n = 0; n < items; ++n) {
+    const int c = n % n_chunks;
+    if (c == 0) {
+      const int t = first + (n / n_chunks) * stride;
+      if (!dispatch_prepare_token(p, ctx, seq, t, lane, ready, dst)) {
+        if (lane == 0) {  // drain before the block may exit
+          wait_tma_load(ctx, &bars[n % kTmaStages], (phases >> (n % kTmaStages)) & 1u);
+          device::tma_wait<0>();
+        }
+        return;
+      }
+    }
+    bool ok = true;
+    if (lane == 0) {
+      if (n + 1 < items) {
+        device::tma_wait_read<kTmaStages - 2>();  // stage of item n+1 (= n+1-kTmaStages) is free
+        issue_load(n + 1);
+      }
+      const int st = n % kTmaStages;
+      ok = wait_tma_load(ctx, &bars[st], (phases >> st) & 1u);
+      phases ^= 1u << st;
+      const int off = c * kTmaChunk;
+      const int bytes = min(kTmaChunk, hb - off);
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d)
-        if (((remote >> d) & 1u) && dst[d] != nullptr)
-          device::st_relaxed_sys(reinterpret_cast<uint64_t*>(dst[d] + row.meta_offset), seq);
+        if (dst[d] != nullptr) device::tma_store_1d(dst[d] + off, stages + st * kTmaChunk, bytes);
+      device::tma_commit();
+      device::tma_wait<kTmaLag>();  // items [0, n + 1 - kTmaLag) complete
+    }
+    if (!__shfl_sync(kFull, ok, 0)) {
+      if (lane == 0) device::tma_wait<0>();
+      return;
+    }
+    const int done_tokens = max(0, n + 1 - kTmaLag) / n_chunks;
+    if (done_tokens > reported) {
+      __syncwarp();
+      if (lane == 0) {
+        device::fence_proxy_async_global();
+        device::st_release_cta_shared(progress + warp, done_tokens);
+      }
+      reported = done_tokens;
+    }
+  }
+  if (lane == 0) {
+    device::tma_wait<0>();
+    device::fence_proxy_async_global();
+  }
+  __syncwarp();
+  if (lane == 0) device::st_release_cta_shared(progress + warp, my_tokens);
+}
+
+// Lane l publishes the rows of sender warp l of this block as the sender reports them.
+__device__ void dispatch_publish(const DispatchParams& p, const device::WaitContext& ctx,
+                                 uint64_t seq, int lane, const int* progress) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, p.num_scales, p.num_topk);
+  const int S = p.num_send_warps;
+  const int stride = gridDim.x * S;
+  const int first = blockIdx.x * S + lane;
+  const int total = (lane < S && first < p.num_tokens) ? (p.num_tokens - 1 - first) / stride + 1 : 0;
+  int published = 0;
+  long long idle_since = 0;
+  for (uint32_t idle = 0;;) {
+    const int done = lane < S ? device::ld_acquire_cta_shared(progress + lane) : 0;
+    const bool fresh = done > published;
+    if (fresh) {
+      device::fence_acq_rel_sys();
+      for (int k = published; k < done; ++k) {
+        const int t = first + k * stride;
+        for (int d = 0; d < R; ++d) {
+          if (d == me) continue;
+          const int pos = p.send_pos[size_t(t) * R + d];
+          if (pos >= 0)
+            device::st_relaxed_sys(
+                reinterpret_cast<uint64_t*>(dispatch_row(c, c.buffers.ptr[d], me, d, pos, row.stride) +
+                                            row.meta_offset),
+                seq);
+        }
+      }
+      published = done;
+    }
+    if (__all_sync(kFull, published >= total)) return;
+    if (__any_sync(kFull, fresh)) {
+      idle = 0;
+      continue;
+    }
+    if (idle++ == 0) idle_since = clock64();
+    __nanosleep(32);
+    if ((idle & 255u) == 0) {
+      if (device::aborted(ctx)) return;  // a sender gave up
+      if (clock64() - idle_since > ctx.timeout_cycles) {
+        if (lane == 0) device::raise_timeout(ctx, me);
+        return;
+      }
     }
   }
 }
@@ -187,11 +339,14 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
-  const int num_recv_warps = kIntranodeThreads / 32 - p.num_send_warps;
-  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps);
+  const int num_recv_warps = kWarps - p.num_send_warps - 1;
+  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
   const int stride = gridDim.x * num_recv_warps;
   const int prefix = lane <= R ? p.recv_prefix[lane] : 0;  // lane s: first row of source s
   const int total = __shfl_sync(kFull, prefix, R);
+  // Lane s (a remote source) also keeps that source's row count.
+  const int next_prefix = __shfl_down_sync(kFull, prefix, 1);
+  const int count = lane < R && lane != me ? next_prefix - prefix : 0;
 
   // Worst-case mode: fill the padding rows first (their values are known before any arrival).
   if (cap > 0) {
@@ -211,59 +366,99 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
     }
   }
 
-  int max_count = 0;
-  for (int s = 0; s < R; ++s) {
-    const int n = __shfl_sync(kFull, prefix, s + 1) - __shfl_sync(kFull, prefix, s);
-    if (s != me) max_count = max(max_count, n);
-  }
-  const char* area = c.buffers.ptr[me] + c.layout.dispatch_offset;
-  for (int i = first; i < max_count; i += stride) {
-    for (int k = 1; k < R; ++k) {
-      const int src = (me + k) % R;
-      const int base = __shfl_sync(kFull, prefix, src);
-      const int count = __shfl_sync(kFull, prefix, src + 1) - base;
-      if (i >= count) continue;
-      const char* in = area + c.layout.region_index(src, me) * c.layout.dispatch_region_bytes +
-                       size_t(i) * row.stride;
-      bool ok = true;
-      if (lane == 0) {
-        const uint64_t* flag = reinterpret_cast<const uint64_t*>(in + row.meta_offset);
-        ok = device::spin_wait(ctx, src, [&] { return device::ld_acquire_sys(flag) == seq; });
+  int max_count = count;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
+
+  char* const own = c.buffers.ptr[me];
+  // Batches of 32 rows per source: this lane polls row first + (k0 + lane) * stride.
+  for (int k0 = 0; first + k0 * stride < max_count; k0 += 32) {
+    const int my_slot = first + (k0 + lane) * stride;
+    // Lane s keeps the mask of rows of source s still to copy (bit j: row of lane j).
+    uint32_t my_pending = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint32_t m = __ballot_sync(kFull, my_slot < __shfl_sync(kFull, count, s));
+      if (lane == s) my_pending = m;
+    }
+    long long idle_since = 0;
+    for (uint32_t idle = 0;;) {
+      bool progressed = false;
+      uint32_t left = 0;
+      for (int s = 0; s < R; ++s) {
+        uint32_t pending = __shfl_sync(kFull, my_pending, s);
+        if (pending == 0) continue;
+        bool arrived = false;
+        if ((pending >> lane) & 1u) {
+          const uint64_t* flag = reinterpret_cast<const uint64_t*>(
+              dispatch_row(c, own, s, me, my_slot, row.stride) + row.meta_offset);
+          arrived = device::flag_arrived(flag, seq);
+        }
+        uint32_t ready = __ballot_sync(kFull, arrived);
+        __syncwarp();  // the polling lanes' acquires order every lane's payload reads below
+        pending &= ~ready;
+        if (lane == s) my_pending = pending;
+        left |= pending;
+        progressed |= ready != 0;
+        const int base = __shfl_sync(kFull, prefix, s);
+        while (ready != 0) {
+          const int j = __ffs(ready) - 1;
+          ready &= ready - 1;
+          const int slot = first + (k0 + j) * stride;
+          const int r = base + slot;
+          if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
+          const char* in = dispatch_row(c, own, s, me, slot, row.stride);
+          copy_row(reinterpret_cast<const int4*>(in),
+                   reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes),
+                   n16, lane);
+          if (p.recv_scales != nullptr) {
+            const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
+            for (int j2 = lane; j2 < S; j2 += 32) p.recv_scales[size_t(r) * S + j2] = sc[j2];
+          }
+          const char* meta = in + row.meta_offset;
+          if (p.recv_topk_idx != nullptr && lane < K) {
+            store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes,
+                      reinterpret_cast<const int*>(meta + 16)[lane]);
+            if (p.recv_topk_weights != nullptr)
+              p.recv_topk_weights[size_t(r) * K + lane] =
+                  reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
+          }
+          if (lane == 0) {
+            if (p.recv_src_idx != nullptr)
+              p.recv_src_idx[r] = reinterpret_cast<const int*>(meta + 8)[0];
+            if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = s;
+          }
+        }
       }
-      if (!__shfl_sync(kFull, ok, 0)) return;
-      __syncwarp();  // lane 0's acquire orders the other lanes' payload reads
-      const int r = base + i;
-      if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
-      copy_row(reinterpret_cast<const int4*>(in),
-               reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes),
-               n16, lane);
-      if (p.recv_scales != nullptr) {
-        const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
-        for (int j = lane; j < S; j += 32) p.recv_scales[size_t(r) * S + j] = sc[j];
+      if (left == 0) break;
+      if (progressed) {
+        idle = 0;
+        continue;
       }
-      const char* meta = in + row.meta_offset;
-      if (p.recv_topk_idx != nullptr && lane < K) {
-        store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes,
-                  reinterpret_cast<const int*>(meta + 16)[lane]);
-        if (p.recv_topk_weights != nullptr)
-          p.recv_topk_weights[size_t(r) * K + lane] =
-              reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
-      }
-      if (lane == 0) {
-        if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = reinterpret_cast<const int*>(meta + 8)[0];
-        if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = src;
+      if (idle++ == 0) idle_since = clock64();
+      __nanosleep(64);  // leave the issue slots to the working warps of this SM
+      if ((idle & 63u) == 0) {
+        if (device::aborted(ctx)) return;
+        if (clock64() - idle_since > ctx.timeout_cycles) {
+          // Name the first source still missing.
+          const int stalled = __ffs(__ballot_sync(kFull, my_pending != 0)) - 1;
+          if (lane == 0) device::raise_timeout(ctx, stalled);
+          return;
+        }
       }
     }
   }
 }
 
 __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_dispatch_kernel(DispatchParams p) {
+  extern __shared__ __align__(128) char tma_smem[];  // use_tma: kTmaWarpSmem per sender warp
   __shared__ uint64_t s_seq;
+  __shared__ int s_progress[kWarps];  // tokens done per sender warp (read by the publisher)
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
   if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
+  if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t seq = s_seq;
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
@@ -274,8 +469,14 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_dispatch_kerne
         reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me, seq);
 
   if (!device::aborted(ctx)) {
-    if (warp < p.num_send_warps)
-      dispatch_send(p, ctx, seq, warp, lane);
+    if (warp < p.num_send_warps) {
+      if (p.use_tma)
+        dispatch_send_tma(p, ctx, seq, warp, lane, s_progress, tma_smem + warp * kTmaWarpSmem);
+      else
+        dispatch_send(p, ctx, seq, warp, lane, s_progress);
+    }
+    else if (warp == p.num_send_warps)
+      dispatch_publish(p, ctx, seq, lane, s_progress);
     else
       dispatch_recv(p, ctx, seq, warp, lane);
   }
@@ -293,8 +494,17 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_dispatch_kerne
 
 }  // namespace
 
+cudaError_t preload_intranode_dispatch() {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, intranode_dispatch_kernel);
+  if (e != cudaSuccess) return e;
+  return cudaFuncSetAttribute(intranode_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(tma_smem_bytes(kTmaMaxSendWarps)));
+}
+
 cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream) {
-  intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+  const size_t smem = p.use_tma ? tma_smem_bytes(p.num_send_warps) : 0;
+  intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

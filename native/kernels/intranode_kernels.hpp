@@ -9,8 +9,20 @@
 
 namespace ep {
 
-// Threads per block of the dispatch and combine kernels (warps split into senders/receivers).
+// Threads per block of the dispatch and combine kernels: 16 warps = senders, one publisher,
+// receivers.
 constexpr int kIntranodeThreads = 512;
+constexpr int kIntranodeMaxSendWarps = kIntranodeThreads / 32 - 2;
+
+// TMA sender pipeline: per sender warp kTmaStages shared-memory stages of kTmaChunk bytes (+ one
+// mbarrier each); rows are moved in chunks of up to kTmaChunk bytes.
+constexpr int kTmaStages = 4;
+constexpr int kTmaChunk = 8192;
+constexpr int kTmaWarpSmem = kTmaStages * kTmaChunk + 64;
+constexpr int kTmaMaxSendWarps = 6;  // 6 * kTmaWarpSmem fits the 227 KB of shared memory
+inline size_t tma_smem_bytes(int num_send_warps) {
+  return size_t(num_send_warps) * kTmaWarpSmem;
+}
 
 // intranode_layout.cu: per-rank/per-expert counts, is_token_in_rank, send_pos. Local only.
 cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream);
@@ -26,5 +38,14 @@ cudaError_t launch_intranode_combine(const CombineParams& p, int num_sms, cudaSt
 
 // intranode_barrier.cu: all ranks' streams meet (a device-side barrier, no host involvement).
 cudaError_t launch_intranode_barrier(const BarrierParams& p, cudaStream_t stream);
+
+// Forces the kernels of each file to load now. With lazy module loading (the CUDA default), the
+// first launch of a kernel may wait for kernels already running on the device; a spinning
+// communication kernel of another rank on the same GPU would then never finish: deadlock.
+cudaError_t preload_intranode_layout();
+cudaError_t preload_intranode_notify();
+cudaError_t preload_intranode_dispatch();
+cudaError_t preload_intranode_combine();
+cudaError_t preload_intranode_barrier();
 
 }  // namespace ep

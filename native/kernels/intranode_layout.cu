@@ -99,6 +99,11 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
 
 }  // namespace
 
+cudaError_t preload_intranode_layout() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, intranode_layout_kernel);
+}
+
 cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream) {
   const size_t smem = size_t(p.num_experts) * sizeof(int);
   if (smem > 48 * 1024) {

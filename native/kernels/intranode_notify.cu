@@ -102,6 +102,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
 
 }  // namespace
 
+cudaError_t preload_intranode_notify() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, intranode_notify_kernel);
+}
+
 cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream) {
   const size_t smem = size_t(p.comm.num_ranks) * (1 + p.experts_per_rank) * sizeof(int);
   if (smem > 48 * 1024) {

@@ -52,14 +52,35 @@ __device__ __forceinline__ int ld_volatile_int(const int* p) {
   return v;
 }
 
+// CTA-scope release/acquire on shared memory: the hand-off from a worker warp to its block's
+// publisher warp. With the publisher's later fence.acq_rel.sys this forms a cumulative release
+// chain (as bar.sync + one thread's system fence does in NCCL's protocols), so the worker never
+// waits for its remote stores itself.
+__device__ __forceinline__ void st_release_cta_shared(int* p, int v) {
+  asm volatile("st.release.cta.shared.b32 [%0], %1;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(p))),
+               "r"(v)
+               : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.shared.b32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
+}
+
 // ---- 16-byte vector accesses -----------------------------------------------------------------
 
-// Read-only input (x, scales of the caller): non-coherent path, no L1 allocation.
+// Read-only input (x, bias of the caller): non-coherent path, no L1 allocation. Not volatile:
+// nobody writes these during the kernel, so the compiler may hoist them for more overlap.
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
   int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 
@@ -81,6 +102,76 @@ __device__ __forceinline__ void st_v4(int4* p, const int4& v) {
 
 __device__ __forceinline__ int lane_id() {
   return static_cast<int>(threadIdx.x & 31u);
+}
+
+// ---- TMA bulk copies (cp.async.bulk) and mbarriers ---------------------------------------------
+// Used by the sender warps when configured: one lane moves whole row chunks global -> shared ->
+// global (local or peer) asynchronously, so a warp keeps tens of KB in flight without registers.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(ok)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+__device__ __forceinline__ void tma_load_1d(void* smem_dst, const void* src, uint32_t bytes,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(smem_dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_store_1d(void* dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// At most N most recent bulk groups still reading their shared-memory source.
+template <int N>
+__device__ __forceinline__ void tma_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// At most N most recent bulk groups not yet complete (writes performed).
+template <int N>
+__device__ __forceinline__ void tma_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Orders completed async-proxy (TMA) writes before this thread's later generic accesses.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // ---- control block, errors and bounded waits ---------------------------------------------------
@@ -137,6 +228,13 @@ __device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Read
       }
     }
   }
+}
+
+// Polls a flag cheaply (relaxed) and acquires only once it matches: spinning warps then do not
+// issue a stream of acquire loads that slow the working warps of their SM.
+__device__ __forceinline__ bool flag_arrived(const uint64_t* flag, uint64_t seq) {
+  if (ld_relaxed_sys(flag) != seq) return false;
+  return ld_acquire_sys(flag) == seq;
 }
 
 // Every communicating kernel reads the rank's epoch once: its sequence number is epoch + 1.

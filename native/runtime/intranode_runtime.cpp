@@ -108,12 +108,18 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
   require(config.max_local_experts >= 1, "max_local_experts must be >= 1");
   require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
   require(config.num_sms >= 1, "num_sms must be >= 1");
-  const int warps = kIntranodeThreads / 32;
-  require(config.dispatch_send_warps >= 1 && config.dispatch_send_warps < warps &&
-              config.combine_send_warps >= 1 && config.combine_send_warps < warps,
-          "send warps must leave at least one receiver warp");
+  require(config.dispatch_send_warps >= 1 && config.dispatch_send_warps <= kIntranodeMaxSendWarps &&
+              config.combine_send_warps >= 1 &&
+              config.combine_send_warps <= kIntranodeMaxSendWarps,
+          "send warps must be in [1, 14] (a block also needs a publisher and a receiver)");
 
   DeviceGuard guard(device_);
+  // Load every kernel now (see preload_* in intranode_kernels.hpp: lazy loading can deadlock).
+  cuda_check(preload_intranode_layout(), "loading the layout kernel");
+  cuda_check(preload_intranode_notify(), "loading the notify kernel");
+  cuda_check(preload_intranode_dispatch(), "loading the dispatch kernel");
+  cuda_check(preload_intranode_combine(), "loading the combine kernels");
+  cuda_check(preload_intranode_barrier(), "loading the barrier kernel");
   layout_ = make_layout(config_, num_ranks_);
   cuda_check(cudaMalloc(reinterpret_cast<void**>(&buffer_), layout_.total_bytes), "cudaMalloc(buffer)");
   // Zero everything: stale bytes could otherwise look like a current flag or sequence number.
@@ -442,10 +448,9 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
 }
 
 void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps) {
-  const int warps = kIntranodeThreads / 32;
-  require(dispatch_send_warps >= 1 && dispatch_send_warps < warps && combine_send_warps >= 1 &&
-              combine_send_warps < warps,
-          "send warps must leave at least one receiver warp");
+  require(dispatch_send_warps >= 1 && dispatch_send_warps <= kIntranodeMaxSendWarps &&
+              combine_send_warps >= 1 && combine_send_warps <= kIntranodeMaxSendWarps,
+          "send warps must be in [1, 14] (a block also needs a publisher and a receiver)");
   config_.dispatch_send_warps = dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
 }
