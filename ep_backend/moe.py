@@ -14,7 +14,7 @@ wait for it (the CPU does not block). On CPU tensors the op completes before the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -52,13 +52,39 @@ def _group(group: Group) -> dist.ProcessGroup:
     return pg
 
 
+def _reject(pg: dist.ProcessGroup, op: str, exc: Exception) -> NoReturn:
+    """Raises ``exc`` on this rank after the agreement step of ``op``, so that no peer waits.
+
+    Every argument check of this module that can fail on one rank only goes through here: the
+    peers, already in the C++ op's agreement step, raise "rank(s) ... rejected their inputs"
+    instead of waiting for this rank until the group times out.
+    """
+    try:
+        _ops.reject(op, f"{exc}", pg.group_name)
+    except RuntimeError:
+        pass  # the expected outcome: the agreement step raised on every rank
+    raise exc
+
+
+def _require_tensor(value: Any, name: str, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+
+
+def _require_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
 def _split_x(
     x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], x_scales: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Accepts DeepEP's ``(x_fp8, scales)`` tuple as well as ``x`` plus ``x_scales=``."""
     if isinstance(x, tuple):
         if len(x) != 2 or x_scales is not None:
-            raise TypeError("ep: pass FP8 input either as (x, scales) or as x with x_scales=")
+            raise TypeError("pass FP8 input either as (x, scales) or as x with x_scales=")
         return x[0], x[1]
     return x, x_scales
 
@@ -181,16 +207,30 @@ def all_to_all_moe_dispatch(
             ranks disagree on E, H, K, dtypes or flags.
     """
     pg = _group(group)
-    x, x_scales = _split_x(x, x_scales)
+    op = "dispatch" if handle is None else "cached dispatch"
+    try:
+        x, x_scales = _split_x(x, x_scales)
+        _require_tensor(x, "x")
+        _require_tensor(x_scales, "x_scales", optional=True)
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None or num_experts is not None:
+                raise ValueError(
+                    "with handle= (cached dispatch), topk_idx, topk_weights and num_experts "
+                    "must be None"
+                )
+            _check_handle(handle)
+        else:
+            if topk_idx is None or num_experts is None:
+                raise ValueError("topk_idx and num_experts are required without a handle")
+            _require_tensor(topk_idx, "topk_idx")
+            _require_tensor(topk_weights, "topk_weights", optional=True)
+            _require_int(num_experts, "num_experts")
+            _require_int(expert_alignment, "expert_alignment")
+            _require_int(num_worst_tokens, "num_worst_tokens")
+    except (TypeError, ValueError) as exc:
+        _reject(pg, op, type(exc)(f"ep {op}: {exc}"))
     if handle is not None:
-        if topk_idx is not None or topk_weights is not None or num_experts is not None:
-            raise ValueError(
-                "ep dispatch: with handle= (cached dispatch), topk_idx, topk_weights and "
-                "num_experts must be None"
-            )
         return _cached_dispatch(x, x_scales, handle, pg, async_op)
-    if topk_idx is None or num_experts is None:
-        raise ValueError("ep dispatch: topk_idx and num_experts are required without a handle")
 
     def run() -> tuple[torch.Tensor, ...]:
         return _DispatchFn.apply(
@@ -239,9 +279,9 @@ def _routing(handle: DispatchHandle) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _check_handle(handle: Any, pg: dist.ProcessGroup, what: str) -> None:
+def _check_handle(handle: Any) -> None:
     if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"ep {what}: handle must be a DispatchHandle, got {type(handle).__name__}")
+        raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
 
 
 def _cached_dispatch(
@@ -251,8 +291,6 @@ def _cached_dispatch(
     pg: dist.ProcessGroup,
     async_op: bool,
 ) -> DispatchOutput:
-    _check_handle(handle, pg, "cached dispatch")
-
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         return _CachedDispatchFn.apply(x, x_scales, *_routing(handle), pg.group_name)
 
@@ -293,17 +331,24 @@ def combine(
         over source ranks ascending, then the biases; bitwise deterministic run to run.
     """
     pg = _group(group)
-    _check_handle(handle, pg, "combine")
     biases: list[torch.Tensor | None]
-    if bias is None:
-        biases = [None, None]
-    elif isinstance(bias, torch.Tensor):
-        biases = [bias, None]
-    else:
-        biases = [b for b in bias if b is not None]
-        if len(biases) > 2:
-            raise ValueError("ep combine: at most two bias tensors")
-        biases += [None] * (2 - len(biases))
+    try:
+        _check_handle(handle)
+        _require_tensor(x, "x")
+        _require_tensor(topk_weights, "topk_weights", optional=True)
+        if bias is None:
+            biases = [None, None]
+        elif isinstance(bias, torch.Tensor):
+            biases = [bias, None]
+        else:
+            biases = [b for b in bias if b is not None]
+            if len(biases) > 2:
+                raise ValueError(f"at most two bias tensors, got {len(biases)}")
+            for b in biases:
+                _require_tensor(b, "bias")
+            biases += [None] * (2 - len(biases))
+    except (TypeError, ValueError) as exc:
+        _reject(pg, "combine", type(exc)(f"ep combine: {exc}"))
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         return _CombineFn.apply(
@@ -355,27 +400,38 @@ def low_latency_dispatch(
         int32 ``[E_loc]`` and the handle for ``low_latency_combine``.
     """
     pg = _group(group)
-    if async_op and return_recv_hook:
-        raise ValueError(
-            "ep low_latency_dispatch: async_op and return_recv_hook exclude each other"
-        )
+    stats = cumulative_local_expert_recv_stats
+    try:
+        if async_op and return_recv_hook:
+            raise ValueError("async_op and return_recv_hook exclude each other")
+        _require_tensor(x, "x")
+        _require_tensor(topk_idx, "topk_idx")
+        _require_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+        _require_int(num_experts, "num_experts")
+        _require_tensor(stats, "cumulative_local_expert_recv_stats", optional=True)
+        # Checked before the exchange: raising after it on one rank would desynchronise the
+        # ranks. (An invalid num_experts is left to the op's own check.)
+        if stats is not None and num_experts > 0 and num_experts % pg.size() == 0:
+            experts_per_rank = num_experts // pg.size()
+            if stats.dtype != torch.int32 or tuple(stats.shape) != (experts_per_rank,):
+                raise ValueError(
+                    "cumulative_local_expert_recv_stats must be int32 "
+                    f"[E_loc={experts_per_rank}], got {stats.dtype} {tuple(stats.shape)}"
+                )
+    except (TypeError, ValueError) as exc:
+        _reject(pg, "low_latency_dispatch", type(exc)(f"ep low_latency_dispatch: {exc}"))
 
     def run() -> tuple[torch.Tensor, ...]:
-        return _ops.low_latency_dispatch(
+        outs = _ops.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
             use_ue8m0, pg.group_name,
         )  # fmt: skip
+        if stats is not None:  # on the stream of the op (the comm stream with async_op)
+            stats.add_(outs[2].to(stats.device))
+        return outs
 
     result, work = _run(run, (x, topk_idx), x.device, async_op, list)
     recv_x, recv_scales, recv_count, src_info, layout_range = result
-    if cumulative_local_expert_recv_stats is not None:
-        stats = cumulative_local_expert_recv_stats
-        if stats.dtype != torch.int32 or tuple(stats.shape) != (recv_count.numel(),):
-            raise ValueError(
-                "ep low_latency_dispatch: cumulative_local_expert_recv_stats must be int32 "
-                f"[E_loc={recv_count.numel()}], got {stats.dtype} {tuple(stats.shape)}"
-            )
-        stats += recv_count.to(stats.device)
     handle = LowLatencyHandle(
         src_info=src_info,
         layout_range=layout_range,
@@ -414,32 +470,43 @@ def low_latency_combine(
         handle: that dispatch's ``LowLatencyHandle``.
         out: optional BF16 ``[T, H]`` output.
         group: an ``"ep"`` process group (default: WORLD).
-        async_op: see the module docstring (the Work is attached as ``result.work`` is not
-            possible for a tensor: use ``low_latency_combine_async``).
+        async_op: see the module docstring. A tensor has no ``work`` field: the ``Work`` is
+            attached to the returned tensor as its attribute ``work``; call
+            ``result.work.wait()`` before using it.
 
     Returns:
-        BF16 ``[T, H]``.
+        BF16 ``[T, H]`` (``out`` when given).
     """
     pg = _group(group)
-    if not isinstance(handle, LowLatencyHandle):
-        raise TypeError(
-            f"ep low_latency_combine: handle must be a LowLatencyHandle, got {type(handle).__name__}"
-        )
-    if out is not None and (
-        out.dtype != torch.bfloat16 or out.shape != topk_idx.shape[:1] + x.shape[2:]
-    ):
-        raise ValueError("ep low_latency_combine: out must be BF16 [T, H]")
+    try:
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
+        _require_tensor(x, "x")
+        _require_tensor(topk_idx, "topk_idx")
+        _require_tensor(topk_weights, "topk_weights")
+        _require_tensor(out, "out", optional=True)
+        if out is not None:
+            expected = (topk_idx.shape[0], handle.hidden) if topk_idx.dim() >= 1 else None
+            if out.dtype != torch.bfloat16 or tuple(out.shape) != expected:
+                raise ValueError(
+                    f"out must be BF16 {list(expected or ())}, got {out.dtype} {list(out.shape)}"
+                )
+    except (TypeError, ValueError) as exc:
+        _reject(pg, "low_latency_combine", type(exc)(f"ep low_latency_combine: {exc}"))
 
     def run() -> torch.Tensor:
-        return _ops.low_latency_combine(
+        result = _ops.low_latency_combine(
             x, topk_idx, topk_weights, handle.src_info, handle.layout_range,
             handle.num_max_dispatch_tokens_per_rank, pg.group_name,
         )  # fmt: skip
+        if out is not None:  # on the stream of the op (the comm stream with async_op)
+            out.copy_(result)
+            return out
+        return result
 
-    result, _work = _run(run, (x, topk_idx, topk_weights), x.device, async_op, lambda r: [r])
-    if out is not None:
-        out.copy_(result)
-        return out
+    result, work = _run(run, (x, topk_idx, topk_weights), x.device, async_op, lambda r: [r])
+    if work is not None:
+        result.work = work
     return result
 
 

@@ -68,7 +68,10 @@ def _rows_as_bytes(t: torch.Tensor) -> torch.Tensor:
     row_numel = 1
     for d in t.shape[1:]:
         row_numel *= d
-    return t.contiguous().reshape(t.shape[0], row_numel).view(torch.uint8)
+    rows = t.contiguous().reshape(t.shape[0], row_numel)
+    if rows.stride(-1) != 1:  # a size-1 or empty dimension may keep any stride (even 0)
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows.view(torch.uint8)
 
 
 def _all_to_all_rows(

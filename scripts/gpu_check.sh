@@ -23,7 +23,7 @@ echo "build: $(( $(date +%s) - start )) s"
 
 rc=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  python -m pytest -q -p no:cacheprovider -m gpu -x "$@" tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  python -m pytest -q -p no:cacheprovider -m gpu "$@" tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   rc=${PIPESTATUS[0]}
   grep -E "^[0-9]+ (passed|failed)|passed|failed" "$OUT/gpu_tests.log" | tail -1
 fi
