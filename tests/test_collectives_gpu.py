@@ -79,16 +79,18 @@ def _stream_semantics(rank: int, world: int) -> dict:
     t = torch.zeros(1 << 20, device=dev)
     dist.all_reduce(t)  # the first collective creates the NCCL communicator (host-blocking)
     torch.cuda.synchronize()
-    cycles = int(2e8)  # ~0.1 s of GPU time: the producer is still running when we enqueue
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(cycles)
+        for _ in range(400):  # tens of ms of GPU work: the producer is still running when we enqueue
+            a = (a @ a).clamp_(-1, 1)
         t.fill_(float(rank + 1))
         start = time.perf_counter()
         work = dist.all_reduce(t, async_op=True)
         work.wait()  # makes `side` wait on the collective; must not block the CPU
         host_wait_s = time.perf_counter() - start
         consumer = t * 2
-    side_busy = not side.query()  # the producer is still sleeping: the GPU had work queued
+    side_busy = not side.query()  # the producer is still running: the GPU had work queued
     torch.cuda.current_stream().wait_stream(side)
     expected = float(sum(range(1, world + 1)) * 2)
     ok = bool((consumer == expected).all().item())
