@@ -87,11 +87,10 @@ bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
   }
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
-  std::ostringstream mine;
-  mine << host << '|' << static_cast<int>(device.index());
+  const std::string mine = std::string(host) + "|" + std::to_string(static_cast<int>(device.index()));
   auto& store = pg.store();
   const std::string prefix = keyPrefix(pg) + "topology/";
-  store->set(prefix + std::to_string(rank), toBytes(mine.str()));
+  store->set(prefix + std::to_string(rank), toBytes(mine));
   std::vector<std::string> hosts(num_ranks);
   std::vector<int> devices(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
