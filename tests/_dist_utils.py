@@ -146,9 +146,14 @@ def _worker_main(
                 torch.cuda.set_device(rank % torch.cuda.device_count())
             pg_timeout = datetime.timedelta(seconds=timeout)
             store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=pg_timeout)
+            # env={"EP_TEST_BIND_DEVICE": "1"} binds the group to the rank's GPU (device_id=).
+            device_id = None
+            if os.environ.get("EP_TEST_BIND_DEVICE") == "1" and use_cuda:
+                device_id = torch.device("cuda", rank % torch.cuda.device_count())
             dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout
-            )
+                backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout,
+                device_id=device_id,
+            )  # fmt: skip
             result = fn(rank, world_size, *args)
             message = (_MSG_OK, pickle.dumps(result))
         except BaseException as exc:

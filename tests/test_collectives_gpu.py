@@ -111,16 +111,11 @@ def test_async_stream_semantics_without_host_sync() -> None:
         assert out["host_wait_s"] < 0.05, out
 
 
-def _device_id_mesh_split(rank: int, world: int, port: int) -> dict:
+def _device_id_mesh_split(rank: int, world: int) -> dict:
+    import ep_backend
     from torch.distributed.device_mesh import init_device_mesh
 
-    import ep_backend
-
-    dist.destroy_process_group()
     dev = torch.device("cuda", rank % torch.cuda.device_count())
-    dist.init_process_group(
-        "ep", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=dev
-    )
     out: dict = {"bound": str(dist.group.WORLD.bound_device_id)}
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     g = mesh.get_group("ep")
@@ -140,12 +135,9 @@ def _device_id_mesh_split(rank: int, world: int, port: int) -> dict:
 
 
 def test_device_id_device_mesh_and_split_group() -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    res = run_distributed(_device_id_mesh_split, 2, port, backend="ep")
+    res = run_distributed(
+        _device_id_mesh_split, 2, backend="ep", env={"EP_TEST_BIND_DEVICE": "1"}
+    )
     for rank, out in enumerate(res):
         assert out["bound"] == f"cuda:{rank}"
         assert out["mesh_sum"] == [3.0] * 4
