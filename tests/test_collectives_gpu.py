@@ -82,7 +82,9 @@ def _stream_semantics(rank: int, world: int) -> dict:
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(400):  # tens of ms of GPU work: the producer is still running when we enqueue
+        for _ in range(
+            400
+        ):  # tens of ms of GPU work: the producer is still running when we enqueue
             a = (a @ a).clamp_(-1, 1)
         t.fill_(float(rank + 1))
         start = time.perf_counter()
@@ -112,8 +114,9 @@ def test_async_stream_semantics_without_host_sync() -> None:
 
 
 def _device_id_mesh_split(rank: int, world: int) -> dict:
-    import ep_backend
     from torch.distributed.device_mesh import init_device_mesh
+
+    import ep_backend
 
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     out: dict = {"bound": str(dist.group.WORLD.bound_device_id)}
@@ -135,9 +138,7 @@ def _device_id_mesh_split(rank: int, world: int) -> dict:
 
 
 def test_device_id_device_mesh_and_split_group() -> None:
-    res = run_distributed(
-        _device_id_mesh_split, 2, backend="ep", env={"EP_TEST_BIND_DEVICE": "1"}
-    )
+    res = run_distributed(_device_id_mesh_split, 2, backend="ep", env={"EP_TEST_BIND_DEVICE": "1"})
     for rank, out in enumerate(res):
         assert out["bound"] == f"cuda:{rank}"
         assert out["mesh_sum"] == [3.0] * 4

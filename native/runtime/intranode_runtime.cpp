@@ -108,10 +108,7 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
   require(config.max_local_experts >= 1, "max_local_experts must be >= 1");
   require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
   require(config.num_sms >= 1, "num_sms must be >= 1");
-  require(config.dispatch_send_warps >= 1 && config.dispatch_send_warps <= kIntranodeMaxSendWarps &&
-              config.combine_send_warps >= 1 &&
-              config.combine_send_warps <= kIntranodeMaxSendWarps,
-          "send warps must be in [1, 14] (a block also needs a publisher and a receiver)");
+  set_send_warps(config.dispatch_send_warps, config.combine_send_warps);
 
   DeviceGuard guard(device_);
   // Load every kernel now (see preload_* in intranode_kernels.hpp: lazy loading can deadlock).
@@ -372,6 +369,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.recv_scales = a.num_scales > 0 ? a.recv_x_scales : nullptr;
   p.num_worst_tokens = a.num_worst_tokens;
   p.num_send_warps = config_.dispatch_send_warps;
+  p.use_tma = config_.use_tma ? 1 : 0;
   if (!cached) {
     require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
     require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
@@ -442,17 +440,31 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   p.out = a.out;
   p.out_topk_weights = a.out_topk_weights;
   p.num_send_warps = config_.combine_send_warps;
+  p.use_tma = config_.use_tma ? 1 : 0;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_combine(p, num_sms, stream), "combine launch");
 }
 
 void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps) {
-  require(dispatch_send_warps >= 1 && dispatch_send_warps <= kIntranodeMaxSendWarps &&
-              combine_send_warps >= 1 && combine_send_warps <= kIntranodeMaxSendWarps,
-          "send warps must be in [1, 14] (a block also needs a publisher and a receiver)");
+  const int limit = config_.use_tma ? kTmaMaxSendWarps : kIntranodeMaxSendWarps;
+  require(dispatch_send_warps >= 1 && dispatch_send_warps <= limit && combine_send_warps >= 1 &&
+              combine_send_warps <= limit,
+          "send warps must be in [1, " + std::to_string(limit) +
+              "] (a block also needs a publisher and a receiver; TMA stages need shared memory)");
   config_.dispatch_send_warps = dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
+}
+
+void IntranodeRuntime::set_use_tma(bool use_tma) {
+  const bool previous = config_.use_tma;
+  config_.use_tma = use_tma;
+  try {
+    set_send_warps(config_.dispatch_send_warps, config_.combine_send_warps);
+  } catch (...) {
+    config_.use_tma = previous;
+    throw;
+  }
 }
 
 void IntranodeRuntime::barrier(cudaStream_t stream) {

@@ -55,8 +55,9 @@ struct IntranodeConfig {
   int max_local_experts = 256;      // E / R
   double timeout_seconds = 60.0;    // every spin-wait, device and host
   int num_sms = kDefaultNumSms;     // blocks of dispatch/combine when a call passes 0
-  int dispatch_send_warps = 8;      // of the 16 warps of a block; the rest receive
-  int combine_send_warps = 8;
+  int dispatch_send_warps = 8;      // of the 16 warps of a block (one more publishes, the rest
+  int combine_send_warps = 8;       //   receive); at most 14, or 6 with use_tma
+  bool use_tma = false;             // senders move rows with cp.async.bulk through shared memory
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
@@ -171,8 +172,10 @@ class IntranodeRuntime {
   // bias1), accumulated in float32 (float64 for float64 rows); out_topk_weights likewise.
   void combine(const IntranodeCombineArgs& args, cudaStream_t stream);
 
-  // Tuning knob: warps per block (of 16) that send in dispatch / combine; the rest receive.
+  // Tuning knobs: warps per block (of 16) that send in dispatch / combine (one more publishes,
+  // the rest receive), and whether senders use TMA bulk copies.
   void set_send_warps(int dispatch_send_warps, int combine_send_warps);
+  void set_use_tma(bool use_tma);
 
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);
