@@ -147,156 +147,9 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
   }
 }
 
-// TMA path of the expert side: lane 0 streams this warp's rows through kTmaStages shared-memory
-// stages (the load of item n+1 overlaps the stores of item n; an item is a chunk of a row) and
-// keeps kTmaLag items of stores in flight. Progress counts finished row iterations k.
-constexpr int kTmaLag = 2;
-
-__device__ void combine_send_tma(const CombineParams& p, const device::WaitContext& ctx,
-                                 uint64_t seq, int warp, int lane, int* progress, char* smem) {
-  const CommContext& c = p.comm;
-  const int R = c.num_ranks, me = c.rank, K = p.num_topk;
-  const int hb = p.hidden * p.elem_bytes;
-  const CombineRow row = CombineRow::make(hb, K);
-  const int first = blockIdx.x * p.num_send_warps + warp;
-  const int stride = gridDim.x * p.num_send_warps;
-  const int n_chunks = (hb + kTmaChunk - 1) / kTmaChunk;
-  const int prefix = lane <= R ? p.recv_prefix[lane] : 0;
-  const int next_prefix = __shfl_down_sync(kFull, prefix, 1);
-  const int count_lane = lane < R && lane != me ? next_prefix - prefix : 0;  // rows back to rank lane
-  int max_count = count_lane;
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
-  const int total_k = first < max_count ? (max_count - 1 - first) / stride + 1 : 0;
-  const uint64_t* entered =
-      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
-  char* stages = smem;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kTmaStages * kTmaChunk);
-  const char* x = static_cast<const char*>(p.x);
-  if (lane == 0) {
-    for (int s = 0; s < kTmaStages; ++s) device::mbar_init(&bars[s], 1);
-    device::fence_mbar_init();
-  }
-  __syncwarp();
-
-  // Row cursor (k, step): row i = first + k * stride going back to rank (me + step) % R.
-  auto next_row = [&](int& k, int& step) {  // uniform across the warp
-    while (true) {
-      if (++step >= R) {
-        step = 1;
-        ++k;
-      }
-      if (k >= total_k) return;
-      const int dst = (me + step) % R;
-      if (first + k * stride < __shfl_sync(kFull, count_lane, dst)) return;
-    }
-  };
-  // Does the row have a payload (rows past the capacity never existed: overflow)?
-  auto has_payload = [&](int k, int step) {
-    const int dst = (me + step) % R;
-    return __shfl_sync(kFull, prefix, dst) + first + k * stride < p.num_recv_capacity;
-  };
-  auto src_of = [&](int k, int step, int chunk) {
-    const int dst = (me + step) % R;
-    return x + size_t(__shfl_sync(kFull, prefix, dst) + first + k * stride) * hb +
-           size_t(chunk) * kTmaChunk;
-  };
-  auto chunk_bytes = [&](int chunk) { return min(kTmaChunk, hb - chunk * kTmaChunk); };
-
-  int k = 0, step = 0;
-  if (total_k > 0) next_row(k, step);
-  // Lookahead cursor: the item whose load is issued next.
-  int lk = k, lstep = step, lc = 0;
-  uint32_t phases = 0;
-  uint32_t ready = 1u << me;
-  int n = 0, prev_k = 0, reported = 0;
-  auto issue = [&](int item, int ik, int istep, int ic) {  // all lanes call (uniform shuffles)
-    const bool payload = has_payload(ik, istep);
-    const char* src = src_of(ik, istep, ic);
-    if (lane == 0 && payload) {
-      const int st = item % kTmaStages;
-      device::mbar_arrive_expect_tx(&bars[st], chunk_bytes(ic));
-      device::tma_load_1d(stages + st * kTmaChunk, src, chunk_bytes(ic), &bars[st]);
-    }
-  };
-  if (k < total_k) issue(0, lk, lstep, lc);
-  for (int ch = 0; k < total_k; ++n) {
-    const int dst = (me + step) % R;
-    const int i = first + k * stride;
-    const bool payload = has_payload(k, step);
-    char* out = combine_row(c, c.buffers.ptr[dst], me, dst, i, row.stride);
-    if (ch == 0 && !((ready >> dst) & 1u)) {
-      bool ok = true;
-      if (lane == 0)
-        ok = device::spin_wait(ctx, dst,
-                               [&] { return device::ld_acquire_sys(entered + dst) >= seq; });
-      if (!__shfl_sync(kFull, ok, 0)) {
-        if (lane == 0) {
-          const int st = n % kTmaStages;
-          if (payload) device::spin_wait(ctx, me, [&] {
-            return device::mbar_try_wait(&bars[st], (phases >> st) & 1u);
-          });
-          device::tma_wait<0>();
-        }
-        return;
-      }
-      ready |= 1u << dst;
-    }
-    if (ch == 0 && payload && p.topk_weights != nullptr && lane < K)
-      reinterpret_cast<float*>(out + row.weights_offset)[lane] =
-          p.topk_weights[size_t(__shfl_sync(kFull, prefix, dst) + i) * K + lane];
-    // Advance the lookahead cursor and issue the next load.
-    if (++lc >= n_chunks) {
-      lc = 0;
-      next_row(lk, lstep);
-    }
-    if (lane == 0 && lk < total_k) device::tma_wait_read<kTmaStages - 2>();
-    if (lk < total_k) issue(n + 1, lk, lstep, lc);
-    bool ok = true;
-    if (lane == 0) {
-      const int st = n % kTmaStages;
-      if (payload) {
-        ok = device::spin_wait(ctx, me, [&] {
-          return device::mbar_try_wait(&bars[st], (phases >> st) & 1u);
-        });
-        phases ^= 1u << st;
-        device::tma_store_1d(out + size_t(ch) * kTmaChunk, stages + st * kTmaChunk,
-                             chunk_bytes(ch));
-      }
-      device::tma_commit();
-      device::tma_wait<kTmaLag>();  // items [0, n + 1 - kTmaLag) complete
-    }
-    if (!__shfl_sync(kFull, ok, 0)) {
-      if (lane == 0) device::tma_wait<0>();
-      return;
-    }
-    // Items before the previous one are complete: every row iteration before prev_k is done.
-    const int done_k = n >= 1 ? prev_k : 0;
-    if (done_k > reported) {
-      __syncwarp();
-      if (lane == 0) {
-        device::fence_proxy_async_global();
-        device::st_release_cta_shared(progress + warp, done_k);
-      }
-      reported = done_k;
-    }
-    prev_k = k;
-    if (++ch >= n_chunks) {
-      ch = 0;
-      next_row(k, step);
-    }
-  }
-  if (lane == 0) {
-    device::tma_wait<0>();
-    device::fence_proxy_async_global();
-  }
-  __syncwarp();
-  if (lane == 0) device::st_release_cta_shared(progress + warp, total_k);
-}
-
 // Lane l publishes the rows of sender warp l of this block (see the dispatch publisher).
-__device__ void combine_publish(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
-                                int lane, const int* progress) {
+__device__ void combine_publish(const CombineParams& p, const device::WaitContext& ctx,
+                                uint64_t seq, int lane, const int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
   const CombineRow row = CombineRow::make(p.hidden * p.elem_bytes, p.num_topk);
@@ -349,8 +202,8 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
 
 // Owner side: reduce token t whose rows from rank r sit at pos[r] (-1: none).
 template <int kElemBytes, int kRanks>
-__device__ __forceinline__ void combine_token(const CombineParams& p, int t, const int (&pos)[kRanks],
-                                              int lane) {
+__device__ __forceinline__ void combine_token(const CombineParams& p, int t,
+                                              const int (&pos)[kRanks], int local_base, int lane) {
   using Ops = ElemOps<kElemBytes>;
   using Acc = typename Ops::Acc;
   // 16-byte loads in flight per lane: kRanks * kUnroll, all issued before any add.
@@ -369,7 +222,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t, con
     src[r] = nullptr;
     if (r < R && pos[r] >= 0) {
       if (r == me) {
-        local_row = p.recv_prefix[me] + pos[r];
+        local_row = local_base + pos[r];
         if (local_row < p.num_recv_capacity)
           src[r] = static_cast<const char*>(p.x) + size_t(local_row) * hidden_bytes;
       } else {
@@ -386,6 +239,18 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t, con
                        : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
                                                        size_t(t) * hidden_bytes);
   int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
+
+  // Weights first: their loads overlap the row loads below.
+  float acc_w = 0.0f;
+  if (p.out_topk_weights != nullptr && lane < K) {
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (src[r] == nullptr) continue;
+      const float* w = r == me ? p.topk_weights + size_t(local_row) * K
+                               : reinterpret_cast<const float*>(src[r] + row.weights_offset);
+      acc_w = __fadd_rn(acc_w, w[lane]);
+    }
+  }
 
   for (int i = lane; i < n16; i += 32 * kUnroll) {
     int4 v[kRanks][kUnroll];
@@ -412,17 +277,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t, con
     }
   }
 
-  if (p.out_topk_weights != nullptr && lane < K) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kRanks; ++r) {
-      if (src[r] == nullptr) continue;
-      const float* w = r == me ? p.topk_weights + size_t(local_row) * K
-                               : reinterpret_cast<const float*>(src[r] + row.weights_offset);
-      acc = __fadd_rn(acc, w[lane]);
-    }
-    p.out_topk_weights[size_t(t) * K + lane] = acc;
-  }
+  if (p.out_topk_weights != nullptr && lane < K) p.out_topk_weights[size_t(t) * K + lane] = acc_w;
 }
 
 // Owner side: 32 tokens per batch, lane j polls the flags of token first + (k0 + j) * stride and
@@ -437,6 +292,7 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
   const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
   const int stride = gridDim.x * num_recv_warps;
   char* const own = c.buffers.ptr[me];
+  const int local_base = p.recv_prefix[me];
 
   for (int k0 = 0; first + k0 * stride < p.num_tokens; k0 += 32) {
     const int my_t = first + (k0 + lane) * stride;
@@ -483,7 +339,7 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
         int pos[kRanks];
 #pragma unroll
         for (int r = 0; r < kRanks; ++r) pos[r] = __shfl_sync(kFull, my_pos[r], j);
-        combine_token<kElemBytes, kRanks>(p, first + (k0 + j) * stride, pos, lane);
+        combine_token<kElemBytes, kRanks>(p, first + (k0 + j) * stride, pos, local_base, lane);
       }
     }
   }
@@ -491,7 +347,6 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
 
 template <int kElemBytes, int kRanks>
 __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel(CombineParams p) {
-  extern __shared__ __align__(128) char tma_smem[];  // use_tma: kTmaWarpSmem per sender warp
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];
   const CommContext& c = p.comm;
@@ -505,15 +360,12 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpCombine, me};
   if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
     device::st_release_sys(
-        reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me, seq);
+        reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
+        seq);
 
   if (!device::aborted(ctx)) {
-    if (warp < p.num_send_warps) {
-      if (p.use_tma)
-        combine_send_tma(p, ctx, seq, warp, lane, s_progress, tma_smem + warp * kTmaWarpSmem);
-      else
-        combine_send(p, ctx, seq, warp, lane, s_progress);
-    }
+    if (warp < p.num_send_warps)
+      combine_send(p, ctx, seq, warp, lane, s_progress);
     else if (warp == p.num_send_warps)
       combine_publish(p, ctx, seq, lane, s_progress);
     else
@@ -532,32 +384,21 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
 template <int kElemBytes>
 cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t stream) {
   const int R = p.comm.num_ranks;
-  const size_t smem = p.use_tma ? tma_smem_bytes(p.num_send_warps) : 0;
   if (R <= 2)
-    intranode_combine_kernel<kElemBytes, 2><<<num_sms, kIntranodeThreads, smem, stream>>>(p);
+    intranode_combine_kernel<kElemBytes, 2><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
   else if (R <= 4)
-    intranode_combine_kernel<kElemBytes, 4><<<num_sms, kIntranodeThreads, smem, stream>>>(p);
+    intranode_combine_kernel<kElemBytes, 4><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
   else
-    intranode_combine_kernel<kElemBytes, 8><<<num_sms, kIntranodeThreads, smem, stream>>>(p);
+    intranode_combine_kernel<kElemBytes, 8><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <int kElemBytes>
 cudaError_t preload_for_elem() {
   cudaFuncAttributes attr;
-  const int smem = static_cast<int>(tma_smem_bytes(kTmaMaxSendWarps));
   cudaError_t e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 2>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 4>);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 8>);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(intranode_combine_kernel<kElemBytes, 2>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(intranode_combine_kernel<kElemBytes, 4>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(intranode_combine_kernel<kElemBytes, 8>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   return e;
 }
 

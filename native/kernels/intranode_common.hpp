@@ -14,8 +14,8 @@
 
 namespace ep {
 
-constexpr int kMaxRanks = 8;   // intranode: at most 8 GPUs of one host
-constexpr int kMaxTopk = 32;   // top-k entries per token the kernels handle
+constexpr int kMaxRanks = 8;  // intranode: at most 8 GPUs of one host
+constexpr int kMaxTopk = 32;  // top-k entries per token the kernels handle
 constexpr int kDefaultNumSms = 24;
 
 // Op codes in error records and messages.
@@ -31,9 +31,9 @@ enum IntranodeOp : int {
 
 enum ErrorCode : int {
   kErrorNone = 0,
-  kErrorTimeout = 1,          // peer = the rank waited for; value_a = timeout in cycles
-  kErrorCapacity = 2,         // value_a = rows to receive, value_b = num_worst_tokens
-  kErrorInvalidTopkIdx = 3,   // value_a = offending value, value_b = flat (t*K+k) position
+  kErrorTimeout = 1,         // peer = the rank waited for; value_a = timeout in cycles
+  kErrorCapacity = 2,        // value_a = rows to receive, value_b = num_worst_tokens
+  kErrorInvalidTopkIdx = 3,  // value_a = offending value, value_b = flat (t*K+k) position
 };
 
 // Host-mapped (cudaHostAllocMapped) record of the first error a kernel hit. `code` is written
@@ -49,10 +49,10 @@ struct ErrorRecord {
 
 // Private per-rank control words at the start of the rank's buffer. Peers never touch these.
 struct ControlBlock {
-  uint64_t epoch;             // sequence number of the last communicating kernel that finished
-  unsigned int blocks_done;   // arrival counter used by finish_block(), back to 0 after each kernel
-  int abort;                  // set on timeout: every later spin-wait gives up at once
-  int error_lock;             // first-error-wins lock of the ErrorRecord
+  uint64_t epoch;            // sequence number of the last communicating kernel that finished
+  unsigned int blocks_done;  // arrival counter used by finish_block(), back to 0 after each kernel
+  int abort;                 // set on timeout: every later spin-wait gives up at once
+  int error_lock;            // first-error-wins lock of the ErrorRecord
   int pad[27];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
@@ -67,9 +67,7 @@ struct HostCounters {
 };
 static_assert(sizeof(HostCounters) == 64, "per-expert counters start 64 bytes in");
 
-EP_HOST_DEVICE size_t align_up(size_t v, size_t a) {
-  return (v + a - 1) / a * a;
-}
+EP_HOST_DEVICE size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 // Row of the dispatch receive area: [x: hidden_bytes][scales: S*4, padded to 16]
 // [meta: flag u64, src_idx i32, pad i32, local idx i32 x K, weight f32 x K; padded to 16].
@@ -108,7 +106,7 @@ struct CombineRow {
 // (s - receiver - 1 + R) % R, so no region is wasted on the receiver itself.
 struct BufferLayout {
   int num_ranks;
-  int max_tokens;             // rows a region holds (max tokens of any rank)
+  int max_tokens;  // rows a region holds (max tokens of any rank)
   int max_local_experts;
   size_t entered_offset;
   size_t notify_offset;
@@ -137,14 +135,14 @@ struct PeerBuffers {
 struct CommContext {
   PeerBuffers buffers;
   BufferLayout layout;
-  ErrorRecord* error;          // host-mapped, device pointer
+  ErrorRecord* error;  // host-mapped, device pointer
   long long timeout_cycles;
   int rank;
   int num_ranks;
 };
 
 struct LayoutParams {
-  const void* topk_idx;        // [T, K] int64 or int32 (idx_bytes), -1 = none
+  const void* topk_idx;  // [T, K] int64 or int32 (idx_bytes), -1 = none
   int idx_bytes;
   int num_tokens;
   int num_topk;
@@ -165,57 +163,55 @@ struct NotifyParams {
   const int* num_tokens_per_expert;  // [E] from layout
   int experts_per_rank;
   int expert_alignment;
-  int num_worst_tokens;              // > 0: capacity check only
-  int* recv_counts;                  // [R]   rows from each source rank
-  int* recv_prefix;                  // [R+1] exclusive prefix of recv_counts
-  int* num_recv_tokens_per_expert;   // [E_loc] aligned
-  HostCounters* host;                // device pointer of the host-mapped counters, or null
-  int* host_per_expert;              // device pointer of the host-mapped per-expert counters
+  int num_worst_tokens;             // > 0: capacity check only
+  int* recv_counts;                 // [R]   rows from each source rank
+  int* recv_prefix;                 // [R+1] exclusive prefix of recv_counts
+  int* num_recv_tokens_per_expert;  // [E_loc] aligned
+  HostCounters* host;               // device pointer of the host-mapped counters, or null
+  int* host_per_expert;             // device pointer of the host-mapped per-expert counters
   int host_ticket;
 };
 
 struct DispatchParams {
   CommContext comm;
-  const void* x;                 // [T, hidden_bytes] raw rows
+  const void* x;  // [T, hidden_bytes] raw rows
   int hidden_bytes;
-  const float* scales;           // [T, S] raw 4-byte words, or null
+  const float* scales;  // [T, S] raw 4-byte words, or null
   int num_scales;
-  const void* topk_idx;          // [T, K] (null: cached dispatch, no metadata)
+  const void* topk_idx;  // [T, K] (null: cached dispatch, no metadata)
   int idx_bytes;
-  const float* topk_weights;     // [T, K] or null
+  const float* topk_weights;  // [T, K] or null
   int num_topk;
   int num_tokens;
   int experts_per_rank;
-  const int* send_pos;           // [T, R]
-  const int* recv_prefix;        // [R+1]
-  void* recv_x;                  // [cap, hidden_bytes]
-  float* recv_scales;            // [cap, S] or null
-  void* recv_topk_idx;           // [cap, K] or null
-  float* recv_topk_weights;      // [cap, K] or null
-  int* recv_src_idx;             // [cap] or null
-  int* recv_src_rank;            // [cap] or null
-  int num_worst_tokens;          // 0: exact N rows; > 0: capacity, padding rows filled
+  const int* send_pos;       // [T, R]
+  const int* recv_prefix;    // [R+1]
+  void* recv_x;              // [cap, hidden_bytes]
+  float* recv_scales;        // [cap, S] or null
+  void* recv_topk_idx;       // [cap, K] or null
+  float* recv_topk_weights;  // [cap, K] or null
+  int* recv_src_idx;         // [cap] or null
+  int* recv_src_rank;        // [cap] or null
+  int num_worst_tokens;      // 0: exact N rows; > 0: capacity, padding rows filled
   int num_send_warps;
-  int use_tma;                   // senders move rows with cp.async.bulk (needs dynamic smem)
 };
 
 struct CombineParams {
   CommContext comm;
-  const void* x;                 // [N(cap), H] elements of elem_bytes (2: bf16, 4: f32, 8: f64)
+  const void* x;  // [N(cap), H] elements of elem_bytes (2: bf16, 4: f32, 8: f64)
   int elem_bytes;
-  int hidden;                    // elements per row
-  const float* topk_weights;     // [N, K] or null
+  int hidden;                 // elements per row
+  const float* topk_weights;  // [N, K] or null
   int num_topk;
-  const int* recv_prefix;        // [R+1] of the dispatch (expert side)
-  int num_recv_capacity;         // rows of x (rows past it are never read)
-  int num_tokens;                // T of this rank (owner side)
-  const int* send_pos;           // [T, R] of the dispatch (owner side)
-  const void* bias0;             // [T, H] or null
-  const void* bias1;             // [T, H] or null
-  void* out;                     // [T, H]
-  float* out_topk_weights;       // [T, K] or null (needs topk_weights)
+  const int* recv_prefix;   // [R+1] of the dispatch (expert side)
+  int num_recv_capacity;    // rows of x (rows past it are never read)
+  int num_tokens;           // T of this rank (owner side)
+  const int* send_pos;      // [T, R] of the dispatch (owner side)
+  const void* bias0;        // [T, H] or null
+  const void* bias1;        // [T, H] or null
+  void* out;                // [T, H]
+  float* out_topk_weights;  // [T, K] or null (needs topk_weights)
   int num_send_warps;
-  int use_tma;
 };
 
 struct BarrierParams {

@@ -13,9 +13,9 @@
 //    lane issues one fence.acq_rel.sys (cumulative: it covers the sender's stores it observed)
 //    and writes the per-row flags (= sequence number) of those tokens' remote rows.
 //  * Receivers: global receiver warp v owns slots v, v + V, ... of every remote source. It polls
-//    32 of its rows at once (one per lane, ld.acquire.sys on the row flag) and copies every row
-//    that has arrived to recv_prefix[src] + slot, so rows leave the buffer while later rows are
-//    still in flight.
+//    32 of its rows at once (one per lane: relaxed load of the row flag, acquire once it matches)
+//    and copies every row that has arrived to recv_prefix[src] + slot, so rows leave the buffer
+//    while later rows are still in flight.
 // Before a sender first writes into a peer's buffer it waits for the peer's "entered" flag of this
 // sequence: the peer has finished every earlier kernel, so the region is no longer being read.
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
@@ -27,13 +27,14 @@ namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
-constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more spills registers)
+constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more would spill registers)
 constexpr int kRecvUnroll = 16;
+constexpr int kSendEarly = 4;  // x chunks per lane loaded together with the token's other inputs
 
-// Copies n16 16-byte chunks from a read-only input row to up to kMaxRanks destinations.
+// Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
-                                               char* const (&dst)[kMaxRanks], int lane) {
-  for (int i = lane; i < n16; i += 32 * kSendUnroll) {
+                                               char* const (&dst)[kMaxRanks], int lane, int begin) {
+  for (int i = begin + lane; i < n16; i += 32 * kSendUnroll) {
     int4 v[kSendUnroll];
 #pragma unroll
     for (int u = 0; u < kSendUnroll; ++u)
@@ -49,9 +50,9 @@ __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int
   }
 }
 
-// Copies a row a peer wrote into our buffer (coherent loads) to its output row.
-__device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane) {
-  for (int i = lane; i < n16; i += 32 * kRecvUnroll) {
+// Copies chunks [begin, n16) of a row a peer wrote into our buffer (coherent loads).
+__device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane, int begin) {
+  for (int i = begin + lane; i < n16; i += 32 * kRecvUnroll) {
     int4 v[kRecvUnroll];
 #pragma unroll
     for (int u = 0; u < kRecvUnroll; ++u)
@@ -82,206 +83,126 @@ __device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer
          size_t(slot) * stride;
 }
 
-// Per token, by the whole warp: destinations (waiting for peers to enter this sequence on first
-// use), destination row pointers, scales and metadata. The x payload is left to the caller.
-// Returns false when the kernel must give up.
-__device__ __forceinline__ bool dispatch_prepare_token(const DispatchParams& p,
-                                                       const device::WaitContext& ctx, uint64_t seq,
-                                                       int t, int lane, uint32_t& ready,
-                                                       char* (&dst)[kMaxRanks]) {
+// Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
+// loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
+// of x) are issued together, so they cost one memory latency instead of one each.
+__device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
+                              int warp, int lane, int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
+  const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
-  const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
-  const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
-  const uint32_t need = dest_mask & ~ready;
-  if (need != 0) {
-    bool ok = true;
-    if ((need >> lane) & 1u) {
-      const uint64_t* entered =
-          reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset) + lane;
-      ok = device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered) >= seq; });
-    }
-    if (!__all_sync(kFull, ok)) return false;
-    ready |= need;
-  }
-  int local_row = -1;
-#pragma unroll
-  for (int d = 0; d < kMaxRanks; ++d) {
-    const int slot = __shfl_sync(kFull, pos, d);
-    dst[d] = nullptr;
-    if (d < R && slot >= 0) {
-      if (d == me) {
-        const int r = p.recv_prefix[me] + slot;
-        if (cap == 0 || r < cap) {
-          local_row = r;
-          dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
-        }
-      } else {
-        dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
-      }
-    }
-  }
-  if (dest_mask == 0) return true;
-
-  for (int j = lane; j < S; j += 32) {
-    const float v = p.scales[size_t(t) * S + j];
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      if (dst[d] == nullptr) continue;
-      if (d == me)
-        p.recv_scales[size_t(local_row) * S + j] = v;
-      else
-        reinterpret_cast<float*>(dst[d] + row.scales_offset)[j] = v;
-    }
-  }
-
-  if (p.topk_idx != nullptr) {
+  const bool with_meta = p.topk_idx != nullptr;
+  const int first = blockIdx.x * p.num_send_warps + warp;
+  const int stride = gridDim.x * p.num_send_warps;
+  const int local_base = p.recv_prefix[me];
+  const uint64_t* entered =
+      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+  uint32_t ready = 1u << me;  // peers known to have entered this sequence
+  int k = 0;
+  for (int t = first; t < p.num_tokens; t += stride, ++k) {
+    // 1. Independent loads.
+    const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
     long long idx = -1;
     float w = 0.0f;
-    if (lane < K) {
+    if (with_meta && lane < K) {
       idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
       if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
     }
+    float sc0 = 0.0f, sc1 = 0.0f;
+    if (lane < S) sc0 = p.scales[size_t(t) * S + lane];
+    if (lane + 32 < S) sc1 = p.scales[size_t(t) * S + lane + 32];
+    const int4* src =
+        reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(t) * p.hidden_bytes);
+    int4 v[kSendEarly];
+#pragma unroll
+    for (int u = 0; u < kSendEarly; ++u)
+      if (lane + 32 * u < n16) v[u] = device::ld_nc_v4(src + lane + 32 * u);
+
+    // 2. Destinations.
+    const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
+    const uint32_t need = dest_mask & ~ready;
+    if (need != 0) {
+      bool ok = true;
+      if ((need >> lane) & 1u)
+        ok = device::spin_wait(ctx, lane,
+                               [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
+      if (!__all_sync(kFull, ok)) return;
+      ready |= need;
+    }
+    char* dst[kMaxRanks];
+    int local_row = -1;
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
-      if (dst[d] == nullptr) continue;
-      const long long lo = static_cast<long long>(d) * p.experts_per_rank;
-      const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
-      const float local_w = local_idx >= 0 ? w : 0.0f;
-      if (d == me) {
-        if (lane < K && p.recv_topk_idx != nullptr) {
-          store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
-          if (p.recv_topk_weights != nullptr)
-            p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
+      const int slot = __shfl_sync(kFull, pos, d);
+      dst[d] = nullptr;
+      if (d < R && slot >= 0) {
+        if (d == me) {
+          const int r = local_base + slot;
+          if (cap == 0 || r < cap) {
+            local_row = r;
+            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
+          }
+        } else {
+          dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
         }
-        if (lane == 0) {
-          if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
-          if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
-        }
-      } else {
-        char* meta = dst[d] + row.meta_offset;
-        if (lane < K) {
-          reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
-          reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
-        }
-        if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
       }
     }
-  }
-  return true;
-}
 
-// Register path: every lane loads 16-byte chunks of x and stores them to every destination.
-__device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane, int* progress) {
-  const int n16 = p.hidden_bytes / 16;
-  const int first = blockIdx.x * p.num_send_warps + warp;
-  const int stride = gridDim.x * p.num_send_warps;
-  uint32_t ready = 1u << p.comm.rank;  // peers known to have entered this sequence
-  int k = 0;
-  for (int t = first; t < p.num_tokens; t += stride, ++k) {
-    char* dst[kMaxRanks];
-    if (!dispatch_prepare_token(p, ctx, seq, t, lane, ready, dst)) return;
-    copy_row_multi(reinterpret_cast<const int4*>(static_cast<const char*>(p.x) +
-                                                 size_t(t) * p.hidden_bytes),
-                   n16, dst, lane);
+    // 3. Stores: first batch of x, the rest of x, scales, metadata.
+    if (dest_mask != 0) {
+#pragma unroll
+      for (int u = 0; u < kSendEarly; ++u) {
+        if (lane + 32 * u < n16) {
+#pragma unroll
+          for (int d = 0; d < kMaxRanks; ++d)
+            if (dst[d] != nullptr)
+              device::st_v4(reinterpret_cast<int4*>(dst[d]) + lane + 32 * u, v[u]);
+        }
+      }
+      if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        if (dst[d] == nullptr) continue;
+        float* sc_out = d == me ? p.recv_scales + size_t(local_row) * S
+                                : reinterpret_cast<float*>(dst[d] + row.scales_offset);
+        if (lane < S) sc_out[lane] = sc0;
+        if (lane + 32 < S) sc_out[lane + 32] = sc1;
+        for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
+      }
+      if (with_meta) {
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (dst[d] == nullptr) continue;
+          const long long lo = static_cast<long long>(d) * p.experts_per_rank;
+          const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
+          const float local_w = local_idx >= 0 ? w : 0.0f;
+          if (d == me) {
+            if (lane < K && p.recv_topk_idx != nullptr) {
+              store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
+              if (p.recv_topk_weights != nullptr)
+                p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
+            }
+            if (lane == 0) {
+              if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
+              if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
+            }
+          } else {
+            char* meta = dst[d] + row.meta_offset;
+            if (lane < K) {
+              reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
+              reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
+            }
+            if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
+          }
+        }
+      }
+    }
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
     __syncwarp();
     if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
   }
-}
-
-// Waits (lane 0) for the TMA load into `bar`'s stage; bounded like every wait.
-__device__ __forceinline__ bool wait_tma_load(const device::WaitContext& ctx, uint64_t* bar,
-                                              uint32_t parity) {
-  return device::spin_wait(ctx, ctx.rank, [&] { return device::mbar_try_wait(bar, parity); });
-}
-
-// TMA path: lane 0 streams the x rows of this warp's tokens through kTmaStages shared-memory
-// stages (load of item n+1 overlaps the stores of item n) and keeps kTmaLag items of stores in
-// flight; a token is reported to the publisher once all its bulk stores have completed.
-constexpr int kTmaLag = 2;
-
-__device__ void dispatch_send_tma(const DispatchParams& p, const device::WaitContext& ctx,
-                                  uint64_t seq, int warp, int lane, int* progress, char* smem) {
-  const int first = blockIdx.x * p.num_send_warps + warp;
-  const int stride = gridDim.x * p.num_send_warps;
-  const int hb = p.hidden_bytes;
-  const int n_chunks = (hb + kTmaChunk - 1) / kTmaChunk;
-  const int my_tokens = first < p.num_tokens ? (p.num_tokens - 1 - first) / stride + 1 : 0;
-  const int items = my_tokens * n_chunks;
-  char* stages = smem;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kTmaStages * kTmaChunk);
-  const char* x = static_cast<const char*>(p.x);
-  if (lane == 0) {
-    for (int s = 0; s < kTmaStages; ++s) device::mbar_init(&bars[s], 1);
-    device::fence_mbar_init();
-  }
-  __syncwarp();
-  auto issue_load = [&](int n) {
-    const int off = (n % n_chunks) * kTmaChunk;
-    const int bytes = min(kTmaChunk, hb - off);
-    const int st = n % kTmaStages;
-    device::mbar_arrive_expect_tx(&bars[st], bytes);
-    device::tma_load_1d(stages + st * kTmaChunk,
-                        x + size_t(first + (n / n_chunks) * stride) * hb + off, bytes, &bars[st]);
-  };
-  uint32_t phases = 0;  // lane 0: parity of the next completion of each stage's barrier
-  if (lane == 0 && items > 0) issue_load(0);
-  uint32_t ready = 1u << p.comm.rank;
-  char* dst[kMaxRanks];
-  int reported = 0;
-  for (int n = 0; n < items; ++n) {
-    const int c = n % n_chunks;
-    if (c == 0) {
-      const int t = first + (n / n_chunks) * stride;
-      if (!dispatch_prepare_token(p, ctx, seq, t, lane, ready, dst)) {
-        if (lane == 0) {  // drain before the block may exit
-          wait_tma_load(ctx, &bars[n % kTmaStages], (phases >> (n % kTmaStages)) & 1u);
-          device::tma_wait<0>();
-        }
-        return;
-      }
-    }
-    bool ok = true;
-    if (lane == 0) {
-      if (n + 1 < items) {
-        device::tma_wait_read<kTmaStages - 2>();  // stage of item n+1 (= n+1-kTmaStages) is free
-        issue_load(n + 1);
-      }
-      const int st = n % kTmaStages;
-      ok = wait_tma_load(ctx, &bars[st], (phases >> st) & 1u);
-      phases ^= 1u << st;
-      const int off = c * kTmaChunk;
-      const int bytes = min(kTmaChunk, hb - off);
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d)
-        if (dst[d] != nullptr) device::tma_store_1d(dst[d] + off, stages + st * kTmaChunk, bytes);
-      device::tma_commit();
-      device::tma_wait<kTmaLag>();  // items [0, n + 1 - kTmaLag) complete
-    }
-    if (!__shfl_sync(kFull, ok, 0)) {
-      if (lane == 0) device::tma_wait<0>();
-      return;
-    }
-    const int done_tokens = max(0, n + 1 - kTmaLag) / n_chunks;
-    if (done_tokens > reported) {
-      __syncwarp();
-      if (lane == 0) {
-        device::fence_proxy_async_global();
-        device::st_release_cta_shared(progress + warp, done_tokens);
-      }
-      reported = done_tokens;
-    }
-  }
-  if (lane == 0) {
-    device::tma_wait<0>();
-    device::fence_proxy_async_global();
-  }
-  __syncwarp();
-  if (lane == 0) device::st_release_cta_shared(progress + warp, my_tokens);
 }
 
 // Lane l publishes the rows of sender warp l of this block as the sender reports them.
@@ -293,7 +214,8 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
   const int S = p.num_send_warps;
   const int stride = gridDim.x * S;
   const int first = blockIdx.x * S + lane;
-  const int total = (lane < S && first < p.num_tokens) ? (p.num_tokens - 1 - first) / stride + 1 : 0;
+  const int total =
+      (lane < S && first < p.num_tokens) ? (p.num_tokens - 1 - first) / stride + 1 : 0;
   int published = 0;
   long long idle_since = 0;
   for (uint32_t idle = 0;;) {
@@ -308,8 +230,8 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
           const int pos = p.send_pos[size_t(t) * R + d];
           if (pos >= 0)
             device::st_relaxed_sys(
-                reinterpret_cast<uint64_t*>(dispatch_row(c, c.buffers.ptr[d], me, d, pos, row.stride) +
-                                            row.meta_offset),
+                reinterpret_cast<uint64_t*>(
+                    dispatch_row(c, c.buffers.ptr[d], me, d, pos, row.stride) + row.meta_offset),
                 seq);
         }
       }
@@ -351,7 +273,8 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   // Worst-case mode: fill the padding rows first (their values are known before any arrival).
   if (cap > 0) {
     for (int r = total + first; r < cap; r += stride) {
-      int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
+      int4* out =
+          reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
       for (int i = lane; i < n16; i += 32) device::st_v4(out + i, make_int4(0, 0, 0, 0));
       if (p.recv_scales != nullptr)
         for (int j = lane; j < S; j += 32) p.recv_scales[size_t(r) * S + j] = 0.0f;
@@ -407,24 +330,36 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           const int r = base + slot;
           if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
           const char* in = dispatch_row(c, own, s, me, slot, row.stride);
-          copy_row(reinterpret_cast<const int4*>(in),
-                   reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes),
-                   n16, lane);
-          if (p.recv_scales != nullptr) {
-            const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
-            for (int j2 = lane; j2 < S; j2 += 32) p.recv_scales[size_t(r) * S + j2] = sc[j2];
-          }
+          const int4* in16 = reinterpret_cast<const int4*>(in);
+          int4* out16 =
+              reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
+          const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
           const char* meta = in + row.meta_offset;
-          if (p.recv_topk_idx != nullptr && lane < K) {
-            store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes,
-                      reinterpret_cast<const int*>(meta + 16)[lane]);
-            if (p.recv_topk_weights != nullptr)
-              p.recv_topk_weights[size_t(r) * K + lane] =
-                  reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
+          const bool copy_scales = p.recv_scales != nullptr;
+          const bool copy_meta = p.recv_topk_idx != nullptr;
+          float sc0 = 0.0f, sc1 = 0.0f, mw = 0.0f;
+          int mi = -1, msrc = -1;
+          copy_row(in16, out16, n16, lane, 0);
+          // Scales and metadata: all loads first, then the stores (one latency, not one each).
+          if (copy_scales && lane < S) sc0 = sc[lane];
+          if (copy_scales && lane + 32 < S) sc1 = sc[lane + 32];
+          if (copy_meta && lane < K) {
+            mi = reinterpret_cast<const int*>(meta + 16)[lane];
+            mw = reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
+          }
+          if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
+          if (copy_scales) {
+            float* sc_out = p.recv_scales + size_t(r) * S;
+            if (lane < S) sc_out[lane] = sc0;
+            if (lane + 32 < S) sc_out[lane + 32] = sc1;
+            for (int j2 = lane + 64; j2 < S; j2 += 32) sc_out[j2] = sc[j2];
+          }
+          if (copy_meta && lane < K) {
+            store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
+            if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = mw;
           }
           if (lane == 0) {
-            if (p.recv_src_idx != nullptr)
-              p.recv_src_idx[r] = reinterpret_cast<const int*>(meta + 8)[0];
+            if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = msrc;
             if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = s;
           }
         }
@@ -449,8 +384,8 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   }
 }
 
-__global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_dispatch_kernel(DispatchParams p) {
-  extern __shared__ __align__(128) char tma_smem[];  // use_tma: kTmaWarpSmem per sender warp
+__global__ void __launch_bounds__(kIntranodeThreads, 1)
+    intranode_dispatch_kernel(DispatchParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];  // tokens done per sender warp (read by the publisher)
   const CommContext& c = p.comm;
@@ -466,15 +401,12 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_dispatch_kerne
   // Tell every peer we have entered this sequence (so finished all earlier kernels).
   if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
     device::st_release_sys(
-        reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me, seq);
+        reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
+        seq);
 
   if (!device::aborted(ctx)) {
-    if (warp < p.num_send_warps) {
-      if (p.use_tma)
-        dispatch_send_tma(p, ctx, seq, warp, lane, s_progress, tma_smem + warp * kTmaWarpSmem);
-      else
-        dispatch_send(p, ctx, seq, warp, lane, s_progress);
-    }
+    if (warp < p.num_send_warps)
+      dispatch_send(p, ctx, seq, warp, lane, s_progress);
     else if (warp == p.num_send_warps)
       dispatch_publish(p, ctx, seq, lane, s_progress);
     else
@@ -496,15 +428,11 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_dispatch_kerne
 
 cudaError_t preload_intranode_dispatch() {
   cudaFuncAttributes attr;
-  cudaError_t e = cudaFuncGetAttributes(&attr, intranode_dispatch_kernel);
-  if (e != cudaSuccess) return e;
-  return cudaFuncSetAttribute(intranode_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(tma_smem_bytes(kTmaMaxSendWarps)));
+  return cudaFuncGetAttributes(&attr, intranode_dispatch_kernel);
 }
 
 cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream) {
-  const size_t smem = p.use_tma ? tma_smem_bytes(p.num_send_warps) : 0;
-  intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);
+  intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

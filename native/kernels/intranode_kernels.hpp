@@ -14,16 +14,6 @@ namespace ep {
 constexpr int kIntranodeThreads = 512;
 constexpr int kIntranodeMaxSendWarps = kIntranodeThreads / 32 - 2;
 
-// TMA sender pipeline: per sender warp kTmaStages shared-memory stages of kTmaChunk bytes (+ one
-// mbarrier each); rows are moved in chunks of up to kTmaChunk bytes.
-constexpr int kTmaStages = 4;
-constexpr int kTmaChunk = 8192;
-constexpr int kTmaWarpSmem = kTmaStages * kTmaChunk + 64;
-constexpr int kTmaMaxSendWarps = 6;  // 6 * kTmaWarpSmem fits the 227 KB of shared memory
-inline size_t tma_smem_bytes(int num_send_warps) {
-  return size_t(num_send_warps) * kTmaWarpSmem;
-}
-
 // intranode_layout.cu: per-rank/per-expert counts, is_token_in_rank, send_pos. Local only.
 cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream);
 

@@ -36,9 +36,9 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
     if (t < p.num_tokens) {
       for (int k = 0; k < K; ++k) {
         const size_t flat = size_t(t) * K + k;
-        const long long idx = p.idx_bytes == 8
-                                  ? static_cast<const long long*>(p.topk_idx)[flat]
-                                  : static_cast<long long>(static_cast<const int*>(p.topk_idx)[flat]);
+        const long long idx =
+            p.idx_bytes == 8 ? static_cast<const long long*>(p.topk_idx)[flat]
+                             : static_cast<long long>(static_cast<const int*>(p.topk_idx)[flat]);
         if (idx < -1 || idx >= E) {
           if (atomicCAS(&p.ctrl->error_lock, 0, 1) == 0) {
             volatile ErrorRecord* err = p.error;
@@ -107,9 +107,9 @@ cudaError_t preload_intranode_layout() {
 cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream) {
   const size_t smem = size_t(p.num_experts) * sizeof(int);
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(intranode_layout_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
+    cudaError_t e =
+        cudaFuncSetAttribute(intranode_layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
   intranode_layout_kernel<<<1, kLayoutThreads, smem, stream>>>(p);

@@ -41,7 +41,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     // Send: slot (parity, me) of every rank's buffer.
     for (int i = tid; i < R * words; i += kNotifyThreads) {
       const int dst = i / words, w = i % words;
-      const int v = w == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * E_loc + w - 1];
+      const int v =
+          w == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * E_loc + w - 1];
       uint64_t* slot = reinterpret_cast<uint64_t*>(c.buffers.ptr[dst] + c.layout.notify_offset) +
                        c.layout.notify_slot(parity, me) + w;
       device::st_relaxed_sys(slot, tag | static_cast<uint32_t>(v));
@@ -110,9 +111,9 @@ cudaError_t preload_intranode_notify() {
 cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream) {
   const size_t smem = size_t(p.comm.num_ranks) * (1 + p.experts_per_rank) * sizeof(int);
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(intranode_notify_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
+    cudaError_t e =
+        cudaFuncSetAttribute(intranode_notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
   intranode_notify_kernel<<<1, kNotifyThreads, smem, stream>>>(p);

@@ -8,7 +8,8 @@
 //  * A warp publishes a row with: every lane stores its part, `__syncwarp()` (bar.warp.sync orders
 //    the lanes' accesses among the participants), then one lane issues `fence.acq_rel.sys` and
 //    relaxed flag stores. Release is cumulative, so the other lanes' stores are covered.
-//  * The receiver mirrors it: one lane polls with `ld.acquire.sys`, then `__syncwarp()`, after which
+//  * The receiver mirrors it: one lane polls with `ld.acquire.sys`, then `__syncwarp()`, after
+//  which
 //    every lane may read the payload with ordinary loads.
 //  * `ld.global.nc` (read-only path) is used only on inputs nobody writes during the kernel.
 #pragma once
@@ -100,79 +101,7 @@ __device__ __forceinline__ void st_v4(int4* p, const int4& v) {
                : "memory");
 }
 
-__device__ __forceinline__ int lane_id() {
-  return static_cast<int>(threadIdx.x & 31u);
-}
-
-// ---- TMA bulk copies (cp.async.bulk) and mbarriers ---------------------------------------------
-// Used by the sender warps when configured: one lane moves whole row chunks global -> shared ->
-// global (local or peer) asynchronously, so a warp keeps tens of KB in flight without registers.
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-}
-
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(ok)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-
-__device__ __forceinline__ void tma_load_1d(void* smem_dst, const void* src, uint32_t bytes,
-                                            uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(smem_dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_store_1d(void* dst, const void* smem_src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-               "r"(smem_addr(smem_src)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void tma_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// At most N most recent bulk groups still reading their shared-memory source.
-template <int N>
-__device__ __forceinline__ void tma_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-
-// At most N most recent bulk groups not yet complete (writes performed).
-template <int N>
-__device__ __forceinline__ void tma_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Orders completed async-proxy (TMA) writes before this thread's later generic accesses.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31u); }
 
 // ---- control block, errors and bounded waits ---------------------------------------------------
 

@@ -43,9 +43,7 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("ep intranode: " + message);
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 const char* op_name(int op) {
   switch (op) {
@@ -118,7 +116,8 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
   cuda_check(preload_intranode_combine(), "loading the combine kernels");
   cuda_check(preload_intranode_barrier(), "loading the barrier kernel");
   layout_ = make_layout(config_, num_ranks_);
-  cuda_check(cudaMalloc(reinterpret_cast<void**>(&buffer_), layout_.total_bytes), "cudaMalloc(buffer)");
+  cuda_check(cudaMalloc(reinterpret_cast<void**>(&buffer_), layout_.total_bytes),
+             "cudaMalloc(buffer)");
   // Zero everything: stale bytes could otherwise look like a current flag or sequence number.
   cuda_check(cudaMemset(buffer_, 0, layout_.total_bytes), "cudaMemset(buffer)");
   cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -195,8 +194,7 @@ void IntranodeRuntime::connect(const std::vector<std::vector<char>>& all_handles
     cudaIpcMemHandle_t h;
     std::memcpy(&h, all_handles[r].data(), sizeof(h));
     void* p = nullptr;
-    cuda_check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
-               "cudaIpcOpenMemHandle");
+    cuda_check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
     peers_[r] = static_cast<char*>(p);
     peer_opened_[r] = true;
   }
@@ -231,17 +229,16 @@ CommContext IntranodeRuntime::comm_context() const {
 }
 
 void IntranodeRuntime::layout(const void* topk_idx, int idx_bytes, int num_tokens, int num_topk,
-                              int num_experts, int* num_tokens_per_rank,
-                              int* num_tokens_per_expert, bool* is_token_in_rank, int* send_pos,
-                              cudaStream_t stream) {
+                              int num_experts, int* num_tokens_per_rank, int* num_tokens_per_expert,
+                              bool* is_token_in_rank, int* send_pos, cudaStream_t stream) {
   require(buffer_ != nullptr, "layout: runtime destroyed");
   require(idx_bytes == 4 || idx_bytes == 8, "layout: topk_idx must be int32 or int64");
   require(num_tokens >= 0, "layout: num_tokens must be >= 0");
   require(num_topk >= 1 && num_topk <= kMaxTopk, "layout: K must be in [1, 32]");
   require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
           "layout: num_experts must be a positive multiple of the number of ranks");
-  require(num_tokens == 0 || (topk_idx != nullptr && is_token_in_rank != nullptr &&
-                              send_pos != nullptr),
+  require(num_tokens == 0 ||
+              (topk_idx != nullptr && is_token_in_rank != nullptr && send_pos != nullptr),
           "layout: null pointer");
   require(num_tokens_per_rank != nullptr && num_tokens_per_expert != nullptr,
           "layout: null pointer");
@@ -327,7 +324,8 @@ IntranodeRecvCounts IntranodeRuntime::wait_recv_counts(int ticket) {
   IntranodeRecvCounts out;
   out.num_recv_tokens = counters_host_->num_recv_tokens;
   out.per_rank.resize(num_ranks_);
-  for (int r = 0; r < num_ranks_; ++r) out.per_rank[r] = counters_host_->num_recv_tokens_per_rank[r];
+  for (int r = 0; r < num_ranks_; ++r)
+    out.per_rank[r] = counters_host_->num_recv_tokens_per_rank[r];
   const volatile int* pe = reinterpret_cast<const volatile int*>(counters_host_ + 1);
   out.per_expert.resize(host_num_local_experts_);
   for (int e = 0; e < host_num_local_experts_; ++e) out.per_expert[e] = pe[e];
@@ -369,7 +367,6 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.recv_scales = a.num_scales > 0 ? a.recv_x_scales : nullptr;
   p.num_worst_tokens = a.num_worst_tokens;
   p.num_send_warps = config_.dispatch_send_warps;
-  p.use_tma = config_.use_tma ? 1 : 0;
   if (!cached) {
     require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
     require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
@@ -440,31 +437,19 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   p.out = a.out;
   p.out_topk_weights = a.out_topk_weights;
   p.num_send_warps = config_.combine_send_warps;
-  p.use_tma = config_.use_tma ? 1 : 0;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_combine(p, num_sms, stream), "combine launch");
 }
 
 void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps) {
-  const int limit = config_.use_tma ? kTmaMaxSendWarps : kIntranodeMaxSendWarps;
+  const int limit = kIntranodeMaxSendWarps;
   require(dispatch_send_warps >= 1 && dispatch_send_warps <= limit && combine_send_warps >= 1 &&
               combine_send_warps <= limit,
           "send warps must be in [1, " + std::to_string(limit) +
-              "] (a block also needs a publisher and a receiver; TMA stages need shared memory)");
+              "] (a block also needs a publisher and a receiver warp)");
   config_.dispatch_send_warps = dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
-}
-
-void IntranodeRuntime::set_use_tma(bool use_tma) {
-  const bool previous = config_.use_tma;
-  config_.use_tma = use_tma;
-  try {
-    set_send_warps(config_.dispatch_send_warps, config_.combine_send_warps);
-  } catch (...) {
-    config_.use_tma = previous;
-    throw;
-  }
 }
 
 void IntranodeRuntime::barrier(cudaStream_t stream) {
@@ -488,8 +473,7 @@ std::string IntranodeRuntime::check_error() const {
       os << " timed out after " << config_.timeout_seconds << " s waiting for rank " << e->peer;
       break;
     case kErrorCapacity:
-      os << " would receive " << e->value_a << " rows, more than num_worst_tokens="
-         << e->value_b;
+      os << " would receive " << e->value_a << " rows, more than num_worst_tokens=" << e->value_b;
       break;
     case kErrorInvalidTopkIdx:
       os << " got topk_idx value " << e->value_a << " at flat position " << e->value_b

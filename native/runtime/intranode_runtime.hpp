@@ -25,6 +25,9 @@
 //    every rank, in the same order, and must execute one at a time per rank (same stream, or
 //    streams ordered by events). Each kernel spins on its peers, so all ranks' kernels must be
 //    able to run concurrently (one process/thread per GPU).
+//  * Per call, every rank must pass the same hidden_bytes (combine: hidden, elem_bytes),
+//    num_scales, num_topk and (combine) topk_weights present or not: they fix the row layout in
+//    the peers' buffers. num_sms and the send-warp split may differ between ranks.
 //  * Consecutive calls need no resets: each kernel takes a sequence number from a device-side
 //    epoch (so graph replays stay correct).
 //  * All pointers are device pointers, contiguous, row-major; x/recv_x/out/bias rows must be
@@ -48,65 +51,66 @@
 namespace ep {
 
 struct IntranodeConfig {
-  int max_tokens_per_rank = 4096;  // T of any rank (each source region holds this many rows)
+  int max_tokens_per_rank = 4096;   // T of any rank (each source region holds this many rows)
   int max_hidden_bytes = 7168 * 2;  // largest row payload: dispatch H*elem and combine H*elem
   int max_topk = 8;                 // <= 32
   int max_scales = 128;             // float32 scale words per row
   int max_local_experts = 256;      // E / R
   double timeout_seconds = 60.0;    // every spin-wait, device and host
   int num_sms = kDefaultNumSms;     // blocks of dispatch/combine when a call passes 0
-  int dispatch_send_warps = 8;      // of the 16 warps of a block (one more publishes, the rest
-  int combine_send_warps = 8;       //   receive); at most 14, or 6 with use_tma
-  bool use_tma = false;             // senders move rows with cp.async.bulk through shared memory
+  // Warps of the 16 of a block that send (one more publishes, the rest receive); at most 14.
+  // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench.
+  int dispatch_send_warps = 10;
+  int combine_send_warps = 4;
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
 struct IntranodeDispatchArgs {
-  const void* x = nullptr;               // [T, hidden_bytes]
-  int num_tokens = 0;                    // T (may be 0)
-  int hidden_bytes = 0;                  // H * element size, multiple of 16
-  const float* x_scales = nullptr;       // [T, S] raw 4-byte words, optional
-  int num_scales = 0;                    // S
-  const void* topk_idx = nullptr;        // [T, K] int64 (idx_bytes 8) or int32 (4)
+  const void* x = nullptr;          // [T, hidden_bytes]
+  int num_tokens = 0;               // T (may be 0)
+  int hidden_bytes = 0;             // H * element size, multiple of 16
+  const float* x_scales = nullptr;  // [T, S] raw 4-byte words, optional
+  int num_scales = 0;               // S
+  const void* topk_idx = nullptr;   // [T, K] int64 (idx_bytes 8) or int32 (4)
   int idx_bytes = 8;
-  const float* topk_weights = nullptr;   // [T, K], optional
-  int num_topk = 0;                      // K
-  int num_experts = 0;                   // E
-  const int* send_pos = nullptr;         // [T, R] from layout()
-  const int* recv_prefix = nullptr;      // [R+1] from notify()
-  void* recv_x = nullptr;                // [rows, hidden_bytes]
-  float* recv_x_scales = nullptr;        // [rows, S]   (when x_scales)
-  void* recv_topk_idx = nullptr;         // [rows, K] of idx_bytes
-  float* recv_topk_weights = nullptr;    // [rows, K]   (optional)
-  int* recv_src_idx = nullptr;           // [rows]      (optional)
-  int* recv_src_rank = nullptr;          // [rows]      (optional)
-  int num_worst_tokens = 0;              // 0: rows = N exactly; > 0: rows = num_worst_tokens
-  int num_sms = 0;                       // 0: config().num_sms
+  const float* topk_weights = nullptr;  // [T, K], optional
+  int num_topk = 0;                     // K
+  int num_experts = 0;                  // E
+  const int* send_pos = nullptr;        // [T, R] from layout()
+  const int* recv_prefix = nullptr;     // [R+1] from notify()
+  void* recv_x = nullptr;               // [rows, hidden_bytes]
+  float* recv_x_scales = nullptr;       // [rows, S]   (when x_scales)
+  void* recv_topk_idx = nullptr;        // [rows, K] of idx_bytes
+  float* recv_topk_weights = nullptr;   // [rows, K]   (optional)
+  int* recv_src_idx = nullptr;          // [rows]      (optional)
+  int* recv_src_rank = nullptr;         // [rows]      (optional)
+  int num_worst_tokens = 0;             // 0: rows = N exactly; > 0: rows = num_worst_tokens
+  int num_sms = 0;                      // 0: config().num_sms
 };
 
 // What a combine call reads and writes.
 struct IntranodeCombineArgs {
-  const void* x = nullptr;               // [num_recv_rows, hidden] of elem_bytes, dispatch order
-  int elem_bytes = 2;                    // 2: bfloat16, 4: float32, 8: float64
-  int hidden = 0;                        // H (elements)
-  int num_recv_rows = 0;                 // rows of x: N, or num_worst_tokens
-  const float* topk_weights = nullptr;   // [num_recv_rows, K], optional
+  const void* x = nullptr;              // [num_recv_rows, hidden] of elem_bytes, dispatch order
+  int elem_bytes = 2;                   // 2: bfloat16, 4: float32, 8: float64
+  int hidden = 0;                       // H (elements)
+  int num_recv_rows = 0;                // rows of x: N, or num_worst_tokens
+  const float* topk_weights = nullptr;  // [num_recv_rows, K], optional
   int num_topk = 0;
-  const int* recv_prefix = nullptr;      // [R+1] of the dispatch
-  const int* send_pos = nullptr;         // [T, R] of the dispatch
-  int num_tokens = 0;                    // T of this rank
-  const void* bias0 = nullptr;           // [T, H] of elem_bytes, optional
-  const void* bias1 = nullptr;           // [T, H] of elem_bytes, optional
-  void* out = nullptr;                   // [T, H] of elem_bytes
-  float* out_topk_weights = nullptr;     // [T, K], optional (needs topk_weights)
+  const int* recv_prefix = nullptr;   // [R+1] of the dispatch
+  const int* send_pos = nullptr;      // [T, R] of the dispatch
+  int num_tokens = 0;                 // T of this rank
+  const void* bias0 = nullptr;        // [T, H] of elem_bytes, optional
+  const void* bias1 = nullptr;        // [T, H] of elem_bytes, optional
+  void* out = nullptr;                // [T, H] of elem_bytes
+  float* out_topk_weights = nullptr;  // [T, K], optional (needs topk_weights)
   int num_sms = 0;
 };
 
 // Counts the host needs after a normal-mode notify.
 struct IntranodeRecvCounts {
-  int num_recv_tokens = 0;               // N
-  std::vector<int> per_rank;             // rows from each source rank
-  std::vector<int> per_expert;           // [E_loc], aligned to expert_alignment
+  int num_recv_tokens = 0;      // N
+  std::vector<int> per_rank;    // rows from each source rank
+  std::vector<int> per_expert;  // [E_loc], aligned to expert_alignment
 };
 
 class IntranodeRuntime {
@@ -172,10 +176,9 @@ class IntranodeRuntime {
   // bias1), accumulated in float32 (float64 for float64 rows); out_topk_weights likewise.
   void combine(const IntranodeCombineArgs& args, cudaStream_t stream);
 
-  // Tuning knobs: warps per block (of 16) that send in dispatch / combine (one more publishes,
-  // the rest receive), and whether senders use TMA bulk copies.
+  // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
+  // the rest receive).
   void set_send_warps(int dispatch_send_warps, int combine_send_warps);
-  void set_use_tma(bool use_tma);
 
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);
