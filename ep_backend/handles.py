@@ -84,7 +84,8 @@ class DispatchOutput:
         num_recv_tokens_per_expert: int32 ``[E_loc]`` on the device of ``x``: rows per local
             expert, each rounded up to ``expert_alignment``; ``None`` for a cached dispatch.
         num_recv_tokens_per_expert_list: the same as a Python list (empty with
-            ``num_worst_tokens`` > 0 or for a cached dispatch: reading it would need a host sync).
+            ``num_worst_tokens`` > 0, with ``async_op=True`` or for a cached dispatch: reading it
+            would need a host sync).
         handle: the routing, for ``combine`` and cached dispatch.
         work: the ``Work`` of an ``async_op=True`` call (``None`` otherwise); wait on it before
             using the tensors.

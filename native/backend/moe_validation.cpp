@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "ep_process_group.hpp"
@@ -136,14 +137,10 @@ void checkX(Checker& c, const at::Tensor& x, const char* name) {
           x.device());
 }
 
-void checkScales(
-    Checker& c,
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& scales,
-    const char* what) {
+void checkScales(Checker& c, const at::Tensor& x, const std::optional<at::Tensor>& scales) {
   const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
-  c.require(!fp8 || scales.has_value(), what, ": FP8 x needs x_scales [T, H/128]")
-      .require(fp8 || !scales.has_value(), what, ": x_scales are only accepted with FP8 x");
+  c.require(!fp8 || scales.has_value(), "FP8 x needs x_scales [T, H/128]")
+      .require(fp8 || !scales.has_value(), "x_scales are only accepted with FP8 x");
   if (c.failed() || !scales.has_value()) {
     return;
   }
@@ -197,7 +194,7 @@ std::string validateDispatch(
           num_ranks)
       .require(a.expert_alignment >= 1, "expert_alignment must be >= 1, got ", a.expert_alignment)
       .require(a.num_worst_tokens >= 0, "num_worst_tokens must be >= 0, got ", a.num_worst_tokens);
-  checkScales(c, a.x, a.x_scales, "dispatch");
+  checkScales(c, a.x, a.x_scales);
   // Values of topk_idx are checked here on CPU; the CUDA kernels check them on the device.
   checkTopk(
       c, a.topk_idx, a.x.size(0), a.x.device(), a.num_experts,
@@ -208,8 +205,10 @@ std::string validateDispatch(
   return c.message();
 }
 
-std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
-  Checker c("handle");
+namespace {
+
+// Checks a handle's routing tensors into `c` (so messages carry the calling op's name).
+void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
   c.require(
        r.is_token_in_rank.defined() && r.is_token_in_rank.dim() == 2 &&
            r.is_token_in_rank.scalar_type() == at::kBool,
@@ -219,7 +218,7 @@ std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t
               r.recv_src_idx.defined() && r.recv_src_rank.defined(),
           "the handle is incomplete");
   if (c.failed()) {
-    return c.message();
+    return;
   }
   c.require(
        r.is_token_in_rank.size(1) == num_ranks,
@@ -241,7 +240,7 @@ std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t
           r.recv_src_idx.dim() == 1 && r.recv_src_rank.sizes() == r.recv_src_idx.sizes(),
           "the handle's recv_src_idx/recv_src_rank do not match");
   if (c.failed() || !r.is_token_in_rank.device().is_cpu()) {
-    return c.message();
+    return;
   }
   // Host-side consistency of the counts (free on CPU; on CUDA the kernels trust the handle).
   // A handle whose send map and counts disagree would post mismatched exchanges.
@@ -257,6 +256,13 @@ std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t
           "the handle's num_recv_tokens_per_rank does not fit its ",
           r.recv_src_idx.size(0),
           " received rows");
+}
+
+} // namespace
+
+std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
+  Checker c("handle");
+  checkRouting(c, r, num_ranks, num_tokens);
   return c.message();
 }
 
@@ -275,12 +281,12 @@ std::string validateCachedDispatch(
           (x.size(1) * x.element_size()) % 16 == 0,
           "a row of x must be a multiple of 16 bytes, got H=",
           x.size(1));
-  checkScales(c, x, x_scales, "cached dispatch");
+  checkScales(c, x, x_scales);
   if (c.failed()) {
     return c.message();
   }
-  std::string routing_error = validateRouting(routing, num_ranks, x.size(0));
-  return routing_error;
+  checkRouting(c, routing, num_ranks, x.size(0));
+  return c.message();
 }
 
 std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
@@ -294,9 +300,7 @@ std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
       "x must be bfloat16, float16, float32 or float64 (combine sums rows), got ",
       a.x.scalar_type());
   const auto& r = a.routing;
-  std::string routing_error =
-      r.is_token_in_rank.defined() ? validateRouting(r, num_ranks, r.is_token_in_rank.size(0)) : "";
-  c.require(routing_error.empty(), routing_error);
+  checkRouting(c, r, num_ranks, r.is_token_in_rank.defined() ? r.is_token_in_rank.size(0) : 0);
   if (c.failed()) {
     return c.message();
   }
@@ -417,6 +421,8 @@ namespace {
 constexpr int64_t kHeaderFixed = 4;
 constexpr int64_t kMaxAgreedFields = 16;
 constexpr int64_t kHeaderWidth = kHeaderFixed + kMaxAgreedFields;
+// Payload slots in the header row beyond 2R (per-rank counts both ways plus a few scalars).
+constexpr int64_t kInlineExtra = 8;
 
 // A stable id of the collective's name (FNV-1a), so that ranks in different collectives notice.
 int64_t opId(const char* op) {
@@ -450,15 +456,24 @@ at::Tensor agreeAcrossRanks(
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
-  // Phase 1: a header of the same width on every rank and in every collective, so that ranks
-  // whose inputs, collectives or payload sizes differ never post mismatched exchanges.
-  std::vector<int64_t> header(kHeaderWidth, 0);
+  // Phase 1: a row of the same width on every rank and in every collective of this group
+  // (header + 2R + 8 payload slots), so that ranks whose inputs, collectives or payload sizes
+  // differ never post mismatched exchanges. A payload of up to 2R + 8 entries (every collective
+  // but a low-latency dispatch with many experts per rank) travels in it, so the agreement is
+  // one all-gather; a longer one follows in phase 2, once its size is agreed.
+  const int64_t inline_width = 2 * num_ranks + kInlineExtra;
+  const int64_t payload_size = static_cast<int64_t>(payload.size());
+  const bool inline_payload = payload_size <= inline_width;
+  std::vector<int64_t> header(kHeaderWidth + inline_width, 0);
   header[0] = local_error.empty() ? 0 : 1;
   header[1] = opId(op);
   header[2] = static_cast<int64_t>(fields.size());
-  header[3] = static_cast<int64_t>(payload.size());
+  header[3] = payload_size;
   for (size_t f = 0; f < fields.size(); ++f) {
     header[kHeaderFixed + f] = fields[f].value;
+  }
+  if (inline_payload) {
+    std::copy(payload.begin(), payload.end(), header.begin() + kHeaderWidth);
   }
   at::Tensor all = allGatherRows(pg, op, header);
   auto acc = all.accessor<int64_t, 2>();
@@ -532,10 +547,10 @@ at::Tensor agreeAcrossRanks(
         acc[r][3],
         "); nothing was exchanged");
   }
-  // Phase 2: the payloads, now known to have the same size everywhere.
-  if (payload.empty()) {
-    return at::empty({num_ranks, 0}, at::kLong);
+  if (inline_payload) {
+    return all.narrow(1, kHeaderWidth, payload_size);
   }
+  // Phase 2: a longer payload, now known to have the same size everywhere.
   return allGatherRows(pg, op, payload);
 }
 

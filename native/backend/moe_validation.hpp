@@ -34,11 +34,12 @@ struct AgreedField {
   int64_t value;
 };
 
-// The agreement step, over the group's CPU backend. First all-gathers a fixed-width header
-// [error flag, id of `op`, #fields, #payload, fields...] (the same size in every collective, so
-// ranks never post exchanges of different sizes); throws on every rank if any rank had an error,
-// the ranks are in different collectives, or the fields or payload sizes differ. Then
-// all-gathers the payloads and returns them as int64 [R, payload.size()]. At most 16 fields.
+// The agreement step, over the group's CPU backend. All-gathers a row of a fixed width (the
+// same in every collective of the group, so ranks never post exchanges of different sizes):
+// [error flag, id of `op`, #fields, #payload, 16 field slots, 2R + 8 payload slots]; throws on
+// every rank if any rank had an error, the ranks are in different collectives, or the fields or
+// payload sizes differ. Returns the payloads as int64 [R, payload.size()] (a payload longer than
+// 2R + 8 entries takes a second all-gather). At most 16 fields.
 at::Tensor agreeAcrossRanks(
     EPProcessGroup& pg,
     const char* op,

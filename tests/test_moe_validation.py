@@ -1,0 +1,600 @@
+"""Malformed MoE calls raise on every rank, quickly, and leave the group usable.
+
+Each case gives a bad argument on rank 1 only (where that makes sense; the others get valid
+ones) or makes the ranks disagree. Every rank must raise: the faulty rank with the specific
+message (the type of a Python-level check, e.g. ``TypeError``, or ``RuntimeError`` from the op),
+its peers with "rank(s) 1 rejected their inputs" (or, for a disagreement, every rank with the
+disagreement message). No rank may wait for another: each case must end within seconds and the
+whole run is bounded by ``TIMEOUT``. After every case a valid dispatch + combine, in the same
+processes, must still equal the reference bit for bit.
+
+All cases of one world size run in one worker run (starting processes costs seconds); the
+parametrized tests then check the recorded outcome of their case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist_utils import run_distributed
+from moe_helpers import (
+    BF16,
+    FP8,
+    Mismatches,
+    compare_combine,
+    compare_dispatch,
+    scale_rows,
+    single_thread,
+)
+
+TIMEOUT = 60.0  # the whole run of ~70 cases; a hang anywhere fails the tests at this point
+CASE_SECONDS = 10.0  # each case must end (on every rank) well within this
+WORLDS = (2, 4)
+NUM_TOKENS = 5
+HIDDEN = 64
+TOPK = 2
+LL_MAX_TOKENS = 6
+LL_HIDDEN = 128
+
+
+@dataclass
+class Ctx:
+    """What a case needs on one rank: valid inputs and handles made by valid calls."""
+
+    rank: int
+    world: int
+    ep: Any
+    num_experts: int
+    x: torch.Tensor
+    idx: torch.Tensor
+    weights: torch.Tensor
+    out: Any  # a valid DispatchOutput of (x, idx, weights)
+    all_to_rank0: Any  # a valid DispatchOutput of the same x, every token to rank 0 only
+    other_group_out: Any  # a valid DispatchOutput on a subgroup of another size
+    ll_x: torch.Tensor
+    ll_out: Any  # a valid LowLatencyDispatchOutput of (ll_x, idx)
+
+    @property
+    def bad(self) -> bool:
+        return self.rank == 1
+
+    def pick(self, good: Any, bad: Any) -> Any:
+        """``bad`` on rank 1, ``good`` elsewhere."""
+        return bad if self.bad else good
+
+    def dispatch(self, **overrides: Any) -> Any:
+        kwargs = {
+            "x": self.x,
+            "topk_idx": self.idx,
+            "topk_weights": self.weights,
+            "num_experts": self.num_experts,
+        }
+        kwargs.update(overrides)
+        return self.ep.dispatch(**kwargs)
+
+    def combine(self, **overrides: Any) -> Any:
+        kwargs = {"x": scale_rows(self.out.recv_x, 2.0), "handle": self.out.handle}
+        kwargs.update(overrides)
+        return self.ep.combine(**kwargs)
+
+    def ll_dispatch(self, **overrides: Any) -> Any:
+        kwargs = {
+            "x": self.ll_x,
+            "topk_idx": self.idx,
+            "num_max_dispatch_tokens_per_rank": LL_MAX_TOKENS,
+            "num_experts": self.num_experts,
+            "use_fp8": False,
+        }
+        kwargs.update(overrides)
+        return self.ep.low_latency_dispatch(**kwargs)
+
+    def ll_combine(self, **overrides: Any) -> Any:
+        kwargs = {
+            "x": self.ll_out.recv_x,
+            "topk_idx": self.idx,
+            "topk_weights": self.weights,
+            "handle": self.ll_out.handle,
+        }
+        kwargs.update(overrides)
+        return self.ep.low_latency_combine(**kwargs)
+
+
+REJECTED = r"rank\(s\) 1 rejected their inputs"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A malformed call. ``everywhere``: every rank raises ``message`` (disagreements and
+    checks that see all ranks' counts); else rank 1 raises ``error`` matching ``message`` and
+    the others raise RuntimeError matching ``REJECTED``."""
+
+    call: Callable[[Ctx], Any]
+    message: str
+    error: type[BaseException] = RuntimeError
+    everywhere: bool = False
+
+
+def _wide(c: Ctx) -> torch.Tensor:
+    return torch.zeros((NUM_TOKENS, 2 * HIDDEN), dtype=BF16)[:, ::2]
+
+
+def _fp8(c: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    return c.x.float().to(FP8), torch.ones((NUM_TOKENS, 1))
+
+
+def _with_id(c: Ctx, value: int) -> torch.Tensor:
+    idx = c.idx.clone()
+    idx[0, 0] = value
+    return idx
+
+
+def _ll_idx(c: Ctx, value: int) -> torch.Tensor:
+    return _with_id(c, value)
+
+
+def _inconsistent_handle(c: Ctx) -> Any:
+    h = c.out.handle
+    return dataclasses.replace(h, num_tokens_per_rank=h.num_tokens_per_rank.flip(0) + 1)
+
+
+CASES: dict[str, Case] = {
+    # ---- dispatch: this rank's arguments ----------------------------------------------------
+    "x_int32": Case(lambda c: c.dispatch(x=c.pick(c.x, c.x.int())), "x must be bfloat16"),
+    "x_1d": Case(lambda c: c.dispatch(x=c.pick(c.x, c.x.reshape(-1))), "x must be 2-D"),
+    "x_3d": Case(lambda c: c.dispatch(x=c.pick(c.x, c.x.unsqueeze(0))), "x must be 2-D"),
+    "x_non_contiguous": Case(lambda c: c.dispatch(x=c.pick(c.x, _wide(c))), "x must be contiguous"),
+    "x_row_not_16_bytes": Case(
+        lambda c: c.dispatch(x=c.pick(c.x, c.x[:, :60].contiguous())), "multiple of 16 bytes"
+    ),
+    "x_not_a_tensor": Case(
+        lambda c: c.dispatch(x=c.pick(c.x, c.x.tolist())), "x must be a tensor", TypeError
+    ),
+    "fp8_without_scales": Case(
+        lambda c: c.dispatch(x=c.pick(c.x, _fp8(c)[0])), "FP8 x needs x_scales"
+    ),
+    "scales_with_bf16_x": Case(
+        lambda c: c.dispatch(x_scales=c.pick(None, torch.ones((NUM_TOKENS, 1)))),
+        "x_scales are only accepted with FP8 x",
+    ),
+    "scales_wrong_rows": Case(
+        lambda c: c.dispatch(
+            x=_fp8(c)[0], x_scales=c.pick(_fp8(c)[1], torch.ones((NUM_TOKENS + 1, 1)))
+        ),
+        "x_scales has 6 rows but x has 5",
+    ),
+    "scales_float16": Case(
+        lambda c: c.dispatch(x=_fp8(c)[0], x_scales=c.pick(_fp8(c)[1], _fp8(c)[1].half())),
+        "x_scales must be float32 or int32",
+    ),
+    "tuple_x_and_x_scales": Case(
+        lambda c: c.dispatch(x=_fp8(c), x_scales=c.pick(None, _fp8(c)[1])),
+        r"either as \(x, scales\)",
+        TypeError,
+    ),
+    "topk_idx_float": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, c.idx.float())),
+        "topk_idx must be int64 or int32",
+    ),
+    "topk_idx_wrong_rows": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, c.idx[:-1])),
+        "topk_idx has 4 rows but x has 5 tokens",
+    ),
+    "topk_idx_1d": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, c.idx[:, 0].contiguous())),
+        "topk_idx must be 2-D",
+    ),
+    "topk_33": Case(
+        lambda c: c.dispatch(
+            topk_idx=c.pick(c.idx, torch.zeros((NUM_TOKENS, 33), dtype=torch.long)),
+            topk_weights=None,
+        ),
+        r"top-k must be in \[1, 32\], got 33",
+    ),
+    "topk_idx_not_a_tensor": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, c.idx.tolist())),
+        "topk_idx must be a tensor",
+        TypeError,
+    ),
+    "expert_id_too_large": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, _with_id(c, c.num_experts))),
+        r"topk_idx values must be in \[-1, num_experts=",
+    ),
+    "expert_id_below_minus_one": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, _with_id(c, -2))),
+        r"topk_idx values must be in \[-1, num_experts=.*min -2",
+    ),
+    "num_experts_not_multiple_of_ranks": Case(
+        lambda c: c.dispatch(num_experts=c.pick(c.num_experts, c.num_experts + 1)),
+        "is not a multiple of the group size",
+    ),
+    "num_experts_zero": Case(
+        lambda c: c.dispatch(num_experts=c.pick(c.num_experts, 0)),
+        "num_experts must be positive",
+    ),
+    "num_experts_negative": Case(
+        lambda c: c.dispatch(num_experts=c.pick(c.num_experts, -c.num_experts)),
+        "num_experts must be positive",
+    ),
+    "num_experts_float": Case(
+        lambda c: c.dispatch(num_experts=c.pick(c.num_experts, float(c.num_experts))),
+        "num_experts must be an int",
+        TypeError,
+    ),
+    "weights_float64": Case(
+        lambda c: c.dispatch(topk_weights=c.pick(c.weights, c.weights.double())),
+        "topk_weights must be float32",
+    ),
+    "weights_wrong_shape": Case(
+        lambda c: c.dispatch(topk_weights=c.pick(c.weights, c.weights[:, :1].contiguous())),
+        "topk_weights must have the shape of topk_idx",
+    ),
+    "expert_alignment_zero": Case(
+        lambda c: c.ep.dispatch(
+            c.x, c.idx, c.weights, c.num_experts, expert_alignment=c.pick(1, 0)
+        ),
+        "expert_alignment must be >= 1",
+    ),
+    "num_worst_tokens_negative": Case(
+        lambda c: c.ep.dispatch(
+            c.x, c.idx, c.weights, c.num_experts, num_worst_tokens=c.pick(0, -1)
+        ),
+        "num_worst_tokens must be >= 0",
+    ),
+    "handle_with_topk_idx": Case(
+        lambda c: c.ep.dispatch(c.x, c.pick(None, c.idx), handle=c.out.handle),
+        "with handle= .*must be None",
+        ValueError,
+    ),
+    "no_topk_idx_without_handle": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, None)),
+        "topk_idx and num_experts are required",
+        ValueError,
+    ),
+    # ---- dispatch: ranks disagree, or a check over all ranks' counts ------------------------
+    "disagree_on_num_experts": Case(
+        lambda c: c.dispatch(num_experts=c.pick(c.num_experts, 2 * c.num_experts)),
+        "ranks disagree on num_experts",
+        everywhere=True,
+    ),
+    "disagree_on_hidden": Case(
+        lambda c: c.dispatch(x=c.pick(c.x, torch.zeros((NUM_TOKENS, HIDDEN + 8), dtype=BF16))),
+        "ranks disagree on hidden size H",
+        everywhere=True,
+    ),
+    "disagree_on_dtype": Case(
+        lambda c: c.dispatch(x=c.pick(c.x, c.x.half())),
+        "ranks disagree on x dtype",
+        everywhere=True,
+    ),
+    "disagree_on_topk": Case(
+        lambda c: c.dispatch(
+            topk_idx=c.pick(c.idx, torch.cat([c.idx, c.idx[:, :1]], 1)), topk_weights=None
+        ),
+        "ranks disagree on top-k",
+        everywhere=True,
+    ),
+    "disagree_on_topk_idx_dtype": Case(
+        lambda c: c.dispatch(topk_idx=c.pick(c.idx, c.idx.int())),
+        "ranks disagree on topk_idx dtype",
+        everywhere=True,
+    ),
+    "disagree_on_weights": Case(
+        lambda c: c.dispatch(topk_weights=c.pick(c.weights, None)),
+        "ranks disagree on presence of topk_weights",
+        everywhere=True,
+    ),
+    "disagree_on_num_worst_tokens": Case(
+        lambda c: c.ep.dispatch(c.x, c.idx, None, c.num_experts, num_worst_tokens=c.pick(50, 60)),
+        "ranks disagree on num_worst_tokens",
+        everywhere=True,
+    ),
+    "num_worst_tokens_too_small": Case(
+        lambda c: c.ep.dispatch(c.x, c.idx, None, c.num_experts, num_worst_tokens=2),
+        "num_worst_tokens=2 is smaller than the rows a rank receives",
+        everywhere=True,
+    ),
+    # ---- cached dispatch ------------------------------------------------------------------
+    "cached_handle_from_other_routing": Case(
+        lambda c: c.ep.dispatch(c.x, handle=c.pick(c.out.handle, c.all_to_rank0.handle)),
+        "the handle does not match across ranks",
+        everywhere=True,
+    ),
+    "cached_handle_from_other_group_size": Case(
+        lambda c: c.ep.dispatch(c.x, handle=c.pick(c.out.handle, c.other_group_out.handle)),
+        "the handle was made on a group of",
+    ),
+    "cached_handle_is_a_tuple": Case(
+        lambda c: c.ep.dispatch(c.x, handle=c.pick(c.out.handle, tuple(c.out.handle.__dict__))),
+        "handle must be a DispatchHandle, got tuple",
+        TypeError,
+    ),
+    "cached_handle_inconsistent": Case(
+        lambda c: c.ep.dispatch(c.x, handle=c.pick(c.out.handle, _inconsistent_handle(c))),
+        "num_tokens_per_rank does not match its is_token_in_rank",
+    ),
+    "cached_x_wrong_rows": Case(
+        lambda c: c.ep.dispatch(c.pick(c.x, c.x[:-1]), handle=c.out.handle),
+        "the handle was made for 5 tokens, this call has 4",
+    ),
+    "cached_fp8_without_scales": Case(
+        lambda c: c.ep.dispatch(c.pick(c.x, _fp8(c)[0]), handle=c.out.handle),
+        "FP8 x needs x_scales",
+    ),
+    # ---- combine ----------------------------------------------------------------------------
+    "combine_x_wrong_rows": Case(
+        lambda c: c.combine(x=c.pick(c.out.recv_x, c.out.recv_x[:-1])),
+        "rows but the dispatch that made the handle returned",
+    ),
+    "combine_x_int": Case(
+        lambda c: c.combine(x=c.pick(c.out.recv_x, c.out.recv_x.int())), "combine sums rows"
+    ),
+    "combine_bias_wrong_shape": Case(
+        lambda c: c.combine(bias=c.pick(c.x, c.x[:, :-1])), r"bias must be \[T, H\]"
+    ),
+    "combine_second_bias_wrong_shape": Case(
+        lambda c: c.combine(bias=(c.x, c.pick(c.x, c.x[:-1]))), r"bias must be \[T, H\]"
+    ),
+    "combine_three_biases": Case(
+        lambda c: c.combine(bias=c.pick((c.x, c.x), (c.x, c.x, c.x))),
+        "at most two bias tensors",
+        ValueError,
+    ),
+    "combine_bias_int": Case(
+        lambda c: c.combine(bias=c.pick(c.x, c.x.int())), "bias must be bfloat16"
+    ),
+    "combine_weights_float64": Case(
+        lambda c: c.combine(
+            topk_weights=c.pick(c.out.recv_topk_weights, c.out.recv_topk_weights.double())
+        ),
+        "topk_weights must be float32",
+    ),
+    "combine_handle_is_a_tuple": Case(
+        lambda c: c.combine(handle=c.pick(c.out.handle, (1, 2))),
+        "handle must be a DispatchHandle, got tuple",
+        TypeError,
+    ),
+    "combine_handle_from_other_routing": Case(
+        lambda c: c.combine(
+            x=c.pick(c.out.recv_x, c.all_to_rank0.recv_x),
+            handle=c.pick(c.out.handle, c.all_to_rank0.handle),
+        ),
+        "the handle does not match across ranks",
+        everywhere=True,
+    ),
+    "combine_handle_from_other_group_size": Case(
+        lambda c: c.combine(
+            x=c.pick(c.out.recv_x, c.other_group_out.recv_x),
+            handle=c.pick(c.out.handle, c.other_group_out.handle),
+        ),
+        "the handle was made on a group of",
+    ),
+    "combine_disagree_on_hidden": Case(
+        lambda c: c.combine(x=c.pick(c.out.recv_x, c.out.recv_x[:, : HIDDEN // 2].contiguous())),
+        "ranks disagree on hidden size H",
+        everywhere=True,
+    ),
+    # ---- low-latency dispatch -------------------------------------------------------------
+    "ll_tokens_over_max": Case(
+        lambda c: c.ll_dispatch(
+            x=c.pick(c.ll_x, torch.zeros((LL_MAX_TOKENS + 1, LL_HIDDEN), dtype=BF16)),
+            topk_idx=c.pick(c.idx, torch.zeros((LL_MAX_TOKENS + 1, TOPK), dtype=torch.long)),
+        ),
+        "T=7 tokens exceed num_max_dispatch_tokens_per_rank=6",
+    ),
+    "ll_hidden_not_multiple_of_128": Case(
+        lambda c: c.ll_dispatch(x=c.pick(c.ll_x, torch.zeros((NUM_TOKENS, 200), dtype=BF16))),
+        "H must be a positive multiple of 128, got 200",
+    ),
+    "ll_x_float32": Case(
+        lambda c: c.ll_dispatch(x=c.pick(c.ll_x, c.ll_x.float())), "x must be bfloat16"
+    ),
+    "ll_ue8m0_without_round_scale": Case(
+        lambda c: c.ll_dispatch(
+            x=torch.zeros((NUM_TOKENS, 512), dtype=BF16),
+            use_fp8=True,
+            use_ue8m0=c.pick(False, True),
+        ),
+        "use_ue8m0 requires round_scale",
+    ),
+    "ll_ue8m0_hidden_not_512": Case(
+        lambda c: c.ll_dispatch(use_fp8=True, round_scale=True, use_ue8m0=c.pick(False, True)),
+        "use_ue8m0 needs H % 512 == 0",
+    ),
+    "ll_expert_repeated_beyond_max": Case(
+        lambda c: c.ll_dispatch(
+            num_max_dispatch_tokens_per_rank=5,
+            topk_idx=c.pick(c.idx, torch.zeros((NUM_TOKENS, 2), dtype=torch.long)),
+        ),
+        "at most num_max_dispatch_tokens_per_rank rows to one expert",
+    ),
+    "ll_expert_id_too_large": Case(
+        lambda c: c.ll_dispatch(topk_idx=c.pick(c.idx, _ll_idx(c, c.num_experts))),
+        r"topk_idx values must be in \[-1",
+    ),
+    "ll_stats_wrong_dtype": Case(
+        lambda c: c.ll_dispatch(
+            cumulative_local_expert_recv_stats=c.pick(
+                torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+            )
+        ),
+        "cumulative_local_expert_recv_stats must be int32",
+        ValueError,
+    ),
+    "ll_async_and_hook": Case(
+        lambda c: c.ll_dispatch(async_op=c.pick(False, True), return_recv_hook=True),
+        "async_op and return_recv_hook exclude each other",
+        ValueError,
+    ),
+    "ll_disagree_on_max_tokens": Case(
+        lambda c: c.ll_dispatch(num_max_dispatch_tokens_per_rank=c.pick(6, 8)),
+        "ranks disagree on num_max_dispatch_tokens_per_rank",
+        everywhere=True,
+    ),
+    "ll_disagree_on_num_experts": Case(
+        lambda c: c.ll_dispatch(num_experts=c.pick(c.num_experts, 2 * c.num_experts)),
+        "ranks disagree on num_experts",
+        everywhere=True,
+    ),
+    "ll_disagree_on_fp8": Case(
+        lambda c: c.ll_dispatch(use_fp8=c.pick(False, True)),
+        "ranks disagree on use_fp8",
+        everywhere=True,
+    ),
+    # ---- low-latency combine --------------------------------------------------------------
+    "ll_combine_wrong_slots": Case(
+        lambda c: c.ll_combine(x=c.pick(c.ll_out.recv_x, c.ll_out.recv_x[:, :-1].contiguous())),
+        "slots per expert, the handle expects R\\*M=",
+    ),
+    "ll_combine_x_2d": Case(
+        lambda c: c.ll_combine(x=c.pick(c.ll_out.recv_x, c.ll_out.recv_x[0])),
+        r"x must be \[E_loc, R\*M, H\]",
+    ),
+    "ll_combine_x_float32": Case(
+        lambda c: c.ll_combine(x=c.pick(c.ll_out.recv_x, c.ll_out.recv_x.float())),
+        "x must be bfloat16",
+    ),
+    "ll_combine_disagree_on_hidden": Case(
+        lambda c: c.ll_combine(x=c.pick(c.ll_out.recv_x, torch.cat([c.ll_out.recv_x] * 2, 2))),
+        "ranks disagree on hidden size H",
+        everywhere=True,
+    ),
+    "ll_combine_handle_is_a_tuple": Case(
+        lambda c: c.ll_combine(handle=c.pick(c.ll_out.handle, (1, 2))),
+        "handle must be a LowLatencyHandle, got tuple",
+        TypeError,
+    ),
+    "ll_combine_out_wrong_shape": Case(
+        lambda c: c.ll_combine(
+            out=c.pick(None, torch.zeros((NUM_TOKENS, LL_HIDDEN + 1), dtype=BF16))
+        ),
+        "out must be BF16",
+        ValueError,
+    ),
+    "ll_combine_weights_wrong_shape": Case(
+        lambda c: c.ll_combine(topk_weights=c.pick(c.weights, c.weights[:, :1])),
+        "topk_weights must be float32 with the shape of topk_idx",
+    ),
+    "ll_combine_expert_id_too_large": Case(
+        lambda c: c.ll_combine(topk_idx=c.pick(c.idx, _ll_idx(c, c.num_experts))),
+        r"topk_idx values must be in \[-1",
+    ),
+    "ll_combine_other_routing": Case(
+        lambda c: c.ll_combine(topk_idx=c.pick(c.idx, torch.full_like(c.idx, -1))),
+        "the handle does not match across ranks",
+        everywhere=True,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The worker: every case, then a valid call, on every rank
+# --------------------------------------------------------------------------------------------
+
+
+def _routing(rank: int, world: int) -> torch.Tensor:
+    """Token t -> experts (t + rank) % E and (t + rank + 1) % E: every rank sends to several."""
+    num_experts = 2 * world
+    t = torch.arange(NUM_TOKENS).unsqueeze(1) + rank
+    return torch.cat([t, t + 1], 1) % num_experts
+
+
+def _make_ctx(ep, rank: int, world: int) -> Ctx:
+    gen = torch.Generator().manual_seed(rank)
+    num_experts = 2 * world
+    x = torch.randn((NUM_TOKENS, HIDDEN), generator=gen).to(BF16)
+    idx = _routing(rank, world)
+    weights = torch.rand((NUM_TOKENS, TOPK), generator=gen)
+    out = ep.dispatch(x, idx, weights, num_experts)
+    all_to_rank0 = ep.dispatch(x, torch.zeros_like(idx), None, num_experts)
+    # Subgroups of another size (every rank creates all of them, in the same order).
+    size = 1 if world == 2 else 2
+    groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+    group = groups[rank // size]
+    other_group_out = ep.dispatch(x, idx % (2 * size), None, 2 * size, group=group)
+    ll_x = torch.randn((NUM_TOKENS, LL_HIDDEN), generator=gen).to(BF16)
+    ll_out = ep.low_latency_dispatch(ll_x, idx, LL_MAX_TOKENS, num_experts, use_fp8=False)
+    return Ctx(rank, world, ep, num_experts, x, idx, weights, out, all_to_rank0,
+               other_group_out, ll_x, ll_out)  # fmt: skip
+
+
+def _valid_round_trip(ep, ref, rank: int, world: int, step: int) -> list[str]:
+    m = Mismatches(context="valid call after the case")
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    num_experts = 2 * world
+    num_tokens = (step + rank) % 4
+    x = torch.randn((num_tokens, 24), generator=gen).to(BF16)
+    idx = torch.randint(-1, num_experts, (num_tokens, 3), generator=gen)
+    weights = torch.rand((num_tokens, 3), generator=gen)
+    a = ep.dispatch(x, idx, weights, num_experts, expert_alignment=2)
+    b = ref.dispatch(x, idx, weights, num_experts, expert_alignment=2)
+    compare_dispatch(m, a, b)
+    y = scale_rows(b.recv_x, 3.0)
+    compare_combine(m, ep.combine(y, a.handle, b.recv_topk_weights, bias=x),
+                    ref.combine(y, b.handle, b.recv_topk_weights, bias=x))  # fmt: skip
+    return m.items
+
+
+def _validation_worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    single_thread()
+    ctx = _make_ctx(ep, rank, world)
+    outcomes: dict[str, Any] = {}
+    for step, name in enumerate(names):
+        start = time.monotonic()
+        try:
+            CASES[name].call(ctx)
+            error = None
+        except Exception as exc:  # recorded, checked by the parent
+            error = (type(exc).__name__, str(exc))
+        elapsed = time.monotonic() - start
+        outcomes[name] = {
+            "error": error,
+            "seconds": elapsed,
+            "after": _valid_round_trip(ep, ref, rank, world, step),
+        }
+    return outcomes
+
+
+_RESULTS: dict[int, list[dict[str, Any]]] = {}
+
+
+def _results(world: int) -> list[dict[str, Any]]:
+    """All cases' outcomes per rank for one world size (one worker run, cached per process)."""
+    if world not in _RESULTS:
+        _RESULTS[world] = run_distributed(
+            _validation_worker, world, list(CASES), backend="ep", timeout=TIMEOUT
+        )
+    return _RESULTS[world]
+
+
+def test_enough_cases() -> None:
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_rank_raises(world: int, name: str) -> None:
+    case = CASES[name]
+    per_rank = [outcome[name] for outcome in _results(world)]
+    for rank, outcome in enumerate(per_rank):
+        assert outcome["error"] is not None, f"rank {rank} did not raise"
+        type_name, message = outcome["error"]
+        if case.everywhere or rank == 1:
+            expected_type, pattern = (case.error if rank == 1 else RuntimeError), case.message
+        else:
+            expected_type, pattern = RuntimeError, REJECTED
+        assert type_name == expected_type.__name__, f"rank {rank}: {type_name}: {message}"
+        assert re.search(pattern, message), f"rank {rank}: {message!r} !~ {pattern!r}"
+        assert "nothing was exchanged" in message.lower() or type_name != "RuntimeError", message
+        assert outcome["seconds"] < CASE_SECONDS, f"rank {rank} took {outcome['seconds']:.1f} s"
+        assert not outcome["after"], f"rank {rank}: " + "; ".join(outcome["after"])
