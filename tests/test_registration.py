@@ -205,3 +205,23 @@ def _unsupported(rank: int, world_size: int) -> None:
 
 def test_unsupported_calls_raise_clear_errors() -> None:
     run_distributed(_unsupported, 2, backend="ep")
+
+
+def _abort_subgroup(rank: int, world_size: int) -> dict:
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    g = dist.new_group([0, 1])
+    gb = ep_backend.get_backend(g)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=g)
+    _abort_process_group(g)
+    aborted = gb.is_shutdown
+    # the default group is untouched by aborting a subgroup
+    u = torch.ones(1)
+    dist.all_reduce(u)
+    return {"sum": t.tolist(), "aborted": aborted, "world": u.item()}
+
+
+def test_abort_subgroup_leaves_world_usable() -> None:
+    for r in run_distributed(_abort_subgroup, 2, backend="ep"):
+        assert r == {"sum": [2.0, 2.0], "aborted": True, "world": 2.0}
