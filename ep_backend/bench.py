@@ -146,6 +146,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    else:  # one process per core share: oversubscribed intra-op threads cost more than they save
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=300))  # fmt: skip
     dist.init_process_group("ep", store=store, rank=rank, world_size=world,

@@ -109,6 +109,17 @@ at::Tensor allToAllRows(
   return recv.view({num_recv, row_bytes});
 }
 
+// [0]*counts[0] ++ [1]*counts[1] ++ ...: the segment of every row. Built on the host: counts are
+// per-rank vectors, and ATen's repeat_interleave is slow for them on CPU (thread wake-ups).
+at::Tensor segmentIds(const std::vector<int64_t>& counts, const at::TensorOptions& options) {
+  std::vector<int64_t> ids;
+  ids.reserve(static_cast<size_t>(sum(counts)));
+  for (size_t s = 0; s < counts.size(); ++s) {
+    ids.insert(ids.end(), static_cast<size_t>(counts[s]), static_cast<int64_t>(s));
+  }
+  return at::tensor(ids, at::kLong).to(options.device(), options.dtype().toScalarType());
+}
+
 // Pads the first dimension of `t` to `rows` with `fill`.
 at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill) {
   if (t.size(0) == rows) {
@@ -256,10 +267,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
 
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const auto dev = a.x.options();
-  at::Tensor dest = at::repeat_interleave(
-      at::arange(num_ranks, dev.dtype(at::kLong)),
-      at::tensor(send_counts, at::kLong).to(dev.device()),
-      std::nullopt);
+  at::Tensor dest = segmentIds(send_counts, dev.dtype(at::kLong));
   at::Tensor sent_topk = a.topk_idx.index_select(0, send_token).to(at::kLong);
   at::Tensor dest_col = dest.unsqueeze(1);
   at::Tensor on_dest = sent_topk.ge(0).logical_and(sent_topk.div(experts_per_rank, "floor").eq(dest_col));
@@ -295,11 +303,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor recv_src_idx = bytesToRows(recv, packer.spans[src_block].first,
                                         packer.spans[src_block].second, at::kInt, {1})
                                 .reshape({num_recv});
-  at::Tensor recv_src_rank = at::repeat_interleave(
-      at::arange(num_ranks, dev.dtype(at::kInt)),
-      at::tensor(recv_counts, at::kLong).to(dev.device()),
-      0,
-      num_recv);
+  at::Tensor recv_src_rank = segmentIds(recv_counts, dev.dtype(at::kInt));
 
   at::Tensor selected = recv_local.masked_select(recv_local.ge(0));
   at::Tensor per_expert = at::bincount(selected, {}, experts_per_rank);
@@ -528,8 +532,7 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   at::Tensor seg_offset = seg_count.cumsum(0) - seg_count;
   const auto dev = a.x.options();
   at::Tensor seg_expert = at::arange(experts_per_rank, dev.dtype(at::kLong)).repeat({num_ranks});
-  at::Tensor entry_seg = at::repeat_interleave(
-      at::arange(seg_count.numel(), dev.dtype(at::kLong)), seg_count, 0, num_entries);
+  at::Tensor entry_seg = segmentIds(toVector(seg_count), dev.dtype(at::kLong));
   at::Tensor entry_pos = at::arange(num_entries, dev.dtype(at::kLong));
   at::Tensor entry_slot =
       seg_begin.index_select(0, entry_seg) + entry_pos - seg_offset.index_select(0, entry_seg);
