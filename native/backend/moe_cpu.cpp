@@ -145,48 +145,6 @@ std::pair<at::Tensor, std::vector<int64_t>> sendPlan(const at::Tensor& is_token_
   return {at::cat(tokens), counts};
 }
 
-std::vector<int64_t> routingPayload(const DispatchRouting& r, int64_t num_ranks) {
-  std::vector<int64_t> p = r.num_tokens_per_rank.defined() && r.num_tokens_per_rank.numel() == num_ranks
-      ? toVector(r.num_tokens_per_rank)
-      : std::vector<int64_t>(num_ranks, 0);
-  std::vector<int64_t> q = r.num_recv_tokens_per_rank.defined() &&
-          r.num_recv_tokens_per_rank.numel() == num_ranks
-      ? toVector(r.num_recv_tokens_per_rank)
-      : std::vector<int64_t>(num_ranks, 0);
-  p.insert(p.end(), q.begin(), q.end());
-  return p;
-}
-
-// A handle is only valid if what each rank sent is what its peers think they received.
-void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t rank, bool forward) {
-  // gathered [R, 2R]: row s = (sent to each rank, received from each rank) as seen by rank s.
-  const int64_t num_ranks = gathered.size(0);
-  auto g = gathered.accessor<int64_t, 2>();
-  for (int64_t s = 0; s < num_ranks; ++s) {
-    for (int64_t d = 0; d < num_ranks; ++d) {
-      // forward: s sends what d received; backward (combine): d sends back what s sent.
-      const int64_t sent = g[s][d];
-      const int64_t received = g[d][num_ranks + s];
-      TORCH_CHECK(
-          sent == received,
-          "ep ",
-          op,
-          ": the handle does not match across ranks (rank ",
-          s,
-          " sent ",
-          sent,
-          " rows to rank ",
-          d,
-          ", which expects ",
-          received,
-          "); was it made by another dispatch or group? Nothing was exchanged (seen on rank ",
-          rank,
-          ")");
-    }
-  }
-  (void)forward;
-}
-
 } // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor>
@@ -230,19 +188,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   }
   const bool has_scales = a.x_scales.has_value();
   const bool has_weights = a.topk_weights.has_value();
-  std::vector<AgreedField> fields{
-      {"num_experts", a.num_experts},
-      {"hidden size H", ok ? a.x.size(1) : -1},
-      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
-      {"top-k", ok ? a.topk_idx.size(1) : -1},
-      {"topk_idx dtype", ok ? static_cast<int64_t>(a.topk_idx.scalar_type()) : -1},
-      {"x_scales columns", ok && has_scales ? a.x_scales->size(1) : 0},
-      {"x_scales dtype", ok && has_scales ? static_cast<int64_t>(a.x_scales->scalar_type()) : -1},
-      {"presence of topk_weights", has_weights ? 1 : 0},
-      {"expert_alignment", a.expert_alignment},
-      {"num_worst_tokens", a.num_worst_tokens},
-  };
-  at::Tensor matrix = agreeAcrossRanks(pg, "dispatch", error, fields, send_counts); // [src, dst]
+  at::Tensor matrix =
+      agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), send_counts); // [src, dst] // [src, dst]
   std::vector<int64_t> recv_counts(num_ranks);
   auto m = matrix.accessor<int64_t, 2>();
   int64_t max_recv = 0;
@@ -342,14 +289,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const int64_t num_ranks = pg.getSize();
   const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
   const bool ok = error.empty();
-  std::vector<AgreedField> fields{
-      {"hidden size H", ok ? x.size(1) : -1},
-      {"x dtype", ok ? static_cast<int64_t>(x.scalar_type()) : -1},
-      {"x_scales columns", ok && x_scales ? x_scales->size(1) : 0},
-  };
   at::Tensor gathered = agreeAcrossRanks(
-      pg, "cached dispatch", error, fields, routingPayload(routing, num_ranks));
-  checkRoutingAgrees("cached dispatch", gathered, pg.getRank(), true);
+      pg, "cached dispatch", error, cachedDispatchFields(x, x_scales, ok),
+      routingCounts(routing, num_ranks));
+  checkRoutingAgrees("cached dispatch", gathered, 0, pg.getRank());
 
   auto [send_token, send_counts] = sendPlan(routing.is_token_in_rank);
   std::vector<int64_t> recv_counts = toVector(routing.num_recv_tokens_per_rank);
@@ -378,15 +321,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const std::string error = validateCombine(a, num_ranks);
   const bool ok = error.empty();
   const bool has_weights = a.topk_weights.has_value();
-  std::vector<AgreedField> fields{
-      {"hidden size H", ok ? a.x.size(1) : -1},
-      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
-      {"presence of topk_weights", has_weights ? 1 : 0},
-      {"top-k of topk_weights", ok && has_weights ? a.topk_weights->size(1) : 0},
-  };
-  at::Tensor gathered =
-      agreeAcrossRanks(pg, "combine", error, fields, routingPayload(a.routing, num_ranks));
-  checkRoutingAgrees("combine", gathered, pg.getRank(), false);
+  at::Tensor gathered = agreeAcrossRanks(
+      pg, "combine", error, combineFields(a, ok), routingCounts(a.routing, num_ranks));
+  checkRoutingAgrees("combine", gathered, 0, pg.getRank());
 
   const auto& r = a.routing;
   std::vector<int64_t> held = toVector(r.num_recv_tokens_per_rank);
@@ -596,7 +533,7 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& a)
       {"experts per rank", experts_per_rank},
   };
   at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, payload);
-  checkRoutingAgrees("low_latency_combine", gathered, rank, false);
+  checkRoutingAgrees("low_latency_combine", gathered, 0, rank);
 
   const int64_t hidden = a.x.size(2);
   std::vector<at::Tensor> back_rows;

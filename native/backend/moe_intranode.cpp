@@ -207,29 +207,6 @@ Needs maxNeeds(const at::Tensor& gathered) {
   return n;
 }
 
-void checkHandleAgrees(const char* op, const at::Tensor& g, int64_t offset, int64_t rank) {
-  // g[:, offset: offset + 2R] = (sent to each rank, received from each rank) per rank
-  const int64_t num_ranks = g.size(0);
-  auto a = g.accessor<int64_t, 2>();
-  for (int64_t s = 0; s < num_ranks; ++s) {
-    for (int64_t d = 0; d < num_ranks; ++d) {
-      TORCH_CHECK(
-          a[s][offset + d] == a[d][offset + num_ranks + s],
-          "ep ", op, ": the handle does not match across ranks (rank ", s, " sent ",
-          a[s][offset + d], " rows to rank ", d, ", which expects ", a[d][offset + num_ranks + s],
-          "); nothing was exchanged (seen on rank ", rank, ")");
-    }
-  }
-}
-
-std::vector<int64_t> hostVector(const at::Tensor& t, int64_t n) {
-  if (!t.defined() || t.numel() != n) {
-    return std::vector<int64_t>(n, 0);
-  }
-  at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + n);
-}
-
 // Per-token send positions and receive prefix of a handle (the kernels' view of the routing).
 std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
   at::Tensor in_rank = r.is_token_in_rank.to(at::kInt);
@@ -268,18 +245,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const bool ok = error.empty();
   const bool has_scales = a.x_scales.has_value();
   const bool has_weights = a.topk_weights.has_value();
-  std::vector<AgreedField> fields{
-      {"num_experts", a.num_experts},
-      {"hidden size H", ok ? a.x.size(1) : -1},
-      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
-      {"top-k", ok ? a.topk_idx.size(1) : -1},
-      {"topk_idx dtype", ok ? static_cast<int64_t>(a.topk_idx.scalar_type()) : -1},
-      {"x_scales columns", ok && has_scales ? a.x_scales->size(1) : 0},
-      {"x_scales dtype", ok && has_scales ? static_cast<int64_t>(a.x_scales->scalar_type()) : -1},
-      {"presence of topk_weights", has_weights ? 1 : 0},
-      {"expert_alignment", a.expert_alignment},
-      {"num_worst_tokens", a.num_worst_tokens},
-  };
+  const std::vector<AgreedField> fields = dispatchFields(a, ok);
   std::vector<int64_t> payload{
       ok ? a.x.size(0) : 0,
       ok ? a.x.size(1) * a.x.element_size() : 0,
@@ -372,20 +338,14 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   raisePendingError(*st, "cached dispatch");
   const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
   const bool ok = error.empty();
-  std::vector<AgreedField> fields{
-      {"hidden size H", ok ? x.size(1) : -1},
-      {"x dtype", ok ? static_cast<int64_t>(x.scalar_type()) : -1},
-      {"x_scales columns", ok && x_scales ? x_scales->size(1) : 0},
-  };
+  const std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
   std::vector<int64_t> payload{
       ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
       ok && x_scales ? x_scales->size(1) : 0, 0};
-  auto sent = hostVector(routing.num_tokens_per_rank, num_ranks);
-  auto recv = hostVector(routing.num_recv_tokens_per_rank, num_ranks);
-  payload.insert(payload.end(), sent.begin(), sent.end());
-  payload.insert(payload.end(), recv.begin(), recv.end());
+  const auto counts = routingCounts(routing, num_ranks);
+  payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
-  checkHandleAgrees("cached dispatch", gathered, 5, pg.getRank());
+  checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank());
 
   const at::Device device = x.device();
   c10::cuda::CUDAGuard guard(device);
@@ -421,22 +381,15 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const std::string error = validateCombine(a, num_ranks);
   const bool ok = error.empty();
   const bool has_weights = a.topk_weights.has_value();
-  std::vector<AgreedField> fields{
-      {"hidden size H", ok ? a.x.size(1) : -1},
-      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
-      {"presence of topk_weights", has_weights ? 1 : 0},
-      {"top-k of topk_weights", ok && has_weights ? a.topk_weights->size(1) : 0},
-  };
+  const std::vector<AgreedField> fields = combineFields(a, ok);
   const auto& r = a.routing;
   std::vector<int64_t> payload{
       ok ? r.is_token_in_rank.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0,
       ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
-  auto sent = hostVector(r.num_tokens_per_rank, num_ranks);
-  auto recv = hostVector(r.num_recv_tokens_per_rank, num_ranks);
-  payload.insert(payload.end(), sent.begin(), sent.end());
-  payload.insert(payload.end(), recv.begin(), recv.end());
+  const auto counts = routingCounts(r, num_ranks);
+  payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
-  checkHandleAgrees("combine", gathered, 5, pg.getRank());
+  checkRoutingAgrees("combine", gathered, 5, pg.getRank());
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);

@@ -64,29 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(
   return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
 }
 
-std::tuple<
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor>
-dispatchCpuOp(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    const at::Tensor& topk_idx,
-    const std::optional<at::Tensor>& topk_weights,
-    int64_t num_experts,
-    int64_t expert_alignment,
-    int64_t num_worst_tokens,
-    const std::string& group_name) {
-  auto pg = resolveGroup(group_name, "dispatch");
-  DispatchArgs args{x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens};
-  DispatchResult r = cpu::dispatch(*pg, args);
+DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x) {
   return {
       r.recv_x,
       orEmpty(r.recv_x_scales, x),
@@ -98,6 +76,20 @@ dispatchCpuOp(
       r.routing.num_recv_tokens_per_rank,
       r.routing.recv_src_idx,
       r.routing.recv_src_rank};
+}
+
+DispatchOutputs dispatchCpuOp(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    const at::Tensor& topk_idx,
+    const std::optional<at::Tensor>& topk_weights,
+    int64_t num_experts,
+    int64_t expert_alignment,
+    int64_t num_worst_tokens,
+    const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "dispatch");
+  DispatchArgs args{x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens};
+  return packDispatch(cpu::dispatch(*pg, args), x);
 }
 
 Tensors2 cachedDispatchCpuOp(
@@ -193,20 +185,6 @@ bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
   (void)x;
   return false;
 #endif
-}
-
-DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x) {
-  return {
-      r.recv_x,
-      orEmpty(r.recv_x_scales, x),
-      r.recv_topk_idx,
-      orEmpty(r.recv_topk_weights, x),
-      r.num_recv_tokens_per_expert,
-      r.routing.is_token_in_rank,
-      r.routing.num_tokens_per_rank,
-      r.routing.num_recv_tokens_per_rank,
-      r.routing.recv_src_idx,
-      r.routing.recv_src_rank};
 }
 
 DispatchOutputs dispatchCudaOp(

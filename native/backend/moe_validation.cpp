@@ -558,4 +558,72 @@ void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& m
   agreeAcrossRanks(pg, op, message.empty() ? std::string("invalid arguments") : message, {}, {});
 }
 
+std::vector<AgreedField> dispatchFields(const DispatchArgs& a, bool ok) {
+  const bool has_scales = a.x_scales.has_value();
+  return {
+      {"num_experts", a.num_experts},
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
+      {"top-k", ok ? a.topk_idx.size(1) : -1},
+      {"topk_idx dtype", ok ? static_cast<int64_t>(a.topk_idx.scalar_type()) : -1},
+      {"x_scales columns", ok && has_scales ? a.x_scales->size(1) : 0},
+      {"x_scales dtype", ok && has_scales ? static_cast<int64_t>(a.x_scales->scalar_type()) : -1},
+      {"presence of topk_weights", a.topk_weights.has_value() ? 1 : 0},
+      {"expert_alignment", a.expert_alignment},
+      {"num_worst_tokens", a.num_worst_tokens},
+  };
+}
+
+std::vector<AgreedField> cachedDispatchFields(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    bool ok) {
+  return {
+      {"hidden size H", ok ? x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(x.scalar_type()) : -1},
+      {"x_scales columns", ok && x_scales ? x_scales->size(1) : 0},
+  };
+}
+
+std::vector<AgreedField> combineFields(const CombineArgs& a, bool ok) {
+  const bool has_weights = a.topk_weights.has_value();
+  return {
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
+      {"presence of topk_weights", has_weights ? 1 : 0},
+      {"top-k of topk_weights", ok && has_weights ? a.topk_weights->size(1) : 0},
+  };
+}
+
+std::vector<int64_t> routingCounts(const DispatchRouting& r, int64_t num_ranks) {
+  auto counts = [num_ranks](const at::Tensor& t) {
+    if (!t.defined() || t.numel() != num_ranks) {
+      return std::vector<int64_t>(num_ranks, 0);
+    }
+    at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
+    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + num_ranks);
+  };
+  std::vector<int64_t> out = counts(r.num_tokens_per_rank);
+  std::vector<int64_t> recv = counts(r.num_recv_tokens_per_rank);
+  out.insert(out.end(), recv.begin(), recv.end());
+  return out;
+}
+
+void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank) {
+  const int64_t num_ranks = gathered.size(0);
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    for (int64_t d = 0; d < num_ranks; ++d) {
+      const int64_t sent = g[s][offset + d];
+      const int64_t expected = g[d][offset + num_ranks + s];
+      TORCH_CHECK(
+          sent == expected,
+          "ep ", op, ": the handle does not match across ranks (rank ", s, " sent ", sent,
+          " rows to rank ", d, ", which expects ", expected,
+          "); was it made by another dispatch or group? Nothing was exchanged (seen on rank ",
+          rank, ")");
+    }
+  }
+}
+
 } // namespace ep

@@ -52,4 +52,21 @@ at::Tensor agreeAcrossRanks(
 // rejected their inputs"; this rank raises RuntimeError with `message`.
 void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message);
 
+// The fields every rank must agree on for each collective (`ok`: this rank's input is valid, so
+// its shapes may be read).
+std::vector<AgreedField> dispatchFields(const DispatchArgs& args, bool ok);
+std::vector<AgreedField> cachedDispatchFields(
+    const at::Tensor& x,
+    const std::optional<at::Tensor>& x_scales,
+    bool ok);
+std::vector<AgreedField> combineFields(const CombineArgs& args, bool ok);
+
+// (rows sent to each rank, rows received from each rank) of a handle, 2R values (zeros when the
+// handle is malformed: validation reports that).
+std::vector<int64_t> routingCounts(const DispatchRouting& routing, int64_t num_ranks);
+
+// Throws on every rank unless what each rank sent (gathered[s, offset + d]) is what its peer
+// expects to receive (gathered[d, offset + R + s]): a handle from another dispatch or group.
+void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank);
+
 } // namespace ep
