@@ -13,8 +13,7 @@ namespace {
 
 void bindOptions(py::module_& m) {
   py::class_<ep::EPOptions, c10d::Backend::Options, c10::intrusive_ptr<ep::EPOptions>>(
-      m,
-      "Options",
+      m, "Options",
       R"(Options of an ``"ep"`` process group; pass as ``pg_options`` to
 ``init_process_group``/``new_group``.
 
@@ -25,56 +24,39 @@ Args:
       .def(
           py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s) {
             TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
-            TORCH_CHECK(
-                kernel_timeout_s > 0,
-                "ep.Options: kernel_timeout_s must be positive, got ",
-                kernel_timeout_s);
+            TORCH_CHECK(kernel_timeout_s > 0, "ep.Options: kernel_timeout_s must be positive, got ",
+                        kernel_timeout_s);
             auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
             opts->num_sms = num_sms;
             opts->kernel_timeout_s = kernel_timeout_s;
             return opts;
           }),
-          py::arg("timeout") = ep::kEPDefaultTimeout,
-          py::arg("num_sms") = 24,
+          py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
           py::arg("kernel_timeout_s") = 60.0)
       .def_readwrite("num_sms", &ep::EPOptions::num_sms)
       .def_readwrite("kernel_timeout_s", &ep::EPOptions::kernel_timeout_s)
       .def_readwrite("group_name", &c10d::Backend::Options::group_name)
       .def_readwrite("global_ranks_in_group", &c10d::Backend::Options::global_ranks_in_group)
       .def_property(
-          "timeout",
-          [](const ep::EPOptions& o) { return o.timeout; },
+          "timeout", [](const ep::EPOptions& o) { return o.timeout; },
           [](ep::EPOptions& o, std::chrono::milliseconds t) { o.timeout = t; })
-      .def(
-          "__copy__",
-          [](const ep::EPOptions& o) { return c10::make_intrusive<ep::EPOptions>(o); })
-      .def(
-          "__deepcopy__",
-          [](const ep::EPOptions& o, py::dict) { return c10::make_intrusive<ep::EPOptions>(o); })
+      .def("__copy__", [](const ep::EPOptions& o) { return c10::make_intrusive<ep::EPOptions>(o); })
+      .def("__deepcopy__",
+           [](const ep::EPOptions& o, py::dict) { return c10::make_intrusive<ep::EPOptions>(o); })
       .def("__repr__", [](const ep::EPOptions& o) {
         return "ep_backend.Options(timeout=" + std::to_string(o.timeout.count()) +
-            "ms, num_sms=" + std::to_string(o.num_sms) +
-            ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) + ")";
+               "ms, num_sms=" + std::to_string(o.num_sms) +
+               ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) + ")";
       });
 }
 
 void bindProcessGroup(py::module_& m) {
   py::class_<ep::EPProcessGroup, c10d::Backend, c10::intrusive_ptr<ep::EPProcessGroup>>(
       m, "EPProcessGroup", "The C++ backend behind a torch.distributed group of backend \"ep\".")
-      .def(
-          py::init<
-              c10::intrusive_ptr<c10d::Store>,
-              int,
-              int,
-              c10::intrusive_ptr<ep::EPOptions>,
-              c10::intrusive_ptr<c10d::Backend>,
-              c10::intrusive_ptr<c10d::Backend>>(),
-          py::arg("store"),
-          py::arg("rank"),
-          py::arg("size"),
-          py::arg("options"),
-          py::arg("cpu_backend"),
-          py::arg("cuda_backend") = py::none())
+      .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int, c10::intrusive_ptr<ep::EPOptions>,
+                    c10::intrusive_ptr<c10d::Backend>, c10::intrusive_ptr<c10d::Backend>>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
+           py::arg("cpu_backend"), py::arg("cuda_backend") = py::none())
       .def_property_readonly("options", &ep::EPProcessGroup::options)
       .def_property_readonly("store", &ep::EPProcessGroup::store)
       .def_property_readonly("has_cuda_backend", &ep::EPProcessGroup::hasCudaBackend)
@@ -82,16 +64,12 @@ void bindProcessGroup(py::module_& m) {
       .def(
           "inner_backend",
           [](const ep::EPProcessGroup& self, const std::string& device_type) {
-            return self.innerBackend(
-                c10::Device(device_type).type(), "inner_backend");
+            return self.innerBackend(c10::Device(device_type).type(), "inner_backend");
           },
           py::arg("device_type"),
           "The internal backend that serves tensors of ``device_type`` ('cpu' or 'cuda').")
-      .def(
-          "_set_split_factory",
-          &ep::EPProcessGroup::setSplitFactory,
-          py::arg("factory"),
-          "Sets the callable (store, rank, size, options) -> Backend used by split_group.")
+      .def("_set_split_factory", &ep::EPProcessGroup::setSplitFactory, py::arg("factory"),
+           "Sets the callable (store, rank, size, options) -> Backend used by split_group.")
       .def(
           "perform_nocolor_split",
           [](ep::EPProcessGroup&, const at::Device&) {
@@ -100,7 +78,7 @@ void bindProcessGroup(py::module_& m) {
           py::arg("device"));
 }
 
-} // namespace
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Native core of ep_backend: the \"ep\" c10d backend and MoE collectives.";

@@ -17,12 +17,8 @@ bool isComposedReduction(const c10d::ReduceOp& op) {
 }
 
 void checkFloatingForAvg(const at::Tensor& t, const char* op) {
-  TORCH_CHECK(
-      at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()),
-      "ep: ",
-      op,
-      " with ReduceOp.AVG needs floating-point tensors, got ",
-      t.scalar_type());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()), "ep: ", op,
+              " with ReduceOp.AVG needs floating-point tensors, got ", t.scalar_type());
 }
 
 // Multiplies `t` in place by the PREMUL_SUM factor of `op` (no-op for other reductions).
@@ -59,9 +55,7 @@ c10d::ReduceOp sumOp() {
 class PostProcessWork : public c10d::Work {
  public:
   PostProcessWork(c10::intrusive_ptr<c10d::Work> inner, std::function<void()> post)
-      : c10d::Work(-1, c10d::OpType::UNKNOWN),
-        inner_(std::move(inner)),
-        post_(std::move(post)) {}
+      : c10d::Work(-1, c10d::OpType::UNKNOWN), inner_(std::move(inner)), post_(std::move(post)) {}
 
   bool isCompleted() override {
     if (!inner_->isCompleted()) {
@@ -72,15 +66,9 @@ class PostProcessWork : public c10d::Work {
     }
     return true;
   }
-  bool isSuccess() const override {
-    return inner_->isSuccess();
-  }
-  std::exception_ptr exception() const override {
-    return inner_->exception();
-  }
-  std::vector<at::Tensor> result() override {
-    return inner_->result();
-  }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  std::vector<at::Tensor> result() override { return inner_->result(); }
   bool wait(std::chrono::milliseconds timeout) override {
     const bool ok = inner_->wait(timeout);
     runPost();
@@ -105,18 +93,15 @@ class PostProcessWork : public c10d::Work {
   }
 
  private:
-  void runPost() {
-    std::call_once(post_once_, post_);
-  }
+  void runPost() { std::call_once(post_once_, post_); }
 
   c10::intrusive_ptr<c10d::Work> inner_;
   std::function<void()> post_;
   std::once_flag post_once_;
 };
 
-c10::intrusive_ptr<c10d::Work> thenApply(
-    const c10::intrusive_ptr<c10d::Work>& inner,
-    std::function<void()> post) {
+c10::intrusive_ptr<c10d::Work> thenApply(const c10::intrusive_ptr<c10d::Work>& inner,
+                                         std::function<void()> post) {
   return c10::make_intrusive<PostProcessWork>(inner, std::move(post));
 }
 
@@ -126,15 +111,12 @@ void divideBy(const std::vector<at::Tensor>& tensors, int size) {
   }
 }
 
-} // namespace
+}  // namespace
 
-EPProcessGroup::EPProcessGroup(
-    c10::intrusive_ptr<c10d::Store> store,
-    int rank,
-    int size,
-    c10::intrusive_ptr<EPOptions> options,
-    c10::intrusive_ptr<c10d::Backend> cpu_backend,
-    c10::intrusive_ptr<c10d::Backend> cuda_backend)
+EPProcessGroup::EPProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                               c10::intrusive_ptr<EPOptions> options,
+                               c10::intrusive_ptr<c10d::Backend> cpu_backend,
+                               c10::intrusive_ptr<c10d::Backend> cuda_backend)
     : c10d::Backend(rank, size),
       store_(std::move(store)),
       options_(std::move(options)),
@@ -173,20 +155,16 @@ void EPProcessGroup::checkAlive(const char* op) const {
   TORCH_CHECK(!shutdown_.load(), "ep: ", op, " called on a process group that was shut down");
 }
 
-c10::intrusive_ptr<c10d::Backend> EPProcessGroup::innerBackend(
-    c10::DeviceType device_type,
-    const char* op) const {
+c10::intrusive_ptr<c10d::Backend> EPProcessGroup::innerBackend(c10::DeviceType device_type,
+                                                               const char* op) const {
   checkAlive(op);
   if (device_type == c10::DeviceType::CPU) {
     return cpu_;
   }
   if (device_type == c10::DeviceType::CUDA) {
-    TORCH_CHECK(
-        cuda_ != nullptr,
-        "ep: ",
-        op,
-        " got CUDA tensors but this group has no CUDA backend (was it created on a machine "
-        "without GPUs, or with a CPU-only torch?)");
+    TORCH_CHECK(cuda_ != nullptr, "ep: ", op,
+                " got CUDA tensors but this group has no CUDA backend (was it created on a machine "
+                "without GPUs, or with a CPU-only torch?)");
     return cuda_;
   }
   TORCH_CHECK(false, "ep: ", op, " does not support tensors on device type ", device_type);
@@ -243,7 +221,7 @@ class CoalescedWork : public c10d::Work {
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
 };
-} // namespace
+}  // namespace
 
 void EPProcessGroup::startCoalescing() {
   checkAlive("start_coalescing");
@@ -258,9 +236,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::endCoalescing() {
   coalescing_ = false;
   if (cuda_coalescing_started_) {
     cuda_coalescing_started_ = false;
-    TORCH_CHECK(
-        coalesced_cpu_works_.empty(),
-        "ep: a coalesced group mixed CPU and CUDA tensors");
+    TORCH_CHECK(coalesced_cpu_works_.empty(), "ep: a coalesced group mixed CPU and CUDA tensors");
     return cuda_->endCoalescing();
   }
   auto works = std::move(coalesced_cpu_works_);
@@ -268,35 +244,26 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::endCoalescing() {
   return c10::make_intrusive<CoalescedWork>(std::move(works));
 }
 
-c10::intrusive_ptr<c10d::Backend> EPProcessGroup::route(
-    const std::vector<at::Tensor>& tensors,
-    const char* op) {
+c10::intrusive_ptr<c10d::Backend> EPProcessGroup::route(const std::vector<at::Tensor>& tensors,
+                                                        const char* op) {
   TORCH_CHECK(!tensors.empty(), "ep: ", op, " needs at least one tensor");
   const auto device_type = tensors.front().device().type();
   for (const auto& t : tensors) {
     TORCH_CHECK(t.defined(), "ep: ", op, " got an undefined tensor");
-    TORCH_CHECK(
-        t.device().type() == device_type,
-        "ep: ",
-        op,
-        " got tensors on different device types (",
-        device_type,
-        " and ",
-        t.device().type(),
-        ")");
+    TORCH_CHECK(t.device().type() == device_type, "ep: ", op,
+                " got tensors on different device types (", device_type, " and ", t.device().type(),
+                ")");
   }
   return route(tensors.front(), op);
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::broadcast(
-    std::vector<at::Tensor>& tensors,
-    const c10d::BroadcastOptions& opts) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::broadcast(std::vector<at::Tensor>& tensors,
+                                                         const c10d::BroadcastOptions& opts) {
   return track(route(tensors, "broadcast")->broadcast(tensors, opts));
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::AllreduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
   auto backend = route(tensors, "allreduce");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
     return track(backend->allreduce(tensors, opts));
@@ -319,8 +286,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors,
-    const c10d::AllreduceCoalescedOptions& opts) {
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   auto backend = route(tensors, "allreduce_coalesced");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
     return track(backend->allreduce_coalesced(tensors, opts));
@@ -341,9 +307,8 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
   return track(thenApply(work, [tensors, size] { divideBy(tensors, size); }));
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::ReduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::ReduceOptions& opts) {
   auto backend = route(tensors, "reduce");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
     return track(backend->reduce(tensors, opts));
@@ -355,7 +320,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(
       checkFloatingForAvg(t, "reduce");
     }
     staged.push_back(opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM ? stagedInput(t, opts.reduceOp)
-                                                                      : t.clone());
+                                                                     : t.clone());
   }
   c10d::ReduceOptions sum_opts = opts;
   sum_opts.reduceOp = sumOp();
@@ -375,52 +340,45 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allgather(
-    std::vector<std::vector<at::Tensor>>& output_tensors,
-    std::vector<at::Tensor>& input_tensors,
+    std::vector<std::vector<at::Tensor>>& output_tensors, std::vector<at::Tensor>& input_tensors,
     const c10d::AllgatherOptions& opts) {
   return track(route(input_tensors, "allgather")->allgather(output_tensors, input_tensors, opts));
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::_allgather_base(
-    at::Tensor& output,
-    at::Tensor& input,
-    const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::_allgather_base(at::Tensor& output,
+                                                               at::Tensor& input,
+                                                               const c10d::AllgatherOptions& opts) {
   return track(route(input, "all_gather_into_tensor")->_allgather_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& output_lists,
-    std::vector<at::Tensor>& input_list,
+    std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& input_list,
     const c10d::AllgatherOptions& opts) {
   return track(route(input_list, "allgather_coalesced")
-      ->allgather_coalesced(output_lists, input_list, opts));
+                   ->allgather_coalesced(output_lists, input_list, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allgather_into_tensor_coalesced(
-    std::vector<at::Tensor>& outputs,
-    std::vector<at::Tensor>& inputs,
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   return track(route(inputs, "allgather_into_tensor_coalesced")
-      ->allgather_into_tensor_coalesced(outputs, inputs, opts));
+                   ->allgather_into_tensor_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::gather(
-    std::vector<std::vector<at::Tensor>>& output_tensors,
-    std::vector<at::Tensor>& input_tensors,
+    std::vector<std::vector<at::Tensor>>& output_tensors, std::vector<at::Tensor>& input_tensors,
     const c10d::GatherOptions& opts) {
   return track(route(input_tensors, "gather")->gather(output_tensors, input_tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::scatter(
-    std::vector<at::Tensor>& output_tensors,
-    std::vector<std::vector<at::Tensor>>& input_tensors,
+    std::vector<at::Tensor>& output_tensors, std::vector<std::vector<at::Tensor>>& input_tensors,
     const c10d::ScatterOptions& opts) {
   return track(route(output_tensors, "scatter")->scatter(output_tensors, input_tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter(
-    std::vector<at::Tensor>& output_tensors,
-    std::vector<std::vector<at::Tensor>>& input_tensors,
+    std::vector<at::Tensor>& output_tensors, std::vector<std::vector<at::Tensor>>& input_tensors,
     const c10d::ReduceScatterOptions& opts) {
   auto backend = route(output_tensors, "reduce_scatter");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
@@ -439,16 +397,14 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter(
   sum_opts.reduceOp = sumOp();
   auto work = backend->reduce_scatter(output_tensors, staged, sum_opts);
   if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return track(thenApply(work, [staged] {})); // keeps the staged inputs alive until completion
+    return track(thenApply(work, [staged] {}));  // keeps the staged inputs alive until completion
   }
   const int size = getSize();
   return track(thenApply(work, [output_tensors, staged, size] { divideBy(output_tensors, size); }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::_reduce_scatter_base(
-    at::Tensor& output,
-    at::Tensor& input,
-    const c10d::ReduceScatterOptions& opts) {
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   auto backend = route(input, "reduce_scatter_tensor");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
     return track(backend->_reduce_scatter_base(output, input, opts));
@@ -471,8 +427,7 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::_reduce_scatter_base(
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs,
-    std::vector<at::Tensor>& inputs,
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   auto backend = route(inputs, "reduce_scatter_tensor_coalesced");
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
@@ -498,47 +453,38 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter_tensor_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall_base(
-    at::Tensor& output,
-    at::Tensor& input,
-    std::vector<int64_t>& output_split_sizes,
-    std::vector<int64_t>& input_split_sizes,
-    const c10d::AllToAllOptions& opts) {
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   return track(route(input, "all_to_all_single")
-      ->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
+                   ->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall(
-    std::vector<at::Tensor>& output_tensors,
-    std::vector<at::Tensor>& input_tensors,
-    const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall(std::vector<at::Tensor>& output_tensors,
+                                                        std::vector<at::Tensor>& input_tensors,
+                                                        const c10d::AllToAllOptions& opts) {
   return track(route(input_tensors, "all_to_all")->alltoall(output_tensors, input_tensors, opts));
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::send(
-    std::vector<at::Tensor>& tensors,
-    int dst_rank,
-    int tag) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                                    int tag) {
   return track(route(tensors, "send")->send(tensors, dst_rank, tag));
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::recv(
-    std::vector<at::Tensor>& tensors,
-    int src_rank,
-    int tag) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                                    int tag) {
   return track(route(tensors, "recv")->recv(tensors, src_rank, tag));
 }
 
-c10::intrusive_ptr<c10d::Work> EPProcessGroup::recvAnysource(
-    std::vector<at::Tensor>& tensors,
-    int tag) {
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                             int tag) {
   return track(route(tensors, "recv_anysource")->recvAnysource(tensors, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::barrier(const c10d::BarrierOptions& opts) {
   checkAlive("barrier");
   ++seq_;
-  const bool on_cuda = (opts.device.has_value() && opts.device->is_cuda()) ||
-      !opts.device_ids.empty();
+  const bool on_cuda =
+      (opts.device.has_value() && opts.device->is_cuda()) || !opts.device_ids.empty();
   if (on_cuda && cuda_ != nullptr) {
     return track(cuda_->barrier(opts));
   }
@@ -569,8 +515,7 @@ uint64_t EPProcessGroup::getSequenceNumberForGroup() {
 }
 
 c10::intrusive_ptr<c10d::Backend> EPProcessGroup::split(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    const std::vector<int>& ranks,
+    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
   checkAlive("split");
   auto it = std::find(ranks.begin(), ranks.end(), getRank());
@@ -603,8 +548,8 @@ c10::intrusive_ptr<c10d::Backend> EPProcessGroup::split(
   if (cached != split_children_.end()) {
     return cached->second;
   }
-  auto child = split_factory_(
-      store, static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()), child_opts);
+  auto child = split_factory_(store, static_cast<int>(it - ranks.begin()),
+                              static_cast<int>(ranks.size()), child_opts);
   split_children_[key.str()] = child;
   return child;
 }
@@ -636,4 +581,4 @@ void EPProcessGroup::shutdown() {
   }
 }
 
-} // namespace ep
+}  // namespace ep

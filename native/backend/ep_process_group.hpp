@@ -37,95 +37,64 @@ class EPProcessGroup : public c10d::Backend {
   using SplitFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
       const c10::intrusive_ptr<c10d::Store>&, int, int, const c10::intrusive_ptr<EPOptions>&)>;
 
-  EPProcessGroup(
-      c10::intrusive_ptr<c10d::Store> store,
-      int rank,
-      int size,
-      c10::intrusive_ptr<EPOptions> options,
-      c10::intrusive_ptr<c10d::Backend> cpu_backend,
-      c10::intrusive_ptr<c10d::Backend> cuda_backend);
+  EPProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                 c10::intrusive_ptr<EPOptions> options,
+                 c10::intrusive_ptr<c10d::Backend> cpu_backend,
+                 c10::intrusive_ptr<c10d::Backend> cuda_backend);
   ~EPProcessGroup() override;
 
-  const std::string getBackendName() const override {
-    return "ep";
-  }
-  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override {
-    return options_;
-  }
-  const c10::intrusive_ptr<EPOptions>& options() const {
-    return options_;
-  }
-  const c10::intrusive_ptr<c10d::Store>& store() const {
-    return store_;
-  }
+  const std::string getBackendName() const override { return "ep"; }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
+  const c10::intrusive_ptr<EPOptions>& options() const { return options_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   // The internal backend serving `device_type`; throws if the group has none for it.
   c10::intrusive_ptr<c10d::Backend> innerBackend(c10::DeviceType device_type, const char* op) const;
-  bool hasCudaBackend() const {
-    return cuda_ != nullptr;
-  }
+  bool hasCudaBackend() const { return cuda_ != nullptr; }
 
-  c10::intrusive_ptr<c10d::Work> broadcast(
-      std::vector<at::Tensor>& tensors,
-      const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceCoalescedOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::ReduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather(
-      std::vector<std::vector<at::Tensor>>& output_tensors,
-      std::vector<at::Tensor>& input_tensors,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::AllgatherOptions& opts) override;
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& output_tensors,
+                                           std::vector<at::Tensor>& input_tensors,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& output_lists,
-      std::vector<at::Tensor>& input_list,
+      std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& input_list,
       const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> gather(
-      std::vector<std::vector<at::Tensor>>& output_tensors,
-      std::vector<at::Tensor>& input_tensors,
-      const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(
-      std::vector<at::Tensor>& output_tensors,
-      std::vector<std::vector<at::Tensor>>& input_tensors,
-      const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(
-      std::vector<at::Tensor>& output_tensors,
-      std::vector<std::vector<at::Tensor>>& input_tensors,
-      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& output_tensors,
+                                        std::vector<at::Tensor>& input_tensors,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& output_tensors,
+                                         std::vector<std::vector<at::Tensor>>& input_tensors,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& output_tensors,
+                                                std::vector<std::vector<at::Tensor>>& input_tensors,
+                                                const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::ReduceScatterOptions& opts) override;
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      std::vector<int64_t>& output_split_sizes,
-      std::vector<int64_t>& input_split_sizes,
-      const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(
-      std::vector<at::Tensor>& output_tensors,
-      std::vector<at::Tensor>& input_tensors,
-      const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag)
-      override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag)
-      override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& output_tensors,
+                                          std::vector<at::Tensor>& input_tensors,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
@@ -135,31 +104,22 @@ class EPProcessGroup : public c10d::Backend {
 
   // Coalescing (batch_isend_irecv, _coalescing_manager with a device): CUDA ops are grouped by
   // the NCCL backend; CPU ops run as issued and the coalesced Work waits for all of them.
-  bool supportsCoalescing() const override {
-    return true;
-  }
+  bool supportsCoalescing() const override { return true; }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
-  bool supportsSplitting() const override {
-    return true;
-  }
+  bool supportsSplitting() const override { return true; }
   c10::intrusive_ptr<c10d::Backend> split(
-      const c10::intrusive_ptr<c10d::Store>& store,
-      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
       const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
-  void setSplitFactory(SplitFactory factory) {
-    split_factory_ = std::move(factory);
-  }
+  void setSplitFactory(SplitFactory factory) { split_factory_ = std::move(factory); }
   void eagerConnectSingleDevice(at::Device device) override;
 
   void abort() override;
   void shutdown() override;
   // Runs `hook` once when the group shuts down (or is destroyed): frees transport resources.
   void addShutdownHook(std::function<void()> hook);
-  bool isShutdown() const {
-    return shutdown_.load();
-  }
+  bool isShutdown() const { return shutdown_.load(); }
 
  private:
   c10::intrusive_ptr<c10d::Backend> route(const at::Tensor& tensor, const char* op);
@@ -186,4 +146,4 @@ class EPProcessGroup : public c10d::Backend {
   void runShutdownHooks();
 };
 
-} // namespace ep
+}  // namespace ep

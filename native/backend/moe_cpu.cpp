@@ -35,12 +35,8 @@ at::Tensor rowsAsBytes(const at::Tensor& t) {
 }
 
 // Columns [offset, offset + nbytes) of packed rows, reinterpreted as `dtype` rows of `row_shape`.
-at::Tensor bytesToRows(
-    const at::Tensor& bytes,
-    int64_t offset,
-    int64_t nbytes,
-    at::ScalarType dtype,
-    std::vector<int64_t> row_shape) {
+at::Tensor bytesToRows(const at::Tensor& bytes, int64_t offset, int64_t nbytes,
+                       at::ScalarType dtype, std::vector<int64_t> row_shape) {
   const int64_t n = bytes.size(0);
   std::vector<int64_t> shape{n};
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
@@ -49,7 +45,10 @@ at::Tensor bytesToRows(
   }
   // clone, not contiguous(): a single row is contiguous already, and contiguous() would keep
   // the block's byte offset in the storage, which view(dtype) needs divisible by the element size.
-  return bytes.narrow(1, offset, nbytes).clone(at::MemoryFormat::Contiguous).view(dtype).reshape(shape);
+  return bytes.narrow(1, offset, nbytes)
+      .clone(at::MemoryFormat::Contiguous)
+      .view(dtype)
+      .reshape(shape);
 }
 
 // Packs per-row byte blocks side by side; records each block's (offset, size).
@@ -65,9 +64,7 @@ struct RowPacker {
     blocks.push_back(b);
     return spans.size() - 1;
   }
-  at::Tensor packed() const {
-    return at::cat(blocks, 1);
-  }
+  at::Tensor packed() const { return at::cat(blocks, 1); }
 };
 
 std::vector<int64_t> toVector(const at::Tensor& t) {
@@ -81,13 +78,9 @@ int64_t sum(const std::vector<int64_t>& v) {
 
 // Exchanges packed rows: rows [off_r, off_r + send_counts[r]) go to rank r. The exchange runs
 // on flat byte buffers that always own storage (Gloo dislikes null pointers of empty tensors).
-at::Tensor allToAllRows(
-    EPProcessGroup& pg,
-    const char* op,
-    const at::Tensor& send,
-    int64_t row_bytes,
-    const std::vector<int64_t>& send_counts,
-    const std::vector<int64_t>& recv_counts) {
+at::Tensor allToAllRows(EPProcessGroup& pg, const char* op, const at::Tensor& send,
+                        int64_t row_bytes, const std::vector<int64_t>& send_counts,
+                        const std::vector<int64_t>& recv_counts) {
   const int64_t num_recv = sum(recv_counts);
   const auto bytes = send.options().dtype(at::kByte);
   at::Tensor recv = at::empty({num_recv * row_bytes + 1}, bytes).narrow(0, 0, num_recv * row_bytes);
@@ -102,7 +95,7 @@ at::Tensor allToAllRows(
   }
   c10d::AllToAllOptions opts;
   opts.timeout = pg.options()->timeout;
-  opts.asyncOp = false; // on CUDA: enqueue on the current stream, like the surrounding ops
+  opts.asyncOp = false;  // on CUDA: enqueue on the current stream, like the surrounding ops
   pg.innerBackend(send.device().type(), op)
       ->alltoall_base(recv, send_flat, out_splits, in_splits, opts)
       ->wait();
@@ -145,20 +138,17 @@ std::pair<at::Tensor, std::vector<int64_t>> sendPlan(const at::Tensor& is_token_
   return {at::cat(tokens), counts};
 }
 
-} // namespace
+}  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor>
-dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
+                                                              int64_t num_experts,
+                                                              int64_t num_ranks) {
   TORCH_CHECK(topk_idx.dim() == 2, "ep get_dispatch_layout: topk_idx must be [T, K]");
-  TORCH_CHECK(
-      topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
-      "ep get_dispatch_layout: topk_idx must be int64 or int32");
-  TORCH_CHECK(
-      num_experts > 0 && num_ranks > 0 && num_experts % num_ranks == 0,
-      "ep get_dispatch_layout: num_experts=",
-      num_experts,
-      " must be a positive multiple of num_ranks=",
-      num_ranks);
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+              "ep get_dispatch_layout: topk_idx must be int64 or int32");
+  TORCH_CHECK(num_experts > 0 && num_ranks > 0 && num_experts % num_ranks == 0,
+              "ep get_dispatch_layout: num_experts=", num_experts,
+              " must be a positive multiple of num_ranks=", num_ranks);
   const int64_t experts_per_rank = num_experts / num_ranks;
   at::Tensor idx = topk_idx.to(at::kLong);
   at::Tensor valid = idx.ge(0);
@@ -188,8 +178,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   }
   const bool has_scales = a.x_scales.has_value();
   const bool has_weights = a.topk_weights.has_value();
-  at::Tensor matrix =
-      agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), send_counts); // [src, dst] // [src, dst]
+  at::Tensor matrix = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok),
+                                       send_counts);  // [src, dst] // [src, dst]
   std::vector<int64_t> recv_counts(num_ranks);
   auto m = matrix.accessor<int64_t, 2>();
   int64_t max_recv = 0;
@@ -204,32 +194,30 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     recv_counts[s] = m[s][rank];
   }
   const int64_t num_recv = sum(recv_counts);
-  TORCH_CHECK(
-      a.num_worst_tokens == 0 || max_recv <= a.num_worst_tokens,
-      "ep dispatch: num_worst_tokens=",
-      a.num_worst_tokens,
-      " is smaller than the rows a rank receives (up to ",
-      max_recv,
-      "); nothing was exchanged");
+  TORCH_CHECK(a.num_worst_tokens == 0 || max_recv <= a.num_worst_tokens,
+              "ep dispatch: num_worst_tokens=", a.num_worst_tokens,
+              " is smaller than the rows a rank receives (up to ", max_recv,
+              "); nothing was exchanged");
 
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const auto dev = a.x.options();
   at::Tensor dest = segmentIds(send_counts, dev.dtype(at::kLong));
   at::Tensor sent_topk = a.topk_idx.index_select(0, send_token).to(at::kLong);
   at::Tensor dest_col = dest.unsqueeze(1);
-  at::Tensor on_dest = sent_topk.ge(0).logical_and(sent_topk.div(experts_per_rank, "floor").eq(dest_col));
+  at::Tensor on_dest =
+      sent_topk.ge(0).logical_and(sent_topk.div(experts_per_rank, "floor").eq(dest_col));
   at::Tensor sent_local = at::where(on_dest, sent_topk - dest_col * experts_per_rank, -1);
 
   RowPacker packer;
   const size_t x_block = packer.add(a.x.index_select(0, send_token));
   const size_t s_block = has_scales ? packer.add(a.x_scales->index_select(0, send_token)) : 0;
   const size_t i_block = packer.add(sent_local);
-  const size_t w_block = has_weights
-      ? packer.add(at::where(on_dest, a.topk_weights->index_select(0, send_token), 0.0))
-      : 0;
+  const size_t w_block =
+      has_weights ? packer.add(at::where(on_dest, a.topk_weights->index_select(0, send_token), 0.0))
+                  : 0;
   const size_t src_block = packer.add(send_token.to(at::kInt));
-  at::Tensor recv = allToAllRows(
-      pg, "dispatch", packer.packed(), packer.width, send_counts, recv_counts);
+  at::Tensor recv =
+      allToAllRows(pg, "dispatch", packer.packed(), packer.width, send_counts, recv_counts);
 
   const int64_t hidden = a.x.size(1);
   const int64_t topk = a.topk_idx.size(1);
@@ -237,9 +225,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   out.recv_x = bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
                            a.x.scalar_type(), {hidden});
   if (has_scales) {
-    out.recv_x_scales = bytesToRows(recv, packer.spans[s_block].first,
-                                    packer.spans[s_block].second, a.x_scales->scalar_type(),
-                                    {a.x_scales->size(1)});
+    out.recv_x_scales = bytesToRows(recv, packer.spans[s_block].first, packer.spans[s_block].second,
+                                    a.x_scales->scalar_type(), {a.x_scales->size(1)});
   }
   at::Tensor recv_local = bytesToRows(recv, packer.spans[i_block].first,
                                       packer.spans[i_block].second, at::kLong, {topk});
@@ -282,16 +269,14 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
-    EPProcessGroup& pg,
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
     const DispatchRouting& routing) {
   const int64_t num_ranks = pg.getSize();
   const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
   const bool ok = error.empty();
-  at::Tensor gathered = agreeAcrossRanks(
-      pg, "cached dispatch", error, cachedDispatchFields(x, x_scales, ok),
-      routingCounts(routing, num_ranks));
+  at::Tensor gathered =
+      agreeAcrossRanks(pg, "cached dispatch", error, cachedDispatchFields(x, x_scales, ok),
+                       routingCounts(routing, num_ranks));
   checkRoutingAgrees("cached dispatch", gathered, 0, pg.getRank());
 
   auto [send_token, send_counts] = sendPlan(routing.is_token_in_rank);
@@ -299,19 +284,19 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   RowPacker packer;
   const size_t x_block = packer.add(x.index_select(0, send_token));
   const size_t s_block = x_scales ? packer.add(x_scales->index_select(0, send_token)) : 0;
-  at::Tensor recv = allToAllRows(
-      pg, "cached dispatch", packer.packed(), packer.width, send_counts, recv_counts);
+  at::Tensor recv =
+      allToAllRows(pg, "cached dispatch", packer.packed(), packer.width, send_counts, recv_counts);
   const int64_t cap = routing.recv_src_idx.size(0);
-  at::Tensor recv_x = padRows(
-      bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
-                  x.scalar_type(), {x.size(1)}),
-      cap, 0);
+  at::Tensor recv_x =
+      padRows(bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
+                          x.scalar_type(), {x.size(1)}),
+              cap, 0);
   std::optional<at::Tensor> recv_scales;
   if (x_scales) {
-    recv_scales = padRows(
-        bytesToRows(recv, packer.spans[s_block].first, packer.spans[s_block].second,
-                    x_scales->scalar_type(), {x_scales->size(1)}),
-        cap, 0);
+    recv_scales =
+        padRows(bytesToRows(recv, packer.spans[s_block].first, packer.spans[s_block].second,
+                            x_scales->scalar_type(), {x_scales->size(1)}),
+                cap, 0);
   }
   return {recv_x, recv_scales};
 }
@@ -321,8 +306,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const std::string error = validateCombine(a, num_ranks);
   const bool ok = error.empty();
   const bool has_weights = a.topk_weights.has_value();
-  at::Tensor gathered = agreeAcrossRanks(
-      pg, "combine", error, combineFields(a, ok), routingCounts(a.routing, num_ranks));
+  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, combineFields(a, ok),
+                                         routingCounts(a.routing, num_ranks));
   checkRoutingAgrees("combine", gathered, 0, pg.getRank());
 
   const auto& r = a.routing;
@@ -336,8 +321,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
 
   const int64_t num_tokens = r.is_token_in_rank.size(0);
   const int64_t hidden = a.x.size(1);
-  at::Tensor rows = bytesToRows(returned, packer.spans[x_block].first,
-                                packer.spans[x_block].second, a.x.scalar_type(), {hidden});
+  at::Tensor rows = bytesToRows(returned, packer.spans[x_block].first, packer.spans[x_block].second,
+                                a.x.scalar_type(), {hidden});
   const auto acc_dtype = a.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor acc = at::zeros({num_tokens, hidden}, a.x.options().dtype(acc_dtype));
   std::optional<at::Tensor> acc_w;
@@ -368,10 +353,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   return {acc.to(a.x.scalar_type()), acc_w};
 }
 
-std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(
-    const at::Tensor& x,
-    bool round_scale,
-    bool use_ue8m0) {
+std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(const at::Tensor& x, bool round_scale,
+                                                    bool use_ue8m0) {
   const int64_t hidden = x.size(-1);
   const int64_t groups = hidden / kFp8Group;
   std::vector<int64_t> grouped(x.sizes().begin(), x.sizes().end() - 1);
@@ -387,11 +370,13 @@ std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(
     scale = bits.to(at::kInt).view(at::kFloat);
   }
   at::Tensor inv = at::reciprocal(scale);
-  at::Tensor q = (xf * inv.unsqueeze(-1)).clamp(-kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn).reshape(x.sizes());
+  at::Tensor q =
+      (xf * inv.unsqueeze(-1)).clamp(-kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn).reshape(x.sizes());
   if (!use_ue8m0) {
     return {q, scale.contiguous()};
   }
-  at::Tensor exps = scale.contiguous().view(at::kInt).bitwise_right_shift(23).bitwise_and(0xFF).to(at::kLong);
+  at::Tensor exps =
+      scale.contiguous().view(at::kInt).bitwise_right_shift(23).bitwise_and(0xFF).to(at::kLong);
   std::vector<int64_t> packed_shape(scale.sizes().begin(), scale.sizes().end() - 1);
   packed_shape.push_back(groups / 4);
   std::vector<int64_t> four = packed_shape;
@@ -421,8 +406,9 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
     per_expert = at::bincount(experts, {}, a.num_experts);
     entry_token = positions.div(topk, "floor");
     if (per_expert.numel() > 0 && per_expert.max().item<int64_t>() > max_tokens) {
-      error = "ep low_latency_dispatch: a rank may send at most num_max_dispatch_tokens_per_rank "
-              "rows to one expert (a token lists the same expert more than once?)";
+      error =
+          "ep low_latency_dispatch: a rank may send at most num_max_dispatch_tokens_per_rank "
+          "rows to one expert (a token lists the same expert more than once?)";
     }
   }
   const bool ok = error.empty();
@@ -434,7 +420,8 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
       {"round_scale", a.round_scale},
       {"use_ue8m0", a.use_ue8m0},
   };
-  std::vector<int64_t> payload = ok ? toVector(per_expert) : std::vector<int64_t>(a.num_experts > 0 ? a.num_experts : 0, 0);
+  std::vector<int64_t> payload =
+      ok ? toVector(per_expert) : std::vector<int64_t>(a.num_experts > 0 ? a.num_experts : 0, 0);
   at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
 
   const int64_t experts_per_rank = a.num_experts / num_ranks;
@@ -458,8 +445,8 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
     x_block = packer.add(a.x.index_select(0, entry_token));
   }
   const size_t src_block = packer.add(entry_token.to(at::kInt));
-  at::Tensor recv = allToAllRows(
-      pg, "low_latency_dispatch", packer.packed(), packer.width, send_counts, recv_counts);
+  at::Tensor recv = allToAllRows(pg, "low_latency_dispatch", packer.packed(), packer.width,
+                                 send_counts, recv_counts);
   const int64_t num_entries = recv.size(0);
 
   // Received segments are (src rank, local expert) in that order; segment (s, le) lands at
@@ -548,8 +535,8 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& a)
   }
   RowPacker packer;
   packer.add(at::cat(back_rows));
-  at::Tensor returned = allToAllRows(
-      pg, "low_latency_combine", packer.packed(), packer.width, send_back, expect);
+  at::Tensor returned =
+      allToAllRows(pg, "low_latency_combine", packer.packed(), packer.width, send_back, expect);
   at::Tensor rows = bytesToRows(returned, 0, packer.width, at::kBFloat16, {hidden});
 
   const int64_t num_tokens = a.topk_idx.size(0);
@@ -565,4 +552,4 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& a)
   return acc.to(at::kBFloat16);
 }
 
-} // namespace ep::cpu
+}  // namespace ep::cpu

@@ -19,28 +19,26 @@ namespace cpu {
 
 // Local layout: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
 // is_token_in_rank bool [T, R]). Works on any device (plain tensor ops).
-std::tuple<at::Tensor, at::Tensor, at::Tensor>
-dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
+                                                              int64_t num_experts,
+                                                              int64_t num_ranks);
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
-    EPProcessGroup& pg,
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
     const DispatchRouting& routing);
 
-std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& args);
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                         const CombineArgs& args);
 
 LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchArgs& args);
 
 at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& args);
 
 // FP8 e4m3 per-128-channel quantisation of the contract (reference.quantize_fp8_per128).
-std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(
-    const at::Tensor& x,
-    bool round_scale,
-    bool use_ue8m0);
+std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(const at::Tensor& x, bool round_scale,
+                                                    bool use_ue8m0);
 
-} // namespace cpu
-} // namespace ep
+}  // namespace cpu
+}  // namespace ep

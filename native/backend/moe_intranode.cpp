@@ -2,9 +2,9 @@
 
 #include "moe_intranode.hpp"
 
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -87,7 +87,8 @@ bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
   }
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
-  const std::string mine = std::string(host) + "|" + std::to_string(static_cast<int>(device.index()));
+  const std::string mine =
+      std::string(host) + "|" + std::to_string(static_cast<int>(device.index()));
   auto& store = pg.store();
   const std::string prefix = keyPrefix(pg) + "topology/";
   store->set(prefix + std::to_string(rank), toBytes(mine));
@@ -134,12 +135,13 @@ struct Needs {
 
 bool fits(const IntranodeConfig& c, const Needs& n) {
   return n.tokens <= c.max_tokens_per_rank && n.hidden_bytes <= c.max_hidden_bytes &&
-      n.topk <= c.max_topk && n.scales <= c.max_scales && n.local_experts <= c.max_local_experts;
+         n.topk <= c.max_topk && n.scales <= c.max_scales && n.local_experts <= c.max_local_experts;
 }
 
 // Makes sure a connected runtime big enough for `needs` (the max over ranks) exists. Collective:
 // every rank calls it with the same `needs`.
-IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, Needs needs) {
+IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
+                                Needs needs) {
   if (st.runtime && fits(st.runtime->config(), needs)) {
     return *st.runtime;
   }
@@ -224,7 +226,7 @@ T* ptrOr(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->numel() > 0 ? static_cast<T*>(t->data_ptr()) : nullptr;
 }
 
-} // namespace
+}  // namespace
 
 bool usable(EPProcessGroup& pg, const at::Device& device) {
   auto st = stateOf(pg);
@@ -247,11 +249,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const bool has_weights = a.topk_weights.has_value();
   const std::vector<AgreedField> fields = dispatchFields(a, ok);
   std::vector<int64_t> payload{
-      ok ? a.x.size(0) : 0,
-      ok ? a.x.size(1) * a.x.element_size() : 0,
-      ok ? a.topk_idx.size(1) : 0,
-      ok && has_scales ? a.x_scales->size(1) : 0,
-      ok ? a.num_experts / num_ranks : 0};
+      ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
+      ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
   at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload);
 
   const at::Device device = a.x.device();
@@ -275,11 +274,11 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor recv_prefix = at::empty({num_ranks + 1}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
   const bool host_counts = a.num_worst_tokens == 0;
-  const int ticket = rt.notify(
-      per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
-      static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
-      recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(),
-      host_counts, stream);
+  const int ticket =
+      rt.notify(per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
+                static_cast<int>(a.num_experts), static_cast<int>(a.expert_alignment),
+                static_cast<int>(a.num_worst_tokens), recv_counts.data_ptr<int>(),
+                recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(), host_counts, stream);
   int64_t rows = a.num_worst_tokens;
   if (host_counts) {
     rows = rt.wait_recv_counts(ticket).num_recv_tokens;
@@ -329,9 +328,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
-    EPProcessGroup& pg,
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
     const DispatchRouting& routing) {
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
@@ -339,9 +336,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
   const bool ok = error.empty();
   const std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
-  std::vector<int64_t> payload{
-      ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
-      ok && x_scales ? x_scales->size(1) : 0, 0};
+  std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
+                               ok && x_scales ? x_scales->size(1) : 0, 0};
   const auto counts = routingCounts(routing, num_ranks);
   payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
@@ -383,9 +379,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const bool has_weights = a.topk_weights.has_value();
   const std::vector<AgreedField> fields = combineFields(a, ok);
   const auto& r = a.routing;
-  std::vector<int64_t> payload{
-      ok ? r.is_token_in_rank.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0,
-      ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
+  std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
+                               ok ? a.x.size(1) * a.x.element_size() : 0,
+                               ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
   const auto counts = routingCounts(r, num_ranks);
   payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
@@ -420,6 +416,6 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   return {out, out_w};
 }
 
-} // namespace ep::intranode
+}  // namespace ep::intranode
 
-#endif // EP_WITH_CUDA
+#endif  // EP_WITH_CUDA

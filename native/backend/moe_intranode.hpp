@@ -22,12 +22,11 @@ bool usable(EPProcessGroup& pg, const at::Device& device);
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
-    EPProcessGroup& pg,
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
     const DispatchRouting& routing);
 
-std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& args);
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                         const CombineArgs& args);
 
-} // namespace intranode
-} // namespace ep
+}  // namespace intranode
+}  // namespace ep

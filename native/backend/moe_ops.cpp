@@ -2,9 +2,9 @@
 // torch.compile and autograd (fake kernels and autograd formulas live in ep_backend/moe.py).
 // Absent optional outputs come back as empty tensors; the Python layer maps them to None.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/library.h>
 
 #include "ep_process_group.hpp"
 #include "moe_cpu.hpp"
@@ -15,31 +15,16 @@ namespace ep {
 namespace {
 
 using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
-using DispatchOutputs = std::tuple<
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor,
-    at::Tensor>;
+using DispatchOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 c10::intrusive_ptr<EPProcessGroup> resolveGroup(const std::string& group_name, const char* op) {
   auto pg = c10d::resolve_process_group(group_name);
   auto backend = pg->getBackend(c10::DeviceType::CPU);
   auto ep = c10::dynamic_intrusive_pointer_cast<EPProcessGroup>(backend);
-  TORCH_CHECK(
-      ep != nullptr,
-      "ep ",
-      op,
-      ": group '",
-      group_name,
-      "' does not use the \"ep\" backend (it uses '",
-      backend->getBackendName(),
-      "'); create it with backend=\"ep\"");
+  TORCH_CHECK(ep != nullptr, "ep ", op, ": group '", group_name,
+              "' does not use the \"ep\" backend (it uses '", backend->getBackendName(),
+              "'); create it with backend=\"ep\"");
   return ep;
 }
 
@@ -47,101 +32,74 @@ at::Tensor orEmpty(const std::optional<at::Tensor>& t, const at::Tensor& like) {
   return t.has_value() ? *t : at::empty({0}, like.options());
 }
 
-DispatchRouting routingOf(
-    const at::Tensor& is_token_in_rank,
-    const at::Tensor& num_tokens_per_rank,
-    const at::Tensor& num_recv_tokens_per_rank,
-    const at::Tensor& recv_src_idx,
-    const at::Tensor& recv_src_rank) {
-  return DispatchRouting{
-      is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx, recv_src_rank};
+DispatchRouting routingOf(const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
+                          const at::Tensor& num_recv_tokens_per_rank,
+                          const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank) {
+  return DispatchRouting{is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                         recv_src_idx, recv_src_rank};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(
-    const at::Tensor& topk_idx,
-    int64_t num_experts,
-    int64_t num_ranks) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(const at::Tensor& topk_idx,
+                                                                int64_t num_experts,
+                                                                int64_t num_ranks) {
   return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
 }
 
 DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x) {
-  return {
-      r.recv_x,
-      orEmpty(r.recv_x_scales, x),
-      r.recv_topk_idx,
-      orEmpty(r.recv_topk_weights, x),
-      r.num_recv_tokens_per_expert,
-      r.routing.is_token_in_rank,
-      r.routing.num_tokens_per_rank,
-      r.routing.num_recv_tokens_per_rank,
-      r.routing.recv_src_idx,
-      r.routing.recv_src_rank};
+  return {r.recv_x,
+          orEmpty(r.recv_x_scales, x),
+          r.recv_topk_idx,
+          orEmpty(r.recv_topk_weights, x),
+          r.num_recv_tokens_per_expert,
+          r.routing.is_token_in_rank,
+          r.routing.num_tokens_per_rank,
+          r.routing.num_recv_tokens_per_rank,
+          r.routing.recv_src_idx,
+          r.routing.recv_src_rank};
 }
 
-DispatchOutputs dispatchCpuOp(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    const at::Tensor& topk_idx,
-    const std::optional<at::Tensor>& topk_weights,
-    int64_t num_experts,
-    int64_t expert_alignment,
-    int64_t num_worst_tokens,
-    const std::string& group_name) {
+DispatchOutputs dispatchCpuOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                              const at::Tensor& topk_idx,
+                              const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
+                              int64_t expert_alignment, int64_t num_worst_tokens,
+                              const std::string& group_name) {
   auto pg = resolveGroup(group_name, "dispatch");
-  DispatchArgs args{x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens};
+  DispatchArgs args{x,           x_scales,         topk_idx,        topk_weights,
+                    num_experts, expert_alignment, num_worst_tokens};
   return packDispatch(cpu::dispatch(*pg, args), x);
 }
 
-Tensors2 cachedDispatchCpuOp(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    const at::Tensor& is_token_in_rank,
-    const at::Tensor& num_tokens_per_rank,
-    const at::Tensor& num_recv_tokens_per_rank,
-    const at::Tensor& recv_src_idx,
-    const at::Tensor& recv_src_rank,
-    const std::string& group_name) {
+Tensors2 cachedDispatchCpuOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                             const at::Tensor& is_token_in_rank,
+                             const at::Tensor& num_tokens_per_rank,
+                             const at::Tensor& num_recv_tokens_per_rank,
+                             const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
+                             const std::string& group_name) {
   auto pg = resolveGroup(group_name, "cached dispatch");
-  auto [recv_x, recv_scales] = cpu::cachedDispatch(
-      *pg,
-      x,
-      x_scales,
-      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
-                recv_src_rank));
+  auto [recv_x, recv_scales] =
+      cpu::cachedDispatch(*pg, x, x_scales,
+                          routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                                    recv_src_idx, recv_src_rank));
   return {recv_x, orEmpty(recv_scales, x)};
 }
 
-Tensors2 combineCpuOp(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& topk_weights,
-    const std::optional<at::Tensor>& bias0,
-    const std::optional<at::Tensor>& bias1,
-    const at::Tensor& is_token_in_rank,
-    const at::Tensor& num_tokens_per_rank,
-    const at::Tensor& num_recv_tokens_per_rank,
-    const at::Tensor& recv_src_idx,
-    const at::Tensor& recv_src_rank,
-    const std::string& group_name) {
+Tensors2 combineCpuOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
+                      const std::optional<at::Tensor>& bias0,
+                      const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
+                      const at::Tensor& num_tokens_per_rank,
+                      const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
+                      const at::Tensor& recv_src_rank, const std::string& group_name) {
   auto pg = resolveGroup(group_name, "combine");
-  CombineArgs args{
-      x,
-      topk_weights,
-      bias0,
-      bias1,
-      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
-                recv_src_rank)};
+  CombineArgs args{x, topk_weights, bias0, bias1,
+                   routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                             recv_src_idx, recv_src_rank)};
   auto [combined, weights] = cpu::combine(*pg, args);
   return {combined, orEmpty(weights, x)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCpuOp(
-    const at::Tensor& x,
-    const at::Tensor& topk_idx,
-    int64_t num_max_dispatch_tokens_per_rank,
-    int64_t num_experts,
-    bool use_fp8,
-    bool round_scale,
-    bool use_ue8m0,
+    const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
+    int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
     const std::string& group_name) {
   auto pg = resolveGroup(group_name, "low_latency_dispatch");
   LowLatencyDispatchArgs args{
@@ -150,17 +108,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatenc
   return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
 }
 
-at::Tensor lowLatencyCombineCpuOp(
-    const at::Tensor& x,
-    const at::Tensor& topk_idx,
-    const at::Tensor& topk_weights,
-    const at::Tensor& src_info,
-    const at::Tensor& layout_range,
-    int64_t num_max_dispatch_tokens_per_rank,
-    const std::string& group_name) {
+at::Tensor lowLatencyCombineCpuOp(const at::Tensor& x, const at::Tensor& topk_idx,
+                                  const at::Tensor& topk_weights, const at::Tensor& src_info,
+                                  const at::Tensor& layout_range,
+                                  int64_t num_max_dispatch_tokens_per_rank,
+                                  const std::string& group_name) {
   auto pg = resolveGroup(group_name, "low_latency_combine");
-  LowLatencyCombineArgs args{
-      x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank};
+  LowLatencyCombineArgs args{x,        topk_idx,     topk_weights,
+                             src_info, layout_range, num_max_dispatch_tokens_per_rank};
   return cpu::lowLatencyCombine(*pg, args);
 }
 
@@ -170,7 +125,8 @@ void rejectOp(const std::string& op, const std::string& message, const std::stri
 }
 
 Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 128 == 0, "ep quantize_fp8: H must be a multiple of 128");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 128 == 0,
+              "ep quantize_fp8: H must be a multiple of 128");
   TORCH_CHECK(!use_ue8m0 || (round_scale && x.size(-1) % 512 == 0),
               "ep quantize_fp8: use_ue8m0 needs round_scale and H % 512 == 0");
   auto [q, s] = cpu::quantizeFp8Per128(x, round_scale, use_ue8m0);
@@ -187,64 +143,53 @@ bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
 #endif
 }
 
-DispatchOutputs dispatchCudaOp(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    const at::Tensor& topk_idx,
-    const std::optional<at::Tensor>& topk_weights,
-    int64_t num_experts,
-    int64_t expert_alignment,
-    int64_t num_worst_tokens,
-    const std::string& group_name) {
+DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                               const at::Tensor& topk_idx,
+                               const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
+                               int64_t expert_alignment, int64_t num_worst_tokens,
+                               const std::string& group_name) {
   auto pg = resolveGroup(group_name, "dispatch");
   if (!useIntranode(*pg, x)) {
     return dispatchCpuOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
                          num_worst_tokens, group_name);
   }
 #ifdef EP_WITH_CUDA
-  DispatchArgs args{x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens};
+  DispatchArgs args{x,           x_scales,         topk_idx,        topk_weights,
+                    num_experts, expert_alignment, num_worst_tokens};
   return packDispatch(intranode::dispatch(*pg, args), x);
 #else
   TORCH_CHECK(false, "unreachable");
 #endif
 }
 
-Tensors2 cachedDispatchCudaOp(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    const at::Tensor& is_token_in_rank,
-    const at::Tensor& num_tokens_per_rank,
-    const at::Tensor& num_recv_tokens_per_rank,
-    const at::Tensor& recv_src_idx,
-    const at::Tensor& recv_src_rank,
-    const std::string& group_name) {
+Tensors2 cachedDispatchCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                              const at::Tensor& is_token_in_rank,
+                              const at::Tensor& num_tokens_per_rank,
+                              const at::Tensor& num_recv_tokens_per_rank,
+                              const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
+                              const std::string& group_name) {
   auto pg = resolveGroup(group_name, "cached dispatch");
   if (!useIntranode(*pg, x)) {
     return cachedDispatchCpuOp(x, x_scales, is_token_in_rank, num_tokens_per_rank,
                                num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
   }
 #ifdef EP_WITH_CUDA
-  auto [recv_x, recv_scales] = intranode::cachedDispatch(
-      *pg, x, x_scales,
-      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
-                recv_src_rank));
+  auto [recv_x, recv_scales] =
+      intranode::cachedDispatch(*pg, x, x_scales,
+                                routingOf(is_token_in_rank, num_tokens_per_rank,
+                                          num_recv_tokens_per_rank, recv_src_idx, recv_src_rank));
   return {recv_x, orEmpty(recv_scales, x)};
 #else
   TORCH_CHECK(false, "unreachable");
 #endif
 }
 
-Tensors2 combineCudaOp(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& topk_weights,
-    const std::optional<at::Tensor>& bias0,
-    const std::optional<at::Tensor>& bias1,
-    const at::Tensor& is_token_in_rank,
-    const at::Tensor& num_tokens_per_rank,
-    const at::Tensor& num_recv_tokens_per_rank,
-    const at::Tensor& recv_src_idx,
-    const at::Tensor& recv_src_rank,
-    const std::string& group_name) {
+Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
+                       const std::optional<at::Tensor>& bias0,
+                       const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
+                       const at::Tensor& num_tokens_per_rank,
+                       const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
+                       const at::Tensor& recv_src_rank, const std::string& group_name) {
   auto pg = resolveGroup(group_name, "combine");
   // The kernels sum BF16, float32 and float64 rows; float16 takes the ATen path.
   if (x.scalar_type() == at::kHalf || !useIntranode(*pg, x)) {
@@ -252,10 +197,9 @@ Tensors2 combineCudaOp(
                         num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
   }
 #ifdef EP_WITH_CUDA
-  CombineArgs args{
-      x, topk_weights, bias0, bias1,
-      routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank, recv_src_idx,
-                recv_src_rank)};
+  CombineArgs args{x, topk_weights, bias0, bias1,
+                   routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                             recv_src_idx, recv_src_rank)};
   auto [combined, weights] = intranode::combine(*pg, args);
   return {combined, orEmpty(weights, x)};
 #else
@@ -263,15 +207,17 @@ Tensors2 combineCudaOp(
 #endif
 }
 
-} // namespace
+}  // namespace
 
 TORCH_LIBRARY(ep, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
   m.def(
-      "dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> (Tensor, Tensor, Tensor)",
+      "dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> (Tensor, Tensor, "
+      "Tensor)",
       tags);
   m.def(
-      "dispatch(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, int num_experts, "
+      "dispatch(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, int "
+      "num_experts, "
       "int expert_alignment, int num_worst_tokens, str group_name) -> (Tensor recv_x, "
       "Tensor recv_x_scales, Tensor recv_topk_idx, Tensor recv_topk_weights, "
       "Tensor num_recv_tokens_per_expert, Tensor is_token_in_rank, Tensor num_tokens_per_rank, "
@@ -327,4 +273,4 @@ TORCH_LIBRARY_IMPL(ep, CPU, m) {
   m.impl("low_latency_combine", &lowLatencyCombineCpuOp);
 }
 
-} // namespace ep
+}  // namespace ep

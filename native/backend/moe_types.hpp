@@ -13,18 +13,18 @@ class EPProcessGroup;
 
 // The routing of one high-throughput dispatch (see ep_backend/handles.py: DispatchHandle).
 struct DispatchRouting {
-  at::Tensor is_token_in_rank; // bool [T, R]
-  at::Tensor num_tokens_per_rank; // int32 [R], rows sent to each rank
-  at::Tensor num_recv_tokens_per_rank; // int32 [R], rows received from each rank
-  at::Tensor recv_src_idx; // int32 [N]
-  at::Tensor recv_src_rank; // int32 [N]
+  at::Tensor is_token_in_rank;          // bool [T, R]
+  at::Tensor num_tokens_per_rank;       // int32 [R], rows sent to each rank
+  at::Tensor num_recv_tokens_per_rank;  // int32 [R], rows received from each rank
+  at::Tensor recv_src_idx;              // int32 [N]
+  at::Tensor recv_src_rank;             // int32 [N]
 };
 
 struct DispatchArgs {
-  at::Tensor x; // [T, H]
-  std::optional<at::Tensor> x_scales; // [T, S]
-  at::Tensor topk_idx; // [T, K] int64/int32
-  std::optional<at::Tensor> topk_weights; // [T, K] float32
+  at::Tensor x;                            // [T, H]
+  std::optional<at::Tensor> x_scales;      // [T, S]
+  at::Tensor topk_idx;                     // [T, K] int64/int32
+  std::optional<at::Tensor> topk_weights;  // [T, K] float32
   int64_t num_experts = 0;
   int64_t expert_alignment = 1;
   int64_t num_worst_tokens = 0;
@@ -35,21 +35,21 @@ struct DispatchResult {
   std::optional<at::Tensor> recv_x_scales;
   at::Tensor recv_topk_idx;
   std::optional<at::Tensor> recv_topk_weights;
-  at::Tensor num_recv_tokens_per_expert; // int32 [E_loc], aligned
+  at::Tensor num_recv_tokens_per_expert;  // int32 [E_loc], aligned
   DispatchRouting routing;
 };
 
 struct CombineArgs {
-  at::Tensor x; // [N, H]
-  std::optional<at::Tensor> topk_weights; // [N, K]
-  std::optional<at::Tensor> bias0; // [T, H]
-  std::optional<at::Tensor> bias1; // [T, H]
+  at::Tensor x;                            // [N, H]
+  std::optional<at::Tensor> topk_weights;  // [N, K]
+  std::optional<at::Tensor> bias0;         // [T, H]
+  std::optional<at::Tensor> bias1;         // [T, H]
   DispatchRouting routing;
 };
 
 struct LowLatencyDispatchArgs {
-  at::Tensor x; // bf16 [T, H]
-  at::Tensor topk_idx; // [T, K]
+  at::Tensor x;         // bf16 [T, H]
+  at::Tensor topk_idx;  // [T, K]
   int64_t num_max_dispatch_tokens_per_rank = 0;
   int64_t num_experts = 0;
   bool use_fp8 = true;
@@ -58,20 +58,20 @@ struct LowLatencyDispatchArgs {
 };
 
 struct LowLatencyDispatchResult {
-  at::Tensor recv_x; // [E_loc, R*M, H]
+  at::Tensor recv_x;  // [E_loc, R*M, H]
   std::optional<at::Tensor> recv_x_scales;
-  at::Tensor recv_count; // int32 [E_loc]
-  at::Tensor src_info; // int32 [E_loc, R*M]
-  at::Tensor layout_range; // int64 [E_loc, R]
+  at::Tensor recv_count;    // int32 [E_loc]
+  at::Tensor src_info;      // int32 [E_loc, R*M]
+  at::Tensor layout_range;  // int64 [E_loc, R]
 };
 
 struct LowLatencyCombineArgs {
-  at::Tensor x; // bf16 [E_loc, R*M, H]
-  at::Tensor topk_idx; // [T, K]
-  at::Tensor topk_weights; // float32 [T, K]
+  at::Tensor x;             // bf16 [E_loc, R*M, H]
+  at::Tensor topk_idx;      // [T, K]
+  at::Tensor topk_weights;  // float32 [T, K]
   at::Tensor src_info;
   at::Tensor layout_range;
   int64_t num_max_dispatch_tokens_per_rank = 0;
 };
 
-} // namespace ep
+}  // namespace ep

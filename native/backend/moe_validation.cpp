@@ -27,12 +27,8 @@ class Checker {
     }
     return *this;
   }
-  bool failed() const {
-    return !message_.empty();
-  }
-  std::string message() const {
-    return message_;
-  }
+  bool failed() const { return !message_.empty(); }
+  std::string message() const { return message_; }
 
  private:
   const char* op_;
@@ -47,7 +43,7 @@ std::string shapeOf(const at::Tensor& t) {
 
 bool isPayloadDtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kFloat8_e4m3fn || t == at::kFloat || t == at::kDouble ||
-      t == at::kHalf;
+         t == at::kHalf;
 }
 
 bool isReducibleDtype(at::ScalarType t) {
@@ -55,70 +51,42 @@ bool isReducibleDtype(at::ScalarType t) {
 }
 
 // Checks topk_idx [T, K] (and its values when `check_values`: a host read on GPU tensors).
-void checkTopk(
-    Checker& c,
-    const at::Tensor& topk_idx,
-    int64_t num_tokens,
-    const at::Device& device,
-    int64_t num_experts,
-    bool check_values) {
+void checkTopk(Checker& c, const at::Tensor& topk_idx, int64_t num_tokens, const at::Device& device,
+               int64_t num_experts, bool check_values) {
   c.require(topk_idx.defined(), "topk_idx is required");
   if (c.failed()) {
     return;
   }
-  c.require(
-       topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
-       "topk_idx must be int64 or int32, got ",
-       topk_idx.scalar_type())
+  c.require(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+            "topk_idx must be int64 or int32, got ", topk_idx.scalar_type())
       .require(topk_idx.dim() == 2, "topk_idx must be 2-D [T, K], got shape ", shapeOf(topk_idx))
       .require(topk_idx.device() == device, "topk_idx is on ", topk_idx.device(), ", x on ", device)
       .require(topk_idx.is_contiguous(), "topk_idx must be contiguous");
   if (c.failed()) {
     return;
   }
-  c.require(
-       topk_idx.size(0) == num_tokens,
-       "topk_idx has ",
-       topk_idx.size(0),
-       " rows but x has ",
-       num_tokens,
-       " tokens")
-      .require(
-          topk_idx.size(1) >= 1 && topk_idx.size(1) <= kMaxTopk,
-          "top-k must be in [1, ",
-          kMaxTopk,
-          "], got ",
-          topk_idx.size(1));
+  c.require(topk_idx.size(0) == num_tokens, "topk_idx has ", topk_idx.size(0), " rows but x has ",
+            num_tokens, " tokens")
+      .require(topk_idx.size(1) >= 1 && topk_idx.size(1) <= kMaxTopk, "top-k must be in [1, ",
+               kMaxTopk, "], got ", topk_idx.size(1));
   if (c.failed() || !check_values || topk_idx.numel() == 0) {
     return;
   }
   const int64_t lo = topk_idx.min().item<int64_t>();
   const int64_t hi = topk_idx.max().item<int64_t>();
-  c.require(
-      lo >= -1 && hi < num_experts,
-      "topk_idx values must be in [-1, num_experts=",
-      num_experts,
-      "), got min ",
-      lo,
-      " max ",
-      hi);
+  c.require(lo >= -1 && hi < num_experts,
+            "topk_idx values must be in [-1, num_experts=", num_experts, "), got min ", lo, " max ",
+            hi);
 }
 
-void checkWeights(
-    Checker& c,
-    const std::optional<at::Tensor>& w,
-    const at::Tensor& topk_idx,
-    const at::Device& device) {
+void checkWeights(Checker& c, const std::optional<at::Tensor>& w, const at::Tensor& topk_idx,
+                  const at::Device& device) {
   if (!w.has_value()) {
     return;
   }
   c.require(w->scalar_type() == at::kFloat, "topk_weights must be float32, got ", w->scalar_type())
-      .require(
-          w->sizes() == topk_idx.sizes(),
-          "topk_weights must have the shape of topk_idx ",
-          shapeOf(topk_idx),
-          ", got ",
-          shapeOf(*w))
+      .require(w->sizes() == topk_idx.sizes(), "topk_weights must have the shape of topk_idx ",
+               shapeOf(topk_idx), ", got ", shapeOf(*w))
       .require(w->device() == device, "topk_weights is on ", w->device(), ", x on ", device)
       .require(w->is_contiguous(), "topk_weights must be contiguous");
 }
@@ -130,11 +98,8 @@ void checkX(Checker& c, const at::Tensor& x, const char* name) {
   }
   c.require(x.dim() == 2, name, " must be 2-D [rows, H], got shape ", shapeOf(x))
       .require(x.is_contiguous(), name, " must be contiguous")
-      .require(
-          x.device().is_cpu() || x.device().is_cuda(),
-          name,
-          " must be on CPU or CUDA, got ",
-          x.device());
+      .require(x.device().is_cpu() || x.device().is_cuda(), name, " must be on CPU or CUDA, got ",
+               x.device());
 }
 
 void checkScales(Checker& c, const at::Tensor& x, const std::optional<at::Tensor>& scales) {
@@ -144,61 +109,44 @@ void checkScales(Checker& c, const at::Tensor& x, const std::optional<at::Tensor
   if (c.failed() || !scales.has_value()) {
     return;
   }
-  c.require(
-       scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kInt,
-       "x_scales must be float32 or int32 (packed UE8M0), got ",
-       scales->scalar_type())
+  c.require(scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kInt,
+            "x_scales must be float32 or int32 (packed UE8M0), got ", scales->scalar_type())
       .require(scales->dim() == 2, "x_scales must be 2-D [T, S], got shape ", shapeOf(*scales))
-      .require(scales->device() == x.device(), "x_scales is on ", scales->device(), ", x on ", x.device());
+      .require(scales->device() == x.device(), "x_scales is on ", scales->device(), ", x on ",
+               x.device());
   if (c.failed()) {
     return;
   }
-  c.require(
-       scales->size(0) == x.size(0),
-       "x_scales has ",
-       scales->size(0),
-       " rows but x has ",
-       x.size(0))
+  c.require(scales->size(0) == x.size(0), "x_scales has ", scales->size(0), " rows but x has ",
+            x.size(0))
       .require(scales->size(1) >= 1, "x_scales needs at least one column");
 }
 
-} // namespace
+}  // namespace
 
-std::string validateDispatch(
-    const DispatchArgs& a,
-    int64_t num_ranks,
-    std::optional<bool> check_values) {
+std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks,
+                             std::optional<bool> check_values) {
   Checker c("dispatch");
   checkX(c, a.x, "x");
   if (c.failed()) {
     return c.message();
   }
-  c.require(
-       isPayloadDtype(a.x.scalar_type()),
-       "x must be bfloat16, float8_e4m3fn, float16, float32 or float64, got ",
-       a.x.scalar_type())
-      .require(
-          (a.x.size(1) * a.x.element_size()) % 16 == 0,
-          "a row of x must be a multiple of 16 bytes (H * element size), got H=",
-          a.x.size(1),
-          " of ",
-          a.x.element_size(),
-          "-byte elements")
+  c.require(isPayloadDtype(a.x.scalar_type()),
+            "x must be bfloat16, float8_e4m3fn, float16, float32 or float64, got ",
+            a.x.scalar_type())
+      .require((a.x.size(1) * a.x.element_size()) % 16 == 0,
+               "a row of x must be a multiple of 16 bytes (H * element size), got H=", a.x.size(1),
+               " of ", a.x.element_size(), "-byte elements")
       .require(a.x.size(1) > 0, "hidden size must be positive")
       .require(a.num_experts > 0, "num_experts must be positive, got ", a.num_experts)
-      .require(
-          a.num_experts % num_ranks == 0,
-          "num_experts=",
-          a.num_experts,
-          " is not a multiple of the group size ",
-          num_ranks)
+      .require(a.num_experts % num_ranks == 0, "num_experts=", a.num_experts,
+               " is not a multiple of the group size ", num_ranks)
       .require(a.expert_alignment >= 1, "expert_alignment must be >= 1, got ", a.expert_alignment)
       .require(a.num_worst_tokens >= 0, "num_worst_tokens must be >= 0, got ", a.num_worst_tokens);
   checkScales(c, a.x, a.x_scales);
   // Values of topk_idx are checked here on CPU; the CUDA kernels check them on the device.
-  checkTopk(
-      c, a.topk_idx, a.x.size(0), a.x.device(), a.num_experts,
-      check_values.value_or(a.x.device().is_cpu()));
+  checkTopk(c, a.topk_idx, a.x.size(0), a.x.device(), a.num_experts,
+            check_values.value_or(a.x.device().is_cpu()));
   if (!c.failed()) {
     checkWeights(c, a.topk_weights, a.topk_idx, a.x.device());
   }
@@ -209,36 +157,24 @@ namespace {
 
 // Checks a handle's routing tensors into `c` (so messages carry the calling op's name).
 void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
-  c.require(
-       r.is_token_in_rank.defined() && r.is_token_in_rank.dim() == 2 &&
-           r.is_token_in_rank.scalar_type() == at::kBool,
-       "is_token_in_rank must be bool [T, R]")
-      .require(
-          r.num_tokens_per_rank.defined() && r.num_recv_tokens_per_rank.defined() &&
-              r.recv_src_idx.defined() && r.recv_src_rank.defined(),
-          "the handle is incomplete");
+  c.require(r.is_token_in_rank.defined() && r.is_token_in_rank.dim() == 2 &&
+                r.is_token_in_rank.scalar_type() == at::kBool,
+            "is_token_in_rank must be bool [T, R]")
+      .require(r.num_tokens_per_rank.defined() && r.num_recv_tokens_per_rank.defined() &&
+                   r.recv_src_idx.defined() && r.recv_src_rank.defined(),
+               "the handle is incomplete");
   if (c.failed()) {
     return;
   }
-  c.require(
-       r.is_token_in_rank.size(1) == num_ranks,
-       "the handle was made on a group of ",
-       r.is_token_in_rank.size(1),
-       " ranks, this group has ",
-       num_ranks)
-      .require(
-          r.is_token_in_rank.size(0) == num_tokens,
-          "the handle was made for ",
-          r.is_token_in_rank.size(0),
-          " tokens, this call has ",
-          num_tokens)
-      .require(
-          r.num_tokens_per_rank.numel() == num_ranks &&
-              r.num_recv_tokens_per_rank.numel() == num_ranks,
-          "the handle's per-rank counts do not have R entries")
-      .require(
-          r.recv_src_idx.dim() == 1 && r.recv_src_rank.sizes() == r.recv_src_idx.sizes(),
-          "the handle's recv_src_idx/recv_src_rank do not match");
+  c.require(r.is_token_in_rank.size(1) == num_ranks, "the handle was made on a group of ",
+            r.is_token_in_rank.size(1), " ranks, this group has ", num_ranks)
+      .require(r.is_token_in_rank.size(0) == num_tokens, "the handle was made for ",
+               r.is_token_in_rank.size(0), " tokens, this call has ", num_tokens)
+      .require(r.num_tokens_per_rank.numel() == num_ranks &&
+                   r.num_recv_tokens_per_rank.numel() == num_ranks,
+               "the handle's per-rank counts do not have R entries")
+      .require(r.recv_src_idx.dim() == 1 && r.recv_src_rank.sizes() == r.recv_src_idx.sizes(),
+               "the handle's recv_src_idx/recv_src_rank do not match");
   if (c.failed() || !r.is_token_in_rank.device().is_cpu()) {
     return;
   }
@@ -247,18 +183,15 @@ void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64
   const at::Tensor sent = r.is_token_in_rank.sum(0).to(at::kLong);
   const at::Tensor per_rank = r.num_tokens_per_rank.to(at::kCPU).to(at::kLong);
   const at::Tensor recv = r.num_recv_tokens_per_rank.to(at::kCPU).to(at::kLong);
-  c.require(
-       at::equal(sent, per_rank),
-       "the handle's num_tokens_per_rank does not match its is_token_in_rank")
+  c.require(at::equal(sent, per_rank),
+            "the handle's num_tokens_per_rank does not match its is_token_in_rank")
       .require(
-          recv.min().item<int64_t>() >= 0 &&
-              recv.sum().item<int64_t>() <= r.recv_src_idx.size(0),
-          "the handle's num_recv_tokens_per_rank does not fit its ",
-          r.recv_src_idx.size(0),
+          recv.min().item<int64_t>() >= 0 && recv.sum().item<int64_t>() <= r.recv_src_idx.size(0),
+          "the handle's num_recv_tokens_per_rank does not fit its ", r.recv_src_idx.size(0),
           " received rows");
 }
 
-} // namespace
+}  // namespace
 
 std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
   Checker c("handle");
@@ -266,21 +199,16 @@ std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t
   return c.message();
 }
 
-std::string validateCachedDispatch(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    const DispatchRouting& routing,
-    int64_t num_ranks) {
+std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                                   const DispatchRouting& routing, int64_t num_ranks) {
   Checker c("cached dispatch");
   checkX(c, x, "x");
   if (c.failed()) {
     return c.message();
   }
   c.require(isPayloadDtype(x.scalar_type()), "unsupported dtype ", x.scalar_type())
-      .require(
-          (x.size(1) * x.element_size()) % 16 == 0,
-          "a row of x must be a multiple of 16 bytes, got H=",
-          x.size(1));
+      .require((x.size(1) * x.element_size()) % 16 == 0,
+               "a row of x must be a multiple of 16 bytes, got H=", x.size(1));
   checkScales(c, x, x_scales);
   if (c.failed()) {
     return c.message();
@@ -295,21 +223,16 @@ std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
   if (c.failed()) {
     return c.message();
   }
-  c.require(
-      isReducibleDtype(a.x.scalar_type()),
-      "x must be bfloat16, float16, float32 or float64 (combine sums rows), got ",
-      a.x.scalar_type());
+  c.require(isReducibleDtype(a.x.scalar_type()),
+            "x must be bfloat16, float16, float32 or float64 (combine sums rows), got ",
+            a.x.scalar_type());
   const auto& r = a.routing;
   checkRouting(c, r, num_ranks, r.is_token_in_rank.defined() ? r.is_token_in_rank.size(0) : 0);
   if (c.failed()) {
     return c.message();
   }
-  c.require(
-      a.x.size(0) == r.recv_src_idx.size(0),
-      "x has ",
-      a.x.size(0),
-      " rows but the dispatch that made the handle returned ",
-      r.recv_src_idx.size(0));
+  c.require(a.x.size(0) == r.recv_src_idx.size(0), "x has ", a.x.size(0),
+            " rows but the dispatch that made the handle returned ", r.recv_src_idx.size(0));
   if (a.topk_weights.has_value()) {
     const auto& w = *a.topk_weights;
     c.require(w.scalar_type() == at::kFloat, "topk_weights must be float32")
@@ -321,18 +244,11 @@ std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
     if (!b->has_value()) {
       continue;
     }
-    c.require(
-         (*b)->sizes() == at::IntArrayRef({r.is_token_in_rank.size(0), a.x.size(1)}),
-         "bias must be [T, H] = [",
-         r.is_token_in_rank.size(0),
-         ", ",
-         a.x.size(1),
-         "], got ",
-         shapeOf(**b))
-        .require(
-            isReducibleDtype((*b)->scalar_type()),
-            "bias must be bfloat16, float16, float32 or float64, got ",
-            (*b)->scalar_type())
+    c.require((*b)->sizes() == at::IntArrayRef({r.is_token_in_rank.size(0), a.x.size(1)}),
+              "bias must be [T, H] = [", r.is_token_in_rank.size(0), ", ", a.x.size(1), "], got ",
+              shapeOf(**b))
+        .require(isReducibleDtype((*b)->scalar_type()),
+                 "bias must be bfloat16, float16, float32 or float64, got ", (*b)->scalar_type())
         .require((*b)->device() == a.x.device(), "bias must be on the device of x");
   }
   return c.message();
@@ -346,19 +262,15 @@ std::string validateLowLatencyDispatch(const LowLatencyDispatchArgs& a, int64_t 
   }
   const int64_t hidden = a.x.size(1);
   c.require(a.x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", a.x.scalar_type())
+      .require(a.num_max_dispatch_tokens_per_rank > 0,
+               "num_max_dispatch_tokens_per_rank must be positive")
       .require(
-          a.num_max_dispatch_tokens_per_rank > 0,
-          "num_max_dispatch_tokens_per_rank must be positive")
-      .require(
-          a.x.size(0) <= a.num_max_dispatch_tokens_per_rank,
-          "T=",
-          a.x.size(0),
-          " tokens exceed num_max_dispatch_tokens_per_rank=",
-          a.num_max_dispatch_tokens_per_rank)
-      .require(hidden > 0 && hidden % 128 == 0, "H must be a positive multiple of 128, got ", hidden)
-      .require(a.num_experts > 0 && a.num_experts % num_ranks == 0,
-               "num_experts=", a.num_experts, " must be a positive multiple of the group size ",
-               num_ranks)
+          a.x.size(0) <= a.num_max_dispatch_tokens_per_rank, "T=", a.x.size(0),
+          " tokens exceed num_max_dispatch_tokens_per_rank=", a.num_max_dispatch_tokens_per_rank)
+      .require(hidden > 0 && hidden % 128 == 0, "H must be a positive multiple of 128, got ",
+               hidden)
+      .require(a.num_experts > 0 && a.num_experts % num_ranks == 0, "num_experts=", a.num_experts,
+               " must be a positive multiple of the group size ", num_ranks)
       .require(!a.use_ue8m0 || a.use_fp8, "use_ue8m0 requires use_fp8")
       .require(!a.use_ue8m0 || a.round_scale, "use_ue8m0 requires round_scale")
       .require(!a.use_ue8m0 || hidden % 512 == 0, "use_ue8m0 needs H % 512 == 0, got ", hidden);
@@ -375,43 +287,29 @@ std::string validateLowLatencyCombine(const LowLatencyCombineArgs& a, int64_t nu
   const int64_t slots = num_ranks * a.num_max_dispatch_tokens_per_rank;
   c.require(a.x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", a.x.scalar_type())
       .require(a.x.is_contiguous(), "x must be contiguous")
-      .require(
-          a.src_info.defined() && a.src_info.dim() == 2 && a.layout_range.defined() &&
-              a.layout_range.dim() == 2,
-          "the handle is incomplete")
-      .require(
-          a.x.size(1) == slots,
-          "x has ",
-          a.x.size(1),
-          " slots per expert, the handle expects R*M=",
-          slots);
+      .require(a.src_info.defined() && a.src_info.dim() == 2 && a.layout_range.defined() &&
+                   a.layout_range.dim() == 2,
+               "the handle is incomplete")
+      .require(a.x.size(1) == slots, "x has ", a.x.size(1),
+               " slots per expert, the handle expects R*M=", slots);
   if (c.failed()) {
     return c.message();
   }
-  c.require(
-       a.src_info.sizes() == at::IntArrayRef({a.x.size(0), slots}) &&
-           a.layout_range.sizes() == at::IntArrayRef({a.x.size(0), num_ranks}),
-       "the handle does not match x of shape ",
-       shapeOf(a.x))
+  c.require(a.src_info.sizes() == at::IntArrayRef({a.x.size(0), slots}) &&
+                a.layout_range.sizes() == at::IntArrayRef({a.x.size(0), num_ranks}),
+            "the handle does not match x of shape ", shapeOf(a.x))
       .require(a.topk_idx.defined() && a.topk_idx.dim() == 2, "topk_idx must be [T, K]")
-      .require(
-          a.topk_weights.defined() && a.topk_weights.sizes() == a.topk_idx.sizes() &&
-              a.topk_weights.scalar_type() == at::kFloat,
-          "topk_weights must be float32 with the shape of topk_idx")
-      .require(
-          a.topk_idx.device() == a.x.device() && a.topk_weights.device() == a.x.device(),
-          "topk_idx and topk_weights must be on the device of x");
+      .require(a.topk_weights.defined() && a.topk_weights.sizes() == a.topk_idx.sizes() &&
+                   a.topk_weights.scalar_type() == at::kFloat,
+               "topk_weights must be float32 with the shape of topk_idx")
+      .require(a.topk_idx.device() == a.x.device() && a.topk_weights.device() == a.x.device(),
+               "topk_idx and topk_weights must be on the device of x");
   if (c.failed()) {
     return c.message();
   }
   // The ids must be those given to the dispatch: at least their range is checked (on CPU).
-  checkTopk(
-      c,
-      a.topk_idx,
-      a.topk_idx.size(0),
-      a.x.device(),
-      a.x.size(0) * num_ranks,
-      a.x.device().is_cpu());
+  checkTopk(c, a.topk_idx, a.topk_idx.size(0), a.x.device(), a.x.size(0) * num_ranks,
+            a.x.device().is_cpu());
   return c.message();
 }
 
@@ -445,14 +343,11 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<i
   return all.view({num_ranks, width});
 }
 
-} // namespace
+}  // namespace
 
-at::Tensor agreeAcrossRanks(
-    EPProcessGroup& pg,
-    const char* op,
-    const std::string& local_error,
-    const std::vector<AgreedField>& fields,
-    const std::vector<int64_t>& payload) {
+at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                            const std::vector<AgreedField>& fields,
+                            const std::vector<int64_t>& payload) {
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
@@ -492,60 +387,28 @@ at::Tensor agreeAcrossRanks(
     for (size_t i = 0; i < bad_ranks.size(); ++i) {
       os << (i ? ", " : "") << bad_ranks[i];
     }
-    TORCH_CHECK(
-        false,
-        "ep ",
-        op,
-        ": rank(s) ",
-        os.str(),
-        " rejected their inputs (see their error); nothing was exchanged");
+    TORCH_CHECK(false, "ep ", op, ": rank(s) ", os.str(),
+                " rejected their inputs (see their error); nothing was exchanged");
   }
   for (int64_t r = 0; r < num_ranks; ++r) {
     TORCH_CHECK(
-        acc[r][1] == header[1] && acc[r][2] == header[2],
-        "ep ",
-        op,
-        ": rank ",
-        r,
-        " is in a different MoE collective than rank ",
-        rank,
+        acc[r][1] == header[1] && acc[r][2] == header[2], "ep ", op, ": rank ", r,
+        " is in a different MoE collective than rank ", rank,
         " (the ranks must call the same collectives in the same order); nothing was exchanged");
   }
   for (size_t f = 0; f < fields.size(); ++f) {
     for (int64_t r = 0; r < num_ranks; ++r) {
       if (acc[r][kHeaderFixed + f] != fields[f].value) {
-        TORCH_CHECK(
-            false,
-            "ep ",
-            op,
-            ": ranks disagree on ",
-            fields[f].name,
-            " (rank ",
-            rank,
-            " has ",
-            fields[f].value,
-            ", rank ",
-            r,
-            " has ",
-            acc[r][kHeaderFixed + f],
-            "); nothing was exchanged");
+        TORCH_CHECK(false, "ep ", op, ": ranks disagree on ", fields[f].name, " (rank ", rank,
+                    " has ", fields[f].value, ", rank ", r, " has ", acc[r][kHeaderFixed + f],
+                    "); nothing was exchanged");
       }
     }
   }
   for (int64_t r = 0; r < num_ranks; ++r) {
-    TORCH_CHECK(
-        acc[r][3] == header[3],
-        "ep ",
-        op,
-        ": ranks disagree on the size of the routing metadata (rank ",
-        rank,
-        " has ",
-        header[3],
-        ", rank ",
-        r,
-        " has ",
-        acc[r][3],
-        "); nothing was exchanged");
+    TORCH_CHECK(acc[r][3] == header[3], "ep ", op,
+                ": ranks disagree on the size of the routing metadata (rank ", rank, " has ",
+                header[3], ", rank ", r, " has ", acc[r][3], "); nothing was exchanged");
   }
   if (inline_payload) {
     return all.narrow(1, kHeaderWidth, payload_size);
@@ -574,10 +437,8 @@ std::vector<AgreedField> dispatchFields(const DispatchArgs& a, bool ok) {
   };
 }
 
-std::vector<AgreedField> cachedDispatchFields(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    bool ok) {
+std::vector<AgreedField> cachedDispatchFields(const at::Tensor& x,
+                                              const std::optional<at::Tensor>& x_scales, bool ok) {
   return {
       {"hidden size H", ok ? x.size(1) : -1},
       {"x dtype", ok ? static_cast<int64_t>(x.scalar_type()) : -1},
@@ -617,13 +478,12 @@ void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offs
       const int64_t sent = g[s][offset + d];
       const int64_t expected = g[d][offset + num_ranks + s];
       TORCH_CHECK(
-          sent == expected,
-          "ep ", op, ": the handle does not match across ranks (rank ", s, " sent ", sent,
-          " rows to rank ", d, ", which expects ", expected,
-          "); was it made by another dispatch or group? Nothing was exchanged (seen on rank ",
-          rank, ")");
+          sent == expected, "ep ", op, ": the handle does not match across ranks (rank ", s,
+          " sent ", sent, " rows to rank ", d, ", which expects ", expected,
+          "); was it made by another dispatch or group? Nothing was exchanged (seen on rank ", rank,
+          ")");
     }
   }
 }
 
-} // namespace ep
+}  // namespace ep

@@ -14,16 +14,11 @@ namespace ep {
 
 // Each returns "" when the call is valid on this rank, else a message for the user.
 // `check_values` reads topk_idx on the host (default: only for CPU tensors).
-std::string validateDispatch(
-    const DispatchArgs& args,
-    int64_t num_ranks,
-    std::optional<bool> check_values = std::nullopt);
+std::string validateDispatch(const DispatchArgs& args, int64_t num_ranks,
+                             std::optional<bool> check_values = std::nullopt);
 std::string validateRouting(const DispatchRouting& routing, int64_t num_ranks, int64_t num_tokens);
-std::string validateCachedDispatch(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    const DispatchRouting& routing,
-    int64_t num_ranks);
+std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                                   const DispatchRouting& routing, int64_t num_ranks);
 std::string validateCombine(const CombineArgs& args, int64_t num_ranks);
 std::string validateLowLatencyDispatch(const LowLatencyDispatchArgs& args, int64_t num_ranks);
 std::string validateLowLatencyCombine(const LowLatencyCombineArgs& args, int64_t num_ranks);
@@ -40,12 +35,9 @@ struct AgreedField {
 // every rank if any rank had an error, the ranks are in different collectives, or the fields or
 // payload sizes differ. Returns the payloads as int64 [R, payload.size()] (a payload longer than
 // 2R + 8 entries takes a second all-gather). At most 16 fields.
-at::Tensor agreeAcrossRanks(
-    EPProcessGroup& pg,
-    const char* op,
-    const std::string& local_error,
-    const std::vector<AgreedField>& fields,
-    const std::vector<int64_t>& payload);
+at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                            const std::vector<AgreedField>& fields,
+                            const std::vector<int64_t>& payload);
 
 // The agreement step of a rank whose inputs were rejected before it reached the C++ op (by
 // the Python layer): its peers in `op` (or any other MoE collective) raise "rank(s) ...
@@ -55,10 +47,8 @@ void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& m
 // The fields every rank must agree on for each collective (`ok`: this rank's input is valid, so
 // its shapes may be read).
 std::vector<AgreedField> dispatchFields(const DispatchArgs& args, bool ok);
-std::vector<AgreedField> cachedDispatchFields(
-    const at::Tensor& x,
-    const std::optional<at::Tensor>& x_scales,
-    bool ok);
+std::vector<AgreedField> cachedDispatchFields(const at::Tensor& x,
+                                              const std::optional<at::Tensor>& x_scales, bool ok);
 std::vector<AgreedField> combineFields(const CombineArgs& args, bool ok);
 
 // (rows sent to each rank, rows received from each rank) of a handle, 2R values (zeros when the
@@ -69,4 +59,4 @@ std::vector<int64_t> routingCounts(const DispatchRouting& routing, int64_t num_r
 // expects to receive (gathered[d, offset + R + s]): a handle from another dispatch or group.
 void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank);
 
-} // namespace ep
+}  // namespace ep

@@ -67,7 +67,9 @@ struct HostCounters {
 };
 static_assert(sizeof(HostCounters) == 64, "per-expert counters start 64 bytes in");
 
-EP_HOST_DEVICE size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+EP_HOST_DEVICE size_t align_up(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
 
 // Row of the dispatch receive area: [x: hidden_bytes][scales: S*4, padded to 16]
 // [meta: flag u64, src_idx i32, pad i32, local idx i32 x K, weight f32 x K; padded to 16].

@@ -101,7 +101,9 @@ __device__ __forceinline__ void st_v4(int4* p, const int4& v) {
                : "memory");
 }
 
-__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31u); }
+__device__ __forceinline__ int lane_id() {
+  return static_cast<int>(threadIdx.x & 31u);
+}
 
 // ---- control block, errors and bounded waits ---------------------------------------------------
 

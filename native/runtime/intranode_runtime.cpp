@@ -43,7 +43,9 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("ep intranode: " + message);
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
 
 const char* op_name(int op) {
   switch (op) {
