@@ -89,6 +89,8 @@ def make_backend(
         )
 
     backend._set_split_factory(split_factory)
+    if group_name:
+        backend._register_group_name(group_name)
     return backend
 
 

@@ -68,6 +68,8 @@ void bindProcessGroup(py::module_& m) {
           },
           py::arg("device_type"),
           "The internal backend that serves tensors of ``device_type`` ('cpu' or 'cuda').")
+      .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
+           "Makes the MoE ops find this backend by its group's name.")
       .def("_set_split_factory", &ep::EPProcessGroup::setSplitFactory, py::arg("factory"),
            "Sets the callable (store, rank, size, options) -> Backend used by split_group.")
       .def(

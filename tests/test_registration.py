@@ -225,3 +225,33 @@ def _abort_subgroup(rank: int, world_size: int) -> dict:
 def test_abort_subgroup_leaves_world_usable() -> None:
     for r in run_distributed(_abort_subgroup, 2, backend="ep"):
         assert r == {"sum": [2.0, 2.0], "aborted": True, "world": 2.0}
+
+
+def _debug_detail(rank: int, world_size: int) -> dict:
+    from ep_backend import reference
+
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, 64, generator=g).bfloat16()
+    idx = torch.randint(-1, 4, (8, 2), generator=g)
+    out = ep_backend.dispatch(x, idx, None, 4)
+    ref = reference.dispatch(x, idx, None, 4)
+    combined = ep_backend.combine(out.recv_x, out.handle).combined_x
+    expected = reference.combine(ref.recv_x, ref.handle).combined_x
+    wrapped = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+    return {
+        "sum": t.tolist(),
+        "dispatch": torch.equal(out.recv_x, ref.recv_x),
+        "combine": torch.equal(combined, expected),
+        "wrapped": wrapped,
+        "backend": type(ep_backend.get_backend()).__name__,
+    }
+
+
+def test_works_under_torch_distributed_debug_detail() -> None:
+    res = run_distributed(_debug_detail, 2, backend="ep", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    for r in res:
+        assert r["wrapped"] == "_ProcessGroupWrapper"  # torch really wrapped our backend
+        assert r == {**r, "sum": [2.0, 2.0], "dispatch": True, "combine": True,
+                     "backend": "EPProcessGroup"}  # fmt: skip

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -125,6 +126,36 @@ EPProcessGroup::EPProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, 
   TORCH_CHECK(options_ != nullptr, "ep: options must not be None");
   TORCH_CHECK(cpu_ != nullptr, "ep: the group needs an internal CPU backend");
   init();
+}
+
+namespace {
+std::mutex& namesMutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::string, c10::weak_intrusive_ptr<EPProcessGroup>>& names() {
+  static std::map<std::string, c10::weak_intrusive_ptr<EPProcessGroup>> n;
+  return n;
+}
+}  // namespace
+
+void EPProcessGroup::registerGroupName(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(namesMutex());
+  names().insert_or_assign(group_name, c10::weak_intrusive_ptr<EPProcessGroup>(
+                                           c10::intrusive_ptr<EPProcessGroup>::reclaim_copy(this)));
+}
+
+c10::intrusive_ptr<EPProcessGroup> EPProcessGroup::byGroupName(const std::string& group_name) {
+  std::lock_guard<std::mutex> lock(namesMutex());
+  auto it = names().find(group_name);
+  if (it == names().end()) {
+    return nullptr;
+  }
+  auto strong = it->second.lock();
+  if (!strong) {
+    names().erase(it);
+  }
+  return strong;
 }
 
 EPProcessGroup::~EPProcessGroup() {

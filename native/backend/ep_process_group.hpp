@@ -47,6 +47,12 @@ class EPProcessGroup : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
   const c10::intrusive_ptr<EPOptions>& options() const { return options_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  // Makes this backend findable by its process group's name (see byGroupName).
+  void registerGroupName(const std::string& group_name);
+  // The "ep" backend of the group named `group_name`, or null. Works also when torch wraps the
+  // backend (TORCH_DISTRIBUTED_DEBUG=DETAIL), where the group's backend is the wrapper.
+  static c10::intrusive_ptr<EPProcessGroup> byGroupName(const std::string& group_name);
+
   // The internal backend serving `device_type`; throws if the group has none for it.
   c10::intrusive_ptr<c10d::Backend> innerBackend(c10::DeviceType device_type, const char* op) const;
   bool hasCudaBackend() const { return cuda_ != nullptr; }

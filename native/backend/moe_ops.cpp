@@ -19,6 +19,9 @@ using DispatchOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                    at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 c10::intrusive_ptr<EPProcessGroup> resolveGroup(const std::string& group_name, const char* op) {
+  if (auto registered = EPProcessGroup::byGroupName(group_name)) {
+    return registered;
+  }
   auto pg = c10d::resolve_process_group(group_name);
   auto backend = pg->getBackend(c10::DeviceType::CPU);
   auto ep = c10::dynamic_intrusive_pointer_cast<EPProcessGroup>(backend);
