@@ -136,6 +136,8 @@ def _worker_main(
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     os.environ.update(env)  # forkserver children do not inherit the parent's current environ
+    # torch (preloaded by the forkserver) read TORCH_DISTRIBUTED_DEBUG before env was applied
+    dist.set_debug_level_from_env()
     try:
         try:
             for name in import_modules:

@@ -133,9 +133,11 @@ std::mutex& namesMutex() {
   static std::mutex m;
   return m;
 }
+// Leaked on purpose: destroying it at process exit would run backend destructors (weak
+// references keep them) after the libraries they use are gone.
 std::map<std::string, c10::weak_intrusive_ptr<EPProcessGroup>>& names() {
-  static std::map<std::string, c10::weak_intrusive_ptr<EPProcessGroup>> n;
-  return n;
+  static auto* n = new std::map<std::string, c10::weak_intrusive_ptr<EPProcessGroup>>();
+  return *n;
 }
 }  // namespace
 

@@ -35,9 +35,11 @@ std::mutex& registryMutex() {
   return m;
 }
 
+// Leaked on purpose: no CUDA calls from static destructors at process exit (groups that were
+// shut down have already freed their state through their shutdown hook).
 std::map<EPProcessGroup*, std::shared_ptr<GroupState>>& registry() {
-  static std::map<EPProcessGroup*, std::shared_ptr<GroupState>> r;
-  return r;
+  static auto* r = new std::map<EPProcessGroup*, std::shared_ptr<GroupState>>();
+  return *r;
 }
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
