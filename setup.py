@@ -9,6 +9,7 @@ Environment:
     EP_CUDA_ARCH=90a        CUDA architectures of the kernels.
     EP_BUILD_DIR=path       keep the CMake build tree there (reused by later builds).
     MAX_JOBS=N              parallel compile jobs.
+    EP_CMAKE_ARGS="..."     extra CMake arguments (e.g. -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def _cuda_wanted() -> bool:
     mode = os.environ.get("EP_WITH_CUDA", "auto").strip().lower()
     if mode in ("0", "off", "false", "no"):
         return False
-    has_nvcc = shutil.which("nvcc") is not None or Path(
-        os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"
-    ).exists()
+    has_nvcc = (
+        shutil.which("nvcc") is not None
+        or Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc").exists()
+    )
     try:
         import torch
 
@@ -70,6 +72,7 @@ class CMakeBuild(build_ext):
             f"-DEP_CUDA_ARCHITECTURES={os.environ.get('EP_CUDA_ARCH', '90a')}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
+        cfg += os.environ.get("EP_CMAKE_ARGS", "").split()
         if shutil.which("ninja"):
             cfg += ["-G", "Ninja"]
         if with_cuda and not os.environ.get("CUDACXX"):

@@ -50,6 +50,22 @@ Args:
       });
 }
 
+// Holds a Python callable for C++ code that may outlive the interpreter (backends destroyed at
+// process exit): the reference is dropped under the GIL while Python lives, leaked afterwards.
+ep::EPProcessGroup::SplitFactory wrapSplitFactory(py::function factory) {
+  std::shared_ptr<py::object> fn(new py::object(std::move(factory)), [](py::object* p) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete p;
+    }
+  });
+  return [fn](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+              const c10::intrusive_ptr<ep::EPOptions>& opts) {
+    py::gil_scoped_acquire gil;
+    return (*fn)(store, rank, size, opts).cast<c10::intrusive_ptr<c10d::Backend>>();
+  };
+}
+
 void bindProcessGroup(py::module_& m) {
   py::class_<ep::EPProcessGroup, c10d::Backend, c10::intrusive_ptr<ep::EPProcessGroup>>(
       m, "EPProcessGroup", "The C++ backend behind a torch.distributed group of backend \"ep\".")
@@ -70,8 +86,13 @@ void bindProcessGroup(py::module_& m) {
           "The internal backend that serves tensors of ``device_type`` ('cpu' or 'cuda').")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
-      .def("_set_split_factory", &ep::EPProcessGroup::setSplitFactory, py::arg("factory"),
-           "Sets the callable (store, rank, size, options) -> Backend used by split_group.")
+      .def(
+          "_set_split_factory",
+          [](ep::EPProcessGroup& self, py::function factory) {
+            self.setSplitFactory(wrapSplitFactory(std::move(factory)));
+          },
+          py::arg("factory"),
+          "Sets the callable (store, rank, size, options) -> Backend used by split_group.")
       .def(
           "perform_nocolor_split",
           [](ep::EPProcessGroup&, const at::Device&) {

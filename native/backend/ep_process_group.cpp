@@ -608,6 +608,10 @@ void EPProcessGroup::shutdown() {
     return;
   }
   runShutdownHooks();
+  {
+    std::lock_guard<std::mutex> lock(split_mutex_);
+    split_factory_ = nullptr;  // drops the Python callable while the interpreter still runs
+  }
   cpu_->shutdown();
   if (cuda_ != nullptr) {
     cuda_->shutdown();
