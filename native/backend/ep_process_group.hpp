@@ -47,6 +47,9 @@ class EPProcessGroup : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
   const c10::intrusive_ptr<EPOptions>& options() const { return options_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  // Number of the next MoE call on this group (the same on every rank that calls in order).
+  uint64_t nextMoeCall() { return moe_seq_++; }
+
   // Makes this backend findable by its process group's name (see byGroupName).
   void registerGroupName(const std::string& group_name);
   // The "ep" backend of the group named `group_name`, or null. Works also when torch wraps the
@@ -143,6 +146,7 @@ class EPProcessGroup : public c10d::Backend {
   // splitGroup may ask each device type of a group to split; both must get the same child.
   std::map<std::string, c10::intrusive_ptr<c10d::Backend>> split_children_;
   std::atomic<uint64_t> seq_{0};
+  std::atomic<uint64_t> moe_seq_{0};
   bool coalescing_ = false;
   bool cuda_coalescing_started_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cpu_works_;

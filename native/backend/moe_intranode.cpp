@@ -3,6 +3,7 @@
 #include "moe_intranode.hpp"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -223,9 +224,10 @@ std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
   return {send_pos, prefix};
 }
 
-template <typename T>
-T* ptrOr(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->numel() > 0 ? static_cast<T*>(t->data_ptr()) : nullptr;
+// While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
+// check (which reads the handle's counts) is skipped then; it ran when the handle was made.
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 }  // namespace
@@ -340,7 +342,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
                                ok && x_scales ? x_scales->size(1) : 0, 0};
-  const auto counts = routingCounts(routing, num_ranks);
+  const auto counts =
+      capturing() ? std::vector<int64_t>(2 * num_ranks, 0) : routingCounts(routing, num_ranks);
   payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
   checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank());
@@ -384,7 +387,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
                                ok ? a.x.size(1) * a.x.element_size() : 0,
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
-  const auto counts = routingCounts(r, num_ranks);
+  const auto counts =
+      capturing() ? std::vector<int64_t>(2 * num_ranks, 0) : routingCounts(r, num_ranks);
   payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
   checkRoutingAgrees("combine", gathered, 5, pg.getRank());

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <thread>
 
 #include "ep_process_group.hpp"
 
@@ -332,6 +333,27 @@ int64_t opId(const char* op) {
   return static_cast<int64_t>(h >> 2);
 }
 
+// After a timed-out agreement: every rank that was there marks call `call` in the store, waits a
+// moment for the others that timed out too, and names the ranks that never marked it.
+std::string stalledRanks(EPProcessGroup& pg, uint64_t call) {
+  try {
+    const std::string prefix =
+        "ep_stall/" + pg.options()->group_name + "/" + std::to_string(call) + "/";
+    pg.store()->set(prefix + std::to_string(pg.getRank()), std::vector<uint8_t>{1});
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::string missing;
+    for (int r = 0; r < pg.getSize(); ++r) {
+      if (!pg.store()->check({prefix + std::to_string(r)})) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    return missing.empty() ? "every rank arrived, but the exchange failed"
+                           : "rank(s) " + missing + " never joined it";
+  } catch (const std::exception&) {
+    return "the stalled rank could not be determined";
+  }
+}
+
 at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
   const int64_t num_ranks = pg.getSize();
   const int64_t width = static_cast<int64_t>(row.size());
@@ -339,7 +361,15 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<i
   at::Tensor all = at::empty({num_ranks * width}, at::kLong);
   c10d::AllgatherOptions opts;
   opts.timeout = pg.options()->timeout;
-  pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
+  const uint64_t call = pg.nextMoeCall();
+  try {
+    pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ep ", op, ": rank ", pg.getRank(), " waited ",
+                std::chrono::duration_cast<std::chrono::seconds>(opts.timeout).count(),
+                " s for the other ranks of the group to join this call; ", stalledRanks(pg, call),
+                " (", e.what(), ")");
+  }
   return all.view({num_ranks, width});
 }
 

@@ -1,0 +1,147 @@
+"""The NVLink (intranode) path of dispatch/combine: CUDA graphs, soak, bad input, timeouts."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+from _dist_utils import run_distributed
+
+pytestmark = pytest.mark.gpu(min_gpus=2)
+
+H, K, E = 1024, 8, 64
+
+
+def _inputs(rank: int, num_tokens: int, seed: int):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(seed * 131 + rank)
+    x = torch.randn(num_tokens, H, device=dev, generator=g).bfloat16()
+    idx = torch.rand(num_tokens, E, device=dev, generator=g).topk(K).indices
+    idx[torch.rand(num_tokens, K, device=dev, generator=g) < 0.1] = -1
+    w = torch.rand(num_tokens, K, device=dev, generator=g)
+    return x, idx, w
+
+
+def _graph_replay(rank: int, world: int) -> list[str]:
+    """Worst-case dispatch + combine captured once, replayed with new data: equal to the spec."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    cap = 4096
+    x, idx, w = _inputs(rank, 512, seed=0)
+    static_x, static_idx, static_w = x.clone(), idx.clone(), w.clone()
+    for _ in range(2):  # warm-up outside capture: creates the transport at its final size
+        out = ep.dispatch(static_x, static_idx, static_w, E, num_worst_tokens=cap)
+        ep.combine(out.recv_x, out.handle, out.recv_topk_weights)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ep.dispatch(static_x, static_idx, static_w, E, num_worst_tokens=cap)
+        y = out.recv_x * 2
+        comb = ep.combine(y, out.handle, out.recv_topk_weights)
+    failures = []
+    for step in range(100):
+        x, idx, w = _inputs(rank, 512, seed=step + 1)
+        static_x.copy_(x)
+        static_idx.copy_(idx)
+        static_w.copy_(w)
+        graph.replay()
+        expected = ref.dispatch(x, idx, w, E, num_worst_tokens=cap)
+        valid = int(expected.handle.recv_src_idx.ge(0).sum())
+        if not torch.equal(out.recv_x[:valid], expected.recv_x[:valid]):
+            failures.append(f"step {step}: recv_x")
+        if not torch.equal(out.recv_topk_idx, expected.recv_topk_idx):
+            failures.append(f"step {step}: recv_topk_idx")
+        want = ref.combine(expected.recv_x * 2, expected.handle, expected.recv_topk_weights)
+        if not torch.equal(comb.combined_x, want.combined_x):
+            failures.append(f"step {step}: combined_x")
+    return failures
+
+
+def test_cuda_graph_capture_and_replay_with_new_data() -> None:
+    for rank, failures in enumerate(run_distributed(_graph_replay, 2, backend="ep")):
+        assert failures == [], (rank, failures[:5])
+
+
+def _soak(rank: int, world: int, iterations: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    failures: list[str] = []
+    mem = []
+    for step in range(iterations):
+        num_tokens = int(
+            torch.randint(0, 700, (1,), generator=torch.Generator().manual_seed(step * 7 + rank))
+        )
+        x, idx, w = _inputs(rank, num_tokens, seed=step)
+        out = ep.dispatch(x, idx, w, E)
+        comb = ep.combine(out.recv_x, out.handle, out.recv_topk_weights)
+        if step % 50 == 0:
+            expected = ref.dispatch(x, idx, w, E)
+            if not torch.equal(out.recv_x, expected.recv_x):
+                failures.append(f"step {step}: recv_x")
+            want = ref.combine(expected.recv_x, expected.handle, expected.recv_topk_weights)
+            if not torch.equal(comb.combined_x, want.combined_x):
+                failures.append(f"step {step}: combine")
+        if step in (iterations // 4, iterations - 1):
+            torch.cuda.synchronize()
+            mem.append(torch.cuda.memory_allocated())
+    return {"failures": failures, "growth": mem[1] - mem[0]}
+
+
+def test_soak_2000_iterations_without_memory_growth() -> None:
+    for rank, out in enumerate(run_distributed(_soak, 2, 2000, backend="ep", timeout=600)):
+        assert out["failures"] == [], (rank, out["failures"][:5])
+        assert out["growth"] <= 8 << 20, (rank, out["growth"])
+
+
+def _bad_input_then_valid(rank: int, world: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x, idx, w = _inputs(rank, 256, seed=3)
+    bad = idx.clone()
+    if rank == 1:
+        bad[0, 0] = E + 5  # out of range on one rank only
+    try:
+        ep.dispatch(x, bad, w, E)
+        raised = ""
+    except RuntimeError as exc:
+        raised = str(exc)
+    out = ep.dispatch(x, idx, w, E)
+    expected = ref.dispatch(x, idx, w, E)
+    return {"raised": raised, "next_ok": torch.equal(out.recv_x, expected.recv_x)}
+
+
+def test_bad_input_rejected_on_every_rank_before_any_kernel() -> None:
+    res = run_distributed(_bad_input_then_valid, 2, backend="ep", timeout=120)
+    assert "topk_idx values must be in [-1" in res[1]["raised"]
+    assert "rejected their inputs" in res[0]["raised"]
+    assert all(r["next_ok"] for r in res)
+
+
+def _absent_peer(rank: int, world: int) -> str:
+    import ep_backend as ep
+
+    x, idx, w = _inputs(rank, 128, seed=5)
+    ep.dispatch(x, idx, w, E)  # both ranks connect the transport
+    torch.cuda.synchronize()
+    ep.get_backend().set_timeout(datetime.timedelta(seconds=5))
+    if rank == 1:
+        import time
+
+        time.sleep(20)  # alive, but never joins the call
+        return "stayed away"
+    try:
+        ep.dispatch(x, idx, w, E)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_that_never_arrives_gives_an_error_not_a_hang() -> None:
+    res = run_distributed(_absent_peer, 2, backend="ep", timeout=120)
+    assert res[1] == "stayed away"
+    assert res[0] != "no error"
+    assert "rank(s) 1 never joined it" in res[0], res[0]
