@@ -164,6 +164,18 @@ EPProcessGroup::~EPProcessGroup() {
   runShutdownHooks();
 }
 
+void EPProcessGroup::release_resources() {
+  runShutdownHooks();
+  {
+    std::lock_guard<std::mutex> lock(split_mutex_);
+    split_factory_ = nullptr;
+    split_children_.clear();
+  }
+  cpu_.reset();
+  cuda_.reset();
+  store_.reset();
+}
+
 void EPProcessGroup::addShutdownHook(std::function<void()> hook) {
   std::lock_guard<std::mutex> lock(hooks_mutex_);
   shutdown_hooks_.push_back(std::move(hook));

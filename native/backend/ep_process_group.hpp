@@ -42,6 +42,9 @@ class EPProcessGroup : public c10d::Backend {
                  c10::intrusive_ptr<c10d::Backend> cpu_backend,
                  c10::intrusive_ptr<c10d::Backend> cuda_backend);
   ~EPProcessGroup() override;
+  // Called when the last strong reference goes (weak references, as in the group-name registry,
+  // delay the destructor): releases the inner backends and transports right away.
+  void release_resources() override;
 
   const std::string getBackendName() const override { return "ep"; }
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
