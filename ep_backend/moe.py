@@ -598,7 +598,11 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_combined, grad_weights):  # type: ignore[override]
         routing = ctx.saved_tensors
-        gx, _ = _ops.cached_dispatch(grad_combined.contiguous(), None, *routing, ctx.group_name)
+        # Dispatched rows must be multiples of 16 bytes; combine accepts any H, so pad and slice.
+        hidden = grad_combined.shape[1]
+        padded_grad = _pad_columns(grad_combined.contiguous(), 16 // grad_combined.element_size())
+        gx, _ = _ops.cached_dispatch(padded_grad, None, *routing, ctx.group_name)
+        gx = gx[:, :hidden].contiguous() if gx.shape[1] != hidden else gx
         gw = None
         if ctx.has_weights:
             if grad_weights is None:

@@ -236,3 +236,23 @@ def _weights_grad_worker(rank: int, world: int, worst: int) -> list[str]:
 def test_topk_weights_gradient(worst: int) -> None:
     results = run_distributed(_weights_grad_worker, WORLD, worst, backend="ep", timeout=TIMEOUT)
     assert not any(results), format_failures(results)
+
+
+def _combine_backward_odd_hidden(rank: int, world: int) -> list[bool]:
+    import ep_backend as ep
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 2, dtype=torch.float64, generator=g)  # 16-byte rows for the dispatch
+    idx = torch.randint(-1, 4, (6, 2), generator=g)
+    out = ep.dispatch(x, idx, None, 4)
+    # combine rows of 3 float64 (24 bytes): its backward must still reach every row
+    y = torch.randn(out.recv_x.shape[0], 3, dtype=torch.float64, generator=g, requires_grad=True)
+    weights = torch.arange(1.0, 4.0, dtype=torch.float64)
+    (ep.combine(y, out.handle).combined_x * weights).sum().backward()
+    return [y.grad.shape == y.shape, bool(torch.equal(y.grad, weights.expand_as(y)))]
+
+
+def test_combine_backward_with_rows_not_a_multiple_of_16_bytes() -> None:
+    for rank, ok in enumerate(run_distributed(_combine_backward_odd_hidden, 2, backend="ep")):
+        assert all(ok), (rank, ok)
