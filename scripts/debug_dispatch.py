@@ -13,7 +13,9 @@ import ep_backend as ep
 
 rank, port = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 29555
 torch.cuda.set_device(rank)
-store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+store = dist.TCPStore(
+    "127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60)
+)
 dist.init_process_group("ep", store=store, rank=rank, world_size=2)
 x = torch.randn(300 - 200 * rank, 256, device="cuda").bfloat16()
 idx = torch.randint(-1, 8, (x.shape[0], 4), device="cuda")
