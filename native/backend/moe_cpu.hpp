@@ -1,6 +1,7 @@
-// The MoE collectives on CPU tensors: the same contract as ep_backend/reference.py, bit for bit,
-// exchanged through the group's internal Gloo backend (one agreement all-gather and one packed
-// all-to-all per call). This is what runs in CI and on laptops.
+// The MoE collectives in ATen ops over the group's inner backend (Gloo for CPU tensors; NCCL as the
+// fallback for CUDA tensors the NVLink kernels do not serve): the contract of
+// ep_backend/reference.py bit for bit, with one agreement all-gather (Gloo) and one packed
+// all-to-all per call. This is what runs in CI and on laptops.
 #pragma once
 
 #include <ATen/ATen.h>

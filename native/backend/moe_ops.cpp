@@ -61,23 +61,23 @@ DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x) {
           r.routing.recv_src_rank};
 }
 
-DispatchOutputs dispatchCpuOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                              const at::Tensor& topk_idx,
-                              const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
-                              int64_t expert_alignment, int64_t num_worst_tokens,
-                              const std::string& group_name) {
+DispatchOutputs dispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                               const at::Tensor& topk_idx,
+                               const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
+                               int64_t expert_alignment, int64_t num_worst_tokens,
+                               const std::string& group_name) {
   auto pg = resolveGroup(group_name, "dispatch");
   DispatchArgs args{x,           x_scales,         topk_idx,        topk_weights,
                     num_experts, expert_alignment, num_worst_tokens};
   return packDispatch(cpu::dispatch(*pg, args), x);
 }
 
-Tensors2 cachedDispatchCpuOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                             const at::Tensor& is_token_in_rank,
-                             const at::Tensor& num_tokens_per_rank,
-                             const at::Tensor& num_recv_tokens_per_rank,
-                             const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
-                             const std::string& group_name) {
+Tensors2 cachedDispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                              const at::Tensor& is_token_in_rank,
+                              const at::Tensor& num_tokens_per_rank,
+                              const at::Tensor& num_recv_tokens_per_rank,
+                              const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
+                              const std::string& group_name) {
   auto pg = resolveGroup(group_name, "cached dispatch");
   auto [recv_x, recv_scales] =
       cpu::cachedDispatch(*pg, x, x_scales,
@@ -86,12 +86,12 @@ Tensors2 cachedDispatchCpuOp(const at::Tensor& x, const std::optional<at::Tensor
   return {recv_x, orEmpty(recv_scales, x)};
 }
 
-Tensors2 combineCpuOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
-                      const std::optional<at::Tensor>& bias0,
-                      const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
-                      const at::Tensor& num_tokens_per_rank,
-                      const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
-                      const at::Tensor& recv_src_rank, const std::string& group_name) {
+Tensors2 combineAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
+                       const std::optional<at::Tensor>& bias0,
+                       const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
+                       const at::Tensor& num_tokens_per_rank,
+                       const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
+                       const at::Tensor& recv_src_rank, const std::string& group_name) {
   auto pg = resolveGroup(group_name, "combine");
   CombineArgs args{x, topk_weights, bias0, bias1,
                    routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
@@ -100,7 +100,7 @@ Tensors2 combineCpuOp(const at::Tensor& x, const std::optional<at::Tensor>& topk
   return {combined, orEmpty(weights, x)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCpuOp(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchAtenOp(
     const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
     int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
     const std::string& group_name) {
@@ -111,11 +111,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatenc
   return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
 }
 
-at::Tensor lowLatencyCombineCpuOp(const at::Tensor& x, const at::Tensor& topk_idx,
-                                  const at::Tensor& topk_weights, const at::Tensor& src_info,
-                                  const at::Tensor& layout_range,
-                                  int64_t num_max_dispatch_tokens_per_rank,
-                                  const std::string& group_name) {
+at::Tensor lowLatencyCombineAtenOp(const at::Tensor& x, const at::Tensor& topk_idx,
+                                   const at::Tensor& topk_weights, const at::Tensor& src_info,
+                                   const at::Tensor& layout_range,
+                                   int64_t num_max_dispatch_tokens_per_rank,
+                                   const std::string& group_name) {
   auto pg = resolveGroup(group_name, "low_latency_combine");
   LowLatencyCombineArgs args{x,        topk_idx,     topk_weights,
                              src_info, layout_range, num_max_dispatch_tokens_per_rank};
@@ -153,8 +153,8 @@ DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tens
                                const std::string& group_name) {
   auto pg = resolveGroup(group_name, "dispatch");
   if (!useIntranode(*pg, x)) {
-    return dispatchCpuOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                         num_worst_tokens, group_name);
+    return dispatchAtenOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                          num_worst_tokens, group_name);
   }
 #ifdef EP_WITH_CUDA
   DispatchArgs args{x,           x_scales,         topk_idx,        topk_weights,
@@ -173,8 +173,8 @@ Tensors2 cachedDispatchCudaOp(const at::Tensor& x, const std::optional<at::Tenso
                               const std::string& group_name) {
   auto pg = resolveGroup(group_name, "cached dispatch");
   if (!useIntranode(*pg, x)) {
-    return cachedDispatchCpuOp(x, x_scales, is_token_in_rank, num_tokens_per_rank,
-                               num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
+    return cachedDispatchAtenOp(x, x_scales, is_token_in_rank, num_tokens_per_rank,
+                                num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
   }
 #ifdef EP_WITH_CUDA
   auto [recv_x, recv_scales] =
@@ -196,8 +196,8 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
   auto pg = resolveGroup(group_name, "combine");
   // The kernels sum BF16, float32 and float64 rows; float16 takes the ATen path.
   if (x.scalar_type() == at::kHalf || !useIntranode(*pg, x)) {
-    return combineCpuOp(x, topk_weights, bias0, bias1, is_token_in_rank, num_tokens_per_rank,
-                        num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
+    return combineAtenOp(x, topk_weights, bias0, bias1, is_token_in_rank, num_tokens_per_rank,
+                         num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
   }
 #ifdef EP_WITH_CUDA
   CombineArgs args{x, topk_weights, bias0, bias1,
@@ -264,16 +264,16 @@ TORCH_LIBRARY_IMPL(ep, CUDA, m) {
   m.impl("dispatch", &dispatchCudaOp);
   m.impl("cached_dispatch", &cachedDispatchCudaOp);
   m.impl("combine", &combineCudaOp);
-  m.impl("low_latency_dispatch", &lowLatencyDispatchCpuOp);
-  m.impl("low_latency_combine", &lowLatencyCombineCpuOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchAtenOp);
+  m.impl("low_latency_combine", &lowLatencyCombineAtenOp);
 }
 
 TORCH_LIBRARY_IMPL(ep, CPU, m) {
-  m.impl("dispatch", &dispatchCpuOp);
-  m.impl("cached_dispatch", &cachedDispatchCpuOp);
-  m.impl("combine", &combineCpuOp);
-  m.impl("low_latency_dispatch", &lowLatencyDispatchCpuOp);
-  m.impl("low_latency_combine", &lowLatencyCombineCpuOp);
+  m.impl("dispatch", &dispatchAtenOp);
+  m.impl("cached_dispatch", &cachedDispatchAtenOp);
+  m.impl("combine", &combineAtenOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchAtenOp);
+  m.impl("low_latency_combine", &lowLatencyCombineAtenOp);
 }
 
 }  // namespace ep
