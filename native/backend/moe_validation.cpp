@@ -73,8 +73,10 @@ void checkTopk(Checker& c, const at::Tensor& topk_idx, int64_t num_tokens, const
   if (c.failed() || !check_values || topk_idx.numel() == 0) {
     return;
   }
-  const int64_t lo = topk_idx.min().item<int64_t>();
-  const int64_t hi = topk_idx.max().item<int64_t>();
+  // One device-to-host read for both bounds (on CUDA each read is a stream sync).
+  at::Tensor bounds = at::stack({topk_idx.min(), topk_idx.max()}).to(at::kCPU, at::kLong);
+  const int64_t lo = bounds[0].item<int64_t>();
+  const int64_t hi = bounds[1].item<int64_t>();
   c.require(lo >= -1 && hi < num_experts,
             "topk_idx values must be in [-1, num_experts=", num_experts, "), got min ", lo, " max ",
             hi);
