@@ -79,13 +79,18 @@ def _stream_semantics(rank: int, world: int) -> dict:
     t = torch.zeros(1 << 20, device=dev)
     dist.all_reduce(t)  # the first collective creates the NCCL communicator (host-blocking)
     torch.cuda.synchronize()
-    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    # Few, long kernels (8192^3 bf16 GEMMs, ~1.5 ms each): the GPU stays far behind the host
+    # however fast the host launches, so the producer is still running when we enqueue.
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) / 128
     side.wait_stream(torch.cuda.current_stream())
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(side):
-        for _ in range(
-            400
-        ):  # tens of ms of GPU work: the producer is still running when we enqueue
+        begin.record()
+        launch_start = time.perf_counter()
+        for _ in range(60):
             a = (a @ a).clamp_(-1, 1)
+        end.record()
+        launch_s = time.perf_counter() - launch_start
         t.fill_(float(rank + 1))
         start = time.perf_counter()
         work = dist.all_reduce(t, async_op=True)
@@ -98,6 +103,8 @@ def _stream_semantics(rank: int, world: int) -> dict:
     ok = bool((consumer == expected).all().item())
     fut_val = work.get_future().wait()[0]
     return {
+        "producer_gpu_ms": begin.elapsed_time(end),
+        "producer_launch_ms": launch_s * 1e3,
         "ok": ok,
         "host_wait_s": host_wait_s,
         "gpu_busy_when_cpu_returned": side_busy,

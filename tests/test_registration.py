@@ -25,6 +25,21 @@ def test_backend_is_registered_for_cpu_and_cuda() -> None:
     assert list(dist.Backend._plugins).count("EP") == 1
 
 
+def test_extension_uses_the_process_shared_cxx_runtime() -> None:
+    """_C carries no private copy of libstdc++ (a static one crashed in the first ostream use)."""
+    import shutil
+
+    nm = shutil.which("nm")
+    assert nm is not None, "binutils' nm is needed (the build needs binutils anyway)"
+    import importlib
+
+    lib = importlib.import_module("ep_backend._C").__file__
+    symbols = subprocess.run([nm, "-D", "--defined-only", lib], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+    # std::ostream::_M_insert<long>: explicitly instantiated inside libstdc++ only
+    assert "_ZNSo9_M_insertIlEERSoT_" not in symbols, f"{lib} embeds libstdc++"
+
+
 def test_options_validate_and_copy() -> None:
     import copy
 
