@@ -39,6 +39,7 @@ class Row:
     op: str
     tokens: int
     us: float
+    host_us: float
     remote_gbps: float
     logical_gbps: float
     note: str = ""
@@ -68,10 +69,11 @@ class _Timer:
             else None
         )
 
-    def __call__(self, fn: Callable[[], object]) -> float:
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, float]:
+        """(median time, median host time of the call alone), both µs, max over ranks."""
         for _ in range(self.warmup):
             fn()
-        samples = []
+        samples, host = [], []
         for _ in range(self.iters):
             if self.flush is not None:
                 self.flush.zero_()
@@ -79,22 +81,29 @@ class _Timer:
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True),
                 )
-                dist.barrier()
+                _host_barrier()
                 start.record()
+                h0 = time.perf_counter()
                 fn()
+                host.append((time.perf_counter() - h0) * 1e6)
                 end.record()
                 end.synchronize()
                 samples.append(start.elapsed_time(end) * 1e3)
             else:
-                dist.barrier()
+                _host_barrier()
                 t0 = time.perf_counter()
                 fn()
                 samples.append((time.perf_counter() - t0) * 1e6)
-        mine = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-        if self.device.type == "cuda":
-            mine = mine.to(self.device)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        return float(mine.item())
+                host.append(samples[-1])
+        mine = torch.tensor([statistics.median(samples), statistics.median(host)],
+                            dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # CPU tensor: Gloo, works on shared GPUs too
+        return float(mine[0]), float(mine[1])
+
+
+def _host_barrier() -> None:
+    """Aligns the ranks' hosts (over Gloo: no CUDA communicator, fine when ranks share a GPU)."""
+    dist.all_reduce(torch.zeros(1))
 
 
 def _nccl_pipeline(x, idx, weights, num_experts: int, group) -> Callable[[], torch.Tensor]:
@@ -143,7 +152,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
     import ep_backend as ep
 
     use_cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    # More ranks than GPUs: ranks share GPUs (the NVLink path then runs over CUDA IPC inside a
+    # device, and NCCL, hence the baseline, cannot run). Useful for host-overhead profiling only.
+    shared_gpus = use_cuda and world > gpus
+    device = torch.device("cuda", rank % gpus) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     else:  # one process per core share: oversubscribed intra-op threads cost more than they save
@@ -166,34 +179,31 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         recv_rows = out.recv_x.shape[0]
         # the baseline moves one row per (token, expert) instead of one per (token, rank)
         remote_entries = int((idx // (num_experts // world) != rank).sum())
-        counts = torch.tensor(
-            [remote_rows, recv_rows, remote_entries], dtype=torch.float64, device=device
-        )
+        counts = torch.tensor([remote_rows, recv_rows, remote_entries], dtype=torch.float64)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         remote_rows, recv_rows, remote_entries = (int(c) for c in counts.tolist())
         row_bf16 = hidden * 2
         row_fp8 = hidden + hidden // 128 * 4
 
-        def add(
-            op: str, us: float, row_bytes: int, remote: int, logical: int, note: str = ""
-        ) -> None:
-            rows.append(Row(op, num_tokens, us, remote * row_bytes / us / 1e3 if us else 0.0,
+        def add(op: str, t: tuple[float, float], row_bytes: int, remote: int, logical: int,
+                note: str = "") -> None:  # fmt: skip
+            us, host_us = t
+            rows.append(Row(op, num_tokens, us, host_us,
+                            remote * row_bytes / us / 1e3 if us else 0.0,
                             logical * row_bytes / us / 1e3 if us else 0.0, note))  # fmt: skip
 
         y = out.recv_x
         t_dispatch = timer(lambda: ep.dispatch(x, idx, weights, num_experts))
         t_combine = timer(lambda: ep.combine(y, out.handle))
-        baseline = _nccl_pipeline(x, idx, weights, num_experts, group)
-        t_base = timer(baseline)
-        add(
-            "ep dispatch+combine BF16",
-            t_dispatch + t_combine,
-            row_bf16,
-            2 * remote_rows,
-            2 * recv_rows,
-        )
-        add("baseline a2a pipeline (both ways)", t_base, row_bf16, 2 * remote_entries, 0,
-            f"ep is {t_base / (t_dispatch + t_combine):.2f}x faster")  # fmt: skip
+        t_both = (t_dispatch[0] + t_combine[0], t_dispatch[1] + t_combine[1])
+        add("ep dispatch+combine BF16", t_both, row_bf16, 2 * remote_rows, 2 * recv_rows)
+        if shared_gpus:
+            rows.append(Row("baseline a2a pipeline (both ways)", num_tokens, 0.0, 0.0, 0.0, 0.0,
+                            "not run: ranks share a GPU (NCCL needs one per rank)"))  # fmt: skip
+        else:
+            t_base = timer(_nccl_pipeline(x, idx, weights, num_experts, group))
+            add("baseline a2a pipeline (both ways)", t_base, row_bf16, 2 * remote_entries, 0,
+                f"ep is {t_base[0] / t_both[0]:.2f}x faster")  # fmt: skip
         if not full:
             return
         x8, s8 = ep.reference.quantize_fp8_per128(x)
@@ -220,10 +230,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
 
 def _print_table(rows: list[dict], header: str) -> None:
     print(header)
-    print(f"{'op':38s} {'T':>6s} {'time µs':>10s} {'remote GB/s':>12s} {'logical GB/s':>13s}  note")
+    print(f"{'op':38s} {'T':>6s} {'time µs':>10s} {'host µs':>9s} {'remote GB/s':>12s} "
+          f"{'logical GB/s':>13s}  note")  # fmt: skip
     for r in rows:
-        print(f"{r['op']:38s} {r['tokens']:6d} {r['us']:10.1f} {r['remote_gbps']:12.3f} "
-              f"{r['logical_gbps']:13.3f}  {r['note']}")  # fmt: skip
+        print(f"{r['op']:38s} {r['tokens']:6d} {r['us']:10.1f} {r['host_us']:9.1f} "
+              f"{r['remote_gbps']:12.3f} {r['logical_gbps']:13.3f}  {r['note']}")  # fmt: skip
 
 
 def _plot(rows: list[dict], path: Path) -> bool:
@@ -238,7 +249,7 @@ def _plot(rows: list[dict], path: Path) -> bool:
         ("ep dispatch+combine BF16", "ep"),
         ("baseline a2a pipeline (both ways)", "all_to_all pipeline"),
     ):
-        pts = sorted((r["tokens"], r["us"]) for r in rows if r["op"] == op)
+        pts = sorted((r["tokens"], r["us"]) for r in rows if r["op"] == op and r["us"] > 0)
         plt.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     plt.xscale("log", base=2)
     plt.yscale("log")
@@ -289,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result_path = out / "bench.json"
     device_name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
+    if on_gpu and nprocs > gpus:
+        device_name += f" (shared: {nprocs} ranks on {gpus} GPU(s); not an NVLink figure)"
     print(f"ep bench: {nprocs} x {device_name}, T={args.tokens} H={args.hidden} top-{args.topk} "
           f"of E={args.experts}, BF16; torch {torch.__version__}", flush=True)  # fmt: skip
     mp.start_processes(_worker, args=(nprocs, _free_port(), args, str(result_path)), nprocs=nprocs,
