@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "ep_process_group.hpp"
+#include "moe_validation.hpp"
 
 namespace py = pybind11;
 
@@ -84,6 +85,11 @@ void bindProcessGroup(py::module_& m) {
           },
           py::arg("device_type"),
           "The internal backend that serves tensors of ``device_type`` ('cpu' or 'cuda').")
+      .def_property_readonly(
+          "moe_agreement_transport",
+          [](ep::EPProcessGroup& self) { return ep::moeAgreementTransport(self); },
+          "How the MoE collectives' per-call cross-rank check travels: 'shared memory' (all ranks "
+          "on one host), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), 'undecided' before the first.")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
       .def(

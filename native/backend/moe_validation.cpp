@@ -3,10 +3,14 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
 #include "ep_process_group.hpp"
+#include "host_exchange.hpp"
 
 namespace ep {
 namespace {
@@ -356,9 +360,51 @@ std::string stalledRanks(EPProcessGroup& pg, uint64_t call) {
   }
 }
 
+// Per group: the shared-memory exchange when every rank is on one host (decided collectively at
+// the group's first MoE call), else null and the agreement goes through Gloo.
+struct ExchangeState {
+  bool decided = false;
+  std::unique_ptr<HostExchange> exchange;
+};
+
+std::mutex& exchangeMutex() {
+  static std::mutex m;
+  return m;
+}
+
+// Leaked on purpose (no work in static destructors at exit); entries leave at group shutdown.
+std::map<EPProcessGroup*, std::shared_ptr<ExchangeState>>& exchanges() {
+  static auto* m = new std::map<EPProcessGroup*, std::shared_ptr<ExchangeState>>();
+  return *m;
+}
+
+std::shared_ptr<ExchangeState> exchangeOf(EPProcessGroup& pg) {
+  std::lock_guard<std::mutex> lock(exchangeMutex());
+  auto& entry = exchanges()[&pg];
+  if (!entry) {
+    entry = std::make_shared<ExchangeState>();
+    EPProcessGroup* key = &pg;
+    pg.addShutdownHook([key] {
+      std::lock_guard<std::mutex> lock(exchangeMutex());
+      exchanges().erase(key);
+    });
+  }
+  return entry;
+}
+
 at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
   const int64_t num_ranks = pg.getSize();
   const int64_t width = static_cast<int64_t>(row.size());
+  auto state = exchangeOf(pg);
+  if (!state->decided) {
+    state->exchange = HostExchange::connect(pg, std::string("ep ") + op);
+    state->decided = true;
+  }
+  if (state->exchange && HostExchange::fits(width)) {
+    pg.nextMoeCall();
+    std::vector<int64_t> all = state->exchange->gather(row, op, pg.options()->timeout);
+    return at::tensor(all, at::kLong).view({num_ranks, width});
+  }
   at::Tensor mine = at::tensor(row, at::kLong);
   at::Tensor all = at::empty({num_ranks * width}, at::kLong);
   c10d::AllgatherOptions opts;
@@ -376,6 +422,14 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<i
 }
 
 }  // namespace
+
+std::string moeAgreementTransport(EPProcessGroup& pg) {
+  auto state = exchangeOf(pg);
+  if (!state->decided) {
+    return "undecided";
+  }
+  return state->exchange ? "shared memory" : "gloo";
+}
 
 at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                             const std::vector<AgreedField>& fields,

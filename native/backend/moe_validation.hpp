@@ -39,6 +39,10 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
                             const std::vector<AgreedField>& fields,
                             const std::vector<int64_t>& payload);
 
+// How this group's MoE calls agree across ranks: "shared memory" (every rank on one host),
+// "gloo", or "undecided" before the group's first MoE call.
+std::string moeAgreementTransport(EPProcessGroup& pg);
+
 // The agreement step of a rank whose inputs were rejected before it reached the C++ op (by
 // the Python layer): its peers in `op` (or any other MoE collective) raise "rank(s) ...
 // rejected their inputs"; this rank raises RuntimeError with `message`.

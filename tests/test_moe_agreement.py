@@ -1,0 +1,65 @@
+"""The per-call cross-rank agreement of the MoE collectives: shared memory on one host, Gloo else.
+
+Every other MoE test runs over the shared-memory exchange (all test ranks share this host); this
+file checks which transport was chosen and that the Gloo fallback gives the same results and the
+same collective rejection of bad input.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist_utils import run_distributed
+
+
+def _transport_and_results(rank: int, world: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    backend = ep.get_backend()
+    before = backend.moe_agreement_transport
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(37 + 11 * rank, 64, generator=g).bfloat16()
+    idx = torch.randint(-1, 6, (x.shape[0], 3), generator=g)
+    w = torch.rand(x.shape[0], 3, generator=g)
+    exact = True
+    for _ in range(50):  # many calls: both parities of the exchange, many times over
+        a = ep.dispatch(x, idx, w, 6)
+        b = ref.dispatch(x, idx, w, 6)
+        exact &= torch.equal(a.recv_x, b.recv_x) and torch.equal(a.recv_topk_idx, b.recv_topk_idx)
+        c = ep.combine(a.recv_x, a.handle, a.recv_topk_weights)
+        d = ref.combine(b.recv_x, b.handle, b.recv_topk_weights)
+        exact &= torch.equal(c.combined_x, d.combined_x)
+    bad = idx.clone()
+    if rank == 1:
+        bad[0, 0] = 99
+    try:
+        ep.dispatch(x, bad, w, 6)
+        raised = ""
+    except RuntimeError as exc:
+        raised = str(exc)
+    after_bad = ep.dispatch(x, idx, w, 6)
+    exact &= torch.equal(after_bad.recv_x, ref.dispatch(x, idx, w, 6).recv_x)
+    sub = dist.new_group([0, 1])
+    sub_transport = None
+    if rank < 2:
+        ep.dispatch(x, idx, w, 6, group=sub)
+        sub_transport = ep.get_backend(sub).moe_agreement_transport
+    return {"before": before, "after": backend.moe_agreement_transport, "exact": exact,
+            "raised": raised, "sub": sub_transport}  # fmt: skip
+
+
+@pytest.mark.parametrize(("env", "expected"), [({}, "shared memory"),
+                                               ({"EP_HOST_EXCHANGE": "gloo"}, "gloo")])  # fmt: skip
+def test_agreement_transport_and_equal_results(env: dict, expected: str) -> None:
+    res = run_distributed(_transport_and_results, 3, backend="ep", env=env)
+    for rank, r in enumerate(res):
+        assert r["before"] == "undecided"
+        assert r["after"] == expected, r
+        assert r["exact"], rank
+        if rank == 1:
+            assert "topk_idx values must be in [-1" in r["raised"], r["raised"]
+        else:
+            assert "rank(s) 1 rejected their inputs" in r["raised"], r["raised"]
+        assert r["sub"] == (expected if rank < 2 else None)
