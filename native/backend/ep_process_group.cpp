@@ -103,6 +103,10 @@ class PostProcessWork : public c10d::Work {
 
 c10::intrusive_ptr<c10d::Work> thenApply(const c10::intrusive_ptr<c10d::Work>& inner,
                                          std::function<void()> post) {
+  if (!inner) {  // a synchronous NCCL op returns no Work: it is already queued on the stream
+    post();
+    return inner;
+  }
   return c10::make_intrusive<PostProcessWork>(inner, std::move(post));
 }
 

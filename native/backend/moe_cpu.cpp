@@ -96,9 +96,11 @@ at::Tensor allToAllRows(EPProcessGroup& pg, const char* op, const at::Tensor& se
   c10d::AllToAllOptions opts;
   opts.timeout = pg.options()->timeout;
   opts.asyncOp = false;  // on CUDA: enqueue on the current stream, like the surrounding ops
-  pg.innerBackend(send.device().type(), op)
-      ->alltoall_base(recv, send_flat, out_splits, in_splits, opts)
-      ->wait();
+  auto work = pg.innerBackend(send.device().type(), op)
+                  ->alltoall_base(recv, send_flat, out_splits, in_splits, opts);
+  if (work) {  // NCCL returns no Work for a synchronous op: it is already on the current stream
+    work->wait();
+  }
   return recv.view({num_recv, row_bytes});
 }
 

@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -80,6 +83,39 @@ std::vector<uint8_t> toBytes(const std::string& s) {
 std::string fromBytes(const std::vector<uint8_t>& v) {
   return std::string(v.begin(), v.end());
 }
+
+// EP_PROFILE_HOST=1: one line per call on stderr with the host time of each stage (µs), to find
+// where a call's host time goes.
+class HostStages {
+ public:
+  explicit HostStages(const char* op) : op_(op), on_(enabled()), last_(now()), first_(last_) {}
+  void mark(const char* stage) {
+    if (!on_) {
+      return;
+    }
+    const auto t = now();
+    line_ += std::string(" ") + stage + "=" +
+             std::to_string(std::chrono::duration<double, std::micro>(t - last_).count());
+    last_ = t;
+  }
+  ~HostStages() {
+    if (on_) {
+      const double total = std::chrono::duration<double, std::micro>(now() - first_).count();
+      std::fprintf(stderr, "ep %s host us:%s total=%.1f\n", op_, line_.c_str(), total);
+    }
+  }
+
+ private:
+  static bool enabled() {
+    static const bool on = std::getenv("EP_PROFILE_HOST") != nullptr;
+    return on;
+  }
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  const char* op_;
+  bool on_;
+  std::chrono::steady_clock::time_point last_, first_;
+  std::string line_;
+};
 
 // Every rank decides with the same inputs (all ranks' host names and peer-access verdicts).
 bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
@@ -243,11 +279,13 @@ bool usable(EPProcessGroup& pg, const at::Device& device) {
 }
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
+  HostStages stages("dispatch");
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   raisePendingError(*st, "dispatch");
   // Values of topk_idx are read on the host only when the call syncs anyway.
   const std::string error = validateDispatch(a, num_ranks, a.num_worst_tokens == 0);
+  stages.mark("validate");
   const bool ok = error.empty();
   const bool has_scales = a.x_scales.has_value();
   const bool has_weights = a.topk_weights.has_value();
@@ -256,10 +294,12 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
       ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
   at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload);
+  stages.mark("agree");
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  stages.mark("runtime");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
   const int64_t num_tokens = a.x.size(0);
@@ -283,10 +323,12 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                 static_cast<int>(a.num_experts), static_cast<int>(a.expert_alignment),
                 static_cast<int>(a.num_worst_tokens), recv_counts.data_ptr<int>(),
                 recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(), host_counts, stream);
+  stages.mark("layout+notify");
   int64_t rows = a.num_worst_tokens;
   if (host_counts) {
     rows = rt.wait_recv_counts(ticket).num_recv_tokens;
   }
+  stages.mark("wait_counts");
 
   DispatchResult out;
   out.recv_x = at::empty({rows, a.x.size(1)}, a.x.options());
@@ -321,6 +363,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   args.recv_src_rank = src_rank.data_ptr<int>();
   args.num_worst_tokens = static_cast<int>(a.num_worst_tokens);
   rt.dispatch(args, stream);
+  stages.mark("alloc+launch");
 
   out.num_recv_tokens_per_expert = recv_per_expert;
   out.routing.is_token_in_rank = in_rank;
@@ -376,10 +419,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
+  HostStages stages("combine");
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   raisePendingError(*st, "combine");
   const std::string error = validateCombine(a, num_ranks);
+  stages.mark("validate");
   const bool ok = error.empty();
   const bool has_weights = a.topk_weights.has_value();
   const std::vector<AgreedField> fields = combineFields(a, ok);
@@ -389,15 +434,18 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
   const auto counts =
       capturing() ? std::vector<int64_t>(2 * num_ranks, 0) : routingCounts(r, num_ranks);
+  stages.mark("handle_counts");
   payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
   checkRoutingAgrees("combine", gathered, 5, pg.getRank());
+  stages.mark("agree");
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] = kernelRouting(r);
+  stages.mark("routing");
   const int64_t num_tokens = r.is_token_in_rank.size(0);
   at::Tensor out = at::empty({num_tokens, a.x.size(1)}, a.x.options());
   std::optional<at::Tensor> out_w;
@@ -419,6 +467,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   args.out = out.data_ptr();
   args.out_topk_weights = out_w ? out_w->data_ptr<float>() : nullptr;
   rt.combine(args, stream);
+  stages.mark("alloc+launch");
   return {out, out_w};
 }
 

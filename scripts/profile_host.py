@@ -1,0 +1,47 @@
+"""Host-time breakdown of the NVLink-path dispatch/combine (2 ranks, one GPU each).
+
+Usage: EP_PROFILE_HOST=1 python scripts/profile_host.py [T]
+Each call prints "ep <op> host us: stage=µs ... total=µs" on stderr (see moe_intranode.cpp).
+"""
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank: int, tokens: int, port: int) -> None:
+    import ep_backend as ep
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group("ep", store=store, rank=rank, world_size=2)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(tokens, 7168, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(tokens, 256, device="cuda", generator=g).topk(8).indices
+    for i in range(8):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = ep.dispatch(x, idx, None, 256)
+        t1 = time.perf_counter()
+        ep.combine(out.recv_x, out.handle)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        print(f"rank {rank} call {i}: dispatch {1e6 * (t1 - t0):.0f} us, combine "
+              f"{1e6 * (t2 - t1):.0f} us, then sync {1e6 * (t3 - t2):.0f} us",
+              file=sys.stderr, flush=True)  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    mp.spawn(worker, args=(tokens, 29577), nprocs=2)
