@@ -192,6 +192,13 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
     needs.topk = std::max<int64_t>(needs.topk, old.max_topk);
     needs.scales = std::max<int64_t>(needs.scales, old.max_scales);
     needs.local_experts = std::max<int64_t>(needs.local_experts, old.max_local_experts);
+    if (std::getenv("EP_PROFILE_HOST") != nullptr) {
+      std::fprintf(stderr, "ep intranode: rebuilding the transport (needs %lld tokens, %lld "
+                   "hidden bytes, top-%lld, %lld scales, %lld local experts)\n",
+                   static_cast<long long>(needs.tokens), static_cast<long long>(needs.hidden_bytes),
+                   static_cast<long long>(needs.topk), static_cast<long long>(needs.scales),
+                   static_cast<long long>(needs.local_experts));
+    }
     // Peers may still run kernels on the old buffers: drain, then agree, then free.
     C10_CUDA_CHECK(cudaDeviceSynchronize());
     pg.innerBackend(c10::DeviceType::CPU, "intranode rebuild")->barrier()->wait();
@@ -236,15 +243,21 @@ void raisePendingError(GroupState& st, const char* op) {
 }
 
 Needs maxNeeds(const at::Tensor& gathered) {
-  // gathered [R, >=5]: tokens, hidden bytes, top-k, scales, local experts
+  // gathered [R, >=5]: tokens, hidden bytes, top-k, scales, local experts. A plain loop: an ATen
+  // reduction here woke the intra-op thread pool and cost milliseconds per call on the GPU host.
+  auto g = gathered.accessor<int64_t, 2>();
+  int64_t m[5] = {0, 0, 0, 0, 0};
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    for (int c = 0; c < 5; ++c) {
+      m[c] = std::max(m[c], g[r][c]);
+    }
+  }
   Needs n;
-  at::Tensor m = std::get<0>(gathered.narrow(1, 0, 5).max(0));
-  auto a = m.accessor<int64_t, 1>();
-  n.tokens = a[0];
-  n.hidden_bytes = a[1];
-  n.topk = a[2];
-  n.scales = a[3];
-  n.local_experts = a[4];
+  n.tokens = m[0];
+  n.hidden_bytes = m[1];
+  n.topk = m[2];
+  n.scales = m[3];
+  n.local_experts = m[4];
   return n;
 }
 
@@ -298,7 +311,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
-  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  stages.mark("guard");
+  const Needs needs = maxNeeds(gathered);
+  stages.mark("needs");
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, needs);
   stages.mark("runtime");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
