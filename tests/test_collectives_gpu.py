@@ -84,6 +84,9 @@ def _stream_semantics(rank: int, world: int) -> dict:
     t = torch.zeros(1 << 20, device=dev)
     dist.all_reduce(t)  # the first collective creates the NCCL communicator (host-blocking)
     torch.cuda.synchronize()
+    # The consumer's output exists before: a fresh allocation on `side` could cudaMalloc, which
+    # may synchronise the device (it did on the GPU VM) and would be the test's own host sync.
+    consumer = torch.empty_like(t)
     side.wait_stream(torch.cuda.current_stream())
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(side):
@@ -95,7 +98,7 @@ def _stream_semantics(rank: int, world: int) -> dict:
         work = dist.all_reduce(t, async_op=True)
         work.wait()  # makes `side` wait on the collective; must not block the CPU
         host_wait_s = time.perf_counter() - start
-        consumer = t * 2
+        torch.mul(t, 2, out=consumer)
     side_busy = not side.query()  # the producer is still running: the host ran ahead
     issued_s = time.perf_counter() - start
     torch.cuda.current_stream().wait_stream(side)
