@@ -848,10 +848,33 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
 
 }  // namespace
 
+// CPU self-check hook (no GPU needed): writes a random BF16 row block and its quantisation in
+// every FP8 mode to `path`, for comparison with ep_backend.reference.quantize_fp8_per128.
+int cpu_dump(const std::string& path) {
+  Case c;
+  c.H = 2048;
+  c.T = c.T1 = 64;
+  c.seed = 77;
+  const Inputs in = make_inputs(c, 0);
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(in.x.data()), std::streamsize(in.x.size() * 2));
+  std::vector<uint8_t> q(c.H);
+  std::vector<uint32_t> w;
+  for (int mode : {kFp8, kFp8Round, kFp8Ue8m0}) {
+    for (int t = 0; t < in.T; ++t) {
+      quantize_row(in.x.data() + size_t(t) * c.H, c.H, mode, q.data(), w);
+      f.write(reinterpret_cast<const char*>(q.data()), c.H);
+      f.write(reinterpret_cast<const char*>(w.data()), std::streamsize(w.size() * 4));
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   Options opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--cpu-dump" && i + 1 < argc) return cpu_dump(argv[i + 1]);
     if (a == "--timeout-test") {
       opt.timeout_test = true;
     } else if (a == "--no-p2p") {
