@@ -88,9 +88,9 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail)
   __syncthreads();
   for (int e = tid; e < E; e += kThreads) {
     const int need = c.sent_count[e];
-    if (need > 0 &&
-        !spin_wait(w, e / E_loc,
-                   [&] { return ld_acquire_sys(arrived + e) >= static_cast<uint64_t>(need); }))
+    if (need > 0 && !spin_wait(w, e / E_loc, [&] {
+          return ld_acquire_sys(arrived + e) >= static_cast<uint64_t>(need);
+        }))
       *s_fail = 1;
   }
   __syncthreads();

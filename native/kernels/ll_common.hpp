@@ -121,55 +121,55 @@ struct BufferLayout {
 
 // Where a kernel finds buffers and reports problems.
 struct Context {
-  char* local;                  // this rank's symmetric base of the call's buffer
-  char* const* peer;            // [R] P2P-mapped base of the same buffer on each rank, or null
+  char* local;        // this rank's symmetric base of the call's buffer
+  char* const* peer;  // [R] P2P-mapped base of the same buffer on each rank, or null
   BufferLayout layout;
-  ControlBlock* ctrl;           // private control block
-  ErrorRecord* error;           // host-mapped, device pointer
-  int* send_pos;                // private [M * max_topk]: slot of entry (t, k) at its expert, -1
-  int* sent_count;              // private [E]: rows this rank sent to each global expert
+  ControlBlock* ctrl;  // private control block
+  ErrorRecord* error;  // host-mapped, device pointer
+  int* send_pos;       // private [M * max_topk]: slot of entry (t, k) at its expert, -1
+  int* sent_count;     // private [E]: rows this rank sent to each global expert
   long long timeout_ns;
-  int buffer;                   // 0 or 1
+  int buffer;  // 0 or 1
   int rank;
   int num_ranks;
-  int max_tokens;               // M
+  int max_tokens;  // M
 };
 
 struct DispatchParams {
   Context ctx;
-  const uint16_t* x;            // BF16 [T, H]
-  const void* topk_idx;         // [T, K] int64 (idx_bytes 8) or int32 (4)
+  const uint16_t* x;     // BF16 [T, H]
+  const void* topk_idx;  // [T, K] int64 (idx_bytes 8) or int32 (4)
   int idx_bytes;
   int num_tokens;
   int num_topk;
   int hidden;
   int num_experts;
-  int fp8;                      // quantise in the send phase
+  int fp8;  // quantise in the send phase
   int round_scale;
   int ue8m0;
   int phases;
-  void* recv_x;                 // [E_loc, R*M, H] BF16 or FP8
-  void* recv_scales;            // [E_loc, R*M, scale_words] or null
-  int* recv_count;              // [E_loc]
-  int* src_info;                // [E_loc, R*M]
-  long long* layout_range;      // [E_loc, R]
-  int* cumulative_stats;        // [E_loc] or null
-  int zero_padding;             // write zeros into recv_x/recv_scales past recv_count
+  void* recv_x;             // [E_loc, R*M, H] BF16 or FP8
+  void* recv_scales;        // [E_loc, R*M, scale_words] or null
+  int* recv_count;          // [E_loc]
+  int* src_info;            // [E_loc, R*M]
+  long long* layout_range;  // [E_loc, R]
+  int* cumulative_stats;    // [E_loc] or null
+  int zero_padding;         // write zeros into recv_x/recv_scales past recv_count
 };
 
 struct CombineParams {
   Context ctx;
-  const uint16_t* x;            // BF16 [E_loc, R*M, H] (zero-copy: the comb_send area)
+  const uint16_t* x;              // BF16 [E_loc, R*M, H] (zero-copy: the comb_send area)
   const long long* layout_range;  // [E_loc, R] of the dispatch
-  const void* topk_idx;         // [T, K]
+  const void* topk_idx;           // [T, K]
   int idx_bytes;
-  const float* topk_weights;    // [T, K] or null (weight 1)
+  const float* topk_weights;  // [T, K] or null (weight 1)
   int num_tokens;
   int num_topk;
   int hidden;
   int num_experts;
   int phases;
-  uint16_t* out;                // BF16 [T, H]
+  uint16_t* out;  // BF16 [T, H]
 };
 
 }  // namespace ll

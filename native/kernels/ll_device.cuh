@@ -158,7 +158,8 @@ __device__ __forceinline__ bool spin_wait(const Waiter& w, int peer, Ready ready
 // ---- reaching peers -----------------------------------------------------------------------------
 
 // Sets a peer's 64-bit signal word (no ordering with other data is implied).
-__device__ __forceinline__ void signal_set(const Context& c, int pe, size_t offset, uint64_t value) {
+__device__ __forceinline__ void signal_set(const Context& c, int pe, size_t offset,
+                                           uint64_t value) {
   char* mapped = c.peer[pe];
   if (mapped != nullptr) {
     st_release_sys(reinterpret_cast<uint64_t*>(mapped + offset), value);
@@ -207,7 +208,8 @@ __device__ __forceinline__ void p2p_count_rows(const Context& c, int pe, size_t 
   }
 }
 
-// ---- conversions ---------------------------------------------------------------------------------
+// ---- conversions
+// ---------------------------------------------------------------------------------
 
 // float -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16).
 __device__ __forceinline__ uint32_t float_to_bf16_rne(float f) {

@@ -57,8 +57,7 @@ __device__ __forceinline__ void stage_message(const DispatchParams& p, const Mes
     // amax.clamp(min=1e-4) keeps NaN; scale = amax / 448 is a correctly rounded division.
     amax = nan ? __uint_as_float(0x7FC00000u) : fmaxf(amax, 1e-4f);
     float scale = __fdiv_rn(amax, 448.0f);
-    if (p.round_scale)
-      scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0x7F800000u);
+    if (p.round_scale) scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0x7F800000u);
     const float inv = __frcp_rn(scale);
     uint32_t packed = 0;
     for (int j = 0; j < 4; ++j) {
@@ -253,8 +252,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
         const int4 zero = make_int4(0, 0, 0, 0);
         const size_t row_vecs = size_t(msg.payload_bytes) / 16;
         char* x0 = static_cast<char*>(p.recv_x) + out_base * msg.payload_bytes;
-        for (size_t i = size_t(total) * row_vecs + tid; i < size_t(slots) * row_vecs;
-             i += kThreads)
+        for (size_t i = size_t(total) * row_vecs + tid; i < size_t(slots) * row_vecs; i += kThreads)
           st_v4(x0 + i * 16, zero);
         if (msg.scale_words > 0) {
           int* s0 = static_cast<int*>(p.recv_scales) + out_base * msg.scale_words;

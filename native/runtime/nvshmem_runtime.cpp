@@ -180,9 +180,9 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int device,
     }
     cuda_check(cudaMalloc(reinterpret_cast<void**>(&peer_table_), sizeof(char*) * table.size()),
                "cudaMalloc(peer table)");
-    cuda_check(cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(),
-                          cudaMemcpyHostToDevice),
-               "cudaMemcpy(peer table)");
+    cuda_check(
+        cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(), cudaMemcpyHostToDevice),
+        "cudaMemcpy(peer table)");
 
     cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ll::ErrorRecord),
                              cudaHostAllocMapped | cudaHostAllocPortable),
@@ -251,8 +251,8 @@ ll::Context LowLatencyRuntime::context(int buffer) const {
   c.error = error_dev_;
   c.send_pos = reinterpret_cast<int*>(private_ + pl.send_pos_offset) +
                size_t(buffer) * config_.max_tokens_per_rank * config_.max_topk;
-  c.sent_count =
-      reinterpret_cast<int*>(private_ + pl.sent_count_offset) + size_t(buffer) * config_.num_experts;
+  c.sent_count = reinterpret_cast<int*>(private_ + pl.sent_count_offset) +
+                 size_t(buffer) * config_.num_experts;
   c.timeout_ns = static_cast<long long>(config_.timeout_seconds * 1e9);
   c.buffer = buffer;
   c.rank = rank_;
@@ -277,11 +277,14 @@ int LowLatencyRuntime::dispatch(const LowLatencyDispatchArgs& a, cudaStream_t st
   require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
           pre + "K must be in [1, max_topk=" + std::to_string(config_.max_topk) + "]");
   require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
-  require(a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
-              a.num_experts <= config_.num_experts,
-          pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
-  require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale), pre + "use_ue8m0 requires use_fp8 and round_scale");
-  require(!a.use_ue8m0 || a.hidden % (4 * ll::kGroupSize) == 0, pre + "use_ue8m0 needs H % 512 == 0");
+  require(
+      a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
+          a.num_experts <= config_.num_experts,
+      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+  require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale),
+          pre + "use_ue8m0 requires use_fp8 and round_scale");
+  require(!a.use_ue8m0 || a.hidden % (4 * ll::kGroupSize) == 0,
+          pre + "use_ue8m0 needs H % 512 == 0");
   require(!a.round_scale || a.use_fp8, pre + "round_scale requires use_fp8");
   if (a.phases & ll::kPhaseSend) {
     require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x) && a.topk_idx != nullptr),
@@ -337,9 +340,10 @@ void LowLatencyRuntime::combine(const LowLatencyCombineArgs& a, cudaStream_t str
   require(a.hidden >= ll::kGroupSize && a.hidden % ll::kGroupSize == 0 &&
               a.hidden <= config_.max_hidden,
           pre + "H must be a multiple of 128 in [128, max_hidden]");
-  require(a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
-              a.num_experts <= config_.num_experts,
-          pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+  require(
+      a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
+          a.num_experts <= config_.num_experts,
+      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
   require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
           pre + "num_tokens must be in [0, max_tokens_per_rank]");
   require(a.num_topk >= 1 && a.num_topk <= config_.max_topk, pre + "K must be in [1, max_topk]");

@@ -180,10 +180,10 @@ class LowLatencyRuntime {
   int device_ = 0;
   LowLatencyConfig config_;
   ll::BufferLayout layout_{};
-  char* symmetric_ = nullptr;            // both buffers, nvshmem_malloc
-  char* private_ = nullptr;              // control block, send_pos, sent_count (cudaMalloc)
-  char** peer_table_ = nullptr;          // device [2][R] P2P bases (or null) per buffer
-  std::vector<char*> peer_base_;         // host copy for buffer 0 (nvshmem_ptr of the region)
+  char* symmetric_ = nullptr;     // both buffers, nvshmem_malloc
+  char* private_ = nullptr;       // control block, send_pos, sent_count (cudaMalloc)
+  char** peer_table_ = nullptr;   // device [2][R] P2P bases (or null) per buffer
+  std::vector<char*> peer_base_;  // host copy for buffer 0 (nvshmem_ptr of the region)
   ll::ErrorRecord* error_host_ = nullptr;
   ll::ErrorRecord* error_dev_ = nullptr;
   int next_buffer_ = 0;

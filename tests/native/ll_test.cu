@@ -33,14 +33,13 @@ constexpr int kMaxH = 8192;
 constexpr int kMaxK = 32;
 constexpr int kMaxE = 64;
 
-#define CUDA_OK(expr)                                                                       \
-  do {                                                                                      \
-    cudaError_t e_ = (expr);                                                                \
-    if (e_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                     \
-                   cudaGetErrorString(e_));                                                 \
-      std::exit(2);                                                                         \
-    }                                                                                       \
+#define CUDA_OK(expr)                                                                            \
+  do {                                                                                           \
+    cudaError_t e_ = (expr);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                              \
+    }                                                                                            \
   } while (0)
 
 // ---- CPU reference -------------------------------------------------------------------------
@@ -166,9 +165,9 @@ struct Case {
 // One rank's inputs, regenerated identically on every rank.
 struct Inputs {
   int T = 0;
-  std::vector<uint16_t> x;      // [T, H]
-  std::vector<int64_t> idx;     // [T, K]
-  std::vector<float> weights;   // [T, K]
+  std::vector<uint16_t> x;     // [T, H]
+  std::vector<int64_t> idx;    // [T, K]
+  std::vector<float> weights;  // [T, K]
 };
 
 Inputs make_inputs(const Case& c, int rank) {
@@ -274,8 +273,8 @@ struct Harness {
     } else {
       CUDA_OK(cudaMemcpy(buf.idx, in.idx.data(), in.idx.size() * 8, cudaMemcpyHostToDevice));
     }
-    CUDA_OK(cudaMemcpy(buf.weights, in.weights.data(), in.weights.size() * 4,
-                       cudaMemcpyHostToDevice));
+    CUDA_OK(
+        cudaMemcpy(buf.weights, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice));
   }
 
   ep::LowLatencyDispatchArgs dispatch_args(const Case& c, const Inputs& in) const {
@@ -359,8 +358,8 @@ struct Harness {
       for (int j = 0; j < slots; ++j) {
         const int want = j < int(sl.size()) ? sl[j].t : -1;
         if (src[size_t(le) * slots + j] != want)
-          return fail(c, "src_info[" + std::to_string(le) + "," + std::to_string(j) + "] = " +
-                             std::to_string(src[size_t(le) * slots + j]) + ", expected " +
+          return fail(c, "src_info[" + std::to_string(le) + "," + std::to_string(j) +
+                             "] = " + std::to_string(src[size_t(le) * slots + j]) + ", expected " +
                              std::to_string(want));
       }
       for (int j = 0; j < int(sl.size()); ++j) {
@@ -381,8 +380,8 @@ struct Harness {
                                std::to_string(got[at]) + ", expected " + std::to_string(q[at]));
           }
           if (std::memcmp(rs.data() + (size_t(le) * slots + j) * words, w.data(), words * 4) != 0)
-            return fail(c, "scales differ at expert " + std::to_string(le) + " slot " +
-                               std::to_string(j));
+            return fail(
+                c, "scales differ at expert " + std::to_string(le) + " slot " + std::to_string(j));
         }
       }
     }
