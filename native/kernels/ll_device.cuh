@@ -117,9 +117,13 @@ struct Waiter {
   int rank;
 };
 
+// First error wins (lock 0 -> 1), except that a timeout (fatal) replaces a recorded non-fatal
+// error (lock 1 -> 2), so check_error() always names the stalled peer.
 __device__ __forceinline__ void report_error(const Waiter& w, int code, int peer, long long a,
                                              long long b) {
-  if (atomicCAS(&w.ctrl->error_lock, 0, 1) == 0) {
+  const bool fatal = code == kErrorTimeout;
+  const int old = atomicCAS(&w.ctrl->error_lock, 0, fatal ? 2 : 1);
+  if (old == 0 || (fatal && old == 1 && atomicCAS(&w.ctrl->error_lock, 1, 2) == 1)) {
     volatile ErrorRecord* e = w.err;
     e->op = w.op;
     e->rank = w.rank;
