@@ -80,7 +80,24 @@ struct PrivateLayout {
 
 }  // namespace
 
+void LowLatencyRuntime::set_environment(const LowLatencyConfig& config) {
+  // Never NVLink multicast. Size the heap for our region unless the user chose a size.
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  static bool we_set_size = false;
+  if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr || we_set_size) {
+    const size_t heap = symmetric_bytes(config) + (size_t(256) << 20);
+    setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 1);
+    we_set_size = true;
+  }
+}
+
+std::vector<uint8_t> LowLatencyRuntime::unique_id(const LowLatencyConfig& config) {
+  set_environment(config);
+  return unique_id();
+}
+
 std::vector<uint8_t> LowLatencyRuntime::unique_id() {
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   if (nvshmemx_get_uniqueid(&id) != 0)
     throw std::runtime_error("ep low_latency: nvshmemx_get_uniqueid failed");
@@ -130,15 +147,7 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int device,
     layout_ = ll::BufferLayout::make(config_.max_tokens_per_rank, config_.max_hidden,
                                      config_.num_experts);
     const size_t bytes = 2 * layout_.bytes;
-    // Never NVLink multicast. Size the heap for our region unless the user chose a size.
-    setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
-    const size_t heap = bytes + (size_t(256) << 20);
-    const char* user_size = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
-    static bool we_set_size = false;
-    if (user_size == nullptr || we_set_size) {
-      setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 1);
-      we_set_size = true;
-    }
+    set_environment(config_);
 
     nvshmemx_uniqueid_t id;
     std::memcpy(&id, uid.data(), sizeof(id));

@@ -127,7 +127,13 @@ struct LowLatencyBufferView {
 class LowLatencyRuntime {
  public:
   // 128 opaque bytes (nvshmemx_uniqueid_t); call on rank 0 and hand them to every rank.
+  // NVSHMEM may read its environment on this first call, so the overload taking the config sets
+  // the variables the runtime needs first (prefer it; the constructor sets them on other ranks).
   static std::vector<uint8_t> unique_id();
+  static std::vector<uint8_t> unique_id(const LowLatencyConfig& config);
+  // Sets NVSHMEM_DISABLE_NVLS=1 and, unless the user chose one, NVSHMEM_SYMMETRIC_SIZE for the
+  // config (symmetric_bytes + 256 MiB). Called by the constructor and unique_id(config).
+  static void set_environment(const LowLatencyConfig& config);
   // Collective: initialises NVSHMEM on `device` (NVSHMEMX_INIT_WITH_UNIQUEID), allocates and
   // zeroes the symmetric region (both buffers), maps P2P-reachable peers.
   LowLatencyRuntime(int rank, int num_ranks, int device, const std::vector<uint8_t>& uid,

@@ -669,9 +669,10 @@ struct Harness {
 };
 
 // Rank 0 publishes the unique id (write + rename); rank 1 polls for it.
-std::vector<uint8_t> exchange_uid(int rank, const std::string& path) {
+std::vector<uint8_t> exchange_uid(int rank, const std::string& path,
+                                  const ep::LowLatencyConfig& cfg) {
   if (rank == 0) {
-    std::vector<uint8_t> uid = ep::LowLatencyRuntime::unique_id();
+    std::vector<uint8_t> uid = ep::LowLatencyRuntime::unique_id(cfg);
     const std::string tmp = path + ".tmp";
     {
       std::ofstream f(tmp, std::ios::binary);
@@ -717,11 +718,12 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
   cfg.num_experts = kMaxE;
   cfg.p2p_fast_path = opt.p2p;
   cfg.timeout_seconds = opt.timeout_test ? 3.0 : 60.0;
-  std::vector<uint8_t> uid = exchange_uid(rank, "/tmp/ep_ll_uid_" + tag + "_a");
+  std::vector<uint8_t> uid = exchange_uid(rank, "/tmp/ep_ll_uid_" + tag + "_a", cfg);
   Harness hx;
   hx.rank = rank;
   hx.rt = new ep::LowLatencyRuntime(rank, kRanks, device, uid, cfg);
-  CUDA_OK(cudaStreamCreateWithFlags(&hx.stream, cudaStreamNonBlocking));
+  // A blocking stream: the harness's cudaMemcpy calls (legacy stream) are ordered with it.
+  CUDA_OK(cudaStreamCreate(&hx.stream));
   hx.buf.alloc();
   if (rank == 0)
     std::printf("rank 0: device %d, peer 1 %s\n", device,
@@ -827,8 +829,8 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
   delete hx.rt;
   if (opt.recreate) {
     // NVSHMEM finalised: a new runtime (fresh unique id) must work again.
-    std::vector<uint8_t> uid2 = exchange_uid(rank, "/tmp/ep_ll_uid_" + tag + "_b");
     cfg.max_hidden = 2048;
+    std::vector<uint8_t> uid2 = exchange_uid(rank, "/tmp/ep_ll_uid_" + tag + "_b", cfg);
     hx.rt = new ep::LowLatencyRuntime(rank, kRanks, device, uid2, cfg);
     Case c;
     c.name = "after destroy + re-creation";
