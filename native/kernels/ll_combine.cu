@@ -133,10 +133,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ int s_fail;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
-  if (!aborted(w)) {
+  // Block-uniform decisions only: every path below contains __syncthreads.
+  if (!__syncthreads_or(aborted(w))) {
     if (p.phases & kPhaseSend) send_phase(p);
-    __syncthreads();
-    if ((p.phases & kPhaseRecv) && !aborted(w)) recv_phase(p, w, &s_fail);
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, &s_fail);
   }
   __syncthreads();
   if (threadIdx.x == 0 && (p.phases & kPhaseRecv)) {

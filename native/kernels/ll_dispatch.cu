@@ -276,11 +276,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
   const uint64_t seq =
       ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
-  if (!aborted(w)) {
+  // Block-uniform decisions only: every path below contains __syncthreads.
+  if (!__syncthreads_or(aborted(w))) {
     if (p.phases & kPhaseSend) send_phase(p, w, seq, s_total, s_base, s_expert, s_slot);
-    __syncthreads();
     // s_total is free again: it holds the counts of the current expert's sources.
-    if ((p.phases & kPhaseRecv) && !aborted(w)) recv_phase(p, w, seq, s_total, &s_fail);
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv))
+      recv_phase(p, w, seq, s_total, &s_fail);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
