@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
 CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v "$NVCC")")")}
-nvshmem_inc=$(python - <<'PY' 2>/dev/null || true
+# NVSHMEM_HOME (a dir with include/ and lib/) overrides the wheel lookup.
+nvshmem_inc=${NVSHMEM_HOME:+$NVSHMEM_HOME/include}
+[ -n "$nvshmem_inc" ] || nvshmem_inc=$(python - <<'PY' 2>/dev/null || true
 import importlib.util, os
 spec = importlib.util.find_spec("nvidia.nvshmem")
 if spec and spec.submodule_search_locations:
@@ -19,11 +21,14 @@ fi
 flags=(-std=c++17 -O3 -arch=sm_90a -I native/kernels -I native/runtime -I "$CUDA_HOME/include/cccl")
 [ -n "$nvshmem_inc" ] && flags+=(-I "$nvshmem_inc")
 n=0
-for f in native/kernels/*.cu native/runtime/*.cu; do
+# .cu files, plus the host runtimes that include NVSHMEM headers (compiled as CUDA, -rdc).
+for f in native/kernels/*.cu native/runtime/*.cu native/runtime/nvshmem_*.cpp; do
   [ -e "$f" ] || continue
   rdc=()
-  grep -q nvshmem "$f" && rdc=(-rdc=true)
-  "$NVCC" "${flags[@]}" "${rdc[@]}" -c "$f" -o /dev/null
+  lang=()
+  grep -qi nvshmem "$f" && rdc=(-rdc=true)
+  [[ $f == *.cpp ]] && lang=(-x cu)
+  "$NVCC" "${flags[@]}" "${rdc[@]}" "${lang[@]}" -c "$f" -o /dev/null
   n=$((n + 1))
 done
 echo "compiled $n CUDA sources for sm_90a"

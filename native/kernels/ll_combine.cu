@@ -1,0 +1,177 @@
+// Low-latency combine over NVSHMEM symmetric memory.
+//
+// SEND (expert side, rank r, buffer b of the dispatch): for every (local expert le, source s),
+// the rows begin_s .. begin_s + count_s of x[le] (the layout_range of the dispatch) go back to
+// rank s, slot (global expert r*E_loc + le, position p = row - begin_s) of its combine receive
+// area; each row (remote path) or each warp's batch of rows (P2P path) adds to the arrival
+// counter of that global expert on rank s. Zero-copy: x is this rank's combine send area
+// (remote puts read it directly; the P2P path reads it like any input).
+// RECV (token side): wait until the arrival counter of every expert this rank sent rows to
+// reaches the count it sent (sent_count of the dispatch), then
+//   out[t] = bf16(acc), acc = +0.0; for k = 0..K-1 with a valid slot: acc = acc + w_k * y_k
+// with separately rounded multiply and add (no FMA), exactly the reference's order. The last
+// block resets the arrival counters.
+#include <cstdint>
+
+#include "ll_device.cuh"
+#include "ll_kernels.hpp"
+
+namespace ep {
+namespace ll {
+namespace {
+
+using namespace device;
+
+__device__ void send_phase(const CombineParams& p) {
+  const Context& c = p.ctx;
+  const int lane = lane_id();
+  const int warp = warp_id();
+  const int R = c.num_ranks;
+  const int M = c.max_tokens;
+  const int E = p.num_experts;
+  const int E_loc = E / R;
+  const int G = static_cast<int>(gridDim.x);
+  const int splits = max(1, G / E);
+  const int row_bytes = p.hidden * 2;
+  const char* send_area = c.local + c.layout.comb_send_offset;
+  const bool zero_copy = reinterpret_cast<const char*>(p.x) == send_area;
+
+  for (int item = static_cast<int>(blockIdx.x); item < E * splits; item += G) {
+    const int group = item % E;
+    const int split = item / E;
+    const int le = group / R;
+    const int s = group % R;
+    const long long range = p.layout_range[size_t(le) * R + s];
+    const int begin = static_cast<int>(range >> 32);
+    const int count = static_cast<int>(range & 0xFFFFFFFFll);
+    const int expert = c.rank * E_loc + le;
+    const size_t counter = c.layout.comb_arrived_offset + size_t(expert) * 8;
+    int rows = 0;
+    for (int r = split * 32 + warp; r < count; r += splits * 32) {
+      const size_t src_row = size_t(le) * R * M + begin + r;
+      const char* src = reinterpret_cast<const char*>(p.x) + src_row * row_bytes;
+      const size_t dst = c.layout.comb_recv_offset + (size_t(expert) * M + r) * row_bytes;
+      if (c.peer[s] == nullptr && !zero_copy) {
+        // Remote puts need a symmetric source: stage the row in the send area first.
+        char* staged = c.local + c.layout.comb_send_offset + src_row * row_bytes;
+        for (int i = lane; i < row_bytes / 16; i += 32)
+          st_v4(staged + size_t(i) * 16, ld_nc_v4(src + size_t(i) * 16));
+        __syncwarp();
+        src = staged;
+      }
+      warp_put_row(c, s, dst, src, row_bytes, counter, c.peer[s] != nullptr);
+      ++rows;
+    }
+    p2p_count_rows(c, s, counter, rows);
+  }
+}
+
+__device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail) {
+  const Context& c = p.ctx;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int R = c.num_ranks;
+  const int M = c.max_tokens;
+  const int E = p.num_experts;
+  const int E_loc = E / R;
+  const int K = p.num_topk;
+  const int T = p.num_tokens;
+  const int G = static_cast<int>(gridDim.x);
+  const int chunk = (T + G - 1) / G;
+  const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
+  const int t_end = min(T, t_begin + chunk);
+  const uint64_t* arrived =
+      reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_arrived_offset);
+
+  // Every block waits for all experts this rank sent rows to (cheap: one word per expert), so
+  // the arrival counters can be reset by the last block.
+  if (tid == 0) *s_fail = 0;
+  __syncthreads();
+  for (int e = tid; e < E; e += kThreads) {
+    const int need = c.sent_count[e];
+    if (need > 0 && !spin_wait(w, e / E_loc, [&] {
+          return ld_acquire_sys(arrived + e) >= static_cast<uint64_t>(need);
+        }))
+      *s_fail = 1;
+  }
+  __syncthreads();
+  if (*s_fail) return;
+
+  const int vecs = p.hidden / 8;
+  const int row_bytes = p.hidden * 2;
+  const int n = (t_end - t_begin) * vecs;
+  const char* recv = c.local + c.layout.comb_recv_offset;
+  for (int i = tid; i < n; i += kThreads) {
+    const int t = t_begin + i / vecs;
+    const int v = i % vecs;
+    float acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const size_t entry = size_t(t) * K + k;
+      const int slot = c.send_pos[entry];
+      if (slot < 0) continue;
+      const long long e = load_idx(p.topk_idx, p.idx_bytes, entry);
+      if (e < 0 || e >= E) continue;
+      const float wk = p.topk_weights != nullptr ? p.topk_weights[entry] : 1.0f;
+      const int4 y = ld_cg_v4(recv + (size_t(e) * M + slot) * row_bytes + size_t(v) * 16);
+      const uint32_t words[4] = {static_cast<uint32_t>(y.x), static_cast<uint32_t>(y.y),
+                                 static_cast<uint32_t>(y.z), static_cast<uint32_t>(y.w)};
+      for (int j = 0; j < 4; ++j) {
+        acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(wk, bf16_lo(words[j])));
+        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(wk, bf16_hi(words[j])));
+      }
+    }
+    int4 o;
+    o.x = static_cast<int>(float_to_bf16_rne(acc[0]) | (float_to_bf16_rne(acc[1]) << 16));
+    o.y = static_cast<int>(float_to_bf16_rne(acc[2]) | (float_to_bf16_rne(acc[3]) << 16));
+    o.z = static_cast<int>(float_to_bf16_rne(acc[4]) | (float_to_bf16_rne(acc[5]) << 16));
+    o.w = static_cast<int>(float_to_bf16_rne(acc[6]) | (float_to_bf16_rne(acc[7]) << 16));
+    st_v4(p.out + size_t(t) * p.hidden + size_t(v) * 8, o);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
+  __shared__ int s_fail;
+  const Context& c = p.ctx;
+  const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
+  // Block-uniform decisions only: every path below contains __syncthreads.
+  if (!__syncthreads_or(aborted(w))) {
+    if (p.phases & kPhaseSend) send_phase(p);
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, &s_fail);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && (p.phases & kPhaseRecv)) {
+    finish_block(&c.ctrl->blocks_done[1], [&] {
+      uint64_t* arrived = reinterpret_cast<uint64_t*>(c.local + c.layout.comb_arrived_offset);
+      for (int i = 0; i < p.num_experts; ++i) arrived[i] = 0;
+    });
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, combine_kernel, p);
+}
+
+cudaError_t max_combine_blocks(int* blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel, kThreads, 0);
+  *blocks = sms * per_sm;
+  return e;
+}
+
+}  // namespace ll
+}  // namespace ep

@@ -1,0 +1,176 @@
+// Types shared by the low-latency (decode) kernels and their host launcher: the layout of one
+// runtime's NVSHMEM symmetric region, the private control block, the error record and the kernel
+// parameter blocks. Torch-free, NVSHMEM-free and includable from plain C++.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EP_LL_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define EP_LL_HOST_DEVICE inline
+#endif
+
+namespace ep {
+namespace ll {
+
+constexpr int kMaxTopk = 32;        // one sending warp per top-k entry of a token
+constexpr int kMaxExperts = 1024;   // per-expert counters live in shared memory
+constexpr int kMaxHidden = 8192;    // combine: one thread per 8 channels, 1024 threads
+constexpr int kThreads = 1024;      // every low-latency kernel: 32 warps
+constexpr int kGroupSize = 128;     // FP8: channels per scale
+constexpr int kNumBuffers = 2;      // calls alternate between two buffers
+constexpr int kMessageHeader = 16;  // int32 source token, 12 bytes padding
+
+// Phases of one call (hook mode: SEND now, RECV later).
+enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2, kPhaseBoth = 3 };
+
+// Op codes in error records and messages.
+enum Op : int { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2 };
+
+enum ErrorCode : int {
+  kErrorNone = 0,
+  kErrorTimeout = 1,         // peer = the rank waited for; value_a = timeout in ns
+  kErrorCapacity = 2,        // value_a = rows for one expert, value_b = M
+  kErrorInvalidTopkIdx = 3,  // value_a = offending value, value_b = flat (t*K+k) position
+};
+
+// Host-mapped record of the first error a kernel hit; `code` is written last.
+struct ErrorRecord {
+  int code;
+  int op;
+  int rank;
+  int peer;
+  long long value_a;
+  long long value_b;
+};
+
+// Private per-runtime control words (plain device memory, never touched by peers).
+struct ControlBlock {
+  uint64_t dispatch_seq[kNumBuffers];  // sequence number of the last dispatch SEND per buffer
+  unsigned int blocks_done[4];         // finish counters: [dispatch, combine] x spare
+  int abort;                           // set on timeout: every later spin-wait gives up
+  int error_lock;                      // first-error-wins lock of the ErrorRecord
+  int pad[22];
+};
+static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
+
+EP_LL_HOST_DEVICE size_t align_up(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
+
+// A dispatched message: [header 16 B][payload: H*2 (BF16) or H (FP8)][scales, padded to 16].
+// Scale words: H/128 float32, or H/512 int32 (packed UE8M0).
+struct Message {
+  int payload_bytes;
+  int scale_words;
+  int stride;
+  EP_LL_HOST_DEVICE static Message make(int hidden, bool fp8, bool ue8m0) {
+    Message m;
+    m.payload_bytes = fp8 ? hidden : hidden * 2;
+    m.scale_words = fp8 ? (ue8m0 ? hidden / (4 * kGroupSize) : hidden / kGroupSize) : 0;
+    m.stride = kMessageHeader +
+               static_cast<int>(align_up(size_t(m.payload_bytes) + size_t(m.scale_words) * 4, 16));
+    return m;
+  }
+};
+
+// Layout of one buffer inside the symmetric region (identical on every rank). Sized for the
+// config's maxima; each call packs its rows with its own H (all ranks pass the same H).
+//   signals: disp_count[E] u64 | disp_arrived[E] u64 | comb_arrived[E] u64   (128-aligned)
+//   disp_recv: [E_loc][R][M] messages     (E_loc * R = E of the call)
+//   disp_send: [M] messages               (staging of this rank's tokens, source of puts)
+//   comb_recv: [E][M] BF16 rows           (expert outputs returned to this rank)
+//   comb_send: [E_loc][R*M] BF16 rows     (zero-copy buffer; staging of remote puts)
+struct BufferLayout {
+  size_t disp_count_offset;
+  size_t disp_arrived_offset;
+  size_t comb_arrived_offset;
+  size_t disp_recv_offset;
+  size_t disp_send_offset;
+  size_t comb_recv_offset;
+  size_t comb_send_offset;
+  size_t bytes;  // of one buffer (a multiple of 4096)
+
+  static BufferLayout make(int max_tokens, int max_hidden, int max_experts) {
+    BufferLayout l{};
+    const size_t msg = size_t(Message::make(max_hidden, false, false).stride);
+    const size_t row = size_t(max_hidden) * 2;
+    const size_t e = size_t(max_experts);
+    const size_t m = size_t(max_tokens);
+    size_t off = 0;
+    l.disp_count_offset = off;
+    off = align_up(off + 8 * e, 128);
+    l.disp_arrived_offset = off;
+    off = align_up(off + 8 * e, 128);
+    l.comb_arrived_offset = off;
+    off = align_up(off + 8 * e, 128);
+    l.disp_recv_offset = off;
+    off = align_up(off + e * m * msg, 128);
+    l.disp_send_offset = off;
+    off = align_up(off + m * msg, 128);
+    l.comb_recv_offset = off;
+    off = align_up(off + e * m * row, 128);
+    l.comb_send_offset = off;
+    off = align_up(off + e * m * row, 128);
+    l.bytes = align_up(off, 4096);
+    return l;
+  }
+};
+
+// Where a kernel finds buffers and reports problems.
+struct Context {
+  char* local;        // this rank's symmetric base of the call's buffer
+  char* const* peer;  // [R] P2P-mapped base of the same buffer on each rank, or null
+  BufferLayout layout;
+  ControlBlock* ctrl;  // private control block
+  ErrorRecord* error;  // host-mapped, device pointer
+  int* send_pos;       // private [M * max_topk]: slot of entry (t, k) at its expert, -1
+  int* sent_count;     // private [E]: rows this rank sent to each global expert
+  long long timeout_ns;
+  int buffer;  // 0 or 1
+  int rank;
+  int num_ranks;
+  int max_tokens;  // M
+};
+
+struct DispatchParams {
+  Context ctx;
+  const uint16_t* x;     // BF16 [T, H]
+  const void* topk_idx;  // [T, K] int64 (idx_bytes 8) or int32 (4)
+  int idx_bytes;
+  int num_tokens;
+  int num_topk;
+  int hidden;
+  int num_experts;
+  int fp8;  // quantise in the send phase
+  int round_scale;
+  int ue8m0;
+  int phases;
+  void* recv_x;             // [E_loc, R*M, H] BF16 or FP8
+  void* recv_scales;        // [E_loc, R*M, scale_words] or null
+  int* recv_count;          // [E_loc]
+  int* src_info;            // [E_loc, R*M]
+  long long* layout_range;  // [E_loc, R]
+  int* cumulative_stats;    // [E_loc] or null
+  int zero_padding;         // write zeros into recv_x/recv_scales past recv_count
+};
+
+struct CombineParams {
+  Context ctx;
+  const uint16_t* x;              // BF16 [E_loc, R*M, H] (zero-copy: the comb_send area)
+  const long long* layout_range;  // [E_loc, R] of the dispatch
+  const void* topk_idx;           // [T, K]
+  int idx_bytes;
+  const float* topk_weights;  // [T, K] or null (weight 1)
+  int num_tokens;
+  int num_topk;
+  int hidden;
+  int num_experts;
+  int phases;
+  uint16_t* out;  // BF16 [T, H]
+};
+
+}  // namespace ll
+}  // namespace ep

@@ -1,0 +1,249 @@
+// Device helpers of the low-latency kernels: bounded waits on %globaltimer, error reporting,
+// the end-of-kernel bookkeeping and the two ways of reaching a peer's symmetric memory:
+//  * P2P fast path: the peer's region is mapped here (nvshmem_ptr != null): plain 16-byte stores,
+//    then one lane issues fence.acq_rel.sys and a relaxed system-scope atomic add on the peer's
+//    arrival counter (release is cumulative over the warp's stores ordered by __syncwarp).
+//  * NVSHMEM transports (nvshmem_ptr == null, e.g. RDMA): nvshmemx_putmem_signal_nbi_warp, whose
+//    signal (an atomic add on the same counter) is delivered only after the data.
+// Receivers poll their own counters with ld.acquire.sys and read payloads with ld.global.cg
+// (L2, never a stale L1 line: the same addresses were read two calls ago).
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdint>
+
+#include "ll_common.hpp"
+
+namespace ep {
+namespace ll {
+namespace device {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+__device__ __forceinline__ int ld_volatile_int(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Caller input that nobody writes during the kernel: non-coherent read-only path.
+__device__ __forceinline__ int4 ld_nc_v4(const void* p) {
+  int4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// Data written during the kernel (by this block or, after an acquire, by a peer): from L2.
+__device__ __forceinline__ int4 ld_cg_v4(const void* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int ld_cg_s32(const void* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_v4(void* p, const int4& v) {
+  asm volatile("st.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ int lane_id() {
+  return static_cast<int>(threadIdx.x & 31u);
+}
+
+__device__ __forceinline__ int warp_id() {
+  return static_cast<int>(threadIdx.x >> 5);
+}
+
+// topk_idx entry as int64 whatever its width.
+__device__ __forceinline__ long long load_idx(const void* topk_idx, int idx_bytes, size_t i) {
+  if (idx_bytes == 8) return static_cast<const long long*>(topk_idx)[i];
+  return static_cast<const int*>(topk_idx)[i];
+}
+
+// ---- errors and bounded waits -----------------------------------------------------------------
+
+struct Waiter {
+  ControlBlock* ctrl;
+  ErrorRecord* err;
+  long long timeout_ns;
+  int op;
+  int rank;
+};
+
+// First error wins (lock 0 -> 1), except that a timeout (fatal) replaces a recorded non-fatal
+// error (lock 1 -> 2), so check_error() always names the stalled peer.
+__device__ __forceinline__ void report_error(const Waiter& w, int code, int peer, long long a,
+                                             long long b) {
+  const bool fatal = code == kErrorTimeout;
+  const int old = atomicCAS(&w.ctrl->error_lock, 0, fatal ? 2 : 1);
+  if (old == 0 || (fatal && old == 1 && atomicCAS(&w.ctrl->error_lock, 1, 2) == 1)) {
+    volatile ErrorRecord* e = w.err;
+    e->op = w.op;
+    e->rank = w.rank;
+    e->peer = peer;
+    e->value_a = a;
+    e->value_b = b;
+    __threadfence_system();
+    e->code = code;
+    __threadfence_system();
+  }
+}
+
+__device__ __forceinline__ bool aborted(const Waiter& w) {
+  return ld_volatile_int(&w.ctrl->abort) != 0;
+}
+
+// Spins (one thread) until ready(); false on timeout (recorded, naming `peer`) or abort.
+template <typename Ready>
+__device__ __forceinline__ bool spin_wait(const Waiter& w, int peer, Ready ready) {
+  if (ready()) return true;
+  if (aborted(w)) return false;
+  const uint64_t start = global_timer_ns();
+  for (uint32_t iter = 1;; ++iter) {
+    if (ready()) return true;
+    if ((iter & 127u) == 0) {
+      if (aborted(w)) return false;
+      if (static_cast<long long>(global_timer_ns() - start) > w.timeout_ns) {
+        report_error(w, kErrorTimeout, peer, w.timeout_ns, 0);
+        atomicExch(&w.ctrl->abort, 1);
+        return false;
+      }
+    }
+  }
+}
+
+// ---- reaching peers -----------------------------------------------------------------------------
+
+// Sets a peer's 64-bit signal word (no ordering with other data is implied).
+__device__ __forceinline__ void signal_set(const Context& c, int pe, size_t offset,
+                                           uint64_t value) {
+  char* mapped = c.peer[pe];
+  if (mapped != nullptr) {
+    st_release_sys(reinterpret_cast<uint64_t*>(mapped + offset), value);
+  } else {
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + offset), value, NVSHMEM_SIGNAL_SET,
+                       pe);
+  }
+}
+
+// Warp copy of `bytes` (multiple of 16) from local `src` (written in this kernel, or read-only
+// input when `src_readonly`) to the same-offset destination on `pe`, followed (remote path) by a
+// signal add of 1 on the peer's counter at `counter_offset`. On the P2P path the caller adds the
+// warp's row count itself (p2p_count_rows) after its last row.
+__device__ __forceinline__ void warp_put_row(const Context& c, int pe, size_t dst_offset,
+                                             const char* src, int bytes, size_t counter_offset,
+                                             bool src_readonly) {
+  char* mapped = c.peer[pe];
+  const int lane = lane_id();
+  if (mapped != nullptr) {
+    int4* dst = reinterpret_cast<int4*>(mapped + dst_offset);
+    const int n = bytes / 16;
+    if (src_readonly) {
+      for (int i = lane; i < n; i += 32) st_v4(dst + i, ld_nc_v4(src + size_t(i) * 16));
+    } else {
+      for (int i = lane; i < n; i += 32) st_v4(dst + i, ld_cg_v4(src + size_t(i) * 16));
+    }
+  } else {
+    // The NIC (or proxy) reads `src` at system scope.
+    __threadfence_system();
+    __syncwarp();
+    nvshmemx_putmem_signal_nbi_warp(c.local + dst_offset, src, size_t(bytes),
+                                    reinterpret_cast<uint64_t*>(c.local + counter_offset), 1,
+                                    NVSHMEM_SIGNAL_ADD, pe);
+  }
+}
+
+// P2P path: publish `rows` rows this warp stored to `pe` (whole warp calls; lane 0 signals).
+__device__ __forceinline__ void p2p_count_rows(const Context& c, int pe, size_t counter_offset,
+                                               int rows) {
+  char* mapped = c.peer[pe];
+  __syncwarp();
+  if (mapped != nullptr && rows > 0 && lane_id() == 0) {
+    fence_acq_rel_sys();
+    red_add_relaxed_sys(reinterpret_cast<uint64_t*>(mapped + counter_offset),
+                        static_cast<uint64_t>(rows));
+  }
+}
+
+// ---- conversions
+// ---------------------------------------------------------------------------------
+
+// float -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16).
+__device__ __forceinline__ uint32_t float_to_bf16_rne(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) {
+  return __uint_as_float(w << 16);
+}
+
+__device__ __forceinline__ float bf16_hi(uint32_t w) {
+  return __uint_as_float(w & 0xFFFF0000u);
+}
+
+// Called by every block at the end (thread 0, after __syncthreads): the last block to arrive runs
+// `last()`, then resets the counter for the next kernel.
+template <typename Last>
+__device__ __forceinline__ void finish_block(unsigned int* blocks_done, Last last) {
+  __threadfence();
+  const unsigned int arrived = atomicAdd(blocks_done, 1u);
+  if (arrived == gridDim.x - 1) {
+    __threadfence();
+    last();
+    *blocks_done = 0;
+    __threadfence();
+  }
+}
+
+}  // namespace device
+}  // namespace ll
+}  // namespace ep

@@ -1,0 +1,325 @@
+// Low-latency dispatch over NVSHMEM symmetric memory (NVLink P2P stores or NVSHMEM puts).
+//
+// SEND (rank r, call on buffer b, sequence number seq):
+//  1. Every block counts the entries per global expert (all tokens, and tokens before its own
+//     chunk) in shared memory; the block owning expert e (e % grid) sends the count signal
+//     (seq << 32 | count) to the expert's rank, slot (local expert, r). Counts need no ordering
+//     with the rows: the receiver also waits for an arrival counter to reach the count.
+//  2. Blocks walk their tokens in order. Warp 0 assigns each (t, k) its position p among this
+//     rank's entries to expert e (tokens ascending, then k): the reference's order. All warps
+//     stage the message (header + BF16 row, or FP8 + scales quantised here) in the local send
+//     area, then warp k writes it to slot (le, r, p) of the expert's rank and bumps that slot
+//     group's arrival counter. p is kept privately (send_pos) for combine.
+// RECV (rank d): for each (local expert le, source s), wait for the count signals of all
+// sources of le (they give the packed begin of s) and for the arrival counter of (le, s), then
+// copy the rows to recv_x[le, begin_s + p]. The last block resets the arrival counters.
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "ll_device.cuh"
+#include "ll_kernels.hpp"
+
+namespace ep {
+namespace ll {
+namespace {
+
+using namespace device;
+
+// Stages token t's message in the local send area: header, then BF16 or FP8 + scales.
+__device__ __forceinline__ void stage_message(const DispatchParams& p, const Message& msg, int t,
+                                              char* row) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = lane_id();
+  const int warp = warp_id();
+  if (tid == 0) *reinterpret_cast<int*>(row) = t;
+  char* payload = row + kMessageHeader;
+  const uint16_t* x = p.x + size_t(t) * p.hidden;
+  if (!p.fp8) {
+    const int n = p.hidden / 8;
+    for (int i = tid; i < n; i += kThreads)
+      st_v4(payload + size_t(i) * 16, ld_nc_v4(x + size_t(i) * 8));
+    return;
+  }
+  char* scales = payload + p.hidden;
+  const int groups = p.hidden / kGroupSize;
+  for (int g = warp; g < groups; g += kThreads / 32) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(x + size_t(g) * kGroupSize + lane * 4);
+    float v[4] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y)};
+    float amax = 0.0f;
+    bool nan = false;
+    for (int j = 0; j < 4; ++j) {
+      amax = fmaxf(amax, fabsf(v[j]));
+      nan |= v[j] != v[j];
+    }
+    for (int s = 16; s > 0; s >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+    nan = __any_sync(0xffffffffu, nan);
+    // amax.clamp(min=1e-4) keeps NaN; scale = amax / 448 is a correctly rounded division.
+    amax = nan ? __uint_as_float(0x7FC00000u) : fmaxf(amax, 1e-4f);
+    float scale = __fdiv_rn(amax, 448.0f);
+    if (p.round_scale) scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0x7F800000u);
+    const float inv = __frcp_rn(scale);
+    uint32_t packed = 0;
+    for (int j = 0; j < 4; ++j) {
+      float q = __fmul_rn(v[j], inv);
+      q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);  // NaN stays NaN
+      const uint32_t b = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+      packed |= (b & 0xFFu) << (8 * j);
+    }
+    *reinterpret_cast<uint32_t*>(payload + size_t(g) * kGroupSize + lane * 4) = packed;
+    if (lane == 0) {
+      if (p.ue8m0) {
+        // Exponent byte of group g: byte g % 4 of int32 g / 4 (little-endian) = byte g.
+        reinterpret_cast<uint8_t*>(scales)[g] =
+            static_cast<uint8_t>((__float_as_uint(scale) >> 23) & 0xFFu);
+      } else {
+        reinterpret_cast<float*>(scales)[g] = scale;
+      }
+    }
+  }
+}
+
+// Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped).
+__device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i) {
+  const long long e = load_idx(p.topk_idx, p.idx_bytes, i);
+  if (e >= 0 && e < p.num_experts) return static_cast<int>(e);
+  if (e != -1 && blockIdx.x == 0)
+    report_error(w, kErrorInvalidTopkIdx, -1, e, static_cast<long long>(i));
+  return -1;
+}
+
+__device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int* s_total,
+                           int* s_base, int* s_expert, int* s_slot) {
+  const Context& c = p.ctx;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = lane_id();
+  const int warp = warp_id();
+  const int R = c.num_ranks;
+  const int M = c.max_tokens;
+  const int E = p.num_experts;
+  const int E_loc = E / R;
+  const int K = p.num_topk;
+  const int T = p.num_tokens;
+  const int G = static_cast<int>(gridDim.x);
+  const int chunk = (T + G - 1) / G;
+  const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
+  const int t_end = min(T, t_begin + chunk);
+  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0);
+
+  for (int e = tid; e < E; e += kThreads) s_total[e] = s_base[e] = 0;
+  __syncthreads();
+  // 1. Counts (warp-aggregated shared atomics; order does not matter for counts).
+  const int n = T * K;
+  const int before = t_begin * K;
+  for (int base = 0; base < n; base += kThreads) {
+    const int i = base + tid;
+    const int e = i < n ? entry_expert(p, w, size_t(i)) : -1;
+    const unsigned mask = __match_any_sync(0xffffffffu, e);
+    const bool leader = lane == __ffs(mask) - 1;
+    if (leader && e >= 0) atomicAdd(&s_total[e], __popc(mask));
+    const int eb = i < before ? e : -1;
+    const unsigned mask_b = __match_any_sync(0xffffffffu, eb);
+    if (lane == __ffs(mask_b) - 1 && eb >= 0) atomicAdd(&s_base[eb], __popc(mask_b));
+  }
+  __syncthreads();
+  for (int e = static_cast<int>(blockIdx.x) + tid * G; e < E; e += kThreads * G) {
+    int count = s_total[e];
+    if (count > M) {
+      report_error(w, kErrorCapacity, -1, count, M);
+      count = M;
+    }
+    c.sent_count[e] = count;
+    const int dest = e / E_loc;
+    const int slot = (e % E_loc) * R + c.rank;
+    signal_set(c, dest, c.layout.disp_count_offset + size_t(slot) * 8,
+               (seq << 32) | static_cast<uint64_t>(count));
+  }
+
+  // 2. Tokens of this block, in order.
+  for (int t = t_begin; t < t_end; ++t) {
+    if (warp == 0) {
+      const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
+      const unsigned mask = __match_any_sync(0xffffffffu, e);
+      const unsigned lower = mask & ((1u << lane) - 1u);
+      const int pos = e >= 0 ? s_base[e] + __popc(lower) : -1;
+      __syncwarp();
+      if (e >= 0 && lower == 0) s_base[e] += __popc(mask);
+      const int slot = pos < M ? pos : -1;  // overflow was reported with the counts
+      if (lane < K) {
+        s_expert[lane] = e;
+        s_slot[lane] = slot;
+        c.send_pos[size_t(t) * K + lane] = slot;
+      }
+    }
+    char* row = c.local + c.layout.disp_send_offset + size_t(t) * msg.stride;
+    stage_message(p, msg, t, row);
+    __syncthreads();
+    if (warp < K) {
+      const int e = s_expert[warp];
+      const int slot = s_slot[warp];
+      if (e >= 0 && slot >= 0) {
+        const int dest = e / E_loc;
+        const int group = (e % E_loc) * R + c.rank;
+        const size_t dst = c.layout.disp_recv_offset + (size_t(group) * M + slot) * msg.stride;
+        const size_t counter = c.layout.disp_arrived_offset + size_t(group) * 8;
+        warp_put_row(c, dest, dst, row, msg.stride, counter, false);
+        p2p_count_rows(c, dest, counter, 1);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+__device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int* s_count,
+                           int* s_fail) {
+  const Context& c = p.ctx;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = lane_id();
+  const int warp = warp_id();
+  const int R = c.num_ranks;
+  const int M = c.max_tokens;
+  const int E = p.num_experts;
+  const int slots = R * M;
+  const int G = static_cast<int>(gridDim.x);
+  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0);
+  const int splits = max(1, G / E);
+  const uint64_t* counts = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_count_offset);
+  const uint64_t* arrived =
+      reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_arrived_offset);
+  const uint32_t want = static_cast<uint32_t>(seq);
+
+  for (int item = static_cast<int>(blockIdx.x); item < E * splits; item += G) {
+    const int group = item % E;
+    const int split = item / E;
+    const int le = group / R;
+    const int s = group % R;
+    if (tid == 0) *s_fail = 0;
+    __syncthreads();
+    for (int src = tid; src < R; src += kThreads) {
+      const uint64_t* f = counts + size_t(le) * R + src;
+      uint64_t v = 0;
+      const bool ok = spin_wait(w, src, [&] {
+        v = ld_acquire_sys(f);
+        return static_cast<uint32_t>(v >> 32) == want;
+      });
+      s_count[src] = static_cast<int>(v & 0xFFFFFFFFu);
+      if (!ok) *s_fail = 1;
+    }
+    __syncthreads();
+    if (*s_fail) return;
+    int begin = 0, total = 0;
+    for (int src = 0; src < R; ++src) {
+      if (src < s) begin += s_count[src];
+      total += s_count[src];
+    }
+    const int count = s_count[s];
+    if (tid == 0 && count > 0) {
+      const uint64_t* a = arrived + group;
+      if (!spin_wait(w, s, [&] { return ld_acquire_sys(a) >= static_cast<uint64_t>(count); }))
+        *s_fail = 1;
+    }
+    __syncthreads();
+    if (*s_fail) return;
+
+    const size_t out_base = size_t(le) * slots;
+    for (int r = split * 32 + warp; r < count; r += splits * 32) {
+      const char* m = c.local + c.layout.disp_recv_offset + (size_t(group) * M + r) * msg.stride;
+      const size_t out_row = out_base + begin + r;
+      char* dst = static_cast<char*>(p.recv_x) + out_row * msg.payload_bytes;
+      for (int i = lane; i < msg.payload_bytes / 16; i += 32)
+        st_v4(dst + size_t(i) * 16, ld_cg_v4(m + kMessageHeader + size_t(i) * 16));
+      if (msg.scale_words > 0) {
+        int* sd = static_cast<int*>(p.recv_scales) + out_row * msg.scale_words;
+        const char* ss = m + kMessageHeader + msg.payload_bytes;
+        for (int i = lane; i < msg.scale_words; i += 32) sd[i] = ld_cg_s32(ss + size_t(i) * 4);
+      }
+      if (lane == 0) p.src_info[out_row] = ld_cg_s32(m);
+    }
+    if (split == 0 && s == 0) {
+      // Per-expert outputs: counts, ranges, stats, src_info (and optionally rows) past the end.
+      if (tid == 0) {
+        p.recv_count[le] = total;
+        if (p.cumulative_stats != nullptr) p.cumulative_stats[le] += total;
+      }
+      for (int src = tid; src < R; src += kThreads) {
+        int b = 0;
+        for (int j = 0; j < src; ++j) b += s_count[j];
+        p.layout_range[size_t(le) * R + src] =
+            (static_cast<long long>(b) << 32) | static_cast<long long>(s_count[src]);
+      }
+      for (int i = total + tid; i < slots; i += kThreads) p.src_info[out_base + i] = -1;
+      if (p.zero_padding) {
+        const int4 zero = make_int4(0, 0, 0, 0);
+        const size_t row_vecs = size_t(msg.payload_bytes) / 16;
+        char* x0 = static_cast<char*>(p.recv_x) + out_base * msg.payload_bytes;
+        for (size_t i = size_t(total) * row_vecs + tid; i < size_t(slots) * row_vecs; i += kThreads)
+          st_v4(x0 + i * 16, zero);
+        if (msg.scale_words > 0) {
+          int* s0 = static_cast<int*>(p.recv_scales) + out_base * msg.scale_words;
+          for (size_t i = size_t(total) * msg.scale_words + tid;
+               i < size_t(slots) * msg.scale_words; i += kThreads)
+            s0[i] = 0;
+        }
+      }
+    }
+    __syncthreads();  // s_count / s_fail are reused by the next item
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
+  __shared__ int s_total[kMaxExperts];
+  __shared__ int s_base[kMaxExperts];
+  __shared__ int s_expert[kMaxTopk];
+  __shared__ int s_slot[kMaxTopk];
+  __shared__ int s_fail;
+  const Context& c = p.ctx;
+  const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
+  const uint64_t seq =
+      ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
+  // Block-uniform decisions only: every path below contains __syncthreads.
+  if (!__syncthreads_or(aborted(w))) {
+    if (p.phases & kPhaseSend) send_phase(p, w, seq, s_total, s_base, s_expert, s_slot);
+    // s_total is free again: it holds the counts of the current expert's sources.
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv))
+      recv_phase(p, w, seq, s_total, &s_fail);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    finish_block(&c.ctrl->blocks_done[0], [&] {
+      if (p.phases & kPhaseSend) c.ctrl->dispatch_seq[c.buffer] = seq;
+      if (p.phases & kPhaseRecv) {
+        uint64_t* arrived = reinterpret_cast<uint64_t*>(c.local + c.layout.disp_arrived_offset);
+        for (int i = 0; i < p.num_experts; ++i) arrived[i] = 0;
+      }
+    });
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, dispatch_kernel, p);
+}
+
+cudaError_t max_dispatch_blocks(int* blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, 0);
+  *blocks = sms * per_sm;
+  return e;
+}
+
+}  // namespace ll
+}  // namespace ep

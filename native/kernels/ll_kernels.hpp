@@ -1,0 +1,30 @@
+// Host launchers of the low-latency kernels (ll_dispatch.cu, ll_combine.cu). Torch-free and
+// NVSHMEM-free as a header: only the .cu files include NVSHMEM's device API. The runtime
+// (native/runtime/nvshmem_runtime.hpp) is the intended caller: it owns the symmetric region,
+// validates arguments and fills the parameter blocks; these functions only launch.
+//
+// Every kernel runs kThreads threads per block, `num_blocks` blocks, as a cooperative launch (all
+// blocks co-resident: receiving blocks spin while sending blocks of the same grid make progress).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "ll_common.hpp"
+
+namespace ep {
+namespace ll {
+
+// Dispatch: SEND (count signals, FP8 quantisation or BF16 staging, puts) and/or RECV (wait for
+// every source rank, pack rows per expert in source-rank order, handle, stats).
+cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream);
+
+// Combine: SEND (return each valid slot to its source rank) and/or RECV (weighted reduce in k
+// order, float32, one bf16 rounding).
+cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream);
+
+// Largest grid a cooperative launch of each kernel accepts on the current device.
+cudaError_t max_dispatch_blocks(int* blocks);
+cudaError_t max_combine_blocks(int* blocks);
+
+}  // namespace ll
+}  // namespace ep
