@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds ep_backend with CUDA against the installed torch, runs the GPU tests and the benchmark.
 # Usage (on a machine with GPUs): bash scripts/gpu_check.sh [extra pytest args]
-# SKIP_TESTS=1 / SKIP_BENCH=1 skip parts; RUN_NATIVE=1 also runs the torch-free kernel harness.
+# SKIP_TESTS=1 / SKIP_BENCH=1 skip parts; RUN_NATIVE=1 also runs the torch-free intranode kernel
+# harness, RUN_LL=1 the torch-free NVSHMEM low-latency harness (2 GPUs).
 # Logs go to $OUT (default ./out). Repeat the figures in docs/performance.md with this script.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,6 +31,11 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
 fi
 if [ "${RUN_NATIVE:-0}" = "1" ]; then  # the torch-free kernel harness (correctness + kernel timings)
   timeout 400 bash tests/native/build_and_run.sh 2>&1 | tee "$OUT/native_harness.log" | tail -30
+  rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [ "${RUN_LL:-0}" = "1" ]; then  # NVSHMEM low-latency kernels (correctness, soak, latency)
+  PYTHON=$(command -v python) timeout 400 bash tests/native/build_ll_and_run.sh 2>&1 |
+    tee "$OUT/ll_harness.log" | tail -40
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
