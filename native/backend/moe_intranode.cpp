@@ -11,9 +11,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,12 +29,28 @@ namespace ep::intranode {
 namespace {
 
 // Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
+// The kernels' view of a recent dispatch handle, kept so that its combine and cached dispatches
+// need neither to recompute it (several small kernels) nor to read the handle's counts back to
+// the host (a stream sync) for the cross-rank check.
+struct KernelRouting {
+  at::Tensor is_token_in_rank;  // the handle's tensors, held so their addresses stay theirs
+  at::Tensor num_tokens_per_rank;
+  at::Tensor num_recv_tokens_per_rank;
+  std::array<uint32_t, 3> versions{};  // their version counters then: in-place edits invalidate
+  at::Tensor send_pos;                 // [T, R] int32
+  at::Tensor recv_prefix;              // [R + 1] int32
+  std::vector<int64_t> host_counts;    // routingCounts() order (2R); empty when not known
+};
+
 struct GroupState {
   bool decided = false;
   bool usable = false;
   int generation = 0;
   std::unique_ptr<IntranodeRuntime> runtime;
+  std::deque<KernelRouting> recent;  // most recent first, a few handles
 };
+
+constexpr size_t kRecentHandles = 4;
 
 std::mutex& registryMutex() {
   static std::mutex m;
@@ -193,7 +211,8 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
     needs.scales = std::max<int64_t>(needs.scales, old.max_scales);
     needs.local_experts = std::max<int64_t>(needs.local_experts, old.max_local_experts);
     if (std::getenv("EP_PROFILE_HOST") != nullptr) {
-      std::fprintf(stderr, "ep intranode: rebuilding the transport (needs %lld tokens, %lld "
+      std::fprintf(stderr,
+                   "ep intranode: rebuilding the transport (needs %lld tokens, %lld "
                    "hidden bytes, top-%lld, %lld scales, %lld local experts)\n",
                    static_cast<long long>(needs.tokens), static_cast<long long>(needs.hidden_bytes),
                    static_cast<long long>(needs.topk), static_cast<long long>(needs.scales),
@@ -273,6 +292,56 @@ std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
   return {send_pos, prefix};
 }
 
+// Version counters of the handle's tensors, or nullopt when one has none (inference tensors).
+std::optional<std::array<uint32_t, 3>> versionsOf(const DispatchRouting& r) {
+  std::array<uint32_t, 3> v{};
+  const at::Tensor* ts[3] = {&r.is_token_in_rank, &r.num_tokens_per_rank,
+                             &r.num_recv_tokens_per_rank};
+  for (int i = 0; i < 3; ++i) {
+    if (!ts[i]->defined() || ts[i]->is_inference()) {
+      return std::nullopt;
+    }
+    v[i] = ts[i]->_version();
+  }
+  return v;
+}
+
+void remember(GroupState& st, const DispatchRouting& r, at::Tensor send_pos, at::Tensor recv_prefix,
+              std::vector<int64_t> host_counts) {
+  const auto versions = versionsOf(r);
+  if (!versions) {
+    return;
+  }
+  KernelRouting k;
+  k.is_token_in_rank = r.is_token_in_rank;
+  k.num_tokens_per_rank = r.num_tokens_per_rank;
+  k.num_recv_tokens_per_rank = r.num_recv_tokens_per_rank;
+  k.versions = *versions;
+  k.send_pos = std::move(send_pos);
+  k.recv_prefix = std::move(recv_prefix);
+  k.host_counts = std::move(host_counts);
+  st.recent.push_front(std::move(k));
+  if (st.recent.size() > kRecentHandles) {
+    st.recent.pop_back();
+  }
+}
+
+// The remembered routing of this handle: the very same tensors, unmodified since.
+const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
+  const auto versions = versionsOf(r);
+  if (!versions) {
+    return nullptr;
+  }
+  for (const auto& k : st.recent) {
+    if (k.is_token_in_rank.is_same(r.is_token_in_rank) &&
+        k.num_tokens_per_rank.is_same(r.num_tokens_per_rank) &&
+        k.num_recv_tokens_per_rank.is_same(r.num_recv_tokens_per_rank) && k.versions == *versions) {
+      return &k;
+    }
+  }
+  return nullptr;
+}
+
 // While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
 // check (which reads the handle's counts) is skipped then; it ran when the handle was made.
 bool capturing() {
@@ -341,8 +410,15 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                 recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(), host_counts, stream);
   stages.mark("layout+notify");
   int64_t rows = a.num_worst_tokens;
+  std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
   if (host_counts) {
-    rows = rt.wait_recv_counts(ticket).num_recv_tokens;
+    const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
+    rows = counts.num_recv_tokens;
+    // Layout finished before notify published the counts, so this copy waits for nothing.
+    at::Tensor sent = per_rank.to(at::kCPU);
+    host_routing_counts.assign(sent.data_ptr<int>(), sent.data_ptr<int>() + num_ranks);
+    host_routing_counts.insert(host_routing_counts.end(), counts.per_rank.begin(),
+                               counts.per_rank.end());
   }
   stages.mark("wait_counts");
 
@@ -387,6 +463,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   out.routing.num_recv_tokens_per_rank = recv_counts;
   out.routing.recv_src_idx = src_idx;
   out.routing.recv_src_rank = src_rank;
+  remember(*st, out.routing, send_pos, recv_prefix, std::move(host_routing_counts));
+  stages.mark("remember");
   return out;
 }
 
@@ -401,8 +479,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
                                ok && x_scales ? x_scales->size(1) : 0, 0};
-  const auto counts =
-      capturing() ? std::vector<int64_t>(2 * num_ranks, 0) : routingCounts(routing, num_ranks);
+  const KernelRouting* known = recall(*st, routing);
+  const auto counts = capturing() ? std::vector<int64_t>(2 * num_ranks, 0)
+                      : known && !known->host_counts.empty() ? known->host_counts
+                                                             : routingCounts(routing, num_ranks);
   payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
   checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank());
@@ -411,7 +491,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   c10::cuda::CUDAGuard guard(device);
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  auto [send_pos, recv_prefix] = kernelRouting(routing);
+  auto [send_pos, recv_prefix] =
+      known ? std::make_pair(known->send_pos, known->recv_prefix) : kernelRouting(routing);
   const int64_t rows = routing.recv_src_idx.size(0);
   at::Tensor recv_x = at::empty({rows, x.size(1)}, x.options());
   std::optional<at::Tensor> recv_scales;
@@ -448,8 +529,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
                                ok ? a.x.size(1) * a.x.element_size() : 0,
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
-  const auto counts =
-      capturing() ? std::vector<int64_t>(2 * num_ranks, 0) : routingCounts(r, num_ranks);
+  const KernelRouting* known = recall(*st, r);
+  const auto counts = capturing() ? std::vector<int64_t>(2 * num_ranks, 0)
+                      : known && !known->host_counts.empty() ? known->host_counts
+                                                             : routingCounts(r, num_ranks);
   stages.mark("handle_counts");
   payload.insert(payload.end(), counts.begin(), counts.end());
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
@@ -460,7 +543,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   c10::cuda::CUDAGuard guard(device);
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  auto [send_pos, recv_prefix] = kernelRouting(r);
+  auto [send_pos, recv_prefix] =
+      known ? std::make_pair(known->send_pos, known->recv_prefix) : kernelRouting(r);
   stages.mark("routing");
   const int64_t num_tokens = r.is_token_in_rank.size(0);
   at::Tensor out = at::empty({num_tokens, a.x.size(1)}, a.x.options());
