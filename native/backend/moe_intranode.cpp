@@ -2,6 +2,7 @@
 
 #include "moe_intranode.hpp"
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,7 +29,6 @@
 namespace ep::intranode {
 namespace {
 
-// Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
 // The kernels' view of a recent dispatch handle, kept so that its combine and cached dispatches
 // need neither to recompute it (several small kernels) nor to read the handle's counts back to
 // the host (a stream sync) for the cross-rank check.
@@ -42,6 +42,7 @@ struct KernelRouting {
   std::vector<int64_t> host_counts;    // routingCounts() order (2R); empty when not known
 };
 
+// Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
 struct GroupState {
   bool decided = false;
   bool usable = false;
@@ -326,6 +327,20 @@ void remember(GroupState& st, const DispatchRouting& r, at::Tensor send_pos, at:
   }
 }
 
+// The send positions and receive prefix of a handle for kernels on `stream`: the remembered
+// ones (marked as used on `stream`, so the allocator never hands their memory to another stream
+// while these kernels read it) or freshly computed ones.
+std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const DispatchRouting& r,
+                                             const c10::cuda::CUDAStream& stream) {
+  if (known == nullptr) {
+    return kernelRouting(r);
+  }
+  for (const at::Tensor* t : {&known->send_pos, &known->recv_prefix}) {
+    c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
+  }
+  return {known->send_pos, known->recv_prefix};
+}
+
 // The remembered routing of this handle: the very same tensors, unmodified since.
 const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
   const auto versions = versionsOf(r);
@@ -492,7 +507,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
-      known ? std::make_pair(known->send_pos, known->recv_prefix) : kernelRouting(routing);
+      routingFor(known, routing, c10::cuda::getCurrentCUDAStream(device.index()));
   const int64_t rows = routing.recv_src_idx.size(0);
   at::Tensor recv_x = at::empty({rows, x.size(1)}, x.options());
   std::optional<at::Tensor> recv_scales;
@@ -544,7 +559,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
-      known ? std::make_pair(known->send_pos, known->recv_prefix) : kernelRouting(r);
+      routingFor(known, r, c10::cuda::getCurrentCUDAStream(device.index()));
   stages.mark("routing");
   const int64_t num_tokens = r.is_token_in_rank.size(0);
   at::Tensor out = at::empty({num_tokens, a.x.size(1)}, a.x.options());
