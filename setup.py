@@ -96,6 +96,29 @@ class CMakeBuild(build_ext):
         dest = Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built[0], dest)
+        if with_cuda:
+            self._build_low_latency_library(build_dir, jobs, dest.parent)
+
+    @staticmethod
+    def _build_low_latency_library(build_dir: Path, jobs: str, package_dir: Path) -> None:
+        """libep_nvshmem.so (NVSHMEM low-latency kernels), loaded by _C at run time when present.
+
+        Optional: where NVSHMEM is missing or the library does not build, the low-latency ops run
+        on the ATen path and the rest of ep_backend is unaffected.
+        """
+        (package_dir / "libep_nvshmem.so").unlink(missing_ok=True)  # never load a stale one
+        result = subprocess.run(
+            ["cmake", "--build", str(build_dir), "--target", "ep_nvshmem", "-j", jobs],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        built = sorted(build_dir.glob("libep_nvshmem.so"))
+        if result.returncode != 0 or not built:
+            tail = "\n".join((result.stdout + result.stderr).splitlines()[-15:])
+            print(f"[ep_backend] WARNING: libep_nvshmem.so not built; low-latency ops will use "
+                  f"the ATen path.\n{tail}", flush=True)  # fmt: skip
+            return
+        shutil.copy2(built[0], package_dir / built[0].name)
+        print(f"[ep_backend] built {package_dir / built[0].name}", flush=True)
 
 
 setup(ext_modules=[CMakeExtension("ep_backend._C")], cmdclass={"build_ext": CMakeBuild})

@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "ep_process_group.hpp"
+#include "moe_lowlatency.hpp"
 #include "moe_validation.hpp"
 
 namespace py = pybind11;
@@ -90,6 +91,11 @@ void bindProcessGroup(py::module_& m) {
           [](ep::EPProcessGroup& self) { return ep::moeAgreementTransport(self); },
           "How the MoE collectives' per-call cross-rank check travels: 'shared memory' (all ranks "
           "on one host), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), 'undecided' before the first.")
+      .def_property_readonly(
+          "low_latency_transport",
+          [](ep::EPProcessGroup& self) { return ep::lowlatency::transport(self); },
+          "How the low-latency ops run on CUDA tensors: 'nvshmem' (the NVSHMEM kernels), "
+          "'aten: <why not>', or 'undecided' before the group's first low-latency call on CUDA.")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
       .def(

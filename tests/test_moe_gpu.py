@@ -109,6 +109,11 @@ def _ll_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) ->
                 check(f"ll scales e{le}", la.recv_x_scales[le, :n], lb.recv_x_scales[le, :n])
         check("ll count", la.recv_count, lb.recv_count)
         check("ll layout", la.handle.layout_range, lb.handle.layout_range)
+    failures += (
+        []
+        if not _nvshmem_expected() or (ep.get_backend().low_latency_transport == "nvshmem")
+        else [f"low-latency ops did not use NVSHMEM: {ep.get_backend().low_latency_transport}"]
+    )
     yl = torch.randn(lb.recv_x.shape, device=dev, generator=g).bfloat16()
     out_a = ep.low_latency_combine(yl, il, w[:ll_tokens], la.handle)
     out_b = ref.low_latency_combine(yl, il, w[:ll_tokens], lb.handle)
@@ -125,3 +130,67 @@ def test_low_latency_on_cuda_match_reference(hidden: int, topk: int, num_experts
         run_distributed(_ll_cuda, 2, hidden, topk, num_experts, backend="ep")
     ):
         assert failures == [], (rank, failures)
+
+
+def _nvshmem_expected() -> bool:
+    """The build made libep_nvshmem.so: the low-latency ops must then run on its kernels."""
+    from pathlib import Path
+
+    import ep_backend
+
+    return (Path(ep_backend.__file__).parent / "libep_nvshmem.so").exists()
+
+
+def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts: int) -> dict:
+    """Low-latency dispatch + combine captured once, replayed 100x with new data: exact."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m = 128
+    failures: list[str] = []
+    check = _checker(failures)
+
+    def inputs(step: int):
+        g = torch.Generator(device=dev).manual_seed(step * 31 + rank)
+        x = torch.randn(m, hidden, device=dev, generator=g).bfloat16()
+        idx = torch.rand(m, num_experts, device=dev, generator=g).topk(topk).indices
+        idx[torch.rand(m, topk, device=dev, generator=g) < 0.1] = -1
+        w = torch.rand(m, topk, device=dev, generator=g)
+        return x, idx, w
+
+    x, idx, w = inputs(0)
+    sx, sidx, sw = x.clone(), idx.clone(), w.clone()
+    for _ in range(2):  # warm-up outside capture: creates the NVSHMEM runtime at its size
+        d = ep.low_latency_dispatch(sx, sidx, m, num_experts, use_fp8=False)
+        ep.low_latency_combine(d.recv_x, sidx, sw, d.handle)
+    transport = ep.get_backend().low_latency_transport
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d = ep.low_latency_dispatch(sx, sidx, m, num_experts, use_fp8=False)
+        y = d.recv_x * 2
+        out = ep.low_latency_combine(y, sidx, sw, d.handle)
+    for step in range(1, 101):
+        x, idx, w = inputs(step)
+        sx.copy_(x)
+        sidx.copy_(idx)
+        sw.copy_(w)
+        graph.replay()
+        e = ref.low_latency_dispatch(x.cpu(), idx.cpu(), m, num_experts, use_fp8=False)
+        check(f"step {step} recv_count", d.recv_count, e.recv_count)
+        check(f"step {step} recv_x", d.recv_x, e.recv_x)
+        want = ref.low_latency_combine(e.recv_x * 2, idx.cpu(), w.cpu(), e.handle)
+        check(f"step {step} combine", out, want)
+        if len(failures) > 5:
+            break
+    return {"transport": transport, "failures": failures}
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_low_latency_cuda_graph_replay_with_new_data() -> None:
+    if not _nvshmem_expected():
+        pytest.skip("libep_nvshmem.so was not built: low-latency ops run on ATen + NCCL")
+    for rank, r in enumerate(run_distributed(_ll_graph_replay, 2, 7168, 8, 16, backend="ep")):
+        assert r["transport"] == "nvshmem", (rank, r["transport"])
+        assert r["failures"] == [], (rank, r["failures"])

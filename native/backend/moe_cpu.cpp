@@ -392,7 +392,7 @@ std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(const at::Tensor& x, bool ro
   return {q, packed.to(at::kInt)};
 }
 
-LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchArgs& a) {
+LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a) {
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
   std::string error = validateLowLatencyDispatch(a, num_ranks);
@@ -488,7 +488,7 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   return out;
 }
 
-at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& a) {
+at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& a) {
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
   const std::string error = validateLowLatencyCombine(a, num_ranks);

@@ -33,9 +33,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
 std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
                                                          const CombineArgs& args);
 
-LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchArgs& args);
+LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& args);
 
-at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineArgs& args);
+at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& args);
 
 // FP8 e4m3 per-128-channel quantisation of the contract (reference.quantize_fp8_per128).
 std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(const at::Tensor& x, bool round_scale,

@@ -9,6 +9,7 @@
 #include "ep_process_group.hpp"
 #include "moe_cpu.hpp"
 #include "moe_intranode.hpp"
+#include "moe_lowlatency.hpp"
 #include "moe_validation.hpp"
 
 namespace ep {
@@ -105,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatenc
     int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
     const std::string& group_name) {
   auto pg = resolveGroup(group_name, "low_latency_dispatch");
-  LowLatencyDispatchArgs args{
+  LowLatencyDispatchInputs args{
       x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0};
   auto r = cpu::lowLatencyDispatch(*pg, args);
   return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
@@ -117,8 +118,8 @@ at::Tensor lowLatencyCombineAtenOp(const at::Tensor& x, const at::Tensor& topk_i
                                    int64_t num_max_dispatch_tokens_per_rank,
                                    const std::string& group_name) {
   auto pg = resolveGroup(group_name, "low_latency_combine");
-  LowLatencyCombineArgs args{x,        topk_idx,     topk_weights,
-                             src_info, layout_range, num_max_dispatch_tokens_per_rank};
+  LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
+                               src_info, layout_range, num_max_dispatch_tokens_per_rank};
   return cpu::lowLatencyCombine(*pg, args);
 }
 
@@ -210,6 +211,45 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
 #endif
 }
 
+// Low-latency ops on CUDA: the NVSHMEM kernels where the group can use them (see
+// moe_lowlatency.hpp), else ATen + NCCL; results are identical either way.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCudaOp(
+    const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
+    int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
+    const std::string& group_name) {
+#ifdef EP_WITH_CUDA
+  auto pg = resolveGroup(group_name, "low_latency_dispatch");
+  if (x.is_cuda() && lowlatency::usable(*pg, x.device())) {
+    LowLatencyDispatchInputs args{x,           topk_idx, num_max_dispatch_tokens_per_rank,
+                                  num_experts, use_fp8,  round_scale,
+                                  use_ue8m0};
+    auto r = lowlatency::dispatch(*pg, args);
+    return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
+  }
+#endif
+  return lowLatencyDispatchAtenOp(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                  use_fp8, round_scale, use_ue8m0, group_name);
+}
+
+at::Tensor lowLatencyCombineCudaOp(const at::Tensor& x, const at::Tensor& topk_idx,
+                                   const at::Tensor& topk_weights, const at::Tensor& src_info,
+                                   const at::Tensor& layout_range,
+                                   int64_t num_max_dispatch_tokens_per_rank,
+                                   const std::string& group_name) {
+#ifdef EP_WITH_CUDA
+  auto pg = resolveGroup(group_name, "low_latency_combine");
+  if (x.is_cuda() && lowlatency::usable(*pg, x.device())) {
+    LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
+                                 src_info, layout_range, num_max_dispatch_tokens_per_rank};
+    if (auto out = lowlatency::combine(*pg, args)) {
+      return *out;
+    }
+  }
+#endif
+  return lowLatencyCombineAtenOp(x, topk_idx, topk_weights, src_info, layout_range,
+                                 num_max_dispatch_tokens_per_rank, group_name);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ep, m) {
@@ -264,8 +304,8 @@ TORCH_LIBRARY_IMPL(ep, CUDA, m) {
   m.impl("dispatch", &dispatchCudaOp);
   m.impl("cached_dispatch", &cachedDispatchCudaOp);
   m.impl("combine", &combineCudaOp);
-  m.impl("low_latency_dispatch", &lowLatencyDispatchAtenOp);
-  m.impl("low_latency_combine", &lowLatencyCombineAtenOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchCudaOp);
+  m.impl("low_latency_combine", &lowLatencyCombineCudaOp);
 }
 
 TORCH_LIBRARY_IMPL(ep, CPU, m) {

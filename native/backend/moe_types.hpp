@@ -47,7 +47,7 @@ struct CombineArgs {
   DispatchRouting routing;
 };
 
-struct LowLatencyDispatchArgs {
+struct LowLatencyDispatchInputs {
   at::Tensor x;         // bf16 [T, H]
   at::Tensor topk_idx;  // [T, K]
   int64_t num_max_dispatch_tokens_per_rank = 0;
@@ -65,7 +65,7 @@ struct LowLatencyDispatchResult {
   at::Tensor layout_range;  // int64 [E_loc, R]
 };
 
-struct LowLatencyCombineArgs {
+struct LowLatencyCombineInputs {
   at::Tensor x;             // bf16 [E_loc, R*M, H]
   at::Tensor topk_idx;      // [T, K]
   at::Tensor topk_weights;  // float32 [T, K]

@@ -261,7 +261,7 @@ std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
   return c.message();
 }
 
-std::string validateLowLatencyDispatch(const LowLatencyDispatchArgs& a, int64_t num_ranks) {
+std::string validateLowLatencyDispatch(const LowLatencyDispatchInputs& a, int64_t num_ranks) {
   Checker c("low_latency_dispatch");
   checkX(c, a.x, "x");
   if (c.failed()) {
@@ -285,7 +285,7 @@ std::string validateLowLatencyDispatch(const LowLatencyDispatchArgs& a, int64_t 
   return c.message();
 }
 
-std::string validateLowLatencyCombine(const LowLatencyCombineArgs& a, int64_t num_ranks) {
+std::string validateLowLatencyCombine(const LowLatencyCombineInputs& a, int64_t num_ranks) {
   Checker c("low_latency_combine");
   c.require(a.x.defined() && a.x.dim() == 3, "x must be [E_loc, R*M, H]");
   if (c.failed()) {

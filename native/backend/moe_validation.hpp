@@ -20,8 +20,8 @@ std::string validateRouting(const DispatchRouting& routing, int64_t num_ranks, i
 std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                                    const DispatchRouting& routing, int64_t num_ranks);
 std::string validateCombine(const CombineArgs& args, int64_t num_ranks);
-std::string validateLowLatencyDispatch(const LowLatencyDispatchArgs& args, int64_t num_ranks);
-std::string validateLowLatencyCombine(const LowLatencyCombineArgs& args, int64_t num_ranks);
+std::string validateLowLatencyDispatch(const LowLatencyDispatchInputs& args, int64_t num_ranks);
+std::string validateLowLatencyCombine(const LowLatencyCombineInputs& args, int64_t num_ranks);
 
 // One named integer every rank must agree on (e.g. the hidden size).
 struct AgreedField {

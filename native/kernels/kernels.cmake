@@ -8,7 +8,7 @@ file(GLOB EP_KERNELS_SOURCES CONFIGURE_DEPENDS
   "${EP_RUNTIME_DIR}/*.cu"
   "${EP_RUNTIME_DIR}/*.cpp")
 # The NVSHMEM low-latency sources build separately (ll.cmake: -rdc, shared library).
-list(FILTER EP_KERNELS_SOURCES EXCLUDE REGEX "/(ll_[^/]*|nvshmem_runtime)\\.(cu|cpp)$")
+list(FILTER EP_KERNELS_SOURCES EXCLUDE REGEX "/(ll_[^/]*|nvshmem_[^/]*)\\.(cu|cpp)$")
 
 add_library(ep_kernels STATIC ${EP_KERNELS_SOURCES})
 set_target_properties(ep_kernels PROPERTIES

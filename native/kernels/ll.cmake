@@ -36,7 +36,8 @@ if(EP_HAS_NVSHMEM)
   add_library(ep_nvshmem SHARED
     "${EP_LL_DIR}/ll_dispatch.cu"
     "${EP_LL_DIR}/ll_combine.cu"
-    "${EP_LL_DIR}/../runtime/nvshmem_runtime.cpp")
+    "${EP_LL_DIR}/../runtime/nvshmem_runtime.cpp"
+    "${EP_LL_DIR}/../runtime/nvshmem_capi.cpp")
   set_target_properties(ep_nvshmem PROPERTIES
     POSITION_INDEPENDENT_CODE ON
     CUDA_STANDARD 17

@@ -10,7 +10,7 @@ NVCC_FLAGS=(-arch=sm_90a -std=c++17 -O3 -Inative/kernels -Inative/runtime -linei
 objs=()
 pids=()
 for src in native/kernels/*.cu native/runtime/*.cpp tests/native/intranode_test.cu; do
-  case $(basename "$src") in ll_*.cu | nvshmem_runtime.cpp) continue ;; esac  # build_ll_and_run.sh
+  case $(basename "$src") in ll_*.cu | nvshmem_*.cpp) continue ;; esac  # build_ll_and_run.sh
   obj="$BUILD/$(basename "$src").o"
   if [[ $src == *.cpp ]]; then lang=(-x cu); else lang=(); fi
   nvcc "${NVCC_FLAGS[@]}" "${lang[@]}" -c "$src" -o "$obj" &

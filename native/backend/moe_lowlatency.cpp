@@ -1,0 +1,471 @@
+#include "moe_lowlatency.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "ep_process_group.hpp"
+
+#ifdef EP_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdlib>
+#include <deque>
+
+#include "moe_validation.hpp"
+#include "nvshmem_capi.h"
+#include "nvshmem_runtime.hpp"
+#endif
+
+namespace ep::lowlatency {
+namespace {
+
+#ifdef EP_WITH_CUDA
+
+// ---- libep_nvshmem.so, loaded once per process -------------------------------------------------
+
+struct Library {
+  bool ok = false;
+  std::string error;  // why it is not usable
+  ep_ll_unique_id_fn unique_id = nullptr;
+  ep_ll_create_fn create = nullptr;
+  ep_ll_dispatch_fn dispatch = nullptr;
+  ep_ll_combine_fn combine = nullptr;
+  ep_ll_config_fn config = nullptr;
+  ep_ll_check_error_fn check_error = nullptr;
+  ep_ll_clear_error_fn clear_error = nullptr;
+  ep_ll_destroy_fn destroy = nullptr;
+};
+
+// Next to _C (the build copies it there), or EP_NVSHMEM_LIB.
+std::string libraryPath() {
+  if (const char* env = std::getenv("EP_NVSHMEM_LIB")) {
+    return env;
+  }
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&libraryPath), &info) == 0 || info.dli_fname == nullptr) {
+    return "libep_nvshmem.so";
+  }
+  std::string self = info.dli_fname;
+  const auto slash = self.rfind('/');
+  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) +
+         "libep_nvshmem.so";
+}
+
+template <typename Fn>
+bool lookup(void* dl, const char* name, Fn& fn, std::string& error) {
+  fn = reinterpret_cast<Fn>(dlsym(dl, name));
+  if (fn == nullptr) {
+    error = std::string("libep_nvshmem.so lacks ") + name;
+  }
+  return fn != nullptr;
+}
+
+const Library& library() {
+  static const Library lib = [] {
+    Library l;
+    const std::string path = libraryPath();
+    void* dl = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (dl == nullptr) {
+      const char* e = dlerror();
+      l.error = "cannot load " + path + " (" + (e ? e : "?") + ")";
+      return l;
+    }
+    ep_ll_abi_version_fn version = nullptr;
+    if (!lookup(dl, "ep_ll_abi_version", version, l.error)) {
+      return l;
+    }
+    if (version() != EP_LL_ABI_VERSION) {
+      l.error = path + " was built for another version of ep_backend (rebuild it)";
+      return l;
+    }
+    l.ok = lookup(dl, "ep_ll_unique_id", l.unique_id, l.error) &&
+           lookup(dl, "ep_ll_create", l.create, l.error) &&
+           lookup(dl, "ep_ll_dispatch", l.dispatch, l.error) &&
+           lookup(dl, "ep_ll_combine", l.combine, l.error) &&
+           lookup(dl, "ep_ll_config", l.config, l.error) &&
+           lookup(dl, "ep_ll_check_error", l.check_error, l.error) &&
+           lookup(dl, "ep_ll_clear_error", l.clear_error, l.error) &&
+           lookup(dl, "ep_ll_destroy", l.destroy, l.error);
+    return l;  // the handle stays open for the life of the process
+  }();
+  return lib;
+}
+
+// Throws a c10::Error with the library's message when `rc` is non-zero.
+void check(int rc, const char* what, const char* err) {
+  TORCH_CHECK(rc == 0, "ep ", what, ": ", err);
+}
+
+// A dispatch handle's buffer, remembered so its combine finds the dispatch's NVSHMEM state.
+struct RememberedHandle {
+  at::Tensor layout_range;  // held: its address stays its own
+  uint32_t version = 0;
+  int buffer = 0;
+};
+
+constexpr size_t kRecentHandles = 8;
+
+#endif  // EP_WITH_CUDA
+
+struct GroupState {
+  bool decided = false;
+  bool usable = false;
+  std::string why;  // when not usable
+#ifdef EP_WITH_CUDA
+  void* runtime = nullptr;
+  LowLatencyConfig config;
+  int generation = 0;
+  std::deque<RememberedHandle> recent;
+#endif
+};
+
+std::mutex& registryMutex() {
+  static std::mutex m;
+  return m;
+}
+
+// Leaked on purpose (no CUDA/NVSHMEM work from static destructors at exit); entries leave at
+// group shutdown.
+std::map<EPProcessGroup*, std::shared_ptr<GroupState>>& registry() {
+  static auto* r = new std::map<EPProcessGroup*, std::shared_ptr<GroupState>>();
+  return *r;
+}
+
+// NVSHMEM is process-global: the one group whose low-latency ops use it.
+EPProcessGroup* g_owner = nullptr;
+
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+  std::lock_guard<std::mutex> lock(registryMutex());
+  auto& entry = registry()[&pg];
+  if (!entry) {
+    entry = std::make_shared<GroupState>();
+    EPProcessGroup* key = &pg;
+    pg.addShutdownHook([key] {
+      std::shared_ptr<GroupState> state;
+      {
+        std::lock_guard<std::mutex> lock(registryMutex());
+        auto it = registry().find(key);
+        if (it == registry().end()) {
+          return;
+        }
+        state = it->second;
+        registry().erase(it);
+        if (g_owner == key) {
+          g_owner = nullptr;
+        }
+      }
+#ifdef EP_WITH_CUDA
+      if (state->runtime != nullptr) {
+        // Collective in NVSHMEM terms; at shutdown every rank tears its group down too.
+        char err[512] = {0};
+        cudaDeviceSynchronize();
+        if (library().destroy(state->runtime, err, sizeof(err)) != 0) {
+          TORCH_WARN("ep: releasing the NVSHMEM low-latency runtime: ", err);
+        }
+        state->runtime = nullptr;
+      }
+#endif
+    });
+  }
+  return entry;
+}
+
+#ifdef EP_WITH_CUDA
+
+std::vector<uint8_t> bytesOf(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+// Collective: every rank posts whether it can run the kernels; usable only if all can, each on
+// a GPU of its own.
+void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
+  const int rank = pg.getRank();
+  const int n = pg.getSize();
+  std::string why;
+  const char* mode = std::getenv("EP_LOW_LATENCY");
+  if (mode != nullptr && std::string(mode) == "aten") {
+    why = "EP_LOW_LATENCY=aten";
+  } else if (!library().ok) {
+    why = library().error;
+  } else {
+    std::lock_guard<std::mutex> lock(registryMutex());
+    if (g_owner != nullptr && g_owner != &pg) {
+      why = "another group of this process owns NVSHMEM (one group per process)";
+    }
+  }
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  const std::string prefix = "ep_ll/" + pg.options()->group_name + "/decide/";
+  pg.store()->set(prefix + std::to_string(rank),
+                  bytesOf((why.empty() ? "1|" : "0|") + std::string(host) + "|" +
+                          std::to_string(static_cast<int>(device.index()))));
+  std::vector<std::string> seen;
+  bool all = true;
+  for (int r = 0; r < n; ++r) {
+    const auto v = pg.store()->get(prefix + std::to_string(r));
+    const std::string s(v.begin(), v.end());
+    all = all && s[0] == '1';
+    const std::string where = s.substr(2);
+    for (const auto& w : seen) {
+      if (w == where && why.empty()) {
+        why = "ranks share a GPU (NVSHMEM needs one GPU per rank)";
+      }
+    }
+    seen.push_back(where);
+  }
+  if (why.empty() && !all) {
+    why = "another rank cannot use NVSHMEM (see its low_latency_transport)";
+  }
+  // `why` may differ between ranks, the verdict cannot: it is a function of the posted flags and
+  // of the (host, device) pairs, which every rank read alike.
+  st.usable = why.empty();
+  st.why = why;
+  st.decided = true;
+  if (st.usable) {
+    std::lock_guard<std::mutex> lock(registryMutex());
+    g_owner = &pg;
+  }
+}
+
+bool fits(const LowLatencyConfig& c, int64_t m, int64_t hidden, int64_t topk, int64_t experts) {
+  return c.max_tokens_per_rank == m && c.max_hidden >= hidden && c.max_topk >= topk &&
+         c.num_experts >= experts;
+}
+
+// Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not.
+void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, int64_t m,
+                    int64_t hidden, int64_t topk, int64_t experts) {
+  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts)) {
+    return st.runtime;
+  }
+  const Library& lib = library();
+  char err[1024] = {0};
+  LowLatencyConfig cfg;
+  if (st.runtime != nullptr) {
+    hidden = std::max<int64_t>(hidden, st.config.max_hidden);
+    topk = std::max<int64_t>(topk, st.config.max_topk);
+    experts = std::max<int64_t>(experts, st.config.num_experts);
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    pg.innerBackend(c10::DeviceType::CPU, "low-latency rebuild")->barrier()->wait();
+    const int rc = lib.destroy(st.runtime, err, sizeof(err));
+    st.runtime = nullptr;
+    st.recent.clear();
+    check(rc, "low_latency rebuild", err);
+  }
+  cfg.max_tokens_per_rank = static_cast<int>(m);
+  cfg.max_hidden = static_cast<int>(hidden);
+  cfg.max_topk = static_cast<int>(std::max<int64_t>(topk, 1));
+  cfg.num_experts = static_cast<int>(experts);
+  cfg.timeout_seconds = pg.options()->kernel_timeout_s;
+  const std::string key =
+      "ep_ll/" + pg.options()->group_name + "/uid/" + std::to_string(++st.generation);
+  if (pg.getRank() == 0) {
+    std::array<uint8_t, 1024> uid{};
+    size_t written = 0;
+    check(lib.unique_id(&cfg, uid.data(), uid.size(), &written, err, sizeof(err)),
+          "low_latency setup", err);
+    pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + written));
+  }
+  const std::vector<uint8_t> uid = pg.store()->get(key);
+  void* rt = nullptr;
+  check(lib.create(pg.getRank(), pg.getSize(), device.index(), uid.data(), uid.size(), &cfg, &rt,
+                   err, sizeof(err)),
+        "low_latency setup", err);
+  st.runtime = rt;
+  lib.config(rt, &st.config);
+  return rt;
+}
+
+// A kernel error of an earlier call (timeout naming the stalled peer, capacity) surfaces here.
+void raisePendingError(GroupState& st, const char* op) {
+  if (st.runtime == nullptr) {
+    return;
+  }
+  char msg[1024] = {0};
+  int failed = 0;
+  if (library().check_error(st.runtime, msg, sizeof(msg), &failed) == 0) {
+    return;
+  }
+  if (!failed) {
+    C10_CUDA_CHECK(cudaDeviceSynchronize());  // clear_error needs an idle device
+    library().clear_error(st.runtime);
+  }
+  TORCH_CHECK(false, msg, " (reported by the next call, ", op, ")");
+}
+
+uint32_t versionOf(const at::Tensor& t) {
+  return t.is_inference() ? 0 : t._version();
+}
+
+void remember(GroupState& st, const at::Tensor& layout_range, int buffer) {
+  if (layout_range.is_inference()) {
+    return;
+  }
+  st.recent.push_front({layout_range, versionOf(layout_range), buffer});
+  if (st.recent.size() > kRecentHandles) {
+    st.recent.pop_back();
+  }
+}
+
+int recall(const GroupState& st, const at::Tensor& layout_range) {
+  if (layout_range.is_inference()) {
+    return -1;
+  }
+  for (const auto& h : st.recent) {
+    if (h.layout_range.is_same(layout_range) && h.version == versionOf(layout_range)) {
+      return h.buffer;
+    }
+  }
+  return -1;
+}
+
+#endif  // EP_WITH_CUDA
+
+}  // namespace
+
+std::string transport(EPProcessGroup& pg) {
+  auto st = stateOf(pg);
+  if (!st->decided) {
+#ifdef EP_WITH_CUDA
+    return "undecided";
+#else
+    return "aten: built without CUDA";
+#endif
+  }
+  return st->usable ? "nvshmem" : "aten: " + st->why;
+}
+
+#ifdef EP_WITH_CUDA
+
+bool usable(EPProcessGroup& pg, const at::Device& device) {
+  auto st = stateOf(pg);
+  if (!st->decided) {
+    c10::cuda::CUDAGuard guard(device);
+    decide(pg, *st, device);
+  }
+  return st->usable;
+}
+
+LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "low_latency_dispatch");
+  const std::string error = validateLowLatencyDispatch(a, num_ranks);
+  const bool ok = error.empty();
+  const int64_t m = a.num_max_dispatch_tokens_per_rank;
+  std::vector<AgreedField> fields{
+      {"num_max_dispatch_tokens_per_rank", m},  {"num_experts", a.num_experts},
+      {"hidden size H", ok ? a.x.size(1) : -1}, {"use_fp8", a.use_fp8},
+      {"round_scale", a.round_scale},           {"use_ue8m0", a.use_ue8m0},
+  };
+  const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0};
+  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
+  int64_t max_topk = 1;
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    max_topk = std::max(max_topk, g[r][0]);
+  }
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  const int64_t hidden = a.x.size(1);
+  void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
+  const int64_t experts_per_rank = a.num_experts / num_ranks;
+  const int64_t slots = num_ranks * m;
+  const auto opts = a.x.options();
+  LowLatencyDispatchResult out;
+  out.recv_x = at::empty({experts_per_rank, slots, hidden},
+                         opts.dtype(a.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+  if (a.use_fp8) {
+    out.recv_x_scales =
+        a.use_ue8m0 ? at::empty({experts_per_rank, slots, hidden / 512}, opts.dtype(at::kInt))
+                    : at::empty({experts_per_rank, slots, hidden / 128}, opts.dtype(at::kFloat));
+  }
+  out.recv_count = at::empty({experts_per_rank}, opts.dtype(at::kInt));
+  out.src_info = at::empty({experts_per_rank, slots}, opts.dtype(at::kInt));
+  out.layout_range = at::empty({experts_per_rank, num_ranks}, opts.dtype(at::kLong));
+
+  ep::LowLatencyDispatchArgs args;
+  args.x = a.x.data_ptr();
+  args.num_tokens = static_cast<int>(a.x.size(0));
+  args.hidden = static_cast<int>(hidden);
+  args.topk_idx = a.topk_idx.data_ptr();
+  args.idx_bytes = static_cast<int>(a.topk_idx.element_size());
+  args.num_topk = static_cast<int>(a.topk_idx.size(1));
+  args.num_experts = static_cast<int>(a.num_experts);
+  args.use_fp8 = a.use_fp8;
+  args.round_scale = a.round_scale;
+  args.use_ue8m0 = a.use_ue8m0;
+  args.recv_x = out.recv_x.data_ptr();
+  args.recv_x_scales = a.use_fp8 ? out.recv_x_scales->data_ptr() : nullptr;
+  args.recv_count = out.recv_count.data_ptr<int>();
+  args.src_info = out.src_info.data_ptr<int>();
+  args.layout_range = out.layout_range.data_ptr<int64_t>();
+  args.zero_padding = true;  // the reference zero-fills the slots past recv_count
+  args.phases = ll::kPhaseBoth;
+  int buffer = 0;
+  char err[1024] = {0};
+  check(library().dispatch(rt, &args, c10::cuda::getCurrentCUDAStream(device.index()).stream(),
+                           &buffer, err, sizeof(err)),
+        "low_latency_dispatch", err);
+  remember(*st, out.layout_range, buffer);
+  return out;
+}
+
+std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "low_latency_combine");
+  const std::string error = validateLowLatencyCombine(a, num_ranks);
+  const bool ok = error.empty();
+  const int buffer = ok ? recall(*st, a.layout_range) : -1;
+  std::vector<AgreedField> fields{
+      {"num_max_dispatch_tokens_per_rank", a.num_max_dispatch_tokens_per_rank},
+      {"hidden size H", ok ? a.x.size(2) : -1},
+  };
+  // Every rank's buffer index: a handle this group's kernels did not make on every rank (a
+  // copy, an older one) sends every rank down the ATen path together, which reads the same
+  // handle format.
+  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, {buffer});
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    if (g[r][0] < 0 || g[r][0] != buffer) {
+      return std::nullopt;  // every rank sees the same gathered rows: all take the ATen path
+    }
+  }
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  const int64_t num_tokens = a.topk_idx.size(0);
+  at::Tensor out = at::empty({num_tokens, a.x.size(2)}, a.x.options().dtype(at::kBFloat16));
+  ep::LowLatencyCombineArgs args;
+  args.x = a.x.data_ptr();
+  args.hidden = static_cast<int>(a.x.size(2));
+  args.topk_idx = a.topk_idx.data_ptr();
+  args.idx_bytes = static_cast<int>(a.topk_idx.element_size());
+  args.topk_weights = a.topk_weights.data_ptr<float>();
+  args.num_tokens = static_cast<int>(num_tokens);
+  args.num_topk = static_cast<int>(a.topk_idx.size(1));
+  args.num_experts = static_cast<int>(a.x.size(0) * num_ranks);
+  args.layout_range = a.layout_range.data_ptr<int64_t>();
+  args.buffer_index = buffer;
+  args.out = out.data_ptr();
+  args.phases = ll::kPhaseBoth;
+  char err[1024] = {0};
+  check(
+      library().combine(st->runtime, &args,
+                        c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err)),
+      "low_latency_combine", err);
+  return out;
+}
+
+#endif  // EP_WITH_CUDA
+
+}  // namespace ep::lowlatency

@@ -1,0 +1,39 @@
+// Low-latency dispatch/combine on CUDA tensors through the NVSHMEM kernels of libep_nvshmem.so
+// (native/runtime/nvshmem_runtime.hpp), which _C loads at run time (dlopen), never links: where
+// the library or NVSHMEM is missing the ops keep the ATen + NCCL path.
+//
+// A group uses the kernels when, at its first low-latency call on CUDA, every rank has loaded the
+// library, no other group of the process owns NVSHMEM (it is process-global: one group per
+// process), every rank has a GPU of its own, and EP_LOW_LATENCY is not "aten" — decided
+// collectively through the group's store, so all ranks take the same path.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+#include "moe_types.hpp"
+
+namespace ep {
+class EPProcessGroup;
+
+namespace lowlatency {
+
+// How this group's low-latency ops on CUDA run: "nvshmem", "aten: <why>", or "undecided" before
+// the group's first low-latency call on CUDA (Python: EPProcessGroup.low_latency_transport).
+std::string transport(EPProcessGroup& pg);
+
+#ifdef EP_WITH_CUDA
+bool usable(EPProcessGroup& pg, const at::Device& device);
+
+// Same contract as cpu::lowLatencyDispatch / cpu::lowLatencyCombine (bitwise equal results);
+// both phases run inside the call (a recv hook then has nothing left to do). combine returns
+// nullopt, on every rank alike, when the handle is not one of this group's recent kernel
+// dispatches: the caller then runs the ATen path.
+LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a);
+std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a);
+#endif  // EP_WITH_CUDA
+
+}  // namespace lowlatency
+}  // namespace ep
