@@ -33,7 +33,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
 std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
                                                          const CombineArgs& args);
 
-LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& args);
+LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
+                                            const LowLatencyDispatchInputs& args);
 
 at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& args);
 
