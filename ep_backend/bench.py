@@ -6,7 +6,10 @@ with the L2 cache flushed before every timed call, the max over ranks), remote G
 leave the GPU) and logical GB/s (all received rows × row bytes, local ones included), and, in the
 same run, the Megatron-style baseline: count exchange + host sync + permute + ``all_to_all_single``
 + unpermute, both directions. With ``--sweep`` it also times dispatch+combine over T and writes a
-PNG plot. Results go to ``--out`` as JSON.
+PNG plot. A low-latency (decode) section follows: dispatch (FP8, BF16) and combine latency at
+T=128, top-k of 16 experts (median of >= 200 calls on GPUs), hook-mode send/receive, a CUDA-graph
+replay when the NVSHMEM kernels are in use, and two ``all_to_all_single`` of the same rows as the
+baseline; with ``--sweep`` also T = 1..256. Results go to ``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -167,6 +170,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
     group = dist.group.WORLD
     timer = _Timer(device, args.iters, args.warmup)
+    # low latency: the median of >= 200 calls on GPUs (they are short)
+    ll_timer = _Timer(device, max(args.iters, 200) if use_cuda else args.iters, args.warmup)
     hidden, topk, num_experts = args.hidden, args.topk, args.experts
     rows: list[Row] = []
 
@@ -216,12 +221,76 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         add("ep cached dispatch BF16", t_cached, row_bf16, remote_rows, recv_rows)
         add("ep combine BF16", t_combine, row_bf16, remote_rows, recv_rows)
 
+    def measure_low_latency(num_tokens: int, full: bool) -> None:
+        """Decode shape: dispatch/combine latency, eager and (when capturable) graph-replayed."""
+        m, ll_experts = args.ll_max_tokens, args.ll_experts
+        x = torch.randn(num_tokens, hidden, device=device).bfloat16()
+        idx, weights = _routing(num_tokens, ll_experts, topk, device, seed=rank + 100)
+        d = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False)
+        y = d.recv_x
+        entries = int((idx >= 0).sum())  # rows this rank sends (one per token and expert)
+        counts = torch.tensor([entries], dtype=torch.float64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        entries = int(counts[0])
+        row_bf16, row_fp8 = hidden * 2, hidden + hidden // 128 * 4
+        transport = ep.get_backend().low_latency_transport if use_cuda else "aten (CPU)"
+
+        def add(op: str, t: tuple[float, float], row_bytes: int, note: str = "") -> None:
+            us, host_us = t
+            gbps = entries * row_bytes / us / 1e3 if us else 0.0
+            rows.append(Row(op, num_tokens, us, host_us, gbps, gbps, note))
+
+        t_fp8 = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True))
+        t_bf16 = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False))
+        t_comb = ll_timer(lambda: ep.low_latency_combine(y, idx, weights, d.handle))
+        add("ll dispatch FP8", t_fp8, row_fp8, transport)
+        add("ll dispatch BF16", t_bf16, row_bf16, transport)
+        add("ll combine BF16", t_comb, row_bf16, transport)
+        add("ll dispatch FP8 + combine BF16", (t_fp8[0] + t_comb[0], t_fp8[1] + t_comb[1]),
+            row_fp8 + row_bf16)  # fmt: skip
+        if not full:
+            return
+
+        def hooked() -> None:
+            out = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True,
+                                          return_recv_hook=True)  # fmt: skip
+            out.hook()
+
+        t_send = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True,
+                                                       return_recv_hook=True))  # fmt: skip
+        add("ll dispatch FP8, hook mode: send", t_send, row_fp8, transport)
+        add("ll dispatch FP8, hook mode: send+recv", ll_timer(hooked), row_fp8, transport)
+        if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                g_d = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
+            t_graph = ll_timer(graph.replay)
+            add("ll dispatch FP8 (CUDA graph replay)", t_graph, row_fp8, transport)
+            del g_d
+        if not shared_gpus:  # baseline: the same rows through one all_to_all_single
+            per_rank = torch.full((world,), entries // world + 1, dtype=torch.int64)
+            send = torch.empty(int(per_rank.sum()) * row_bf16 // 2, dtype=torch.bfloat16,
+                               device=device)  # fmt: skip
+            recv = torch.empty_like(send)
+
+            def a2a() -> None:
+                dist.all_to_all_single(recv, send)
+                dist.all_to_all_single(send, recv)
+
+            add("baseline all_to_all_single x2 (BF16 rows)", ll_timer(a2a), 2 * row_bf16)
+
     measure(args.tokens, full=True)
     if args.sweep:
         t = 128
         while t <= args.sweep_max:
             measure(t, full=False)
             t *= 2
+    if args.low_latency:
+        measure_low_latency(min(args.ll_tokens, args.ll_max_tokens), full=True)
+        if args.sweep:
+            for t in (1, 8, 32, 64, 256):
+                if t <= args.ll_max_tokens:
+                    measure_low_latency(t, full=False)
     if rank == 0:
         Path(result_path).write_text(json.dumps([asdict(r) for r in rows]))
     dist.barrier()
@@ -282,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also sweep T from 128 (GPU default)")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--sweep-max", type=int, default=16384)
+    parser.add_argument("--no-low-latency", dest="low_latency", action="store_false",
+                        help="skip the low-latency (decode) section")  # fmt: skip
+    parser.add_argument("--ll-tokens", type=int, default=128, help="low-latency T (default 128)")
+    parser.add_argument("--ll-max-tokens", type=int, default=256,
+                        help="num_max_dispatch_tokens_per_rank M of the low-latency section")  # fmt: skip
+    parser.add_argument("--ll-experts", type=int, default=16, help="low-latency E (default 16)")
     parser.add_argument("--out", type=str, default="bench_out")
     args = parser.parse_args(argv)
     os.environ.update(_ENV)
@@ -307,9 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     mp.start_processes(_worker, args=(nprocs, _free_port(), args, str(result_path)), nprocs=nprocs,
                        start_method="spawn")  # fmt: skip
     rows = json.loads(result_path.read_text())
-    main_rows = [r for r in rows if r["tokens"] == args.tokens]
+    ll_rows = [r for r in rows if r["op"].startswith(("ll ", "baseline all_to_all_single"))]
+    rows_ht = [r for r in rows if r not in ll_rows]
+    main_rows = [r for r in rows_ht if r["tokens"] == args.tokens]
     _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==")
-    sweep_rows = [r for r in rows if "dispatch+combine" in r["op"] or "baseline" in r["op"]]
+    if ll_rows:
+        _print_table(ll_rows, f"\n== low latency (M={args.ll_max_tokens}, top-{args.topk} of "
+                              f"E={args.ll_experts}; GB/s = rows sent x row bytes / time) ==")  # fmt: skip
+    sweep_rows = [r for r in rows_ht if "dispatch+combine" in r["op"] or "baseline" in r["op"]]
     if args.sweep:
         _print_table(sweep_rows, "\n== sweep over T: dispatch+combine vs baseline ==")
         png = out / "bench_sweep.png"
