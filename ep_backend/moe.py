@@ -389,9 +389,11 @@ def low_latency_dispatch(
         use_ue8m0: pack the scales as UE8M0 bytes (needs ``round_scale`` and ``H % 512 == 0``).
         cumulative_local_expert_recv_stats: optional int32 ``[E_loc]``, incremented in place by
             the received counts.
-        return_recv_hook: return at once with ``out.hook``; the outputs are valid after
-            ``out.hook()`` (every rank must call it). On CPU groups the exchange is complete
-            already and the hook does nothing more.
+        return_recv_hook: send now and return at once with ``out.hook``; the outputs (and
+            ``cumulative_local_expert_recv_stats``) are valid once ``out.hook()`` has run on the
+            current stream (every rank must call it, once; at most two dispatches may await
+            their hook). Where the exchange runs on ATen (CPU groups, CUDA without the NVSHMEM
+            kernels) it is complete already and the hook only updates the stats.
         group: an ``"ep"`` process group (default: WORLD).
         async_op: see the module docstring.
 
@@ -424,9 +426,9 @@ def low_latency_dispatch(
     def run() -> tuple[torch.Tensor, ...]:
         outs = _ops.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
-            use_ue8m0, pg.group_name,
+            use_ue8m0, pg.group_name, return_recv_hook,
         )  # fmt: skip
-        if stats is not None:  # on the stream of the op (the comm stream with async_op)
+        if stats is not None and not return_recv_hook:  # on the op's stream (comm with async_op)
             stats.add_(outs[2].to(stats.device))
         return outs
 
@@ -440,7 +442,18 @@ def low_latency_dispatch(
         num_experts=num_experts,
         num_ranks=pg.size(),
     )
-    hook = (lambda: None) if return_recv_hook else None
+    hook = None
+    if return_recv_hook:
+        from . import get_backend  # the package imports this module first
+
+        backend = get_backend(pg)
+
+        def hook() -> None:
+            """Receives this dispatch's rows (every rank must call it once, on any stream)."""
+            backend._low_latency_receive(layout_range)
+            if stats is not None:
+                stats.add_(recv_count.to(stats.device))
+
     return LowLatencyDispatchOutput(
         recv_x=recv_x,
         recv_x_scales=recv_scales if use_fp8 else None,
@@ -674,8 +687,9 @@ def _combine_fake(
 
 @torch.library.register_fake("ep::low_latency_dispatch")
 def _ll_dispatch_fake(
-    x, topk_idx, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, group_name
-):
+    x, topk_idx, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, group_name,
+    send_only=False,
+):  # fmt: skip
     num_ranks = _group_size(group_name)
     experts_per_rank = num_experts // num_ranks
     slots = num_ranks * max_tokens

@@ -96,6 +96,13 @@ void bindProcessGroup(py::module_& m) {
           [](ep::EPProcessGroup& self) { return ep::lowlatency::transport(self); },
           "How the low-latency ops run on CUDA tensors: 'nvshmem' (the NVSHMEM kernels), "
           "'aten: <why not>', or 'undecided' before the group's first low-latency call on CUDA.")
+      .def(
+          "_low_latency_receive",
+          [](ep::EPProcessGroup& self, const at::Tensor& layout_range) {
+            ep::lowlatency::receive(self, layout_range);
+          },
+          py::arg("layout_range"),
+          "The receive phase of a low_latency_dispatch(return_recv_hook=True) (its hook).")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
       .def(

@@ -114,6 +114,25 @@ def _ll_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) ->
         if not _nvshmem_expected() or (ep.get_backend().low_latency_transport == "nvshmem")
         else [f"low-latency ops did not use NVSHMEM: {ep.get_backend().low_latency_transport}"]
     )
+    # hook mode: two dispatches in flight (both buffers), received later, in order
+    x2 = (xl.float() * -1.5).bfloat16()
+    h1 = ep.low_latency_dispatch(xl, il, 128, num_experts, use_fp8=False, return_recv_hook=True)
+    h2 = ep.low_latency_dispatch(x2, il, 128, num_experts, use_fp8=False, return_recv_hook=True)
+    try:  # a third would reuse a buffer still awaiting its receive
+        ep.low_latency_dispatch(xl, il, 128, num_experts, use_fp8=False, return_recv_hook=True)
+        third = "no error"
+    except RuntimeError as exc:
+        third = str(exc)
+    h1.hook()
+    h2.hook()
+    for name, h, xin in (("hook 1", h1, xl), ("hook 2", h2, x2)):
+        e = ref.low_latency_dispatch(xin, il, 128, num_experts, use_fp8=False)
+        check(f"{name} count", h.recv_count, e.recv_count)
+        for le in range(h.recv_count.numel()):
+            n = int(e.recv_count[le])
+            check(f"{name} recv_x e{le}", h.recv_x[le, :n], e.recv_x[le, :n])
+    if ep.get_backend().low_latency_transport == "nvshmem" and "await their recv hook" not in third:
+        failures.append(f"third pending dispatch: {third}")
     yl = torch.randn(lb.recv_x.shape, device=dev, generator=g).bfloat16()
     out_a = ep.low_latency_combine(yl, il, w[:ll_tokens], la.handle)
     out_b = ref.low_latency_combine(yl, il, w[:ll_tokens], lb.handle)

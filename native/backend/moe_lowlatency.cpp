@@ -9,6 +9,7 @@
 #include "ep_process_group.hpp"
 
 #ifdef EP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -109,7 +110,16 @@ struct RememberedHandle {
   at::Tensor layout_range;  // held: its address stays its own
   uint32_t version = 0;
   int buffer = 0;
+  // A send-only dispatch awaiting its receive phase: its arguments, and the tensors they point
+  // into, kept alive until then.
+  bool pending = false;
+  ep::LowLatencyDispatchArgs args;
+  std::vector<at::Tensor> keep_alive;
 };
+
+// The runtime alternates two buffers: a third dispatch would reuse the buffer of one still
+// awaiting its receive.
+constexpr int kMaxPendingReceives = 2;
 
 constexpr size_t kRecentHandles = 8;
 
@@ -305,31 +315,73 @@ uint32_t versionOf(const at::Tensor& t) {
   return t.is_inference() ? 0 : t._version();
 }
 
-void remember(GroupState& st, const at::Tensor& layout_range, int buffer) {
-  if (layout_range.is_inference()) {
-    return;
+int pendingReceives(const GroupState& st) {
+  int n = 0;
+  for (const auto& h : st.recent) {
+    n += h.pending ? 1 : 0;
   }
-  st.recent.push_front({layout_range, versionOf(layout_range), buffer});
-  if (st.recent.size() > kRecentHandles) {
-    st.recent.pop_back();
+  return n;
+}
+
+// Inference tensors carry no version counter: such handles are remembered by identity alone.
+void remember(GroupState& st, RememberedHandle h) {
+  h.version = versionOf(h.layout_range);
+  st.recent.push_front(std::move(h));
+  // Forget the oldest handles beyond the limit, never one whose receive is still pending.
+  for (size_t i = st.recent.size(); i > kRecentHandles; --i) {
+    auto it = st.recent.begin() + static_cast<std::ptrdiff_t>(i - 1);
+    if (!it->pending) {
+      st.recent.erase(it);
+    }
   }
 }
 
-int recall(const GroupState& st, const at::Tensor& layout_range) {
-  if (layout_range.is_inference()) {
-    return -1;
-  }
-  for (const auto& h : st.recent) {
+RememberedHandle* find(GroupState& st, const at::Tensor& layout_range) {
+  for (auto& h : st.recent) {
     if (h.layout_range.is_same(layout_range) && h.version == versionOf(layout_range)) {
-      return h.buffer;
+      return &h;
     }
   }
-  return -1;
+  return nullptr;
+}
+
+int recall(GroupState& st, const at::Tensor& layout_range) {
+  const RememberedHandle* h = find(st, layout_range);
+  return h != nullptr && !h->pending ? h->buffer : -1;
 }
 
 #endif  // EP_WITH_CUDA
 
 }  // namespace
+
+void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
+  auto st = stateOf(pg);
+  if (!st->usable) {
+    return;  // the ATen path: the exchange completed inside the dispatch
+  }
+#ifdef EP_WITH_CUDA
+  RememberedHandle* h = find(*st, layout_range);
+  TORCH_CHECK(h != nullptr && h->pending,
+              "ep low_latency_dispatch hook: this dispatch has no receive pending (was the hook "
+              "called twice, or the handle modified?)");
+  raisePendingError(*st, "low_latency_dispatch hook");
+  c10::cuda::CUDAGuard guard(layout_range.device());
+  int buffer = 0;
+  char err[1024] = {0};
+  check(library().dispatch(st->runtime, &h->args,
+                           c10::cuda::getCurrentCUDAStream(layout_range.device().index()).stream(),
+                           &buffer, err, sizeof(err)),
+        "low_latency_dispatch hook", err);
+  h->pending = false;
+  // The stream still reads the inputs and writes the outputs: hand them to the allocator as
+  // used on this stream before letting go.
+  for (const auto& t : h->keep_alive) {
+    c10::cuda::CUDACachingAllocator::recordStream(
+        t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(layout_range.device().index()));
+  }
+  h->keep_alive.clear();
+#endif
+}
 
 std::string transport(EPProcessGroup& pg) {
   auto st = stateOf(pg);
@@ -354,11 +406,17 @@ bool usable(EPProcessGroup& pg, const at::Device& device) {
   return st->usable;
 }
 
-LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a) {
+LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a,
+                                  bool send_only) {
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   raisePendingError(*st, "low_latency_dispatch");
-  const std::string error = validateLowLatencyDispatch(a, num_ranks);
+  std::string error = validateLowLatencyDispatch(a, num_ranks);
+  if (error.empty() && pendingReceives(*st) >= kMaxPendingReceives) {
+    error =
+        "ep low_latency_dispatch: two dispatches still await their recv hook; call one "
+        "before the next dispatch (their buffers alternate)";
+  }
   const bool ok = error.empty();
   const int64_t m = a.num_max_dispatch_tokens_per_rank;
   std::vector<AgreedField> fields{
@@ -410,13 +468,26 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   args.src_info = out.src_info.data_ptr<int>();
   args.layout_range = out.layout_range.data_ptr<int64_t>();
   args.zero_padding = true;  // the reference zero-fills the slots past recv_count
-  args.phases = ll::kPhaseBoth;
+  args.phases = send_only ? ll::kPhaseSend : ll::kPhaseBoth;
   int buffer = 0;
   char err[1024] = {0};
   check(library().dispatch(rt, &args, c10::cuda::getCurrentCUDAStream(device.index()).stream(),
                            &buffer, err, sizeof(err)),
         "low_latency_dispatch", err);
-  remember(*st, out.layout_range, buffer);
+  RememberedHandle h;
+  h.layout_range = out.layout_range;
+  h.buffer = buffer;
+  if (send_only) {
+    h.pending = true;
+    h.args = args;
+    h.args.phases = ll::kPhaseRecv;
+    h.args.buffer_index = buffer;
+    h.keep_alive = {a.x, a.topk_idx, out.recv_x, out.recv_count, out.src_info, out.layout_range};
+    if (out.recv_x_scales) {
+      h.keep_alive.push_back(*out.recv_x_scales);
+    }
+  }
+  remember(*st, std::move(h));
   return out;
 }
 

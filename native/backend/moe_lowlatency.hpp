@@ -24,14 +24,21 @@ namespace lowlatency {
 // the group's first low-latency call on CUDA (Python: EPProcessGroup.low_latency_transport).
 std::string transport(EPProcessGroup& pg);
 
+// The receive phase of the send-only dispatch whose handle has `layout_range` (see dispatch
+// below); a no-op where the group's low-latency ops do not use the kernels (their exchange is
+// complete when the dispatch returns).
+void receive(EPProcessGroup& pg, const at::Tensor& layout_range);
+
 #ifdef EP_WITH_CUDA
 bool usable(EPProcessGroup& pg, const at::Device& device);
 
-// Same contract as cpu::lowLatencyDispatch / cpu::lowLatencyCombine (bitwise equal results);
-// both phases run inside the call (a recv hook then has nothing left to do). combine returns
-// nullopt, on every rank alike, when the handle is not one of this group's recent kernel
-// dispatches: the caller then runs the ATen path.
-LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a);
+// Same contract as cpu::lowLatencyDispatch / cpu::lowLatencyCombine (bitwise equal results).
+// send_only: only the send phase runs now; the outputs are complete once receive() has run on
+// the stream (the Python recv hook). At most two dispatches may await their receive. combine
+// returns nullopt, on every rank alike, when the handle is not one of this group's recent
+// kernel dispatches: the caller then runs the ATen path.
+LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a,
+                                  bool send_only);
 std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a);
 #endif  // EP_WITH_CUDA
 

@@ -101,10 +101,11 @@ Tensors2 combineAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& top
   return {combined, orEmpty(weights, x)};
 }
 
+// send_only (a recv hook follows) changes nothing here: the exchange is complete on return.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchAtenOp(
     const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
     int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
-    const std::string& group_name) {
+    const std::string& group_name, bool /*send_only*/) {
   auto pg = resolveGroup(group_name, "low_latency_dispatch");
   LowLatencyDispatchInputs args{
       x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0};
@@ -216,19 +217,19 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCudaOp(
     const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
     int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
-    const std::string& group_name) {
+    const std::string& group_name, bool send_only) {
 #ifdef EP_WITH_CUDA
   auto pg = resolveGroup(group_name, "low_latency_dispatch");
   if (x.is_cuda() && lowlatency::usable(*pg, x.device())) {
     LowLatencyDispatchInputs args{x,           topk_idx, num_max_dispatch_tokens_per_rank,
                                   num_experts, use_fp8,  round_scale,
                                   use_ue8m0};
-    auto r = lowlatency::dispatch(*pg, args);
+    auto r = lowlatency::dispatch(*pg, args, send_only);
     return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
   }
 #endif
   return lowLatencyDispatchAtenOp(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                  use_fp8, round_scale, use_ue8m0, group_name);
+                                  use_fp8, round_scale, use_ue8m0, group_name, send_only);
 }
 
 at::Tensor lowLatencyCombineCudaOp(const at::Tensor& x, const at::Tensor& topk_idx,
@@ -279,7 +280,8 @@ TORCH_LIBRARY(ep, m) {
       tags);
   m.def(
       "low_latency_dispatch(Tensor x, Tensor topk_idx, int num_max_dispatch_tokens_per_rank, "
-      "int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, str group_name) -> "
+      "int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, str group_name, "
+      "bool send_only=False) -> "
       "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, "
       "Tensor layout_range)",
       tags);
