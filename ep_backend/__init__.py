@@ -33,6 +33,7 @@ from .moe import (  # noqa: E402
     combine,
     dispatch,
     get_dispatch_layout,
+    get_low_latency_combine_buffer,
     low_latency_combine,
     low_latency_dispatch,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "dispatch",
     "get_backend",
     "get_dispatch_layout",
+    "get_low_latency_combine_buffer",
     "low_latency_combine",
     "low_latency_dispatch",
     "reference",

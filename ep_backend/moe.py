@@ -33,6 +33,7 @@ __all__ = [
     "combine",
     "dispatch",
     "get_dispatch_layout",
+    "get_low_latency_combine_buffer",
     "low_latency_combine",
     "low_latency_dispatch",
 ]
@@ -521,6 +522,27 @@ def low_latency_combine(
     if work is not None:
         result.work = work
     return result
+
+
+def get_low_latency_combine_buffer(handle: LowLatencyHandle, group: Group = None) -> torch.Tensor:
+    """Where to write expert outputs for a zero-copy ``low_latency_combine``.
+
+    Returns a BF16 ``[E_loc, R*M, H]`` tensor. With the NVSHMEM kernels it is a view of the send
+    buffer of ``handle``'s dispatch: write the expert outputs into it and pass it as ``x`` to
+    ``low_latency_combine`` with the same handle, and combine skips copying them in. Elsewhere
+    it is a fresh tensor (combine then works as usual). The view stays valid until the group's
+    low-latency transport is rebuilt (a call with another ``M``, or a larger ``H``, top-k or
+    ``E``); do not keep it across such calls.
+    """
+    pg = _group(group)
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
+    from . import get_backend  # the package imports this module first
+
+    return get_backend(pg)._low_latency_combine_buffer(
+        handle.layout_range, handle.num_max_dispatch_tokens_per_rank, handle.num_experts,
+        handle.hidden,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -103,6 +103,16 @@ void bindProcessGroup(py::module_& m) {
           },
           py::arg("layout_range"),
           "The receive phase of a low_latency_dispatch(return_recv_hook=True) (its hook).")
+      .def(
+          "_low_latency_combine_buffer",
+          [](ep::EPProcessGroup& self, const at::Tensor& layout_range, int64_t max_tokens,
+             int64_t num_experts, int64_t hidden) {
+            return ep::lowlatency::combineBuffer(self, layout_range, max_tokens, num_experts,
+                                                 hidden);
+          },
+          py::arg("layout_range"), py::arg("num_max_dispatch_tokens_per_rank"),
+          py::arg("num_experts"), py::arg("hidden"),
+          "See ep_backend.get_low_latency_combine_buffer.")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
       .def(

@@ -136,6 +136,9 @@ def _ll_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) ->
     yl = torch.randn(lb.recv_x.shape, device=dev, generator=g).bfloat16()
     out_a = ep.low_latency_combine(yl, il, w[:ll_tokens], la.handle)
     out_b = ref.low_latency_combine(yl, il, w[:ll_tokens], lb.handle)
+    buf = ep.get_low_latency_combine_buffer(la.handle)  # zero copy: outputs written in place
+    buf.copy_(yl)
+    check("zero-copy combine", ep.low_latency_combine(buf, il, w[:ll_tokens], la.handle), out_a)
     if not torch.allclose(out_a.float(), out_b.float(), atol=1e-2, rtol=1e-2):
         failures.append("ll combine beyond float32-accumulation tolerance")
     torch.cuda.synchronize()

@@ -39,6 +39,7 @@ struct Library {
   ep_ll_create_fn create = nullptr;
   ep_ll_dispatch_fn dispatch = nullptr;
   ep_ll_combine_fn combine = nullptr;
+  ep_ll_combine_buffer_fn combine_buffer = nullptr;
   ep_ll_config_fn config = nullptr;
   ep_ll_check_error_fn check_error = nullptr;
   ep_ll_clear_error_fn clear_error = nullptr;
@@ -91,6 +92,7 @@ const Library& library() {
            lookup(dl, "ep_ll_create", l.create, l.error) &&
            lookup(dl, "ep_ll_dispatch", l.dispatch, l.error) &&
            lookup(dl, "ep_ll_combine", l.combine, l.error) &&
+           lookup(dl, "ep_ll_combine_buffer", l.combine_buffer, l.error) &&
            lookup(dl, "ep_ll_config", l.config, l.error) &&
            lookup(dl, "ep_ll_check_error", l.check_error, l.error) &&
            lookup(dl, "ep_ll_clear_error", l.clear_error, l.error) &&
@@ -383,6 +385,31 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
 #endif
 }
 
+at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
+                         int64_t num_max_dispatch_tokens_per_rank, int64_t num_experts,
+                         int64_t hidden) {
+  const int64_t num_ranks = pg.getSize();
+  TORCH_CHECK(num_experts > 0 && num_experts % num_ranks == 0 && hidden > 0 &&
+                  num_max_dispatch_tokens_per_rank > 0,
+              "ep low_latency combine buffer: bad handle");
+  const std::vector<int64_t> shape{num_experts / num_ranks,
+                                   num_ranks * num_max_dispatch_tokens_per_rank, hidden};
+  const auto options = layout_range.options().dtype(at::kBFloat16);
+#ifdef EP_WITH_CUDA
+  auto st = stateOf(pg);
+  const int buffer = st->usable ? recall(*st, layout_range) : -1;
+  if (buffer >= 0 && st->config.max_tokens_per_rank == num_max_dispatch_tokens_per_rank) {
+    ep::LowLatencyBufferView view;
+    char err[1024] = {0};
+    check(library().combine_buffer(st->runtime, buffer, static_cast<int>(num_experts),
+                                   static_cast<int>(hidden), &view, err, sizeof(err)),
+          "low_latency combine buffer", err);
+    return at::from_blob(view.ptr, shape, options);
+  }
+#endif
+  return at::empty(shape, options);
+}
+
 std::string transport(EPProcessGroup& pg) {
   auto st = stateOf(pg);
   if (!st->decided) {
@@ -517,6 +544,15 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   const int64_t num_tokens = a.topk_idx.size(0);
   at::Tensor out = at::empty({num_tokens, a.x.size(2)}, a.x.options().dtype(at::kBFloat16));
   ep::LowLatencyCombineArgs args;
+  {
+    // x written straight into the send buffer (combineBuffer): no copy-in.
+    ep::LowLatencyBufferView view;
+    char err[1024] = {0};
+    check(library().combine_buffer(st->runtime, buffer, static_cast<int>(a.x.size(0) * num_ranks),
+                                   static_cast<int>(a.x.size(2)), &view, err, sizeof(err)),
+          "low_latency_combine", err);
+    args.zero_copy = view.ptr == a.x.data_ptr() && a.x.is_contiguous();
+  }
   args.x = a.x.data_ptr();
   args.hidden = static_cast<int>(a.x.size(2));
   args.topk_idx = a.topk_idx.data_ptr();

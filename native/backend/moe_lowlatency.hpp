@@ -24,6 +24,15 @@ namespace lowlatency {
 // the group's first low-latency call on CUDA (Python: EPProcessGroup.low_latency_transport).
 std::string transport(EPProcessGroup& pg);
 
+// Where to write the expert outputs of the dispatch with `layout_range` for a zero-copy combine:
+// a BF16 [E_loc, R*M, H] view of the kernels' send buffer for that dispatch (combine then skips
+// its copy-in), or a fresh tensor of that shape where the kernels are not in use. The view is
+// valid until the group's low-latency transport is rebuilt (a call with another M, or larger
+// H, K or E).
+at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
+                         int64_t num_max_dispatch_tokens_per_rank, int64_t num_experts,
+                         int64_t hidden);
+
 // The receive phase of the send-only dispatch whose handle has `layout_range` (see dispatch
 // below); a no-op where the group's low-latency ops do not use the kernels (their exchange is
 // complete when the dispatch returns).
