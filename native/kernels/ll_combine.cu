@@ -76,8 +76,7 @@ __device__ void send_phase(const CombineParams& p) {
     if (c.peer[s] == nullptr && unit && lane == 0) {
       // No ordering with the rows is needed: the receiver waits for all rows plus this unit,
       // and each row's own signal is delivered after its data.
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + counter), 1, NVSHMEM_SIGNAL_ADD,
-                         s);
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + counter), 1, NVSHMEM_SIGNAL_ADD, s);
     }
   }
 }
@@ -105,8 +104,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail)
   __syncthreads();
   for (int e = tid; e < E; e += kThreads) {
     const uint64_t need = static_cast<uint64_t>(c.sent_count[e]) + 1;
-    if (!spin_wait(w, e / E_loc, [&] { return ld_acquire_sys(arrived + e) >= need; }))
-      *s_fail = 1;
+    if (!spin_wait(w, e / E_loc, [&] { return ld_acquire_sys(arrived + e) >= need; })) *s_fail = 1;
   }
   __syncthreads();
   if (*s_fail) return;
