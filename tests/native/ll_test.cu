@@ -12,6 +12,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <csignal>
 
 #include <algorithm>
@@ -979,22 +981,21 @@ int cpu_dump(const std::string& path) {
 
 // A rank that dies (crash, exit on a failed check) would leave the other one blocked forever in
 // an NVSHMEM host barrier, which has no timeout. Rank 1 gets SIGKILL when rank 0 dies
-// (PR_SET_PDEATHSIG); rank 0 exits when rank 1 dies with a failure before the end.
-volatile sig_atomic_t g_child_done = 0;
-volatile sig_atomic_t g_child_status = 0;
-pid_t g_child = 0;
+// (PR_SET_PDEATHSIG); in rank 0 a watchdog thread waits for rank 1 and ends the process when
+// rank 1 dies with a failure. A thread, not a SIGCHLD handler: a signal could interrupt a poll()
+// inside NVSHMEM's socket bootstrap with EINTR.
+std::atomic<int> g_child_status{-1};
 
-void on_sigchld(int) {
+void watch_child(pid_t child) {
   int st = 0;
-  if (waitpid(g_child, &st, WNOHANG) == g_child) {
-    g_child_status = st;
-    g_child_done = 1;
-    if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
-      const char msg[] = "[rank 0] rank 1 died or failed; stopping rank 0\n";
-      (void)!write(2, msg, sizeof(msg) - 1);
-      _exit(1);
-    }
+  while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
   }
+  if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+    std::fprintf(stderr, "[rank 0] rank 1 died or failed (status %d); stopping rank 0\n", st);
+    std::fflush(stdout);
+    std::_Exit(1);
+  }
+  g_child_status.store(st);
 }
 
 int main(int argc, char** argv) {
@@ -1046,8 +1047,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     std::_Exit(crc);
   }
-  g_child = child;
-  std::signal(SIGCHLD, on_sigchld);
+  std::thread watchdog(watch_child, child);
   int rc = 2;
   try {
     rc = run_rank(0, opt, tag);
@@ -1055,15 +1055,10 @@ int main(int argc, char** argv) {
     std::printf("[rank 0] FAIL exception: %s\n", e.what());
     std::fflush(stdout);
     kill(child, SIGKILL);  // it may be blocked in a collective rank 0 will never join
-    rc = 1;
+    rc = 1;                // (the watchdog then ends this process)
   }
-  int status = 0;
-  std::signal(SIGCHLD, SIG_DFL);
-  if (g_child_done) {
-    status = g_child_status;
-  } else {
-    waitpid(child, &status, 0);
-  }
+  watchdog.join();
+  const int status = g_child_status.load();
   const int child_rc = WIFEXITED(status) ? WEXITSTATUS(status) : 3;
   std::remove(("/tmp/ep_ll_uid_" + tag + "_a").c_str());
   std::remove(("/tmp/ep_ll_uid_" + tag + "_b").c_str());
