@@ -6,8 +6,8 @@
 // area; each row (remote path) or each warp's batch of rows (P2P path) adds to the arrival
 // counter of that global expert on rank s. Zero-copy: x is this rank's combine send area
 // (remote puts read it directly; the P2P path reads it like any input).
-// RECV (token side): wait until the arrival counter of every expert this rank sent rows to
-// reaches the count it sent (sent_count of the dispatch), then
+// RECV (token side): wait until the arrival counter of every expert reaches the count this rank
+// sent to it (sent_count of the dispatch) plus one handshake unit from the expert's owner, then
 //   out[t] = bf16(acc), acc = +0.0; for k = 0..K-1 with a valid slot: acc = acc + w_k * y_k
 // with separately rounded multiply and add (no FMA), exactly the reference's order. The last
 // block resets the arrival counters.
@@ -62,7 +62,22 @@ __device__ void send_phase(const CombineParams& p) {
       warp_put_row(c, s, dst, src, row_bytes, counter, c.peer[s] != nullptr);
       ++rows;
     }
-    p2p_count_rows(c, s, counter, rows);
+    // Handshake unit: warp 0 of split 0 adds 1 to the counter, rows or no rows, so rank s hears
+    // from every rank (it waits for sent_count + 1 on every expert). Without it a rank that was
+    // sent no rows by this rank (T=0, or no token routed here) finishes its combine without
+    // waiting for this rank and may start the next dispatch on this buffer while this rank's
+    // dispatch RECV is still reading it: overwritten count words (hang until timeout) and rows,
+    // and arrival increments lost to the RECV's reset. That is the normal case under CUDA-graph
+    // replay (buffer index frozen at capture) and in the two-micro-batch hook pattern. This
+    // kernel runs after this rank's dispatch RECV on the same stream, so the unit also says
+    // "done reading this buffer's dispatch area" (and every nbi put source was consumed).
+    const int unit = (split == 0 && warp == 0) ? 1 : 0;
+    p2p_count_rows(c, s, counter, rows + unit);  // P2P: one release-add; no-op otherwise
+    if (c.peer[s] == nullptr && unit && lane == 0) {
+      // No ordering with the rows is needed: the receiver waits for all rows plus this unit,
+      // and each row's own signal is delivered after its data.
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + counter), 1, NVSHMEM_SIGNAL_ADD, s);
+    }
   }
 }
 
@@ -82,16 +97,14 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail)
   const uint64_t* arrived =
       reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_arrived_offset);
 
-  // Every block waits for all experts this rank sent rows to (cheap: one word per expert), so
-  // the arrival counters can be reset by the last block.
+  // Every block waits for every expert (cheap: one word per expert): the rows this rank sent
+  // to it plus the owner's handshake unit (see send_phase), so the arrival counters can be reset
+  // by the last block and every rank is known to have finished its dispatch RECV.
   if (tid == 0) *s_fail = 0;
   __syncthreads();
   for (int e = tid; e < E; e += kThreads) {
-    const int need = c.sent_count[e];
-    if (need > 0 && !spin_wait(w, e / E_loc, [&] {
-          return ld_acquire_sys(arrived + e) >= static_cast<uint64_t>(need);
-        }))
-      *s_fail = 1;
+    const uint64_t need = static_cast<uint64_t>(c.sent_count[e]) + 1;
+    if (!spin_wait(w, e / E_loc, [&] { return ld_acquire_sys(arrived + e) >= need; })) *s_fail = 1;
   }
   __syncthreads();
   if (*s_fail) return;

@@ -203,6 +203,10 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int device,
     nvshmem_barrier_all();  // every rank's region is zeroed before anyone signals into it
   } catch (...) {
     destroy();
+    // destroy() returns early when nothing was initialised or allocated yet (e.g. a failing
+    // kernel query): release the one-runtime-per-process slot here too, or no runtime could
+    // ever be created again in this process.
+    g_runtime_alive.store(false);
     throw;
   }
 }

@@ -40,10 +40,11 @@
 //    device memory; the buffer index is chosen on the host at issue/capture time).
 //  * Per call every rank passes the same H, K-independent layout (H, E, use_fp8, use_ue8m0).
 //  * Buffers: dispatch call i uses buffer i % 2 (or the index given); its combine uses the same
-//    buffer. A buffer may be reused (dispatch i+2) only after every rank has finished the
-//    RECV phase of dispatch i and of its combine; the usual dispatch -> combine -> dispatch
-//    order (also with hooks, one call in flight per buffer) guarantees it, because every
-//    dispatch waits for a signal from every rank.
+//    buffer. Safe orders: dispatch -> combine -> dispatch on ONE buffer (a captured CUDA graph
+//    replays its pair on the buffer chosen at capture: every combine waits for a handshake
+//    unit from every rank), and alternating buffers (also dispatch-only, or two hooks in
+//    flight, one per buffer). Not safe: three calls in flight, or dispatch repeated on one
+//    buffer (combine repeated on one buffer) with nothing in between. docs/low_latency.md.
 //  * Hook mode: dispatch(phases=kPhaseSend) returns b; later dispatch(same args, phases =
 //    kPhaseRecv, buffer_index = b) completes it. Same for combine. Inputs must stay unchanged
 //    and outputs untouched until the RECV phase has run on the stream.

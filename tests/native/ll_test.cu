@@ -4,11 +4,17 @@
 // implementation of ep_backend/reference.py (low_latency_dispatch / low_latency_combine, FP8
 // per-128 quantisation with round_scale / UE8M0), bitwise.
 //
-// Usage: ll_test [--timeout-test] [--no-p2p] [--soak N] [--quick] [--no-bench] [--no-recreate]
+// Usage: ll_test [--timeout-test] [--no-p2p] [--soak N] [--graph N] [--quick] [--no-bench]
+//                [--no-recreate]
 // Prints one line per case, timings, and "ALL PASSED" when both ranks pass.
 #include <cuda_runtime.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <csignal>
 
 #include <algorithm>
 #include <chrono>
@@ -41,6 +47,11 @@ constexpr int kMaxE = 64;
       std::exit(2);                                                                              \
     }                                                                                            \
   } while (0)
+
+// cudaMemcpy that skips empty copies (an empty std::vector may hand out a null data()).
+void copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  if (bytes != 0) CUDA_OK(cudaMemcpy(dst, src, bytes, kind));
+}
 
 // ---- CPU reference -------------------------------------------------------------------------
 
@@ -266,15 +277,14 @@ struct Harness {
   int failures = 0;
 
   void upload(const Case& c, const Inputs& in) {
-    CUDA_OK(cudaMemcpy(buf.x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
+    copy(buf.x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice);
     if (c.idx32) {
       std::vector<int32_t> i32(in.idx.begin(), in.idx.end());
-      CUDA_OK(cudaMemcpy(buf.idx, i32.data(), i32.size() * 4, cudaMemcpyHostToDevice));
+      copy(buf.idx, i32.data(), i32.size() * 4, cudaMemcpyHostToDevice);
     } else {
-      CUDA_OK(cudaMemcpy(buf.idx, in.idx.data(), in.idx.size() * 8, cudaMemcpyHostToDevice));
+      copy(buf.idx, in.idx.data(), in.idx.size() * 8, cudaMemcpyHostToDevice);
     }
-    CUDA_OK(
-        cudaMemcpy(buf.weights, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice));
+    copy(buf.weights, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice);
   }
 
   ep::LowLatencyDispatchArgs dispatch_args(const Case& c, const Inputs& in) const {
@@ -402,7 +412,7 @@ struct Harness {
   bool check_combine(const Case& c, const std::vector<Inputs>& all) {
     const Inputs& mine = all[rank];
     std::vector<uint16_t> got(size_t(mine.T) * c.H);
-    CUDA_OK(cudaMemcpy(got.data(), buf.out, got.size() * 2, cudaMemcpyDeviceToHost));
+    copy(got.data(), buf.out, got.size() * 2, cudaMemcpyDeviceToHost);
     // Where did each of my (t, k) land? Slot j of expert le on rank d.
     const int E_loc = c.E / kRanks;
     std::vector<int> where(size_t(mine.T) * c.K, -1);
@@ -498,65 +508,105 @@ struct Harness {
     }
   }
 
-  // Two dispatches in a row (buffers 0 and 1), then both combines.
-  void run_consecutive(Case c1, Case c2) {
+  // Two dispatches in a row (buffers 0 and 1), then both combines. With `hooks`, the
+  // two-micro-batch pattern: SEND 1, SEND 2, RECV 1, RECV 2, then combine SEND 1, SEND 2,
+  // RECV 1, RECV 2 (two calls in flight, one per buffer).
+  void run_consecutive(Case c1, Case c2, bool hooks) {
     std::vector<Inputs> a1, a2;
     for (int r = 0; r < kRanks; ++r) a1.push_back(make_inputs(c1, r));
     for (int r = 0; r < kRanks; ++r) a2.push_back(make_inputs(c2, r));
-    // Separate output buffers for the first call: copy its results out before the second.
+    const int send = hooks ? ep::ll::kPhaseSend : ep::ll::kPhaseBoth;
+    // The routing of call 1 is kept on the host: the harness has one set of device buffers.
     upload(c1, a1[rank]);
-    const int b1 = rt->dispatch(dispatch_args(c1, a1[rank]), stream);
+    ep::LowLatencyDispatchArgs d1 = dispatch_args(c1, a1[rank]);
+    d1.phases = send;
+    const int b1 = rt->dispatch(d1, stream);
     sync_and_check_error(c1, "dispatch 1");
-    bool ok = check_dispatch(c1, a1);
-    std::vector<int64_t> range1(kMaxE * kRanks);
-    CUDA_OK(cudaMemcpy(range1.data(), buf.layout_range, range1.size() * 8, cudaMemcpyDeviceToHost));
-    std::vector<uint8_t> idx1(size_t(kM) * kMaxK * 8);
-    CUDA_OK(cudaMemcpy(idx1.data(), buf.idx, idx1.size(), cudaMemcpyDeviceToHost));
-    std::vector<float> w1(size_t(kM) * kMaxK);
-    CUDA_OK(cudaMemcpy(w1.data(), buf.weights, w1.size() * 4, cudaMemcpyDeviceToHost));
     upload(c2, a2[rank]);
-    const int b2 = rt->dispatch(dispatch_args(c2, a2[rank]), stream);
+    ep::LowLatencyDispatchArgs d2 = dispatch_args(c2, a2[rank]);
+    d2.phases = send;
+    int b2 = b1;
+    bool ok = true;
+    std::vector<int64_t> range1(kMaxE * kRanks), range2(kMaxE * kRanks);
+    if (hooks) {
+      b2 = rt->dispatch(d2, stream);
+      sync_and_check_error(c2, "dispatch 2 send");
+      d1.phases = ep::ll::kPhaseRecv;
+      d1.buffer_index = b1;
+      rt->dispatch(d1, stream);
+      sync_and_check_error(c1, "dispatch 1 recv");
+    }
+    ok = check_dispatch(c1, a1);
+    copy(range1.data(), buf.layout_range, range1.size() * 8, cudaMemcpyDeviceToHost);
+    if (hooks) {
+      d2.phases = ep::ll::kPhaseRecv;
+      d2.buffer_index = b2;
+      rt->dispatch(d2, stream);
+    } else {
+      b2 = rt->dispatch(d2, stream);
+    }
     sync_and_check_error(c2, "dispatch 2");
     if (b1 == b2) ok = fail(c2, "consecutive dispatches used the same buffer");
     if (ok) ok = check_dispatch(c2, a2);
-    std::vector<int64_t> range2(kMaxE * kRanks);
-    CUDA_OK(cudaMemcpy(range2.data(), buf.layout_range, range2.size() * 8, cudaMemcpyDeviceToHost));
-    // Combine of call 1 (its routing restored), then call 2.
-    CUDA_OK(cudaMemcpy(buf.idx, idx1.data(), idx1.size(), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(buf.weights, w1.data(), w1.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(buf.layout_range, range1.data(), range1.size() * 8, cudaMemcpyHostToDevice));
-    std::vector<uint16_t> y = make_y(c1);
-    CUDA_OK(cudaMemcpy(buf.y, y.data(), y.size() * 2, cudaMemcpyHostToDevice));
-    rt->combine(combine_args(c1, a1[rank], b1), stream);
-    sync_and_check_error(c1, "combine 1");
-    if (ok) ok = check_combine(c1, a1);
-    upload(c2, a2[rank]);
-    CUDA_OK(cudaMemcpy(buf.layout_range, range2.data(), range2.size() * 8, cudaMemcpyHostToDevice));
-    y = make_y(c2);
-    CUDA_OK(cudaMemcpy(buf.y, y.data(), y.size() * 2, cudaMemcpyHostToDevice));
-    rt->combine(combine_args(c2, a2[rank], b2), stream);
-    sync_and_check_error(c2, "combine 2");
-    if (ok) ok = check_combine(c2, a2);
+    copy(range2.data(), buf.layout_range, range2.size() * 8, cudaMemcpyDeviceToHost);
+    const std::vector<uint16_t> y1 = make_y(c1), y2 = make_y(c2);
+    auto combine = [&](const Case& c, const std::vector<Inputs>& all, int b, int phases,
+                       const std::vector<int64_t>& range, const std::vector<uint16_t>& y) {
+      upload(c, all[rank]);  // idx and weights of this call
+      copy(buf.layout_range, range.data(), range.size() * 8, cudaMemcpyHostToDevice);
+      copy(buf.y, y.data(), y.size() * 2, cudaMemcpyHostToDevice);
+      ep::LowLatencyCombineArgs ca = combine_args(c, all[rank], b);
+      ca.phases = phases;
+      rt->combine(ca, stream);
+      sync_and_check_error(c, phases == ep::ll::kPhaseSend ? "combine send" : "combine");
+    };
+    if (hooks) {
+      combine(c1, a1, b1, ep::ll::kPhaseSend, range1, y1);
+      combine(c2, a2, b2, ep::ll::kPhaseSend, range2, y2);
+      combine(c1, a1, b1, ep::ll::kPhaseRecv, range1, y1);
+      if (ok) ok = check_combine(c1, a1);
+      combine(c2, a2, b2, ep::ll::kPhaseRecv, range2, y2);
+      if (ok) ok = check_combine(c2, a2);
+    } else {
+      combine(c1, a1, b1, ep::ll::kPhaseBoth, range1, y1);
+      if (ok) ok = check_combine(c1, a1);
+      combine(c2, a2, b2, ep::ll::kPhaseBoth, range2, y2);
+      if (ok) ok = check_combine(c2, a2);
+    }
     rt->barrier();
-    if (ok && rank == 0) std::printf("ok  two consecutive dispatches, then both combines\n");
+    if (ok && rank == 0)
+      std::printf("ok  two consecutive dispatches, then both combines%s\n",
+                  hooks ? " (hooks: two calls in flight)" : "");
   }
 
-  // Round trips with y = recv_x (BF16): out must equal the reference of sum_k w_k * x[t].
-  void soak(int iterations) {
+  // Input sets of the soaks and, per set, this rank's expected combine output for y = recv_x
+  // (BF16): out[t] = bf16(sum_k w_k * x[t]). In set 3 rank 0 routes nothing to rank 1, so
+  // rank 1 sends rank 0 no combine rows (the case the combine handshake unit exists for).
+  struct SoakSets {
     Case c;
-    c.name = "soak";
+    std::vector<std::vector<Inputs>> inputs;
+    std::vector<std::vector<uint16_t>> want;
+  };
+  SoakSets soak_sets(const char* name, int T0, int T1) const {
+    SoakSets ss;
+    Case& c = ss.c;
+    c.name = name;
     c.H = 7168;
     c.K = 8;
     c.E = 16;
-    c.T = c.T1 = kM;
+    c.T = T0;
+    c.T1 = T1;
     const int sets = 4;
-    std::vector<std::vector<uint16_t>> want(sets);
-    std::vector<std::vector<Inputs>> inputs(sets);
+    ss.inputs.resize(sets);
+    ss.want.resize(sets);
     for (int s = 0; s < sets; ++s) {
       c.seed = 1000 + s;
-      for (int r = 0; r < kRanks; ++r) inputs[s].push_back(make_inputs(c, r));
-      const Inputs& in = inputs[s][rank];
-      want[s].resize(size_t(in.T) * c.H);
+      for (int r = 0; r < kRanks; ++r) ss.inputs[s].push_back(make_inputs(c, r));
+      if (s == 3)
+        for (auto& e : ss.inputs[s][0].idx)
+          if (e >= c.E / kRanks) e = -1;
+      const Inputs& in = ss.inputs[s][rank];
+      ss.want[s].resize(size_t(in.T) * c.H);
       for (int t = 0; t < in.T; ++t)
         for (int h = 0; h < c.H; ++h) {
           float acc = 0.0f;
@@ -565,15 +615,23 @@ struct Harness {
             volatile float prod = in.weights[size_t(t) * c.K + k] * bf2f(in.x[size_t(t) * c.H + h]);
             acc = acc + prod;
           }
-          want[s][size_t(t) * c.H + h] = f2bf(acc);
+          ss.want[s][size_t(t) * c.H + h] = f2bf(acc);
         }
     }
+    return ss;
+  }
+
+  // Round trips with y = recv_x (BF16): out must equal the reference of sum_k w_k * x[t].
+  void soak(int iterations) {
+    SoakSets ss = soak_sets("soak", kM, kM);
+    Case& c = ss.c;
+    const int sets = static_cast<int>(ss.inputs.size());
     std::vector<uint16_t> got(size_t(kM) * c.H);
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < iterations; ++i) {
       const int s = i % sets;
       c.seed = 1000 + s;
-      const Inputs& in = inputs[s][rank];
+      const Inputs& in = ss.inputs[s][rank];
       upload(c, in);
       ep::LowLatencyDispatchArgs da = dispatch_args(c, in);
       const int b = rt->dispatch(da, stream);
@@ -581,8 +639,8 @@ struct Harness {
       ca.x = buf.recv_x;
       rt->combine(ca, stream);
       sync_and_check_error(c, "soak");
-      CUDA_OK(cudaMemcpy(got.data(), buf.out, got.size() * 2, cudaMemcpyDeviceToHost));
-      if (std::memcmp(got.data(), want[s].data(), got.size() * 2) != 0) {
+      copy(got.data(), buf.out, size_t(in.T) * c.H * 2, cudaMemcpyDeviceToHost);
+      if (std::memcmp(got.data(), ss.want[s].data(), ss.want[s].size() * 2) != 0) {
         fail(c, "iteration " + std::to_string(i) + ": combined output differs");
         return;
       }
@@ -593,6 +651,49 @@ struct Harness {
     if (rank == 0)
       std::printf("ok  soak: %d dispatch+combine round trips (T=128 H=7168 K=8 E=16), %.1f s\n",
                   iterations, secs);
+  }
+
+  // CUDA graph: one dispatch + combine pair captured once, so its buffer index is frozen and
+  // every replay reuses ONE buffer; the ranks are not kept in step between replays. Inputs
+  // change between replays (same device pointers) and every replay is checked. Rank 1 has
+  // fewer tokens than rank 0 (T differs per rank, fixed in the graph).
+  void graph_soak(int iterations) {
+    SoakSets ss = soak_sets("graph replay", kM, 96);
+    Case& c = ss.c;
+    const int before = failures;
+    const int sets = static_cast<int>(ss.inputs.size());
+    upload(c, ss.inputs[0][rank]);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Inputs& in0 = ss.inputs[0][rank];
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const int b = rt->dispatch(dispatch_args(c, in0), stream);
+    ep::LowLatencyCombineArgs ca = combine_args(c, in0, b);
+    ca.x = buf.recv_x;
+    rt->combine(ca, stream);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<uint16_t> got(size_t(kM) * c.H);
+    for (int i = 0; i < iterations; ++i) {
+      const int s = i % sets;
+      const Inputs& in = ss.inputs[s][rank];
+      upload(c, in);  // legacy-stream copies; `stream` is blocking, so they are ordered with it
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      sync_and_check_error(c, "graph replay");
+      copy(got.data(), buf.out, size_t(in.T) * c.H * 2, cudaMemcpyDeviceToHost);
+      if (std::memcmp(got.data(), ss.want[s].data(), ss.want[s].size() * 2) != 0) {
+        fail(c, "replay " + std::to_string(i) + " (buffer " + std::to_string(b) +
+                    "): combined output differs");
+        break;
+      }
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    rt->barrier();
+    if (rank == 0 && failures == before)
+      std::printf("ok  graph: %d replays of one captured dispatch+combine (one buffer)\n",
+                  iterations);
   }
 
   // Median time of `n` calls after warm-up (CUDA events around each call).
@@ -704,6 +805,7 @@ struct Options {
   bool bench = true;
   bool recreate = true;
   int soak = 2000;
+  int graph = 400;
 };
 
 int run_rank(int rank, const Options& opt, const std::string& tag) {
@@ -816,9 +918,15 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
     c2.mode = kFp8;
     c2.T = 100;
     c2.T1 = 60;
-    hx.run_consecutive(c1, c2);
+    hx.run_consecutive(c1, c2, false);
+    c1.name = "consecutive hooks 1";
+    c1.seed = 902;
+    c2.name = "consecutive hooks 2";
+    c2.seed = 903;
+    hx.run_consecutive(c1, c2, true);
   }
   if (opt.soak > 0) hx.soak(opt.soak);
+  if (opt.graph > 0) hx.graph_soak(opt.graph);
   if (opt.bench) hx.bench();
   const std::string err = hx.rt->check_error();
   if (!err.empty()) {
@@ -871,6 +979,25 @@ int cpu_dump(const std::string& path) {
   return 0;
 }
 
+// A rank that dies (crash, exit on a failed check) would leave the other one blocked forever in
+// an NVSHMEM host barrier, which has no timeout. Rank 1 gets SIGKILL when rank 0 dies
+// (PR_SET_PDEATHSIG); in rank 0 a watchdog thread waits for rank 1 and ends the process when
+// rank 1 dies with a failure. A thread, not a SIGCHLD handler: a signal could interrupt a poll()
+// inside NVSHMEM's socket bootstrap with EINTR.
+std::atomic<int> g_child_status{-1};
+
+void watch_child(pid_t child) {
+  int st = 0;
+  while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
+  }
+  if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+    std::fprintf(stderr, "[rank 0] rank 1 died or failed (status %d); stopping rank 0\n", st);
+    std::fflush(stdout);
+    std::_Exit(1);
+  }
+  g_child_status.store(st);
+}
+
 int main(int argc, char** argv) {
   Options opt;
   for (int i = 1; i < argc; ++i) {
@@ -883,16 +1010,19 @@ int main(int argc, char** argv) {
     } else if (a == "--quick") {
       opt.quick = true;
       opt.soak = 200;
+      opt.graph = 100;
     } else if (a == "--no-bench") {
       opt.bench = false;
     } else if (a == "--no-recreate") {
       opt.recreate = false;
     } else if (a == "--soak" && i + 1 < argc) {
       opt.soak = std::atoi(argv[++i]);
+    } else if (a == "--graph" && i + 1 < argc) {
+      opt.graph = std::atoi(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: %s [--timeout-test] [--no-p2p] [--quick] [--no-bench] [--no-recreate] "
-                   "[--soak N]\n",
+                   "[--soak N] [--graph N]\n",
                    argv[0]);
       return 2;
     }
@@ -906,6 +1036,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() == 1) std::_Exit(1);  // the parent is already gone
     int crc = 1;
     try {
       crc = run_rank(1, opt, tag);
@@ -915,15 +1047,18 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     std::_Exit(crc);
   }
+  std::thread watchdog(watch_child, child);
   int rc = 2;
   try {
     rc = run_rank(0, opt, tag);
   } catch (const std::exception& e) {
     std::printf("[rank 0] FAIL exception: %s\n", e.what());
-    rc = 1;
+    std::fflush(stdout);
+    kill(child, SIGKILL);  // it may be blocked in a collective rank 0 will never join
+    rc = 1;                // (the watchdog then ends this process)
   }
-  int status = 0;
-  waitpid(child, &status, 0);
+  watchdog.join();
+  const int status = g_child_status.load();
   const int child_rc = WIFEXITED(status) ? WEXITSTATUS(status) : 3;
   std::remove(("/tmp/ep_ll_uid_" + tag + "_a").c_str());
   std::remove(("/tmp/ep_ll_uid_" + tag + "_b").c_str());
