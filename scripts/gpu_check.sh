@@ -34,8 +34,14 @@ if [ "${RUN_NATIVE:-0}" = "1" ]; then  # the torch-free kernel harness (correctn
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [ "${RUN_LL:-0}" = "1" ]; then  # NVSHMEM low-latency kernels (correctness, soak, latency)
-  PYTHON=$(command -v python) timeout 400 bash tests/native/build_ll_and_run.sh 2>&1 |
-    tee "$OUT/ll_harness.log" | tail -40
+  export PYTHON=$(command -v python) NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
+  ll=build/native_ll_test/ll_test
+  { BUILD_ONLY=1 bash tests/native/build_ll_and_run.sh &&
+    timeout 330 "$ll" --no-recreate &&                               # the whole suite + latency
+    timeout 90 "$ll" --quick --no-bench --no-recreate --no-p2p &&    # NVSHMEM put path
+    timeout 40 "$ll" --timeout-test &&                               # a stalled peer is named
+    timeout 60 "$ll" --quick --no-bench --soak 0 --graph 0; } 2>&1 |  # runtime re-creation
+    tee "$OUT/ll_harness.log" | tail -60
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
