@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,41 @@ class _Timer:
                             dtype=torch.float64)  # fmt: skip
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # CPU tensor: Gloo, works on shared GPUs too
         return float(mine[0]), float(mine[1])
+
+    def split(
+        self, first: Callable[[], Any], second: Callable[[Any], object]
+    ) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Times ``r = first()`` and then ``second(r)`` separately (e.g. send, then recv hook)."""
+        for _ in range(self.warmup):
+            second(first())
+        samples: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
+        for _ in range(self.iters):
+            if self.flush is not None:
+                self.flush.zero_()
+            _host_barrier()
+            if self.flush is not None:
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                events[0].record()
+            h0 = time.perf_counter()
+            r = first()
+            h1 = time.perf_counter()
+            if self.flush is not None:
+                events[1].record()
+            second(r)
+            h2 = time.perf_counter()
+            if self.flush is not None:
+                events[2].record()
+                events[2].synchronize()
+                samples[0].append(events[0].elapsed_time(events[1]) * 1e3)
+                samples[1].append(events[1].elapsed_time(events[2]) * 1e3)
+            else:
+                samples[0].append((h1 - h0) * 1e6)
+                samples[1].append((h2 - h1) * 1e6)
+            samples[2].append((h1 - h0) * 1e6)
+            samples[3].append((h2 - h1) * 1e6)
+        mine = torch.tensor([statistics.median(v) for v in samples], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return (float(mine[0]), float(mine[2])), (float(mine[1]), float(mine[3]))
 
 
 def _host_barrier() -> None:
@@ -240,14 +276,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             gbps = entries * row_bytes / us / 1e3 if us else 0.0
             rows.append(Row(op, num_tokens, us, host_us, gbps, gbps, note))
 
-        t_fp8 = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True))
+        # Each combine follows its own dispatch (a handle's kernel state serves one combine):
+        # the two are timed separately within each iteration.
+        t_fp8, t_comb = ll_timer.split(
+            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True),
+            lambda dd: ep.low_latency_combine(y, idx, weights, dd.handle),
+        )
         t_bf16 = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False))
-        t_comb = ll_timer(lambda: ep.low_latency_combine(y, idx, weights, d.handle))
         add("ll dispatch FP8", t_fp8, row_fp8, transport)
         add("ll dispatch BF16", t_bf16, row_bf16, transport)
         add("ll combine BF16", t_comb, row_bf16, transport)
         add("ll dispatch FP8 + combine BF16", (t_fp8[0] + t_comb[0], t_fp8[1] + t_comb[1]),
-            row_fp8 + row_bf16)  # fmt: skip
+            row_fp8 + row_bf16, transport)  # fmt: skip
         if not full:
             return
 
@@ -256,17 +296,23 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
                                           return_recv_hook=True)  # fmt: skip
             out.hook()
 
-        t_send = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True,
-                                                       return_recv_hook=True))  # fmt: skip
+        t_send, t_recv = ll_timer.split(
+            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True,
+                                            return_recv_hook=True),
+            lambda out: out.hook(),
+        )  # fmt: skip
         add("ll dispatch FP8, hook mode: send", t_send, row_fp8, transport)
+        add("ll dispatch FP8, hook mode: recv (hook)", t_recv, row_fp8, transport)
         add("ll dispatch FP8, hook mode: send+recv", ll_timer(hooked), row_fp8, transport)
         if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs
+            # A pair, not a lone dispatch: a replay reuses one buffer, which only a combine
+            # between two dispatches makes safe (docs/low_latency.md).
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 g_d = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
-            t_graph = ll_timer(graph.replay)
-            add("ll dispatch FP8 (CUDA graph replay)", t_graph, row_fp8, transport)
-            del g_d
+                ep.low_latency_combine(y, idx, weights, g_d.handle)
+            add("ll dispatch FP8 + combine (CUDA graph replay)", ll_timer(graph.replay),
+                row_fp8 + row_bf16, transport)  # fmt: skip
         if not shared_gpus:  # baseline: the same rows through one all_to_all_single
             per_rank = torch.full((world,), entries // world + 1, dtype=torch.int64)
             send = torch.empty(int(per_rank.sum()) * row_bf16 // 2, dtype=torch.bfloat16,

@@ -19,7 +19,8 @@ def test_bench_runs_on_cpu_and_reports_every_op(tmp_path) -> None:
     for op in ("ep layout", "ep dispatch BF16", "ep dispatch FP8", "ep cached dispatch BF16",
                "ep combine BF16", "ep dispatch+combine BF16", "baseline a2a pipeline (both ways)",
                "ll dispatch FP8", "ll dispatch BF16", "ll combine BF16",
-               "ll dispatch FP8, hook mode: send+recv",
+               "ll dispatch FP8, hook mode: send+recv", "ll dispatch FP8, hook mode: send",
+               "ll dispatch FP8, hook mode: recv (hook)",
                "baseline all_to_all_single x2 (BF16 rows)"):  # fmt: skip
         assert op in ops, (op, sorted(ops))
     assert all(r["us"] > 0 for r in rows), rows

@@ -112,6 +112,8 @@ struct RememberedHandle {
   at::Tensor layout_range;  // held: its address stays its own
   uint32_t version = 0;
   int buffer = 0;
+  uint64_t seq = 0;       // the group's dispatch number
+  bool combined = false;  // its combine ran: the buffer's dispatch state is spent
   // A send-only dispatch awaiting its receive phase: its arguments, and the tensors they point
   // into, kept alive until then.
   bool pending = false;
@@ -136,6 +138,7 @@ struct GroupState {
   LowLatencyConfig config;
   int generation = 0;
   std::deque<RememberedHandle> recent;
+  uint64_t dispatches = 0;  // kernel dispatches so far
 #endif
 };
 
@@ -347,9 +350,13 @@ RememberedHandle* find(GroupState& st, const at::Tensor& layout_range) {
   return nullptr;
 }
 
+// The buffer of a handle whose dispatch state is still in it: one of the group's last two
+// dispatches (they alternate the two buffers; an older one's buffer has been reused since),
+// received, and not combined yet (one combine per dispatch, as the kernels allow).
 int recall(GroupState& st, const at::Tensor& layout_range) {
   const RememberedHandle* h = find(st, layout_range);
-  return h != nullptr && !h->pending ? h->buffer : -1;
+  return h != nullptr && !h->pending && !h->combined && h->seq + 1 >= st.dispatches ? h->buffer
+                                                                                    : -1;
 }
 
 #endif  // EP_WITH_CUDA
@@ -504,6 +511,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   RememberedHandle h;
   h.layout_range = out.layout_range;
   h.buffer = buffer;
+  h.seq = ++st->dispatches;
   if (send_only) {
     h.pending = true;
     h.args = args;
@@ -570,6 +578,9 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
       library().combine(st->runtime, &args,
                         c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err)),
       "low_latency_combine", err);
+  if (RememberedHandle* h = find(*st, a.layout_range)) {
+    h->combined = true;
+  }
   return out;
 }
 

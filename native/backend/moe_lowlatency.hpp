@@ -44,8 +44,9 @@ bool usable(EPProcessGroup& pg, const at::Device& device);
 // Same contract as cpu::lowLatencyDispatch / cpu::lowLatencyCombine (bitwise equal results).
 // send_only: only the send phase runs now; the outputs are complete once receive() has run on
 // the stream (the Python recv hook). At most two dispatches may await their receive. combine
-// returns nullopt, on every rank alike, when the handle is not one of this group's recent
-// kernel dispatches: the caller then runs the ATen path.
+// returns nullopt, on every rank alike, when the handle's dispatch state is no longer in the
+// kernels' buffers (not one of the group's last two kernel dispatches, or already combined): the
+// caller then runs the ATen path, which gives the same result.
 LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a,
                                   bool send_only);
 std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a);
