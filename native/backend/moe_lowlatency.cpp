@@ -299,21 +299,24 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   return rt;
 }
 
-// A kernel error of an earlier call (timeout naming the stalled peer, capacity) surfaces here.
-void raisePendingError(GroupState& st, const char* op) {
+// A kernel error of an earlier call (timeout naming the stalled peer, capacity), "" if none; a
+// non-fatal one is forgotten once read. It is only ever seen by the rank that recorded it (and
+// when the device got to write it), so callers pass it to the agreement as their local error:
+// every rank then raises together instead of this one leaving its peers waiting in a collective.
+std::string pendingError(GroupState& st, const char* op) {
   if (st.runtime == nullptr) {
-    return;
+    return "";
   }
   char msg[1024] = {0};
   int failed = 0;
   if (library().check_error(st.runtime, msg, sizeof(msg), &failed) == 0) {
-    return;
+    return "";
   }
   if (!failed) {
     C10_CUDA_CHECK(cudaDeviceSynchronize());  // clear_error needs an idle device
     library().clear_error(st.runtime);
   }
-  TORCH_CHECK(false, msg, " (reported by the next call, ", op, ")");
+  return std::string(msg) + " (reported by the next call, " + op + ")";
 }
 
 uint32_t versionOf(const at::Tensor& t) {
@@ -373,7 +376,9 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
   TORCH_CHECK(h != nullptr && h->pending,
               "ep low_latency_dispatch hook: this dispatch has no receive pending (was the hook "
               "called twice, or the handle modified?)");
-  raisePendingError(*st, "low_latency_dispatch hook");
+  // No pendingError() here: the hook is not collective, and a rank that skipped its receive would
+  // leave the buffer's arrival counters unreset; an earlier kernel error surfaces at the group's
+  // next dispatch or combine (a timeout makes the library refuse this call anyway).
   c10::cuda::CUDAGuard guard(layout_range.device());
   int buffer = 0;
   char err[1024] = {0};
@@ -444,8 +449,10 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
                                   bool send_only) {
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
-  raisePendingError(*st, "low_latency_dispatch");
-  std::string error = validateLowLatencyDispatch(a, num_ranks);
+  std::string error = pendingError(*st, "low_latency_dispatch");
+  if (error.empty()) {
+    error = validateLowLatencyDispatch(a, num_ranks);
+  }
   if (error.empty() && pendingReceives(*st) >= kMaxPendingReceives) {
     error =
         "ep low_latency_dispatch: two dispatches still await their recv hook; call one "
@@ -529,8 +536,10 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
 std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a) {
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
-  raisePendingError(*st, "low_latency_combine");
-  const std::string error = validateLowLatencyCombine(a, num_ranks);
+  std::string error = pendingError(*st, "low_latency_combine");
+  if (error.empty()) {
+    error = validateLowLatencyCombine(a, num_ranks);
+  }
   const bool ok = error.empty();
   const int buffer = ok ? recall(*st, a.layout_range) : -1;
   std::vector<AgreedField> fields{
