@@ -119,6 +119,7 @@ struct RememberedHandle {
   bool pending = false;
   ep::LowLatencyDispatchArgs args;
   std::vector<at::Tensor> keep_alive;
+  std::optional<c10::cuda::CUDAStream> stream;  // of the send phase: the receive runs there too
 };
 
 // The runtime alternates two buffers: a third dispatch would reuse the buffer of one still
@@ -368,8 +369,8 @@ int recall(GroupState& st, const at::Tensor& layout_range) {
 
 void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
   auto st = stateOf(pg);
-  if (!st->usable) {
-    return;  // the ATen path: the exchange completed inside the dispatch
+  if (!st->usable || !layout_range.is_cuda()) {
+    return;  // the ATen path (also CPU tensors of this group): the exchange completed already
   }
 #ifdef EP_WITH_CUDA
   RememberedHandle* h = find(*st, layout_range);
@@ -380,20 +381,28 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
   // leave the buffer's arrival counters unreset; an earlier kernel error surfaces at the group's
   // next dispatch or combine (a timeout makes the library refuse this call anyway).
   c10::cuda::CUDAGuard guard(layout_range.device());
+  // The receive runs on the send's stream, so the runtime's calls stay in issue order whatever
+  // stream the hook is called on; the caller's stream then waits for it.
+  const c10::cuda::CUDAStream stream = *h->stream;
   int buffer = 0;
   char err[1024] = {0};
-  check(library().dispatch(st->runtime, &h->args,
-                           c10::cuda::getCurrentCUDAStream(layout_range.device().index()).stream(),
-                           &buffer, err, sizeof(err)),
+  check(library().dispatch(st->runtime, &h->args, stream.stream(), &buffer, err, sizeof(err)),
         "low_latency_dispatch hook", err);
   h->pending = false;
   // The stream still reads the inputs and writes the outputs: hand them to the allocator as
   // used on this stream before letting go.
   for (const auto& t : h->keep_alive) {
-    c10::cuda::CUDACachingAllocator::recordStream(
-        t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(layout_range.device().index()));
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
   }
   h->keep_alive.clear();
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(stream.device_index());
+  if (current != stream) {
+    cudaEvent_t received = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&received, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(received, stream.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), received, 0));
+    C10_CUDA_CHECK(cudaEventDestroy(received));  // released once the wait is satisfied
+  }
 #endif
 }
 
@@ -524,6 +533,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
     h.args = args;
     h.args.phases = ll::kPhaseRecv;
     h.args.buffer_index = buffer;
+    h.stream = c10::cuda::getCurrentCUDAStream(device.index());
     h.keep_alive = {a.x, a.topk_idx, out.recv_x, out.recv_count, out.src_info, out.layout_range};
     if (out.recv_x_scales) {
       h.keep_alive.push_back(*out.recv_x_scales);
