@@ -112,7 +112,9 @@ struct RememberedHandle {
   at::Tensor layout_range;  // held: its address stays its own
   uint32_t version = 0;
   int buffer = 0;
-  uint64_t seq = 0;       // the group's dispatch number
+  uint64_t seq = 0;        // the group's dispatch number
+  int64_t num_tokens = 0;  // T and K of the dispatch: its combine must pass the same topk_idx
+  int64_t num_topk = 0;
   bool combined = false;  // its combine ran: the buffer's dispatch state is spent
   // A send-only dispatch awaiting its receive phase: its arguments, and the tensors they point
   // into, kept alive until then.
@@ -528,6 +530,8 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   h.layout_range = out.layout_range;
   h.buffer = buffer;
   h.seq = ++st->dispatches;
+  h.num_tokens = a.topk_idx.size(0);
+  h.num_topk = a.topk_idx.size(1);
   if (send_only) {
     h.pending = true;
     h.args = args;
@@ -551,18 +555,40 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
     error = validateLowLatencyCombine(a, num_ranks);
   }
   const bool ok = error.empty();
-  const int buffer = ok ? recall(*st, a.layout_range) : -1;
+  int buffer = ok ? recall(*st, a.layout_range) : -1;
+  const RememberedHandle* handle = buffer >= 0 ? find(*st, a.layout_range) : nullptr;
+  // Whatever the library would refuse after the agreement (on this rank only, leaving its peers
+  // in the kernel until the timeout) takes the ATen path instead, on every rank alike: another
+  // T or K than the dispatch's (the kernel reads the dispatch's send positions), an H beyond the
+  // buffers, x not 16-byte aligned, topk_weights not contiguous (the kernel reads them [T, K]).
+  bool zero_copy = false;
+  if (handle != nullptr) {
+    ep::LowLatencyBufferView view;
+    char err[1024] = {0};
+    const bool fits_buffer =
+        library().combine_buffer(st->runtime, buffer, static_cast<int>(a.x.size(0) * num_ranks),
+                                 static_cast<int>(a.x.size(2)), &view, err, sizeof(err)) == 0;
+    // x written straight into the send buffer (combineBuffer): no copy-in.
+    zero_copy = fits_buffer && view.ptr == a.x.data_ptr();
+    const bool aligned = reinterpret_cast<uintptr_t>(a.x.data_ptr()) % 16 == 0;
+    if (!fits_buffer || a.topk_idx.size(0) != handle->num_tokens ||
+        a.topk_idx.size(1) != handle->num_topk || !a.topk_weights.is_contiguous() ||
+        !(zero_copy || aligned)) {
+      buffer = -1;
+    }
+  }
   std::vector<AgreedField> fields{
       {"num_max_dispatch_tokens_per_rank", a.num_max_dispatch_tokens_per_rank},
       {"hidden size H", ok ? a.x.size(2) : -1},
   };
-  // Every rank's buffer index: a handle this group's kernels did not make on every rank (a
-  // copy, an older one) sends every rank down the ATen path together, which reads the same
-  // handle format.
-  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, {buffer});
+  // Every rank's buffer index and dispatch number: a handle this group's kernels did not make
+  // on every rank (a copy, an older one, another dispatch's) sends every rank down the ATen path
+  // together, which reads the same handle format.
+  const int64_t seq = buffer >= 0 ? static_cast<int64_t>(handle->seq) : -1;
+  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, {buffer, seq});
   auto g = gathered.accessor<int64_t, 2>();
   for (int64_t r = 0; r < g.size(0); ++r) {
-    if (g[r][0] < 0 || g[r][0] != buffer) {
+    if (g[r][0] < 0 || g[r][0] != buffer || g[r][1] != seq) {
       return std::nullopt;  // every rank sees the same gathered rows: all take the ATen path
     }
   }
@@ -571,15 +597,7 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   const int64_t num_tokens = a.topk_idx.size(0);
   at::Tensor out = at::empty({num_tokens, a.x.size(2)}, a.x.options().dtype(at::kBFloat16));
   ep::LowLatencyCombineArgs args;
-  {
-    // x written straight into the send buffer (combineBuffer): no copy-in.
-    ep::LowLatencyBufferView view;
-    char err[1024] = {0};
-    check(library().combine_buffer(st->runtime, buffer, static_cast<int>(a.x.size(0) * num_ranks),
-                                   static_cast<int>(a.x.size(2)), &view, err, sizeof(err)),
-          "low_latency_combine", err);
-    args.zero_copy = view.ptr == a.x.data_ptr() && a.x.is_contiguous();
-  }
+  args.zero_copy = zero_copy;
   args.x = a.x.data_ptr();
   args.hidden = static_cast<int>(a.x.size(2));
   args.topk_idx = a.topk_idx.data_ptr();
