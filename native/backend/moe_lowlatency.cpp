@@ -476,17 +476,28 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
       {"hidden size H", ok ? a.x.size(1) : -1}, {"use_fp8", a.use_fp8},
       {"round_scale", a.round_scale},           {"use_ue8m0", a.use_ue8m0},
   };
-  const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0};
+  const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0, pendingReceives(*st)};
   at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
   int64_t max_topk = 1;
+  int64_t pending = 0;  // receives still awaited, over all ranks
   auto g = gathered.accessor<int64_t, 2>();
   for (int64_t r = 0; r < g.size(0); ++r) {
     max_topk = std::max(max_topk, g[r][0]);
+    pending += g[r][1];
   }
+
+  const int64_t hidden = a.x.size(1);
+  // A rebuild frees both buffers, and with them the rows of a dispatch awaiting its receive.
+  // Every input of this decision is agreed, so every rank raises alike.
+  TORCH_CHECK(st->runtime == nullptr || fits(st->config, m, hidden, max_topk, a.num_experts) ||
+                  pending == 0,
+              "ep low_latency_dispatch: M=", m, ", H=", hidden, ", top-k=", max_topk,
+              ", E=", a.num_experts,
+              " need new NVSHMEM buffers, but a dispatch still awaits its recv hook (on some "
+              "rank); call the hooks first (nothing was exchanged)");
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
-  const int64_t hidden = a.x.size(1);
   void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const int64_t slots = num_ranks * m;
