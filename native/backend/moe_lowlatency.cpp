@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <deque>
 
+#include "moe_cpu.hpp"
 #include "moe_validation.hpp"
 #include "nvshmem_capi.h"
 #include "nvshmem_runtime.hpp"
@@ -375,10 +376,20 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
     return;  // the ATen path (also CPU tensors of this group): the exchange completed already
   }
 #ifdef EP_WITH_CUDA
-  RememberedHandle* h = find(*st, layout_range);
-  TORCH_CHECK(h != nullptr && h->pending,
+  // By identity alone (the hook holds the dispatch's own tensor): a pending receive must run.
+  RememberedHandle* h = nullptr;
+  for (auto& r : st->recent) {
+    if (r.layout_range.is_same(layout_range)) {
+      h = &r;
+      break;
+    }
+  }
+  if (h == nullptr) {
+    return;  // a dispatch that took the ATen path (sizes beyond the kernels' buffers)
+  }
+  TORCH_CHECK(h->pending,
               "ep low_latency_dispatch hook: this dispatch has no receive pending (was the hook "
-              "called twice, or the handle modified?)");
+              "called twice?)");
   // No pendingError() here: the hook is not collective, and a rank that skipped its receive would
   // leave the buffer's arrival counters unreset; an earlier kernel error surfaces at the group's
   // next dispatch or combine (a timeout makes the library refuse this call anyway).
@@ -487,6 +498,11 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   }
 
   const int64_t hidden = a.x.size(1);
+  // Sizes beyond what the kernels' buffers can ever hold: the ATen path, on every rank alike
+  // (H and E are agreed). Its handle is unknown to the kernels, so its combine and hook do too.
+  if (hidden > ll::kMaxHidden || a.num_experts > ll::kMaxExperts) {
+    return cpu::lowLatencyDispatch(pg, a);
+  }
   // A rebuild frees both buffers, and with them the rows of a dispatch awaiting its receive.
   // Every input of this decision is agreed, so every rank raises alike.
   TORCH_CHECK(st->runtime == nullptr || fits(st->config, m, hidden, max_topk, a.num_experts) ||
