@@ -515,6 +515,8 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
+  // The kernels read x with 16-byte loads (a contiguous slice may start anywhere).
+  const at::Tensor x = reinterpret_cast<uintptr_t>(a.x.data_ptr()) % 16 == 0 ? a.x : a.x.clone();
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const int64_t slots = num_ranks * m;
   const auto opts = a.x.options();
@@ -531,8 +533,8 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   out.layout_range = at::empty({experts_per_rank, num_ranks}, opts.dtype(at::kLong));
 
   ep::LowLatencyDispatchArgs args;
-  args.x = a.x.data_ptr();
-  args.num_tokens = static_cast<int>(a.x.size(0));
+  args.x = x.data_ptr();
+  args.num_tokens = static_cast<int>(x.size(0));
   args.hidden = static_cast<int>(hidden);
   args.topk_idx = a.topk_idx.data_ptr();
   args.idx_bytes = static_cast<int>(a.topk_idx.element_size());
@@ -565,7 +567,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
     h.args.phases = ll::kPhaseRecv;
     h.args.buffer_index = buffer;
     h.stream = c10::cuda::getCurrentCUDAStream(device.index());
-    h.keep_alive = {a.x, a.topk_idx, out.recv_x, out.recv_count, out.src_info, out.layout_range};
+    h.keep_alive = {x, a.topk_idx, out.recv_x, out.recv_count, out.src_info, out.layout_range};
     if (out.recv_x_scales) {
       h.keep_alive.push_back(*out.recv_x_scales);
     }
