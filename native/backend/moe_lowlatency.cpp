@@ -289,11 +289,16 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   if (pg.getRank() == 0) {
     std::array<uint8_t, 1024> uid{};
     size_t written = 0;
-    check(lib.unique_id(&cfg, uid.data(), uid.size(), &written, err, sizeof(err)),
-          "low_latency setup", err);
-    pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + written));
+    const int rc = lib.unique_id(&cfg, uid.data(), uid.size(), &written, err, sizeof(err));
+    // Posted even on failure (empty): the other ranks wait for this key, and would otherwise
+    // wait out the store timeout.
+    pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + (rc == 0 ? written : 0)));
+    check(rc, "low_latency setup", err);
   }
   const std::vector<uint8_t> uid = pg.store()->get(key);
+  TORCH_CHECK(!uid.empty(),
+              "ep low_latency setup: rank 0 could not get an NVSHMEM unique id (see "
+              "its error)");
   void* rt = nullptr;
   check(lib.create(pg.getRank(), pg.getSize(), device.index(), uid.data(), uid.size(), &cfg, &rt,
                    err, sizeof(err)),
