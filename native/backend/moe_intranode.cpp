@@ -23,6 +23,7 @@
 #include <sstream>
 
 #include "ep_process_group.hpp"
+#include "group_state.hpp"
 #include "intranode_runtime.hpp"
 #include "moe_validation.hpp"
 
@@ -53,42 +54,14 @@ struct GroupState {
 
 constexpr size_t kRecentHandles = 4;
 
-std::mutex& registryMutex() {
-  static std::mutex m;
-  return m;
-}
-
-// Leaked on purpose: no CUDA calls from static destructors at process exit (groups that were
-// shut down have already freed their state through their shutdown hook).
-std::map<EPProcessGroup*, std::shared_ptr<GroupState>>& registry() {
-  static auto* r = new std::map<EPProcessGroup*, std::shared_ptr<GroupState>>();
-  return *r;
-}
-
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
-  std::lock_guard<std::mutex> lock(registryMutex());
-  auto& entry = registry()[&pg];
-  if (!entry) {
-    entry = std::make_shared<GroupState>();
-    EPProcessGroup* key = &pg;
-    pg.addShutdownHook([key] {
-      std::shared_ptr<GroupState> state;
-      {
-        std::lock_guard<std::mutex> lock(registryMutex());
-        auto it = registry().find(key);
-        if (it == registry().end()) {
-          return;
-        }
-        state = it->second;
-        registry().erase(it);
-      }
-      if (state->runtime) {
-        cudaDeviceSynchronize();
-        state->runtime->destroy();
-      }
-    });
-  }
-  return entry;
+  static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
+    if (state.runtime) {
+      cudaDeviceSynchronize();
+      state.runtime->destroy();
+    }
+  });
+  return states->of(pg);
 }
 
 std::string keyPrefix(EPProcessGroup& pg) {

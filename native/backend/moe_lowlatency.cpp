@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "ep_process_group.hpp"
+#include "group_state.hpp"
 
 #ifdef EP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -146,55 +147,33 @@ struct GroupState {
 #endif
 };
 
-std::mutex& registryMutex() {
-  static std::mutex m;
-  return m;
-}
-
-// Leaked on purpose (no CUDA/NVSHMEM work from static destructors at exit); entries leave at
-// group shutdown.
-std::map<EPProcessGroup*, std::shared_ptr<GroupState>>& registry() {
-  static auto* r = new std::map<EPProcessGroup*, std::shared_ptr<GroupState>>();
-  return *r;
-}
-
 // NVSHMEM is process-global: the one group whose low-latency ops use it.
+std::mutex g_owner_mutex;
 EPProcessGroup* g_owner = nullptr;
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
-  std::lock_guard<std::mutex> lock(registryMutex());
-  auto& entry = registry()[&pg];
-  if (!entry) {
-    entry = std::make_shared<GroupState>();
-    EPProcessGroup* key = &pg;
-    pg.addShutdownHook([key] {
-      std::shared_ptr<GroupState> state;
-      {
-        std::lock_guard<std::mutex> lock(registryMutex());
-        auto it = registry().find(key);
-        if (it == registry().end()) {
-          return;
-        }
-        state = it->second;
-        registry().erase(it);
-        if (g_owner == key) {
-          g_owner = nullptr;
-        }
+  static auto* states = new GroupStates<GroupState>([](EPProcessGroup* key, GroupState& state) {
+    {
+      std::lock_guard<std::mutex> lock(g_owner_mutex);
+      if (g_owner == key) {
+        g_owner = nullptr;
       }
+    }
 #ifdef EP_WITH_CUDA
-      if (state->runtime != nullptr) {
-        // Collective in NVSHMEM terms; at shutdown every rank tears its group down too.
-        char err[512] = {0};
-        cudaDeviceSynchronize();
-        if (library().destroy(state->runtime, err, sizeof(err)) != 0) {
-          TORCH_WARN("ep: releasing the NVSHMEM low-latency runtime: ", err);
-        }
-        state->runtime = nullptr;
+    if (state.runtime != nullptr) {
+      // Collective in NVSHMEM terms; at shutdown every rank tears its group down too.
+      char err[512] = {0};
+      cudaDeviceSynchronize();
+      if (library().destroy(state.runtime, err, sizeof(err)) != 0) {
+        TORCH_WARN("ep: releasing the NVSHMEM low-latency runtime: ", err);
       }
+      state.runtime = nullptr;
+    }
+#else
+    (void)state;
 #endif
-    });
-  }
-  return entry;
+  });
+  return states->of(pg);
 }
 
 #ifdef EP_WITH_CUDA
@@ -215,7 +194,7 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   } else if (!library().ok) {
     why = library().error;
   } else {
-    std::lock_guard<std::mutex> lock(registryMutex());
+    std::lock_guard<std::mutex> lock(g_owner_mutex);
     if (g_owner != nullptr && g_owner != &pg) {
       why = "another group of this process owns NVSHMEM (one group per process)";
     }
@@ -249,7 +228,7 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   st.why = why;
   st.decided = true;
   if (st.usable) {
-    std::lock_guard<std::mutex> lock(registryMutex());
+    std::lock_guard<std::mutex> lock(g_owner_mutex);
     g_owner = &pg;
   }
 }

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "ep_process_group.hpp"
+#include "group_state.hpp"
 #include "host_exchange.hpp"
 
 namespace ep {
@@ -367,29 +368,9 @@ struct ExchangeState {
   std::unique_ptr<HostExchange> exchange;
 };
 
-std::mutex& exchangeMutex() {
-  static std::mutex m;
-  return m;
-}
-
-// Leaked on purpose (no work in static destructors at exit); entries leave at group shutdown.
-std::map<EPProcessGroup*, std::shared_ptr<ExchangeState>>& exchanges() {
-  static auto* m = new std::map<EPProcessGroup*, std::shared_ptr<ExchangeState>>();
-  return *m;
-}
-
 std::shared_ptr<ExchangeState> exchangeOf(EPProcessGroup& pg) {
-  std::lock_guard<std::mutex> lock(exchangeMutex());
-  auto& entry = exchanges()[&pg];
-  if (!entry) {
-    entry = std::make_shared<ExchangeState>();
-    EPProcessGroup* key = &pg;
-    pg.addShutdownHook([key] {
-      std::lock_guard<std::mutex> lock(exchangeMutex());
-      exchanges().erase(key);
-    });
-  }
-  return entry;
+  static auto* states = new GroupStates<ExchangeState>();
+  return states->of(pg);
 }
 
 at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
