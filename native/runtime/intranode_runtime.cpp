@@ -10,42 +10,23 @@
 #include <thread>
 
 #include "intranode_kernels.hpp"
+#include "runtime_util.hpp"
 
 namespace ep {
 namespace {
 
+constexpr const char* kComponent = "ep intranode";
+
 void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::ostringstream os;
-    os << "ep intranode: " << what << " failed: " << cudaGetErrorString(e);
-    throw std::runtime_error(os.str());
-  }
+  runtime::cuda_check(e, kComponent, what);
 }
-
-// Restores the caller's current device when leaving a scope.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int current = -1;
-    cudaGetDevice(&current);
-    if (current != previous_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
 
 void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("ep intranode: " + message);
+  runtime::require(ok, kComponent, message);
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
+using runtime::aligned16;
+using runtime::DeviceGuard;
 
 const char* op_name(int op) {
   switch (op) {
