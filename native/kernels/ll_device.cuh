@@ -15,39 +15,20 @@
 #include <cstdint>
 
 #include "ll_common.hpp"
+#include "ptx_memory.cuh"
 
 namespace ep {
 namespace ll {
 namespace device {
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+using ptx::fence_acq_rel_sys;
+using ptx::ld_acquire_sys;
+using ptx::ld_relaxed_sys;
+using ptx::ld_volatile_int;
+using ptx::st_release_sys;
 
 __device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void fence_acq_rel_sys() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-}
-
-__device__ __forceinline__ int ld_volatile_int(const int* p) {
-  int v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {

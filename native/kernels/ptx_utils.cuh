@@ -17,41 +17,19 @@
 #include <cstdint>
 
 #include "intranode_common.hpp"
+#include "ptx_memory.cuh"
 
 namespace ep {
 namespace device {
 
+using ptx::fence_acq_rel_sys;
+using ptx::ld_acquire_sys;
+using ptx::ld_relaxed_sys;
+using ptx::ld_volatile_int;
+using ptx::st_relaxed_sys;
+using ptx::st_release_sys;
+
 // ---- scalar loads/stores with explicit semantics --------------------------------------------
-
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void fence_acq_rel_sys() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-}
-
-__device__ __forceinline__ int ld_volatile_int(const int* p) {
-  int v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // CTA-scope release/acquire on shared memory: the hand-off from a worker warp to its block's
 // publisher warp. With the publisher's later fence.acq_rel.sys this forms a cumulative release
