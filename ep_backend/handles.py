@@ -132,7 +132,9 @@ class LowLatencyHandle:
         hidden: ``H``.
         num_experts: ``E``.
         num_ranks: ``R``.
-        buffer_index: which of the two alternating buffers the call used (``0`` on CPU).
+        buffer_index: ``0``. Kept for the reference's layout; the NVSHMEM kernels track the
+            buffer of each dispatch themselves (by the identity of ``layout_range``), so this
+            field says nothing about it.
     """
 
     src_info: torch.Tensor
