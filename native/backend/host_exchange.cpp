@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "ep_process_group.hpp"
+#include "store_exchange.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -40,42 +41,6 @@ std::string stringOf(const std::vector<uint8_t>& v) {
   return std::string(v.begin(), v.end());
 }
 
-std::string hostName() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
-
-// Waits for keys of every rank under `prefix`; names the ranks whose key never appeared.
-std::vector<std::string> getAll(EPProcessGroup& pg, const std::string& prefix,
-                                const std::string& what) {
-  const int n = pg.getSize();
-  std::vector<std::string> keys;
-  for (int r = 0; r < n; ++r) {
-    keys.push_back(prefix + std::to_string(r));
-  }
-  const auto timeout = pg.options()->timeout;
-  try {
-    pg.store()->wait(keys, timeout);
-  } catch (const std::exception& e) {
-    std::string missing;
-    for (int r = 0; r < n; ++r) {
-      if (!pg.store()->check({keys[r]})) {
-        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      }
-    }
-    TORCH_CHECK(false, what, ": rank ", pg.getRank(), " waited ",
-                std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
-                " s for the other ranks of the group to join this call; rank(s) ",
-                missing.empty() ? std::string("?") : missing, " never joined it (", e.what(), ")");
-  }
-  std::vector<std::string> values;
-  for (const auto& k : keys) {
-    values.push_back(stringOf(pg.store()->get(k)));
-  }
-  return values;
-}
-
 }  // namespace
 
 std::unique_ptr<HostExchange> HostExchange::connect(EPProcessGroup& pg, const std::string& what) {
@@ -85,9 +50,8 @@ std::unique_ptr<HostExchange> HostExchange::connect(EPProcessGroup& pg, const st
   const bool allowed = !(env != nullptr && std::string(env) == "gloo");
   const std::string prefix = "ep_hostx/" + pg.options()->group_name + "/";
   // Phase 1: one host, and shared memory wanted everywhere?
-  pg.store()->set(prefix + "host/" + std::to_string(rank),
-                  bytesOf((allowed ? "1|" : "0|") + hostName()));
-  const auto hosts = getAll(pg, prefix + "host/", what);
+  const auto hosts =
+      allGatherStrings(pg, prefix + "host/", (allowed ? "1|" : "0|") + hostName(), what);
   bool usable = n > 1;
   for (const auto& h : hosts) {
     usable = usable && h == hosts[0] && h[0] == '1';
@@ -121,9 +85,8 @@ std::unique_ptr<HostExchange> HostExchange::connect(EPProcessGroup& pg, const st
       close(fd);
     }
   }
-  pg.store()->set(prefix + "mapped/" + std::to_string(rank),
-                  bytesOf(base != MAP_FAILED ? "1" : "0"));
-  const auto mapped = getAll(pg, prefix + "mapped/", what);
+  const auto mapped =
+      allGatherStrings(pg, prefix + "mapped/", base != MAP_FAILED ? "1" : "0", what);
   if (rank == 0 && !name.empty()) {
     shm_unlink(name.c_str());  // every rank has it mapped (or gave up): nothing left in /dev/shm
   }

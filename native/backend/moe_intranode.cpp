@@ -26,6 +26,7 @@
 #include "group_state.hpp"
 #include "intranode_runtime.hpp"
 #include "moe_validation.hpp"
+#include "store_exchange.hpp"
 
 namespace ep::intranode {
 namespace {
@@ -68,14 +69,6 @@ std::string keyPrefix(EPProcessGroup& pg) {
   return "ep_intranode/" + pg.options()->group_name + "/";
 }
 
-std::vector<uint8_t> toBytes(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
-}
-
-std::string fromBytes(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
-}
-
 // EP_PROFILE_HOST=1: one line per call on stderr with the host time of each stage (µs), to find
 // where a call's host time goes.
 class HostStages {
@@ -116,20 +109,16 @@ bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
   if (num_ranks < 2 || num_ranks > kMaxRanks) {
     return false;
   }
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  const std::string mine =
-      std::string(host) + "|" + std::to_string(static_cast<int>(device.index()));
-  auto& store = pg.store();
   const std::string prefix = keyPrefix(pg) + "topology/";
-  store->set(prefix + std::to_string(rank), toBytes(mine));
+  const std::vector<std::string> posted =
+      allGatherStrings(pg, prefix, hostName() + "|" + std::to_string(int(device.index())),
+                       "ep dispatch (transport setup)");
   std::vector<std::string> hosts(num_ranks);
   std::vector<int> devices(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
-    std::string v = fromBytes(store->get(prefix + std::to_string(r)));
-    auto bar = v.rfind('|');
-    hosts[r] = v.substr(0, bar);
-    devices[r] = std::stoi(v.substr(bar + 1));
+    const auto bar = posted[r].rfind('|');
+    hosts[r] = posted[r].substr(0, bar);
+    devices[r] = std::stoi(posted[r].substr(bar + 1));
   }
   bool ok = true;
   for (int r = 0; r < num_ranks; ++r) {
@@ -140,10 +129,10 @@ bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
       ok = ok && can;
     }
   }
-  store->set(prefix + "ok/" + std::to_string(rank), toBytes(ok ? "1" : "0"));
   bool all = true;
-  for (int r = 0; r < num_ranks; ++r) {
-    all = all && fromBytes(store->get(prefix + "ok/" + std::to_string(r))) == "1";
+  for (const auto& verdict :
+       allGatherStrings(pg, prefix + "ok/", ok ? "1" : "0", "ep dispatch (transport setup)")) {
+    all = all && verdict == "1";
   }
   return all;
 }

@@ -8,6 +8,7 @@
 
 #include "ep_process_group.hpp"
 #include "group_state.hpp"
+#include "store_exchange.hpp"
 
 #ifdef EP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -178,15 +179,9 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
 
 #ifdef EP_WITH_CUDA
 
-std::vector<uint8_t> bytesOf(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
-}
-
 // Collective: every rank posts whether it can run the kernels; usable only if all can, each on
 // a GPU of its own.
 void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
-  const int rank = pg.getRank();
-  const int n = pg.getSize();
   std::string why;
   const char* mode = std::getenv("EP_LOW_LATENCY");
   if (mode != nullptr && std::string(mode) == "aten") {
@@ -199,17 +194,14 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
       why = "another group of this process owns NVSHMEM (one group per process)";
     }
   }
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
   const std::string prefix = "ep_ll/" + pg.options()->group_name + "/decide/";
-  pg.store()->set(prefix + std::to_string(rank),
-                  bytesOf((why.empty() ? "1|" : "0|") + std::string(host) + "|" +
-                          std::to_string(static_cast<int>(device.index()))));
+  const std::vector<std::string> posted = allGatherStrings(
+      pg, prefix,
+      (why.empty() ? "1|" : "0|") + hostName() + "|" + std::to_string(int(device.index())),
+      "ep low_latency_dispatch (transport setup)");
   std::vector<std::string> seen;
   bool all = true;
-  for (int r = 0; r < n; ++r) {
-    const auto v = pg.store()->get(prefix + std::to_string(r));
-    const std::string s(v.begin(), v.end());
+  for (const std::string& s : posted) {
     all = all && s[0] == '1';
     const std::string where = s.substr(2);
     for (const auto& w : seen) {
