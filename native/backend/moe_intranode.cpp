@@ -69,6 +69,11 @@ std::string keyPrefix(EPProcessGroup& pg) {
   return "ep_intranode/" + pg.options()->group_name + "/";
 }
 
+bool profilingHost() {
+  static const bool on = std::getenv("EP_PROFILE_HOST") != nullptr;
+  return on;
+}
+
 // EP_PROFILE_HOST=1: one line per call on stderr with the host time of each stage (µs), to find
 // where a call's host time goes.
 class HostStages {
@@ -91,10 +96,7 @@ class HostStages {
   }
 
  private:
-  static bool enabled() {
-    static const bool on = std::getenv("EP_PROFILE_HOST") != nullptr;
-    return on;
-  }
+  static bool enabled() { return profilingHost(); }
   static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
   const char* op_;
   bool on_;
@@ -173,7 +175,7 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
     needs.topk = std::max<int64_t>(needs.topk, old.max_topk);
     needs.scales = std::max<int64_t>(needs.scales, old.max_scales);
     needs.local_experts = std::max<int64_t>(needs.local_experts, old.max_local_experts);
-    if (std::getenv("EP_PROFILE_HOST") != nullptr) {
+    if (profilingHost()) {
       std::fprintf(stderr,
                    "ep intranode: rebuilding the transport (needs %lld tokens, %lld "
                    "hidden bytes, top-%lld, %lld scales, %lld local experts)\n",
