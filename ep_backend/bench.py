@@ -305,14 +305,33 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         add("ll dispatch FP8, hook mode: recv (hook)", t_recv, row_fp8, transport)
         add("ll dispatch FP8, hook mode: send+recv", ll_timer(hooked), row_fp8, transport)
         if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs
-            # A pair, not a lone dispatch: a replay reuses one buffer, which only a combine
-            # between two dispatches makes safe (docs/low_latency.md).
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # Eager calls pay this host's launch gap between kernels; a graph of `calls` calls
+            # back to back keeps the GPU busy, so time / calls is the kernels' own latency.
+            # An even count of alternating-buffer dispatches (or dispatch+combine pairs) is what
+            # makes back-to-back replays safe (docs/low_latency.md).
+            calls = 16
+
+            def per_call(body: Callable[[], object]) -> tuple[float, float]:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(calls):
+                        body()
+                us, host_us = ll_timer(graph.replay)
+                return us / calls, host_us / calls
+
+            def pair() -> None:
                 g_d = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
                 ep.low_latency_combine(y, idx, weights, g_d.handle)
-            add("ll dispatch FP8 + combine (CUDA graph replay)", ll_timer(graph.replay),
-                row_fp8 + row_bf16, transport)  # fmt: skip
+
+            g_fp8 = per_call(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True))
+            g_bf16 = per_call(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False))
+            g_pair = per_call(pair)
+            note = f"{transport}, CUDA graph of {calls}"
+            add("ll dispatch FP8 (graph)", g_fp8, row_fp8, note)
+            add("ll dispatch BF16 (graph)", g_bf16, row_bf16, note)
+            add("ll combine BF16 (graph: pair - FP8 dispatch)",
+                (g_pair[0] - g_fp8[0], g_pair[1] - g_fp8[1]), row_bf16, note)  # fmt: skip
+            add("ll dispatch FP8 + combine BF16 (graph)", g_pair, row_fp8 + row_bf16, note)
         if not shared_gpus:  # baseline: the same rows through one all_to_all_single
             per_rank = torch.full((world,), entries // world + 1, dtype=torch.int64)
             send = torch.empty(int(per_rank.sum()) * row_bf16 // 2, dtype=torch.bfloat16,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds ep_backend with CUDA against the installed torch, runs the GPU tests and the benchmark.
 # Usage (on a machine with GPUs): bash scripts/gpu_check.sh [extra pytest args]
-# SKIP_TESTS=1 / SKIP_BENCH=1 skip parts; RUN_NATIVE=1 also runs the torch-free intranode kernel
-# harness, RUN_LL=1 the torch-free NVSHMEM low-latency harness (2 GPUs).
+# SKIP_TESTS=1 / SKIP_BENCH=1 skip parts, BENCH_ARGS adds bench flags; RUN_NATIVE=1 also runs
+# the torch-free intranode kernel harness, RUN_LL=1 the torch-free NVSHMEM low-latency harness
+# (2 GPUs; LL_QUICK=1: short suite).
 # Logs go to $OUT (default ./out). Repeat the figures in docs/performance.md with this script.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,12 +27,16 @@ if [ -n "${PREBUILT:-}" ] && ls "$PREBUILT"/_C*.so >/dev/null 2>&1; then
   cp "$PREBUILT"/*.so ep_backend/
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   echo "using prebuilt $(ls "$PREBUILT")"
-elif ! python -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1; then
+elif ! python -m pip install -v --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
   echo "BUILD FAILED"
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
+if [ "$EP_WITH_CUDA" = "1" ] && [ ! -e ep_backend/libep_nvshmem.so ]; then
+  echo "WARNING: ep_backend/libep_nvshmem.so is missing: the low-latency ops will use ATen"
+  grep -A16 "libep_nvshmem.so not built" "$OUT/build.log" | head -20
+fi
 # PACK=1: put the built libraries under $OUT/prebuilt so a later run can name them in PREBUILT.
 if [ "${PACK:-0}" = "1" ]; then mkdir -p "$OUT/prebuilt" && cp ep_backend/*.so "$OUT/prebuilt/"; fi
 
@@ -46,7 +51,10 @@ if [ "${RUN_LL:-0}" = "1" ]; then  # NVSHMEM low-latency kernels (correctness, s
     local r=$?; echo "== ll_test $* -> rc=$r"; return $r
   }
   if [ -x "$ll" ]; then
-    {
+    if [ "${LL_QUICK:-0}" = "1" ]; then  # short suite + latency only
+      run_ll 150 --quick --no-recreate 2>&1 | tee "$OUT/ll_harness.log" | grep -v "^ok "
+      rc=$(( rc | PIPESTATUS[0] ))
+    else {
       run_ll "${LL_SUITE_S:-240}" --no-recreate; r1=$?                   # the whole suite + latency
       run_ll 90 --quick --no-bench --no-recreate --no-p2p; r2=$?         # NVSHMEM put path
       run_ll 40 --timeout-test; r3=$?                                    # a stalled peer is named
@@ -54,6 +62,7 @@ if [ "${RUN_LL:-0}" = "1" ]; then  # NVSHMEM low-latency kernels (correctness, s
       exit $(( r1 | r2 | r3 | r4 ))
     } 2>&1 | tee "$OUT/ll_harness.log" | grep -vE "^\s*$" | tail -60
     rc=$(( rc | PIPESTATUS[0] ))
+    fi
   fi
 fi
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
@@ -66,7 +75,7 @@ if [ "${RUN_NATIVE:-0}" = "1" ]; then  # the torch-free kernel harness (correctn
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  python -m ep_backend.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  python -m ep_backend.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 exit $rc
