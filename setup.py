@@ -97,16 +97,22 @@ class CMakeBuild(build_ext):
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built[0], dest)
         if with_cuda:
-            self._build_low_latency_library(build_dir, jobs, dest.parent)
+            targets = [dest.parent]
+            if getattr(self, "editable_mode", False):
+                # An editable install copies only the extension module into the source tree;
+                # the library _C loads from beside itself must land there too.
+                targets.append(ROOT / "ep_backend")
+            self._build_low_latency_library(build_dir, jobs, targets)
 
     @staticmethod
-    def _build_low_latency_library(build_dir: Path, jobs: str, package_dir: Path) -> None:
+    def _build_low_latency_library(build_dir: Path, jobs: str, package_dirs: list[Path]) -> None:
         """libep_nvshmem.so (NVSHMEM low-latency kernels), loaded by _C at run time when present.
 
         Optional: where NVSHMEM is missing or the library does not build, the low-latency ops run
         on the ATen path and the rest of ep_backend is unaffected.
         """
-        (package_dir / "libep_nvshmem.so").unlink(missing_ok=True)  # never load a stale one
+        for package_dir in package_dirs:  # never load a stale one
+            (package_dir / "libep_nvshmem.so").unlink(missing_ok=True)
         result = subprocess.run(
             ["cmake", "--build", str(build_dir), "--target", "ep_nvshmem", "-j", jobs],
             capture_output=True, text=True,
@@ -117,8 +123,9 @@ class CMakeBuild(build_ext):
             print(f"[ep_backend] WARNING: libep_nvshmem.so not built; low-latency ops will use "
                   f"the ATen path.\n{tail}", flush=True)  # fmt: skip
             return
-        shutil.copy2(built[0], package_dir / built[0].name)
-        print(f"[ep_backend] built {package_dir / built[0].name}", flush=True)
+        for package_dir in package_dirs:
+            shutil.copy2(built[0], package_dir / built[0].name)
+            print(f"[ep_backend] built {package_dir / built[0].name}", flush=True)
 
 
 setup(ext_modules=[CMakeExtension("ep_backend._C")], cmdclass={"build_ext": CMakeBuild})

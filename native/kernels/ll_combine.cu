@@ -3,7 +3,7 @@
 // SEND (expert side, rank r, buffer b of the dispatch): for every (local expert le, source s),
 // the rows begin_s .. begin_s + count_s of x[le] (the layout_range of the dispatch) go back to
 // rank s, slot (global expert r*E_loc + le, position p = row - begin_s) of its combine receive
-// area; each row (remote path) or each warp's batch of rows (P2P path) adds to the arrival
+// area; each row (remote path) or each block's batch of rows (P2P path) adds to the arrival
 // counter of that global expert on rank s. Zero-copy: x is this rank's combine send area
 // (remote puts read it directly; the P2P path reads it like any input).
 // RECV (token side): wait until the arrival counter of every expert reaches the count this rank
@@ -22,8 +22,13 @@ namespace {
 
 using namespace device;
 
+#ifdef EP_LL_TIMELINE
+__device__ uint64_t g_combine_timeline[kTimelineBlocks * kTimelineStages];
+#endif
+
 __device__ void send_phase(const CombineParams& p) {
   const Context& c = p.ctx;
+  const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
   const int warp = warp_id();
   const int R = c.num_ranks;
@@ -46,21 +51,37 @@ __device__ void send_phase(const CombineParams& p) {
     const int count = static_cast<int>(range & 0xFFFFFFFFll);
     const int expert = c.rank * E_loc + le;
     const size_t counter = c.layout.comb_arrived_offset + size_t(expert) * 8;
-    int rows = 0;
-    for (int r = split * 32 + warp; r < count; r += splits * 32) {
-      const size_t src_row = size_t(le) * R * M + begin + r;
-      const char* src = reinterpret_cast<const char*>(p.x) + src_row * row_bytes;
-      const size_t dst = c.layout.comb_recv_offset + (size_t(expert) * M + r) * row_bytes;
-      if (c.peer[s] == nullptr && !zero_copy) {
-        // Remote puts need a symmetric source: stage the row in the send area first.
-        char* staged = c.local + c.layout.comb_send_offset + src_row * row_bytes;
-        for (int i = lane; i < row_bytes / 16; i += 32)
-          st_v4(staged + size_t(i) * 16, ld_nc_v4(src + size_t(i) * 16));
-        __syncwarp();
-        src = staged;
+    // Rows split, split + splits, ... of the group are this block's.
+    const int mine = count > split ? (count - split + splits - 1) / splits : 0;
+    char* peer = c.peer[s];
+    if (peer != nullptr) {
+      // P2P: the whole block stores the rows (16-byte pieces), then one release-add below.
+      const int vecs = row_bytes / 16;
+      for (int i = tid; i < mine * vecs; i += kThreads) {
+        const int r = split + splits * (i / vecs);
+        const int v = i % vecs;
+        const size_t src_row = size_t(le) * R * M + begin + r;
+        const char* src = reinterpret_cast<const char*>(p.x) + src_row * row_bytes;
+        const size_t dst = c.layout.comb_recv_offset + (size_t(expert) * M + r) * row_bytes;
+        st_v4(peer + dst + size_t(v) * 16, ld_nc_v4(src + size_t(v) * 16));
       }
-      warp_put_row(c, s, dst, src, row_bytes, counter, c.peer[s] != nullptr);
-      ++rows;
+      __syncthreads();
+    } else {
+      for (int q = warp; q < mine; q += kThreads / 32) {
+        const int r = split + splits * q;
+        const size_t src_row = size_t(le) * R * M + begin + r;
+        const char* src = reinterpret_cast<const char*>(p.x) + src_row * row_bytes;
+        const size_t dst = c.layout.comb_recv_offset + (size_t(expert) * M + r) * row_bytes;
+        if (!zero_copy) {
+          // Remote puts need a symmetric source: stage the row in the send area first.
+          char* staged = c.local + c.layout.comb_send_offset + src_row * row_bytes;
+          for (int i = lane; i < row_bytes / 16; i += 32)
+            st_v4(staged + size_t(i) * 16, ld_nc_v4(src + size_t(i) * 16));
+          __syncwarp();
+          src = staged;
+        }
+        warp_put_row(c, s, dst, src, row_bytes, counter, false);
+      }
     }
     // Handshake unit: warp 0 of split 0 adds 1 to the counter, rows or no rows, so rank s hears
     // from every rank (it waits for sent_count + 1 on every expert). Without it a rank that was
@@ -71,9 +92,10 @@ __device__ void send_phase(const CombineParams& p) {
     // replay (buffer index frozen at capture) and in the two-micro-batch hook pattern. This
     // kernel runs after this rank's dispatch RECV on the same stream, so the unit also says
     // "done reading this buffer's dispatch area" (and every nbi put source was consumed).
-    const int unit = (split == 0 && warp == 0) ? 1 : 0;
-    p2p_count_rows(c, s, counter, rows + unit);  // P2P: one release-add; no-op otherwise
-    if (c.peer[s] == nullptr && unit && lane == 0) {
+    const int unit = split == 0 ? 1 : 0;
+    // P2P: warp 0 publishes the block's rows (after the barrier above) and the unit at once.
+    if (warp == 0) p2p_count_rows(c, s, counter, mine + unit);
+    if (peer == nullptr && unit && warp == 0 && lane == 0) {
       // No ordering with the rows is needed: the receiver waits for all rows plus this unit,
       // and each row's own signal is delivered after its data.
       nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + counter), 1, NVSHMEM_SIGNAL_ADD, s);
@@ -108,6 +130,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail)
   }
   __syncthreads();
   if (*s_fail) return;
+  EP_LL_MARK(g_combine_timeline, 2);
 
   const int vecs = p.hidden / 8;
   const int row_bytes = p.hidden * 2;
@@ -147,11 +170,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
   // Block-uniform decisions only: every path below contains __syncthreads.
+  EP_LL_MARK(g_combine_timeline, 0);
   if (!__syncthreads_or(aborted(w))) {
     if (p.phases & kPhaseSend) send_phase(p);
+    EP_LL_MARK(g_combine_timeline, 1);
     if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, &s_fail);
   }
   __syncthreads();
+  EP_LL_MARK(g_combine_timeline, 3);
   if (threadIdx.x == 0 && (p.phases & kPhaseRecv)) {
     finish_block(&c.ctrl->blocks_done[1], [&] {
       uint64_t* arrived = reinterpret_cast<uint64_t*>(c.local + c.layout.comb_arrived_offset);
@@ -161,6 +187,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
 }
 
 }  // namespace
+
+#ifdef EP_LL_TIMELINE
+cudaError_t read_combine_timeline(uint64_t* out) {
+  return cudaMemcpyFromSymbol(out, g_combine_timeline, sizeof(g_combine_timeline));
+}
+#endif
 
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};

@@ -22,6 +22,8 @@ constexpr int kThreads = 1024;      // every low-latency kernel: 32 warps
 constexpr int kGroupSize = 128;     // FP8: channels per scale
 constexpr int kNumBuffers = 2;      // calls alternate between two buffers
 constexpr int kMessageHeader = 16;  // int32 source token, 12 bytes padding
+constexpr int kTimelineBlocks = 256;  // EP_LL_TIMELINE builds: blocks stamped
+constexpr int kTimelineStages = 8;
 
 // Phases of one call (hook mode: SEND now, RECV later).
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2, kPhaseBoth = 3 };

@@ -26,6 +26,10 @@ namespace {
 
 using namespace device;
 
+#ifdef EP_LL_TIMELINE
+__device__ uint64_t g_dispatch_timeline[kTimelineBlocks * kTimelineStages];
+#endif
+
 // Stages token t's message in the local send area: header, then BF16 or FP8 + scales.
 __device__ __forceinline__ void stage_message(const DispatchParams& p, const Message& msg, int t,
                                               char* row) {
@@ -135,7 +139,9 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
                (seq << 32) | static_cast<uint64_t>(count));
   }
 
+  EP_LL_MARK(g_dispatch_timeline, 1);
   // 2. Tokens of this block, in order.
+  const int vecs = msg.stride / 16;
   for (int t = t_begin; t < t_end; ++t) {
     if (warp == 0) {
       const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
@@ -146,36 +152,64 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       if (e >= 0 && lower == 0) s_base[e] += __popc(mask);
       const int slot = pos < M ? pos : -1;  // overflow was reported with the counts
       if (lane < K) {
-        s_expert[lane] = e;
+        s_expert[lane] = slot >= 0 ? e : -1;
         s_slot[lane] = slot;
         c.send_pos[size_t(t) * K + lane] = slot;
       }
     }
-    char* row = c.local + c.layout.disp_send_offset + size_t(t) * msg.stride;
-    stage_message(p, msg, t, row);
     __syncthreads();
+    // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all K
+    // copies: both stage the message in the send area. BF16 to P2P peers goes straight from x.
+    bool staged = p.fp8 != 0;
+    for (int k = 0; k < K; ++k)
+      staged |= s_expert[k] >= 0 && c.peer[s_expert[k] / E_loc] == nullptr;
+    char* row = c.local + c.layout.disp_send_offset + size_t(t) * msg.stride;
+    if (staged) {
+      stage_message(p, msg, t, row);
+      __syncthreads();
+    }
+    // P2P destinations: every thread stores its 16-byte pieces of the message to each of them
+    // (the whole block writes, not one warp per destination).
+    const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
+    for (int i = tid; i < vecs; i += kThreads) {
+      const int4 v = staged ? ld_cg_v4(row + size_t(i) * 16)
+                            : (i == 0 ? make_int4(t, 0, 0, 0) : ld_nc_v4(x_row + (i - 1)));
+      for (int k = 0; k < K; ++k) {
+        const int e = s_expert[k];
+        if (e < 0) continue;
+        char* peer = c.peer[e / E_loc];
+        if (peer == nullptr) continue;
+        const int group = (e % E_loc) * R + c.rank;
+        const size_t dst = c.layout.disp_recv_offset + (size_t(group) * M + s_slot[k]) * msg.stride;
+        st_v4(peer + dst + size_t(i) * 16, v);
+      }
+    }
+    __syncthreads();
+    // Publish: warp k releases entry k (P2P: fence + counter add, covering the whole block's
+    // stores ordered by the barrier; otherwise a put with its signal).
     if (warp < K) {
       const int e = s_expert[warp];
-      const int slot = s_slot[warp];
-      if (e >= 0 && slot >= 0) {
+      if (e >= 0) {
         const int dest = e / E_loc;
         const int group = (e % E_loc) * R + c.rank;
-        const size_t dst = c.layout.disp_recv_offset + (size_t(group) * M + slot) * msg.stride;
         const size_t counter = c.layout.disp_arrived_offset + size_t(group) * 8;
-        warp_put_row(c, dest, dst, row, msg.stride, counter, false);
+        if (c.peer[dest] == nullptr) {
+          const size_t dst =
+              c.layout.disp_recv_offset + (size_t(group) * M + s_slot[warp]) * msg.stride;
+          warp_put_row(c, dest, dst, row, msg.stride, counter, false);
+        }
         p2p_count_rows(c, dest, counter, 1);
       }
     }
     __syncthreads();
   }
+  EP_LL_MARK(g_dispatch_timeline, 2);
 }
 
 __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int* s_count,
                            int* s_fail) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
-  const int lane = lane_id();
-  const int warp = warp_id();
   const int R = c.num_ranks;
   const int M = c.max_tokens;
   const int E = p.num_experts;
@@ -221,19 +255,27 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     __syncthreads();
     if (*s_fail) return;
 
+    if (item == static_cast<int>(blockIdx.x)) EP_LL_MARK(g_dispatch_timeline, 3);
+    // Rows split, split + splits, ... of the group are this block's; all threads copy them.
     const size_t out_base = size_t(le) * slots;
-    for (int r = split * 32 + warp; r < count; r += splits * 32) {
+    const int mine = count > split ? (count - split + splits - 1) / splits : 0;
+    const int payload_vecs = msg.payload_bytes / 16;
+    const int per_row = payload_vecs + msg.scale_words + 1;  // 16-byte pieces, scale words, src
+    for (int i = tid; i < mine * per_row; i += kThreads) {
+      const int r = split + splits * (i / per_row);
+      const int j = i % per_row;
       const char* m = c.local + c.layout.disp_recv_offset + (size_t(group) * M + r) * msg.stride;
       const size_t out_row = out_base + begin + r;
-      char* dst = static_cast<char*>(p.recv_x) + out_row * msg.payload_bytes;
-      for (int i = lane; i < msg.payload_bytes / 16; i += 32)
-        st_v4(dst + size_t(i) * 16, ld_cg_v4(m + kMessageHeader + size_t(i) * 16));
-      if (msg.scale_words > 0) {
-        int* sd = static_cast<int*>(p.recv_scales) + out_row * msg.scale_words;
-        const char* ss = m + kMessageHeader + msg.payload_bytes;
-        for (int i = lane; i < msg.scale_words; i += 32) sd[i] = ld_cg_s32(ss + size_t(i) * 4);
+      if (j < payload_vecs) {
+        char* dst = static_cast<char*>(p.recv_x) + out_row * msg.payload_bytes;
+        st_v4(dst + size_t(j) * 16, ld_cg_v4(m + kMessageHeader + size_t(j) * 16));
+      } else if (j < payload_vecs + msg.scale_words) {
+        const int q = j - payload_vecs;
+        static_cast<int*>(p.recv_scales)[out_row * msg.scale_words + q] =
+            ld_cg_s32(m + kMessageHeader + msg.payload_bytes + size_t(q) * 4);
+      } else {
+        p.src_info[out_row] = ld_cg_s32(m);
       }
-      if (lane == 0) p.src_info[out_row] = ld_cg_s32(m);
     }
     if (split == 0 && s == 0) {
       // Per-expert outputs: counts, ranges, stats, src_info (and optionally rows) past the end.
@@ -277,6 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const uint64_t seq =
       ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
   // Block-uniform decisions only: every path below contains __syncthreads.
+  EP_LL_MARK(g_dispatch_timeline, 0);
   if (!__syncthreads_or(aborted(w))) {
     if (p.phases & kPhaseSend) send_phase(p, w, seq, s_total, s_base, s_expert, s_slot);
     // s_total is free again: it holds the counts of the current expert's sources.
@@ -284,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
       recv_phase(p, w, seq, s_total, &s_fail);
   }
   __syncthreads();
+  EP_LL_MARK(g_dispatch_timeline, 4);
   if (threadIdx.x == 0) {
     finish_block(&c.ctrl->blocks_done[0], [&] {
       if (p.phases & kPhaseSend) c.ctrl->dispatch_seq[c.buffer] = seq;
@@ -296,6 +340,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
 }
 
 }  // namespace
+
+#ifdef EP_LL_TIMELINE
+cudaError_t read_dispatch_timeline(uint64_t* out) {
+  return cudaMemcpyFromSymbol(out, g_dispatch_timeline, sizeof(g_dispatch_timeline));
+}
+#endif
 
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};

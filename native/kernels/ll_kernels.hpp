@@ -24,6 +24,14 @@ cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t 
 
 // Largest grid a cooperative launch of each kernel accepts on the current device.
 cudaError_t max_dispatch_blocks(int* blocks);
+
+#ifdef EP_LL_TIMELINE
+// Per-block %globaltimer stamps of the last call, [kTimelineBlocks][kTimelineStages] (ns).
+// Dispatch: start, counts sent, send done, first receive wait over, end. Combine: start, send
+// done, receive waits over, end.
+cudaError_t read_dispatch_timeline(uint64_t* out);
+cudaError_t read_combine_timeline(uint64_t* out);
+#endif
 cudaError_t max_combine_blocks(int* blocks);
 
 }  // namespace ll

@@ -164,6 +164,7 @@ class LowLatencyRuntime {
   LowLatencyBufferView combine_buffer(int buffer_index, int num_experts, int hidden) const;
 
   // Host barrier of all ranks (nvshmem_barrier_all after a device synchronisation).
+  int dispatch_blocks() const { return dispatch_blocks_; }  // grid of both kernels
   void barrier();
 
   // "" when no kernel reported an error, else e.g.

@@ -24,6 +24,8 @@ BUILD=${BUILD:-build/native_ll_test}
 mkdir -p "$BUILD"
 FLAGS=(-arch=sm_90a -std=c++17 -O3 -rdc=true -lineinfo -Xcompiler -ffp-contract=off
   -Inative/kernels -Inative/runtime -I"$NVSHMEM_HOME/include" -I"$CCCL")
+# Per-stage kernel timeline in the harness's latency report (LL_TIMELINE=0 builds without it).
+if [[ "${LL_TIMELINE:-1}" == 1 ]]; then FLAGS+=(-DEP_LL_TIMELINE); fi
 objs=()
 pids=()
 for src in native/kernels/ll_dispatch.cu native/kernels/ll_combine.cu \

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "ll_kernels.hpp"
 #include "nvshmem_runtime.hpp"
 
 namespace {
@@ -749,6 +750,40 @@ struct Harness {
     return ms[ms.size() / 2] * 1000.0 / calls;
   }
 
+  // -DEP_LL_TIMELINE builds: where the last call's time went, per stage: [earliest, latest]
+  // block stamp, µs after the earliest block started.
+  void print_timeline(int mode, const char* op, bool combine) {
+#ifdef EP_LL_TIMELINE
+    std::vector<uint64_t> tl(size_t(ep::ll::kTimelineBlocks) * ep::ll::kTimelineStages);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(combine ? ep::ll::read_combine_timeline(tl.data())
+                    : ep::ll::read_dispatch_timeline(tl.data()));
+    const int stages = combine ? 4 : 5;
+    const int blocks = std::min(ep::ll::kTimelineBlocks, rt->dispatch_blocks());
+    uint64_t t0 = ~0ull;
+    for (int b = 0; b < blocks; ++b) t0 = std::min(t0, tl[size_t(b) * ep::ll::kTimelineStages]);
+    std::string line = "timeline " + std::string(mode_name(mode)) + " " + op + " rank " +
+                       std::to_string(rank) + ":";
+    for (int st = 0; st < stages; ++st) {
+      double lo = 1e30, hi = -1;
+      for (int b = 0; b < blocks; ++b) {
+        const uint64_t v = tl[size_t(b) * ep::ll::kTimelineStages + st];
+        if (v < t0) continue;  // not stamped in this call
+        lo = std::min(lo, (v - t0) / 1e3);
+        hi = std::max(hi, (v - t0) / 1e3);
+      }
+      char part[64];
+      std::snprintf(part, sizeof(part), " s%d [%.1f, %.1f]", st, hi < 0 ? 0.0 : lo, hi);
+      line += part;
+    }
+    std::printf("%s\n", line.c_str());
+#else
+    (void)mode;
+    (void)op;
+    (void)combine;
+#endif
+  }
+
   void bench() {
     for (int mode : {kBf16, kFp8}) {
       Case c;
@@ -799,11 +834,13 @@ struct Harness {
         da.buffer_index = -1;
         rt->dispatch(da, stream);
       });
+      print_timeline(mode, "dispatch", /*combine=*/false);
       const double gp_us = graph_us(calls, [&] {
         da.buffer_index = -1;
         ca.buffer_index = rt->dispatch(da, stream);
         rt->combine(ca, stream);
       });
+      print_timeline(mode, "combine", /*combine=*/true);
       sync_and_check_error(c, "bench (graphs)");
       rt->barrier();
       if (rank == 0)
