@@ -400,7 +400,9 @@ def low_latency_dispatch(
 
     Returns:
         ``LowLatencyDispatchOutput``: ``recv_x`` ``[E_loc, R*M, H]``, scales, ``recv_count``
-        int32 ``[E_loc]`` and the handle for ``low_latency_combine``.
+        int32 ``[E_loc]`` and the handle for ``low_latency_combine``. Only the first
+        ``recv_count[le]`` slots of expert ``le`` hold rows; the rest are unspecified (zero on the
+        reference path, left unwritten by the NVSHMEM kernels, as in DeepEP).
     """
     pg = _group(group)
     stats = cumulative_local_expert_recv_stats

@@ -524,7 +524,9 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   args.recv_count = out.recv_count.data_ptr<int>();
   args.src_info = out.src_info.data_ptr<int>();
   args.layout_range = out.layout_range.data_ptr<int64_t>();
-  args.zero_padding = true;  // the reference zero-fills the slots past recv_count
+  // Slots past recv_count are unspecified (docs/semantics.md), as in DeepEP: zero-filling them
+  // would write up to E_loc*R*M*H*2 bytes per call (58 MB at M=256, H=7168, E_loc=8).
+  args.zero_padding = false;
   args.phases = send_only ? ll::kPhaseSend : ll::kPhaseBoth;
   int buffer = 0;
   char err[1024] = {0};

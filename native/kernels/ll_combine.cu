@@ -103,7 +103,8 @@ __device__ void send_phase(const CombineParams& p) {
   }
 }
 
-__device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail) {
+__device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail, int* s_rows,
+                           float* s_weights, int* s_valid) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
@@ -134,39 +135,70 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail)
 
   const int vecs = p.hidden / 8;
   const int row_bytes = p.hidden * 2;
-  const int n = (t_end - t_begin) * vecs;
   const char* recv = c.local + c.layout.comb_recv_offset;
-  for (int i = tid; i < n; i += kThreads) {
-    const int t = t_begin + i / vecs;
-    const int v = i % vecs;
-    float acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const size_t entry = size_t(t) * K + k;
-      const int slot = c.send_pos[entry];
-      if (slot < 0) continue;
-      const long long e = load_idx(p.topk_idx, p.idx_bytes, entry);
-      if (e < 0 || e >= E) continue;
-      const float wk = p.topk_weights != nullptr ? p.topk_weights[entry] : 1.0f;
-      const int4 y = ld_cg_v4(recv + (size_t(e) * M + slot) * row_bytes + size_t(v) * 16);
-      const uint32_t words[4] = {static_cast<uint32_t>(y.x), static_cast<uint32_t>(y.y),
-                                 static_cast<uint32_t>(y.z), static_cast<uint32_t>(y.w)};
-      for (int j = 0; j < 4; ++j) {
-        acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(wk, bf16_lo(words[j])));
-        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(wk, bf16_hi(words[j])));
+  for (int t = t_begin; t < t_end; ++t) {
+    // The token's valid entries, k ascending: row offsets and weights, once per block.
+    if (tid < 32) {
+      const int k = tid;
+      int row = -1;
+      float wk = 0.0f;
+      if (k < K) {
+        const size_t entry = size_t(t) * K + k;
+        const int slot = c.send_pos[entry];
+        const long long e = load_idx(p.topk_idx, p.idx_bytes, entry);
+        if (slot >= 0 && e >= 0 && e < E) {
+          row = static_cast<int>(e) * M + slot;
+          wk = p.topk_weights != nullptr ? p.topk_weights[entry] : 1.0f;
+        }
       }
+      const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
+      if (row >= 0) {
+        const int q = __popc(valid & ((1u << k) - 1u));
+        s_rows[q] = row;
+        s_weights[q] = wk;
+      }
+      if (k == 0) *s_valid = __popc(valid);
     }
-    int4 o;
-    o.x = static_cast<int>(float_to_bf16_rne(acc[0]) | (float_to_bf16_rne(acc[1]) << 16));
-    o.y = static_cast<int>(float_to_bf16_rne(acc[2]) | (float_to_bf16_rne(acc[3]) << 16));
-    o.z = static_cast<int>(float_to_bf16_rne(acc[4]) | (float_to_bf16_rne(acc[5]) << 16));
-    o.w = static_cast<int>(float_to_bf16_rne(acc[6]) | (float_to_bf16_rne(acc[7]) << 16));
-    st_v4(p.out + size_t(t) * p.hidden + size_t(v) * 8, o);
+    __syncthreads();
+    const int nvalid = *s_valid;
+    for (int v = tid; v < vecs; v += kThreads) {
+      float acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+      // Batches of eight independent row loads in flight, then the adds in k order.
+      for (int k0 = 0; k0 < nvalid; k0 += 8) {
+        int4 y[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (k0 + u < nvalid)
+            y[u] = ld_cg_v4(recv + size_t(s_rows[k0 + u]) * row_bytes + size_t(v) * 16);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (k0 + u >= nvalid) break;
+          const float wk = s_weights[k0 + u];
+          const uint32_t words[4] = {static_cast<uint32_t>(y[u].x), static_cast<uint32_t>(y[u].y),
+                                     static_cast<uint32_t>(y[u].z), static_cast<uint32_t>(y[u].w)};
+          for (int j = 0; j < 4; ++j) {
+            acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(wk, bf16_lo(words[j])));
+            acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(wk, bf16_hi(words[j])));
+          }
+        }
+      }
+      int4 o;
+      o.x = static_cast<int>(float_to_bf16_rne(acc[0]) | (float_to_bf16_rne(acc[1]) << 16));
+      o.y = static_cast<int>(float_to_bf16_rne(acc[2]) | (float_to_bf16_rne(acc[3]) << 16));
+      o.z = static_cast<int>(float_to_bf16_rne(acc[4]) | (float_to_bf16_rne(acc[5]) << 16));
+      o.w = static_cast<int>(float_to_bf16_rne(acc[6]) | (float_to_bf16_rne(acc[7]) << 16));
+      st_v4(p.out + size_t(t) * p.hidden + size_t(v) * 8, o);
+    }
+    __syncthreads();  // s_rows / s_weights are the next token's
   }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ int s_fail;
+  __shared__ int s_rows[kMaxTopk];
+  __shared__ float s_weights[kMaxTopk];
+  __shared__ int s_valid;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
   // Block-uniform decisions only: every path below contains __syncthreads.
@@ -174,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   if (!__syncthreads_or(aborted(w))) {
     if (p.phases & kPhaseSend) send_phase(p);
     EP_LL_MARK(g_combine_timeline, 1);
-    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, &s_fail);
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, &s_fail, s_rows, s_weights, &s_valid);
   }
   __syncthreads();
   EP_LL_MARK(g_combine_timeline, 3);
