@@ -344,8 +344,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
 
             add("baseline all_to_all_single x2 (BF16 rows)", ll_timer(a2a), 2 * row_bf16)
 
-    measure(args.tokens, full=True)
-    if args.sweep:
+    if args.high_throughput:
+        measure(args.tokens, full=True)
+    if args.high_throughput and args.sweep:
         t = 128
         while t <= args.sweep_max:
             measure(t, full=False)
@@ -416,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also sweep T from 128 (GPU default)")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--sweep-max", type=int, default=16384)
+    parser.add_argument("--no-high-throughput", dest="high_throughput", action="store_false",
+                        help="skip the standard-shape section and its sweep")  # fmt: skip
     parser.add_argument("--no-low-latency", dest="low_latency", action="store_false",
                         help="skip the low-latency (decode) section")  # fmt: skip
     parser.add_argument("--ll-tokens", type=int, default=128, help="low-latency T (default 128)")
@@ -450,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ll_rows = [r for r in rows if r["op"].startswith(("ll ", "baseline all_to_all_single"))]
     rows_ht = [r for r in rows if r not in ll_rows]
     main_rows = [r for r in rows_ht if r["tokens"] == args.tokens]
-    _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==")
+    if main_rows:
+        _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==")
     if ll_rows:
         _print_table(ll_rows, f"\n== low latency (M={args.ll_max_tokens}, top-{args.topk} of "
                               f"E={args.ll_experts}; GB/s = rows sent x row bytes / time) ==")  # fmt: skip
