@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_table(ll_rows, f"\n== low latency (M={args.ll_max_tokens}, top-{args.topk} of "
                               f"E={args.ll_experts}; GB/s = rows sent x row bytes / time) ==")  # fmt: skip
     sweep_rows = [r for r in rows_ht if "dispatch+combine" in r["op"] or "baseline" in r["op"]]
-    if args.sweep:
+    if args.sweep and sweep_rows:
         _print_table(sweep_rows, "\n== sweep over T: dispatch+combine vs baseline ==")
         png = out / "bench_sweep.png"
         if _plot(sweep_rows, png):

@@ -92,9 +92,8 @@ __device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waite
   return -1;
 }
 
-// SEND by block `block` of `blocks` sending blocks.
-__device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int block,
-                           int blocks, int* s_total, int* s_base) {
+__device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int* s_total,
+                           int* s_base, int* s_expert, int* s_slot) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -105,9 +104,9 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   const int E_loc = E / R;
   const int K = p.num_topk;
   const int T = p.num_tokens;
-  const int G = blocks;
+  const int G = static_cast<int>(gridDim.x);
   const int chunk = (T + G - 1) / G;
-  const int t_begin = min(T, block * chunk);
+  const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
   const int t_end = min(T, t_begin + chunk);
   const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0);
 
@@ -127,7 +126,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     if (lane == __ffs(mask_b) - 1 && eb >= 0) atomicAdd(&s_base[eb], __popc(mask_b));
   }
   __syncthreads();
-  for (int e = block + tid * G; e < E; e += kThreads * G) {
+  for (int e = static_cast<int>(blockIdx.x) + tid * G; e < E; e += kThreads * G) {
     int count = s_total[e];
     if (count > M) {
       report_error(w, kErrorCapacity, -1, count, M);
@@ -139,103 +138,83 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     signal_set(c, dest, c.layout.disp_count_offset + size_t(slot) * 8,
                (seq << 32) | static_cast<uint64_t>(count));
   }
-  EP_LL_MARK(g_dispatch_timeline, 1);
 
-  // 2. Slots: warp 0 walks the block's tokens in order and gives each (t, k) its position p
-  //    among this rank's entries to expert e (tokens ascending, then k), kept in send_pos.
-  if (warp == 0) {
-    for (int t = t_begin; t < t_end; ++t) {
+  EP_LL_MARK(g_dispatch_timeline, 1);
+  // 2. Tokens of this block, in order.
+  const int vecs = msg.stride / 16;
+  for (int t = t_begin; t < t_end; ++t) {
+    if (warp == 0) {
       const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
       const unsigned mask = __match_any_sync(0xffffffffu, e);
       const unsigned lower = mask & ((1u << lane) - 1u);
       const int pos = e >= 0 ? s_base[e] + __popc(lower) : -1;
       __syncwarp();
       if (e >= 0 && lower == 0) s_base[e] += __popc(mask);
-      __syncwarp();
-      if (lane < K) c.send_pos[size_t(t) * K + lane] = pos < M ? pos : -1;  // overflow: reported
-    }
-  }
-  // 3. Staging: the NVSHMEM put path reads a symmetric source, and FP8 is quantised once for
-  //    all K copies. BF16 to P2P peers goes straight from x.
-  bool all_p2p = true;
-  for (int r = 0; r < R; ++r) all_p2p &= c.peer[r] != nullptr;
-  const bool staged = p.fp8 != 0 || !all_p2p;
-  if (staged) {
-    for (int t = t_begin; t < t_end; ++t)
-      stage_message(p, msg, t, c.local + c.layout.disp_send_offset + size_t(t) * msg.stride);
-  }
-  __syncthreads();  // send_pos and the staged messages are the whole block's from here
-
-  // 4. Copies to this rank first, published at once, so its receivers can unpack them while
-  //    the copies to peers cross NVLink; then the copies to peers. P2P: every thread stores its
-  //    16-byte pieces; after a barrier one thread per entry releases it (fence + counter add,
-  //    cumulative over the block's stores). NVSHMEM puts: a warp per entry, signal included.
-  const int vecs = msg.stride / 16;
-  const int entries = (t_end - t_begin) * K;
-  for (int pass = 0; pass < 2; ++pass) {
-    const bool to_self = pass == 0;
-    for (int i = tid; i < (t_end - t_begin) * vecs; i += kThreads) {
-      const int t = t_begin + i / vecs;
-      const int j = i % vecs;
-      const char* row = c.local + c.layout.disp_send_offset + size_t(t) * msg.stride;
-      const int4 v = staged ? ld_cg_v4(row + size_t(j) * 16)
-                            : (j == 0 ? make_int4(t, 0, 0, 0)
-                                      : ld_nc_v4(p.x + size_t(t) * p.hidden + size_t(j - 1) * 8));
-      for (int k = 0; k < K; ++k) {
-        const int slot = c.send_pos[size_t(t) * K + k];
-        if (slot < 0) continue;
-        const int e = static_cast<int>(load_idx(p.topk_idx, p.idx_bytes, size_t(t) * K + k));
-        const int dest = e / E_loc;
-        char* peer = c.peer[dest];
-        if ((dest == c.rank) != to_self || peer == nullptr) continue;
-        const int group = (e % E_loc) * R + c.rank;
-        const size_t dst = c.layout.disp_recv_offset + (size_t(group) * M + slot) * msg.stride;
-        st_v4(peer + dst + size_t(j) * 16, v);
-      }
-    }
-    if (!all_p2p) {
-      for (int q = warp; q < entries; q += kThreads / 32) {
-        const int t = t_begin + q / K;
-        const int slot = c.send_pos[size_t(t) * K + q % K];
-        if (slot < 0) continue;
-        const int e = static_cast<int>(load_idx(p.topk_idx, p.idx_bytes, size_t(t) * K + q % K));
-        const int dest = e / E_loc;
-        if ((dest == c.rank) != to_self || c.peer[dest] != nullptr) continue;
-        const int group = (e % E_loc) * R + c.rank;
-        warp_put_row(c, dest, c.layout.disp_recv_offset + (size_t(group) * M + slot) * msg.stride,
-                     c.local + c.layout.disp_send_offset + size_t(t) * msg.stride, msg.stride,
-                     c.layout.disp_arrived_offset + size_t(group) * 8, false);
+      const int slot = pos < M ? pos : -1;  // overflow was reported with the counts
+      if (lane < K) {
+        s_expert[lane] = slot >= 0 ? e : -1;
+        s_slot[lane] = slot;
+        c.send_pos[size_t(t) * K + lane] = slot;
       }
     }
     __syncthreads();
-    for (int q = tid; q < entries; q += kThreads) {
-      const int t = t_begin + q / K;
-      const int slot = c.send_pos[size_t(t) * K + q % K];
-      if (slot < 0) continue;
-      const int e = static_cast<int>(load_idx(p.topk_idx, p.idx_bytes, size_t(t) * K + q % K));
-      const int dest = e / E_loc;
-      char* peer = c.peer[dest];
-      if ((dest == c.rank) != to_self || peer == nullptr) continue;
-      const int group = (e % E_loc) * R + c.rank;
-      fence_acq_rel_sys();
-      red_add_relaxed_sys(
-          reinterpret_cast<uint64_t*>(peer + c.layout.disp_arrived_offset + size_t(group) * 8),
-          1);
+    // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all K
+    // copies: both stage the message in the send area. BF16 to P2P peers goes straight from x.
+    bool staged = p.fp8 != 0;
+    for (int k = 0; k < K; ++k)
+      staged |= s_expert[k] >= 0 && c.peer[s_expert[k] / E_loc] == nullptr;
+    char* row = c.local + c.layout.disp_send_offset + size_t(t) * msg.stride;
+    if (staged) {
+      stage_message(p, msg, t, row);
+      __syncthreads();
     }
+    // P2P destinations: every thread stores its 16-byte pieces of the message to each of them
+    // (the whole block writes, not one warp per destination).
+    const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
+    for (int i = tid; i < vecs; i += kThreads) {
+      const int4 v = staged ? ld_cg_v4(row + size_t(i) * 16)
+                            : (i == 0 ? make_int4(t, 0, 0, 0) : ld_nc_v4(x_row + (i - 1)));
+      for (int k = 0; k < K; ++k) {
+        const int e = s_expert[k];
+        if (e < 0) continue;
+        char* peer = c.peer[e / E_loc];
+        if (peer == nullptr) continue;
+        const int group = (e % E_loc) * R + c.rank;
+        const size_t dst = c.layout.disp_recv_offset + (size_t(group) * M + s_slot[k]) * msg.stride;
+        st_v4(peer + dst + size_t(i) * 16, v);
+      }
+    }
+    __syncthreads();
+    // Publish: warp k releases entry k (P2P: fence + counter add, covering the whole block's
+    // stores ordered by the barrier; otherwise a put with its signal).
+    if (warp < K) {
+      const int e = s_expert[warp];
+      if (e >= 0) {
+        const int dest = e / E_loc;
+        const int group = (e % E_loc) * R + c.rank;
+        const size_t counter = c.layout.disp_arrived_offset + size_t(group) * 8;
+        if (c.peer[dest] == nullptr) {
+          const size_t dst =
+              c.layout.disp_recv_offset + (size_t(group) * M + s_slot[warp]) * msg.stride;
+          warp_put_row(c, dest, dst, row, msg.stride, counter, false);
+        }
+        p2p_count_rows(c, dest, counter, 1);
+      }
+    }
+    __syncthreads();
   }
   EP_LL_MARK(g_dispatch_timeline, 2);
 }
 
-// RECV by block `block` of `blocks` receiving blocks.
-__device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int block,
-                           int blocks, int* s_count, int* s_fail) {
+__device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int* s_count,
+                           int* s_fail) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
   const int M = c.max_tokens;
   const int E = p.num_experts;
   const int slots = R * M;
-  const int G = blocks;
+  const int G = static_cast<int>(gridDim.x);
   const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0);
   const int splits = max(1, G / E);
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_count_offset);
@@ -243,7 +222,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_arrived_offset);
   const uint32_t want = static_cast<uint32_t>(seq);
 
-  for (int item = block; item < E * splits; item += G) {
+  for (int item = static_cast<int>(blockIdx.x); item < E * splits; item += G) {
     const int group = item % E;
     const int split = item / E;
     const int le = group / R;
@@ -276,7 +255,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     __syncthreads();
     if (*s_fail) return;
 
-    if (item == block) EP_LL_MARK(g_dispatch_timeline, 3);
+    if (item == static_cast<int>(blockIdx.x)) EP_LL_MARK(g_dispatch_timeline, 3);
     // Rows split, split + splits, ... of the group are this block's; all threads copy them.
     const size_t out_base = size_t(le) * slots;
     const int mine = count > split ? (count - split + splits - 1) / splits : 0;
@@ -354,31 +333,20 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
   __shared__ int s_total[kMaxExperts];
   __shared__ int s_base[kMaxExperts];
+  __shared__ int s_expert[kMaxTopk];
+  __shared__ int s_slot[kMaxTopk];
   __shared__ int s_fail;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
   const uint64_t seq =
       ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
-  const int block = static_cast<int>(blockIdx.x);
-  const int grid = static_cast<int>(gridDim.x);
-  EP_LL_MARK(g_dispatch_timeline, 0);
   // Block-uniform decisions only: every path below contains __syncthreads.
+  EP_LL_MARK(g_dispatch_timeline, 0);
   if (!__syncthreads_or(aborted(w))) {
-    if (p.phases == kPhaseBoth && grid >= 2) {
-      // Both phases: the first half of the grid sends while the second half receives, so rows
-      // are unpacked as their groups complete instead of after every block's send.
-      const int senders = grid / 2;
-      if (block < senders) {
-        send_phase(p, w, seq, block, senders, s_total, s_base);
-      } else {
-        recv_phase(p, w, seq, block - senders, grid - senders, s_total, &s_fail);
-      }
-    } else {
-      if (p.phases & kPhaseSend) send_phase(p, w, seq, block, grid, s_total, s_base);
-      // s_total is free again: it holds the counts of the current expert's sources.
-      if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv))
-        recv_phase(p, w, seq, block, grid, s_total, &s_fail);
-    }
+    if (p.phases & kPhaseSend) send_phase(p, w, seq, s_total, s_base, s_expert, s_slot);
+    // s_total is free again: it holds the counts of the current expert's sources.
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv))
+      recv_phase(p, w, seq, s_total, &s_fail);
   }
   __syncthreads();
   EP_LL_MARK(g_dispatch_timeline, 4);
