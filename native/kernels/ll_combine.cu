@@ -206,7 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   if (!__syncthreads_or(aborted(w))) {
     if (p.phases & kPhaseSend) send_phase(p);
     EP_LL_MARK(g_combine_timeline, 1);
-    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, &s_fail, s_rows, s_weights, &s_valid);
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv))
+      recv_phase(p, w, &s_fail, s_rows, s_weights, &s_valid);
   }
   __syncthreads();
   EP_LL_MARK(g_combine_timeline, 3);

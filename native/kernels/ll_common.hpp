@@ -15,13 +15,13 @@
 namespace ep {
 namespace ll {
 
-constexpr int kMaxTopk = 32;        // one sending warp per top-k entry of a token
-constexpr int kMaxExperts = 1024;   // per-expert counters live in shared memory
-constexpr int kMaxHidden = 8192;    // combine: one thread per 8 channels, 1024 threads
-constexpr int kThreads = 1024;      // every low-latency kernel: 32 warps
-constexpr int kGroupSize = 128;     // FP8: channels per scale
-constexpr int kNumBuffers = 2;      // calls alternate between two buffers
-constexpr int kMessageHeader = 16;  // int32 source token, 12 bytes padding
+constexpr int kMaxTopk = 32;          // one sending warp per top-k entry of a token
+constexpr int kMaxExperts = 1024;     // per-expert counters live in shared memory
+constexpr int kMaxHidden = 8192;      // combine: one thread per 8 channels, 1024 threads
+constexpr int kThreads = 1024;        // every low-latency kernel: 32 warps
+constexpr int kGroupSize = 128;       // FP8: channels per scale
+constexpr int kNumBuffers = 2;        // calls alternate between two buffers
+constexpr int kMessageHeader = 16;    // int32 source token, 12 bytes padding
 constexpr int kTimelineBlocks = 256;  // EP_LL_TIMELINE builds: blocks stamped
 constexpr int kTimelineStages = 8;
 

@@ -143,10 +143,10 @@ __device__ __forceinline__ bool spin_wait(const Waiter& w, int peer, Ready ready
 // ---- optional timeline (-DEP_LL_TIMELINE builds: the harness's per-stage breakdown) -----------
 
 #ifdef EP_LL_TIMELINE
-#define EP_LL_MARK(timeline, stage)                                                  \
-  do {                                                                               \
-    if (threadIdx.x == 0 && blockIdx.x < kTimelineBlocks)                            \
-      (timeline)[blockIdx.x * kTimelineStages + (stage)] = global_timer_ns();        \
+#define EP_LL_MARK(timeline, stage)                                           \
+  do {                                                                        \
+    if (threadIdx.x == 0 && blockIdx.x < kTimelineBlocks)                     \
+      (timeline)[blockIdx.x * kTimelineStages + (stage)] = global_timer_ns(); \
   } while (0)
 #else
 #define EP_LL_MARK(timeline, stage) \
