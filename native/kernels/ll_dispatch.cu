@@ -6,13 +6,16 @@
 //     (seq << 32 | count) to the expert's rank, slot (local expert, r). Counts need no ordering
 //     with the rows: the receiver also waits for an arrival counter to reach the count.
 //  2. Blocks walk their tokens in order. Warp 0 assigns each (t, k) its position p among this
-//     rank's entries to expert e (tokens ascending, then k): the reference's order. All warps
-//     stage the message (header + BF16 row, or FP8 + scales quantised here) in the local send
-//     area, then warp k writes it to slot (le, r, p) of the expert's rank and bumps that slot
-//     group's arrival counter. p is kept privately (send_pos) for combine.
+//     rank's entries to expert e (tokens ascending, then k): the reference's order. FP8 (or a
+//     destination reached by NVSHMEM puts) stages the message (header + payload + scales,
+//     quantised here) in the local send area; BF16 to P2P peers is read straight from x. Every
+//     thread then stores its 16-byte pieces to slot (le, r, p) of each P2P destination, and after
+//     a barrier lane 0 of warp k releases entry k (fence + arrival-counter add); NVSHMEM
+//     destinations get a put with its signal from warp k. p is kept (send_pos) for combine.
 // RECV (rank d): for each (local expert le, source s), wait for the count signals of all
 // sources of le (they give the packed begin of s) and for the arrival counter of (le, s), then
-// copy the rows to recv_x[le, begin_s + p]. The last block resets the arrival counters.
+// copy the rows to recv_x[le, begin_s + p] (rows split over the group's blocks, all threads
+// copying). The last block resets the arrival counters.
 #include <cuda_fp8.h>
 
 #include <cstdint>
