@@ -22,12 +22,7 @@ if [ "${RUN_LL:-0}" = "1" ]; then  # build the torch-free NVSHMEM harness alongs
   BUILD_ONLY=1 bash tests/native/build_ll_and_run.sh >"$OUT/ll_build.log" 2>&1 &
   ll_build=$!
 fi
-# PREBUILT=dir: reuse _C*.so and libep_nvshmem.so from an earlier run (see PACK) instead of building.
-if [ -n "${PREBUILT:-}" ] && ls "$PREBUILT"/_C*.so >/dev/null 2>&1; then
-  cp "$PREBUILT"/*.so ep_backend/
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  echo "using prebuilt $(ls "$PREBUILT")"
-elif ! python -m pip install -v --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1; then
+if ! python -m pip install -v --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
   echo "BUILD FAILED"
   exit 1
@@ -37,8 +32,6 @@ if [ "$EP_WITH_CUDA" = "1" ] && [ ! -e ep_backend/libep_nvshmem.so ]; then
   echo "WARNING: ep_backend/libep_nvshmem.so is missing: the low-latency ops will use ATen"
   grep -A16 "libep_nvshmem.so not built" "$OUT/build.log" | head -20
 fi
-# PACK=1: put the built libraries under $OUT/prebuilt so a later run can name them in PREBUILT.
-if [ "${PACK:-0}" = "1" ]; then mkdir -p "$OUT/prebuilt" && cp ep_backend/*.so "$OUT/prebuilt/"; fi
 
 rc=0
 if [ "${RUN_LL:-0}" = "1" ]; then  # NVSHMEM low-latency kernels (correctness, soak, latency)
