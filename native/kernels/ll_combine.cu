@@ -228,27 +228,11 @@ cudaError_t read_combine_timeline(uint64_t* out) {
 #endif
 
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, combine_kernel, p);
+  return device::launch_cooperative(combine_kernel, p, num_blocks, stream);
 }
 
 cudaError_t max_combine_blocks(int* blocks) {
-  int device = 0, sms = 0, per_sm = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel, kThreads, 0);
-  *blocks = sms * per_sm;
-  return e;
+  return device::max_cooperative_blocks(combine_kernel, blocks);
 }
 
 }  // namespace ll

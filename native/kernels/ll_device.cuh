@@ -140,6 +140,38 @@ __device__ __forceinline__ bool spin_wait(const Waiter& w, int peer, Ready ready
   }
 }
 
+// ---- launching ------------------------------------------------------------------------------
+
+// Cooperative launch (every block resident: receivers spin while senders progress) of a
+// kThreads-wide low-latency kernel taking its parameter block by value.
+template <typename Params>
+cudaError_t launch_cooperative(void (*kernel)(Params), const Params& p, int num_blocks,
+                               cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+// Largest grid a cooperative launch of `kernel` accepts on the current device.
+template <typename Params>
+cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  *blocks = sms * per_sm;
+  return e;
+}
+
 // ---- optional timeline (-DEP_LL_TIMELINE builds: the harness's per-stage breakdown) -----------
 
 #ifdef EP_LL_TIMELINE

@@ -373,27 +373,11 @@ cudaError_t read_dispatch_timeline(uint64_t* out) {
 #endif
 
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, dispatch_kernel, p);
+  return device::launch_cooperative(dispatch_kernel, p, num_blocks, stream);
 }
 
 cudaError_t max_dispatch_blocks(int* blocks) {
-  int device = 0, sms = 0, per_sm = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, 0);
-  *blocks = sms * per_sm;
-  return e;
+  return device::max_cooperative_blocks(dispatch_kernel, blocks);
 }
 
 }  // namespace ll
