@@ -72,6 +72,7 @@ __all__ = [
     "DistributedTimeout",
     "RemoteTraceback",
     "WorkerError",
+    "gpu_world_size",
     "run_distributed",
 ]
 
@@ -82,6 +83,19 @@ BACKEND_MODULES: dict[str, str] = {"ep": "ep_backend"}
 
 _MSG_OK = "ok"
 _MSG_ERROR = "error"
+
+
+def gpu_world_size() -> int:
+    """Ranks the GPU tests run on: ``EP_TEST_WORLD_SIZE`` if set, else one per visible GPU.
+
+    At least 2 (two ranks may share one GPU), so that a 4- or 8-GPU machine runs every GPU test
+    at EP4 / EP8 without any flag.
+    """
+    forced = os.environ.get("EP_TEST_WORLD_SIZE")
+    if forced:
+        return max(1, int(forced))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(2, gpus)
 
 
 class RemoteTraceback(Exception):

@@ -1,4 +1,7 @@
-"""Standard collectives on CUDA tensors through "ep" (2+ GPUs), including stream semantics."""
+"""Standard collectives on CUDA tensors through "ep" (2+ GPUs), including stream semantics.
+
+One rank per GPU (``gpu_world_size``: EP4 on a 4-GPU machine), or ``EP_TEST_WORLD_SIZE`` ranks.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _dist_utils import run_distributed
+from _dist_utils import gpu_world_size, run_distributed
 
 pytestmark = pytest.mark.gpu(min_gpus=2)
 
@@ -68,7 +71,7 @@ def _cuda_collectives(rank: int, world: int) -> dict:
 
 
 def test_cuda_collectives() -> None:
-    for out in run_distributed(_cuda_collectives, 2, backend="ep"):
+    for out in run_distributed(_cuda_collectives, gpu_world_size(), backend="ep"):
         assert all(out.values()), out
 
 
@@ -118,7 +121,7 @@ def _stream_semantics(rank: int, world: int) -> dict:
 
 
 def test_async_stream_semantics_without_host_sync() -> None:
-    for out in run_distributed(_stream_semantics, 2, backend="ep"):
+    for out in run_distributed(_stream_semantics, gpu_world_size(), backend="ep"):
         assert out["ok"] and out["future_ok"], out
         assert out["producer_gpu_ms"] > 500, out  # the producer really held the stream
         # all_reduce + wait() returned long before the collective could even start
@@ -150,13 +153,16 @@ def _device_id_mesh_split(rank: int, world: int) -> dict:
 
 
 def test_device_id_device_mesh_and_split_group() -> None:
-    res = run_distributed(_device_id_mesh_split, 2, backend="ep", env={"EP_TEST_BIND_DEVICE": "1"})
+    world = gpu_world_size()
+    res = run_distributed(
+        _device_id_mesh_split, world, backend="ep", env={"EP_TEST_BIND_DEVICE": "1"}
+    )
     for rank, out in enumerate(res):
-        assert out["bound"] == f"cuda:{rank}"
-        assert out["mesh_sum"] == [3.0] * 4
+        assert out["bound"] == f"cuda:{rank % torch.cuda.device_count()}"
+        assert out["mesh_sum"] == [float(world * (world + 1) // 2)] * 4
         assert out["split_single_rank_sum"] == [float(rank + 1)] * 2
         assert out["split_backend"] == "EPProcessGroup"
-        assert out["new_group_sum"] == [2.0, 2.0]
+        assert out["new_group_sum"] == [float(world)] * 2
 
 
 def _ddp_cuda(rank: int, world: int) -> list:
@@ -175,8 +181,8 @@ def _ddp_cuda(rank: int, world: int) -> list:
 
 
 def test_ddp_on_cuda_matches_nccl() -> None:
-    ep = run_distributed(_ddp_cuda, 2, backend="ep")
-    nccl = run_distributed(_ddp_cuda, 2, backend="nccl")
+    ep = run_distributed(_ddp_cuda, gpu_world_size(), backend="ep")
+    nccl = run_distributed(_ddp_cuda, gpu_world_size(), backend="nccl")
     for a, b in zip(ep[0], nccl[0], strict=True):
         assert torch.equal(a, b)
     for a, b in zip(ep[0], ep[1], strict=True):

@@ -1,6 +1,7 @@
 """The NVLink (intranode) path of dispatch/combine: CUDA graphs, soak, bad input, timeouts.
 
-2 ranks on any number of GPUs (ranks may share a GPU: CUDA IPC within the device); the
+``gpu_world_size()`` ranks: one per GPU, at least 2 (ranks may share a GPU: CUDA IPC within the
+device); the
 reference runs on CPU copies over Gloo.
 """
 
@@ -10,7 +11,7 @@ import datetime
 
 import pytest
 import torch
-from _dist_utils import run_distributed
+from _dist_utils import gpu_world_size, run_distributed
 
 pytestmark = pytest.mark.gpu(min_gpus=1)
 
@@ -64,7 +65,7 @@ def _graph_replay(rank: int, world: int) -> list[str]:
 
 
 def test_cuda_graph_capture_and_replay_with_new_data() -> None:
-    for rank, failures in enumerate(run_distributed(_graph_replay, 2, backend="ep")):
+    for rank, failures in enumerate(run_distributed(_graph_replay, gpu_world_size(), backend="ep")):
         assert failures == [], (rank, failures[:5])
 
 
@@ -95,7 +96,9 @@ def _soak(rank: int, world: int, iterations: int) -> dict:
 
 
 def test_soak_2000_iterations_without_memory_growth() -> None:
-    for rank, out in enumerate(run_distributed(_soak, 2, 2000, backend="ep", timeout=600)):
+    for rank, out in enumerate(
+        run_distributed(_soak, gpu_world_size(), 2000, backend="ep", timeout=600)
+    ):
         assert out["failures"] == [], (rank, out["failures"][:5])
         assert out["growth"] <= 8 << 20, (rank, out["growth"])
 
@@ -119,7 +122,7 @@ def _bad_input_then_valid(rank: int, world: int) -> dict:
 
 
 def test_bad_input_rejected_on_every_rank_before_any_kernel() -> None:
-    res = run_distributed(_bad_input_then_valid, 2, backend="ep", timeout=120)
+    res = run_distributed(_bad_input_then_valid, gpu_world_size(), backend="ep", timeout=120)
     assert "topk_idx values must be in [-1" in res[1]["raised"]
     assert "rejected their inputs" in res[0]["raised"]
     assert all(r["next_ok"] for r in res)
@@ -145,7 +148,7 @@ def _absent_peer(rank: int, world: int) -> str:
 
 
 def test_a_rank_that_never_arrives_gives_an_error_not_a_hang() -> None:
-    res = run_distributed(_absent_peer, 2, backend="ep", timeout=120)
+    res = run_distributed(_absent_peer, gpu_world_size(), backend="ep", timeout=120)
     assert res[1] == "stayed away"
     assert res[0] != "no error"
     assert "rank(s) 1 never joined it" in res[0], res[0]

@@ -1,7 +1,7 @@
 """The MoE collectives on CUDA tensors equal the reference bitwise.
 
-The high-throughput ops run on 2 ranks on any number of GPUs (2 ranks may share one GPU: the
-NVLink path then runs over CUDA IPC within the device); the reference runs on CPU copies over
+The high-throughput ops run on ``gpu_world_size()`` ranks: one per GPU, at least 2 (2 ranks may
+share one GPU: the NVLink path then runs over CUDA IPC within the device); the reference runs on CPU copies over
 Gloo, so no NCCL communicator is needed. The low-latency ops need one GPU per rank (NCCL).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist_utils import run_distributed
+from _dist_utils import gpu_world_size, run_distributed
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -78,8 +78,10 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
     ("hidden", "topk", "num_experts"), [(7168, 8, 256), (200, 1, 4), (512, 32, 64)]
 )
 def test_moe_collectives_on_cuda_match_reference(hidden: int, topk: int, num_experts: int) -> None:
+    world = gpu_world_size()
+    num_experts = -(-num_experts // world) * world  # a multiple of the rank count
     for rank, failures in enumerate(
-        run_distributed(_moe_cuda, 2, hidden, topk, num_experts, backend="ep")
+        run_distributed(_moe_cuda, world, hidden, topk, num_experts, backend="ep")
     ):
         assert failures == [], (rank, failures)
 
@@ -153,7 +155,7 @@ def _ll_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) ->
 @pytest.mark.parametrize(("hidden", "topk", "num_experts"), [(7168, 8, 256), (512, 32, 64)])
 def test_low_latency_on_cuda_match_reference(hidden: int, topk: int, num_experts: int) -> None:
     for rank, failures in enumerate(
-        run_distributed(_ll_cuda, 2, hidden, topk, num_experts, backend="ep")
+        run_distributed(_ll_cuda, gpu_world_size(), hidden, topk, num_experts, backend="ep")
     ):
         assert failures == [], (rank, failures)
 
@@ -219,6 +221,8 @@ def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts:
 def test_low_latency_cuda_graph_replay_with_new_data() -> None:
     if not _nvshmem_expected():
         pytest.skip("libep_nvshmem.so was not built: low-latency ops run on ATen + NCCL")
-    for rank, r in enumerate(run_distributed(_ll_graph_replay, 2, 7168, 8, 16, backend="ep")):
+    for rank, r in enumerate(
+        run_distributed(_ll_graph_replay, gpu_world_size(), 7168, 8, 16, backend="ep")
+    ):
         assert r["transport"] == "nvshmem", (rank, r["transport"])
         assert r["failures"] == [], (rank, r["failures"])
