@@ -19,7 +19,8 @@ What it does:
   milliseconds and can still use CUDA (``start_method="spawn"`` is the slow, fully fresh
   alternative); each worker gets the parent's current environment plus ``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1),
-  ``MASTER_PORT`` and any ``env`` you pass, applied before ``fn`` is unpickled;
+  ``MASTER_PORT`` and any ``env`` you pass, applied before ``fn`` is unpickled; unless
+  ``OMP_NUM_THREADS`` is set, each worker uses ``cpu_count // world_size`` torch threads;
 * the parent hosts a ``TCPStore`` on 127.0.0.1 on a port the OS picks (no port races between
   parallel tests); every worker calls ``init_process_group(backend, store=...)`` on it, with
   ``timeout`` as the process-group timeout, after importing the modules that register
@@ -152,6 +153,8 @@ def _worker_main(
     os.environ.update(env)  # forkserver children do not inherit the parent's current environ
     # torch (preloaded by the forkserver) read TORCH_DISTRIBUTED_DEBUG before env was applied
     dist.set_debug_level_from_env()
+    if "OMP_NUM_THREADS" not in env:  # share the cores: world_size workers x all cores thrashes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         try:
             for name in import_modules:

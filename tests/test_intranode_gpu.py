@@ -65,7 +65,9 @@ def _graph_replay(rank: int, world: int) -> list[str]:
 
 
 def test_cuda_graph_capture_and_replay_with_new_data() -> None:
-    for rank, failures in enumerate(run_distributed(_graph_replay, gpu_world_size(), backend="ep")):
+    for rank, failures in enumerate(
+        run_distributed(_graph_replay, gpu_world_size(), backend="ep", timeout=400)
+    ):
         assert failures == [], (rank, failures[:5])
 
 
