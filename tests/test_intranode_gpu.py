@@ -18,13 +18,13 @@ pytestmark = pytest.mark.gpu(min_gpus=1)
 H, K, E = 1024, 8, 64
 
 
-def _inputs(rank: int, num_tokens: int, seed: int):
+def _inputs(rank: int, num_tokens: int, seed: int, hidden: int = H, topk: int = K):
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(seed * 131 + rank)
-    x = torch.randn(num_tokens, H, device=dev, generator=g).bfloat16()
-    idx = torch.rand(num_tokens, E, device=dev, generator=g).topk(K).indices
-    idx[torch.rand(num_tokens, K, device=dev, generator=g) < 0.1] = -1
-    w = torch.rand(num_tokens, K, device=dev, generator=g)
+    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
+    idx = torch.rand(num_tokens, E, device=dev, generator=g).topk(topk).indices
+    idx[torch.rand(num_tokens, topk, device=dev, generator=g) < 0.1] = -1
+    w = torch.rand(num_tokens, topk, device=dev, generator=g)
     return x, idx, w
 
 
@@ -71,6 +71,11 @@ def test_cuda_graph_capture_and_replay_with_new_data() -> None:
         assert failures == [], (rank, failures[:5])
 
 
+# Row layouts the soak cycles through (hidden, top-k): each call lands rows in buffer regions the
+# previous call filled with another layout, so stale bytes sit where this call's rows go.
+SOAK_SHAPES = ((H, K), (512, 32), (2048, 4), (256, 1))
+
+
 def _soak(rank: int, world: int, iterations: int) -> dict:
     import ep_backend as ep
     from ep_backend import reference as ref
@@ -81,16 +86,22 @@ def _soak(rank: int, world: int, iterations: int) -> dict:
         num_tokens = int(
             torch.randint(0, 700, (1,), generator=torch.Generator().manual_seed(step * 7 + rank))
         )
-        x, idx, w = _inputs(rank, num_tokens, seed=step)
+        hidden, topk = SOAK_SHAPES[step % len(SOAK_SHAPES)]
+        x, idx, w = _inputs(rank, num_tokens, seed=step, hidden=hidden, topk=topk)
         out = ep.dispatch(x, idx, w, E)
         comb = ep.combine(out.recv_x, out.handle, out.recv_topk_weights)
-        if step % 50 == 0:
+        again = ep.dispatch(x * 2, handle=out.handle)  # cached: rows without metadata
+        if step < 400 or step % 50 == 0:  # early steps: small sequence numbers
             expected = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
             if not torch.equal(out.recv_x.cpu(), expected.recv_x):
                 failures.append(f"step {step}: recv_x")
+            if not torch.equal(out.recv_topk_idx.cpu(), expected.recv_topk_idx):
+                failures.append(f"step {step}: recv_topk_idx")
             want = ref.combine(expected.recv_x, expected.handle, expected.recv_topk_weights)
             if not torch.equal(comb.combined_x.cpu(), want.combined_x):
                 failures.append(f"step {step}: combine")
+            if not torch.equal(again.recv_x.cpu(), expected.recv_x * 2):
+                failures.append(f"step {step}: cached dispatch")
         if step in (iterations // 4, iterations - 1):
             torch.cuda.synchronize()
             mem.append(torch.cuda.memory_allocated())

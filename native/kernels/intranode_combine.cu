@@ -152,7 +152,6 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
                                 uint64_t seq, int lane, const int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
-  const CombineRow row = CombineRow::make(p.hidden * p.elem_bytes, p.num_topk);
   const int S = p.num_send_warps;
   const int stride = gridDim.x * S;
   const int first = blockIdx.x * S + lane;
@@ -176,10 +175,9 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d)
           if (i < count[d])
-            device::st_relaxed_sys(
-                reinterpret_cast<uint64_t*>(combine_row(c, c.buffers.ptr[d], me, d, i, row.stride) +
-                                            row.flag_offset),
-                seq);
+            device::st_relaxed_sys(reinterpret_cast<uint64_t*>(
+                                       c.buffers.ptr[d] + c.layout.combine_flag_offset(me, d, i)),
+                                   seq);
       }
       published = done;
     }
@@ -312,7 +310,7 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
         for (int r = 0; r < kRanks; ++r) {
           if (!((waiting >> r) & 1u)) continue;
           const uint64_t* flag = reinterpret_cast<const uint64_t*>(
-              combine_row(c, own, r, me, my_pos[r], row.stride) + row.flag_offset);
+              own + c.layout.combine_flag_offset(r, me, my_pos[r]));
           if (device::flag_arrived(flag, seq)) waiting &= ~(1u << r);
         }
       }

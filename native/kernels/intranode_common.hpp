@@ -72,11 +72,15 @@ EP_HOST_DEVICE size_t align_up(size_t v, size_t a) {
 }
 
 // Row of the dispatch receive area: [x: hidden_bytes][scales: S*4, padded to 16]
-// [meta: flag u64, src_idx i32, pad i32, local idx i32 x K, weight f32 x K; padded to 16].
+// [meta: 8 reserved bytes, src_idx i32, pad i32, local idx i32 x K, weight f32 x K; padded to 16].
+// A row's arrival flag is not in the row: it lives in the region's flag array (BufferLayout),
+// at a place that does not move with the row layout. A flag inside the row would sit where an
+// earlier call with another layout (hidden size, K, scales; a cached dispatch has no metadata)
+// left payload bytes, and those bytes can equal the sequence number being waited for.
 struct DispatchRow {
   int stride;
   int scales_offset;
-  int meta_offset;  // the flag is the first 8 bytes of meta
+  int meta_offset;
   EP_HOST_DEVICE static DispatchRow make(int hidden_bytes, int num_scales, int num_topk) {
     DispatchRow r;
     r.scales_offset = hidden_bytes;
@@ -86,17 +90,15 @@ struct DispatchRow {
   }
 };
 
-// Row of the combine receive area: [x: hidden_bytes][weights f32 x K, padded to 16][flag u64 +
-// pad: 16 bytes].
+// Row of the combine receive area: [x: hidden_bytes][weights f32 x K, padded to 16]. Its
+// arrival flag is in the region's flag array, as for dispatch rows.
 struct CombineRow {
   int stride;
   int weights_offset;
-  int flag_offset;
   EP_HOST_DEVICE static CombineRow make(int hidden_bytes, int num_topk) {
     CombineRow r;
     r.weights_offset = hidden_bytes;
-    r.flag_offset = r.weights_offset + static_cast<int>(align_up(size_t(num_topk) * 4, 16));
-    r.stride = r.flag_offset + 16;
+    r.stride = r.weights_offset + static_cast<int>(align_up(size_t(num_topk) * 4, 16));
     return r;
   }
 };
@@ -104,6 +106,9 @@ struct CombineRow {
 // Where everything lives inside each rank's IPC buffer (identical on all ranks).
 //   [control 128 B][entered u64 x R][notify u64 x 2 parity x R src x (1 + max_local_experts)]
 //   [dispatch area: source regions][combine area: source regions]
+//   [dispatch flags: x max_tokens u64][combine flags: x max_tokens u64]
+// A flag is only ever written with a sequence number, which grows with every kernel, so a stale
+// flag never equals the sequence a receiver waits for.
 // Source regions are indexed relative to the receiver: source s lands in region
 // (s - receiver - 1 + R) % R, so no region is wasted on the receiver itself.
 struct BufferLayout {
@@ -116,10 +121,21 @@ struct BufferLayout {
   size_t dispatch_region_bytes;
   size_t combine_offset;
   size_t combine_region_bytes;
+  size_t dispatch_flags_offset;
+  size_t combine_flags_offset;
   size_t total_bytes;
 
   EP_HOST_DEVICE int region_index(int src, int receiver) const {
     return (src - receiver - 1 + num_ranks) % num_ranks;
+  }
+  // Arrival flag of row `slot` that `src` writes into `receiver`'s dispatch / combine area.
+  EP_HOST_DEVICE size_t dispatch_flag_offset(int src, int receiver, int slot) const {
+    return dispatch_flags_offset +
+           (size_t(region_index(src, receiver)) * max_tokens + size_t(slot)) * sizeof(uint64_t);
+  }
+  EP_HOST_DEVICE size_t combine_flag_offset(int src, int receiver, int slot) const {
+    return combine_flags_offset +
+           (size_t(region_index(src, receiver)) * max_tokens + size_t(slot)) * sizeof(uint64_t);
   }
   EP_HOST_DEVICE size_t notify_slot_words() const { return 1 + size_t(max_local_experts); }
   // Slot (parity, src) of the notify area, in u64 words from the area's start.

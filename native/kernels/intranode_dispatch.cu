@@ -210,7 +210,6 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
                                  uint64_t seq, int lane, const int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
-  const DispatchRow row = DispatchRow::make(p.hidden_bytes, p.num_scales, p.num_topk);
   const int S = p.num_send_warps;
   const int stride = gridDim.x * S;
   const int first = blockIdx.x * S + lane;
@@ -230,8 +229,8 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
           const int pos = p.send_pos[size_t(t) * R + d];
           if (pos >= 0)
             device::st_relaxed_sys(
-                reinterpret_cast<uint64_t*>(
-                    dispatch_row(c, c.buffers.ptr[d], me, d, pos, row.stride) + row.meta_offset),
+                reinterpret_cast<uint64_t*>(c.buffers.ptr[d] +
+                                            c.layout.dispatch_flag_offset(me, d, pos)),
                 seq);
         }
       }
@@ -313,7 +312,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
         bool arrived = false;
         if ((pending >> lane) & 1u) {
           const uint64_t* flag = reinterpret_cast<const uint64_t*>(
-              dispatch_row(c, own, s, me, my_slot, row.stride) + row.meta_offset);
+              own + c.layout.dispatch_flag_offset(s, me, my_slot));
           arrived = device::flag_arrived(flag, seq);
         }
         uint32_t ready = __ballot_sync(kFull, arrived);

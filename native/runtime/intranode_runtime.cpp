@@ -66,6 +66,10 @@ BufferLayout make_layout(const IntranodeConfig& c, int num_ranks) {
   l.combine_offset = off;
   l.combine_region_bytes = align_up(size_t(crow.stride) * c.max_tokens_per_rank, 128);
   off += l.combine_region_bytes * regions;
+  l.dispatch_flags_offset = off;
+  off = align_up(off + sizeof(uint64_t) * regions * size_t(c.max_tokens_per_rank), 128);
+  l.combine_flags_offset = off;
+  off = align_up(off + sizeof(uint64_t) * regions * size_t(c.max_tokens_per_rank), 128);
   l.total_bytes = align_up(off, 4096);
   return l;
 }
