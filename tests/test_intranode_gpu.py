@@ -134,10 +134,15 @@ def _bad_input_then_valid(rank: int, world: int) -> dict:
     return {"raised": raised, "next_ok": torch.equal(out.recv_x.cpu(), expected.recv_x)}
 
 
-def test_bad_input_rejected_on_every_rank_before_any_kernel() -> None:
+def test_bad_input_rejected_on_every_rank_before_any_data_moves() -> None:
+    """An out-of-range expert id on one rank: the layout kernel finds it, notify tells every rank,
+    and all raise before the dispatch kernel (no host read of topk_idx, no extra stream sync)."""
     res = run_distributed(_bad_input_then_valid, gpu_world_size(), backend="ep", timeout=120)
-    assert "topk_idx values must be in [-1" in res[1]["raised"]
-    assert "rejected their inputs" in res[0]["raised"]
+    assert "topk_idx values must be in [-1" in res[1]["raised"], res[1]
+    assert f"got {E + 5} at token 0, slot 0" in res[1]["raised"], res[1]
+    for rank, r in enumerate(res):
+        if rank != 1:
+            assert "rank(s) 1 rejected their inputs" in r["raised"], (rank, r)
     assert all(r["next_ok"] for r in res)
 
 

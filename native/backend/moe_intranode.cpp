@@ -321,6 +321,28 @@ const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
   return nullptr;
 }
 
+// Some rank's layout found a topk_idx value outside [-1, E) and notify told every rank: all raise
+// here, before the dispatch kernel, so nothing moves and the transport stays in step. Worst-case
+// mode has no such host step: there the layout treats the values as -1 and the next call raises.
+[[noreturn]] void raiseRejectedTopk(IntranodeRuntime& rt, int rejected_ranks, int64_t rank,
+                                    int64_t num_experts, int64_t topk) {
+  if ((rejected_ranks >> rank) & 1) {
+    const ErrorRecord record = rt.error_record();
+    rt.clear_error();
+    TORCH_CHECK(false, "ep dispatch: topk_idx values must be in [-1, num_experts=", num_experts,
+                "), got ", record.value_a, " at token ", record.value_b / topk, ", slot ",
+                record.value_b % topk, " (rank ", rank, "; nothing was exchanged)");
+  }
+  std::ostringstream os;
+  for (int r = 0, n = 0; r < 32; ++r) {
+    if ((rejected_ranks >> r) & 1) {
+      os << (n++ ? ", " : "") << r;
+    }
+  }
+  TORCH_CHECK(false, "ep dispatch: rank(s) ", os.str(),
+              " rejected their inputs (see their error); nothing was exchanged");
+}
+
 // While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
 // check (which reads the handle's counts) is skipped then; it ran when the handle was made.
 bool capturing() {
@@ -344,8 +366,9 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   raisePendingError(*st, "dispatch");
-  // Values of topk_idx are read on the host only when the call syncs anyway.
-  const std::string error = validateDispatch(a, num_ranks, a.num_worst_tokens == 0);
+  // Values of topk_idx are never read on the host (a stream sync): the layout kernel checks them
+  // and notify tells every rank, which all raise before the dispatch kernel (see below).
+  const std::string error = validateDispatch(a, num_ranks, false);
   stages.mark("validate");
   const bool ok = error.empty();
   const bool has_scales = a.x_scales.has_value();
@@ -392,6 +415,9 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
   if (host_counts) {
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
+    if (counts.rejected_ranks != 0) {
+      raiseRejectedTopk(rt, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
+    }
     rows = counts.num_recv_tokens;
     // Layout finished before notify published the counts, so this copy waits for nothing.
     at::Tensor sent = per_rank.to(at::kCPU);

@@ -62,7 +62,8 @@ struct HostCounters {
   volatile int ready_ticket;  // equals the ticket passed to notify once the fields below are set
   volatile int num_recv_tokens;
   volatile int num_recv_tokens_per_rank[kMaxRanks];
-  volatile int pad[6];
+  volatile int rejected_ranks;  // bit s: rank s found an invalid topk_idx value (its layout)
+  volatile int pad[5];
   // followed in the same allocation by int num_recv_tokens_per_expert[max_local_experts]
 };
 static_assert(sizeof(HostCounters) == 64, "per-expert counters start 64 bytes in");

@@ -4,6 +4,11 @@
 // per-local-expert counts. In normal mode the totals also go to host-mapped memory, tagged with a
 // ticket, so the host can size the outputs without a stream synchronisation.
 //
+// A rank whose layout kernel found an invalid topk_idx value (its error record says so) sets bit
+// 31 of every token count it announces; receivers report those ranks to the host, which then
+// raises on every rank without launching the dispatch (normal mode only: worst-case mode has no
+// host step, and its layout treated the values as -1).
+//
 // Protocol: each value travels as one 64-bit word (sequence << 32 | value) written with a relaxed
 // system-scope store, so every word is self-validating and no fence or flag is needed. The slots
 // alternate by sequence parity: a peer may already run the next notify while we still read this
@@ -16,17 +21,21 @@ namespace ep {
 namespace {
 
 constexpr int kNotifyThreads = 512;
+constexpr uint32_t kRejected = 0x80000000u;  // in an announced token count: "my input was bad"
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(NotifyParams p) {
   extern __shared__ int values[];  // [R][1 + E_loc]: what each source announced
   __shared__ uint64_t s_seq;
   __shared__ int s_failed;
+  __shared__ uint32_t s_rejected;  // kRejected when this rank's layout found an invalid id
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x;
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
   if (tid == 0) {
     s_seq = device::read_sequence(ctrl);
     s_failed = 0;
+    const volatile ErrorRecord* err = c.error;
+    s_rejected = err->code == kErrorInvalidTopkIdx && err->op == kOpLayout ? kRejected : 0u;
   }
   __syncthreads();
   const uint64_t seq = s_seq;
@@ -41,11 +50,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     // Send: slot (parity, me) of every rank's buffer.
     for (int i = tid; i < R * words; i += kNotifyThreads) {
       const int dst = i / words, w = i % words;
-      const int v =
-          w == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * E_loc + w - 1];
+      const uint32_t v = w == 0 ? uint32_t(p.num_tokens_per_rank[dst]) | s_rejected
+                                : uint32_t(p.num_tokens_per_expert[dst * E_loc + w - 1]);
       uint64_t* slot = reinterpret_cast<uint64_t*>(c.buffers.ptr[dst] + c.layout.notify_offset) +
                        c.layout.notify_slot(parity, me) + w;
-      device::st_relaxed_sys(slot, tag | static_cast<uint32_t>(v));
+      device::st_relaxed_sys(slot, tag | v);
     }
     // Receive: every source's slot in our buffer.
     const uint64_t* area =
@@ -66,16 +75,21 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
 
   const bool write_host = p.host != nullptr && !s_failed;
   if (tid == 0) {
-    int total = 0;
+    int total = 0, rejected = 0;
     for (int s = 0; s < R; ++s) {
-      const int n = values[s * words];
+      const uint32_t word = static_cast<uint32_t>(values[s * words]);
+      if (word & kRejected) rejected |= 1 << s;
+      const int n = static_cast<int>(word & ~kRejected);
       p.recv_counts[s] = n;
       p.recv_prefix[s] = total;
       if (write_host) p.host->num_recv_tokens_per_rank[s] = n;
       total += n;
     }
     p.recv_prefix[R] = total;
-    if (write_host) p.host->num_recv_tokens = total;
+    if (write_host) {
+      p.host->num_recv_tokens = total;
+      p.host->rejected_ranks = rejected;
+    }
     if (p.num_worst_tokens > 0 && total > p.num_worst_tokens) {
       device::WaitContext dispatch_ctx = ctx;  // the user-facing op is the dispatch
       dispatch_ctx.op = kOpDispatch;

@@ -310,6 +310,7 @@ IntranodeRecvCounts IntranodeRuntime::wait_recv_counts(int ticket) {
   std::atomic_thread_fence(std::memory_order_acquire);
   IntranodeRecvCounts out;
   out.num_recv_tokens = counters_host_->num_recv_tokens;
+  out.rejected_ranks = counters_host_->rejected_ranks;
   out.per_rank.resize(num_ranks_);
   for (int r = 0; r < num_ranks_; ++r)
     out.per_rank[r] = counters_host_->num_recv_tokens_per_rank[r];
@@ -445,6 +446,20 @@ void IntranodeRuntime::barrier(cudaStream_t stream) {
   p.comm = comm_context();
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_barrier(p, stream), "barrier launch");
+}
+
+ErrorRecord IntranodeRuntime::error_record() const {
+  ErrorRecord r{};
+  if (error_host_ == nullptr) return r;
+  const volatile ErrorRecord* e = error_host_;
+  r.code = e->code;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  r.op = e->op;
+  r.rank = e->rank;
+  r.peer = e->peer;
+  r.value_a = e->value_a;
+  r.value_b = e->value_b;
+  return r;
 }
 
 std::string IntranodeRuntime::check_error() const {

@@ -111,6 +111,7 @@ struct IntranodeRecvCounts {
   int num_recv_tokens = 0;      // N
   std::vector<int> per_rank;    // rows from each source rank
   std::vector<int> per_expert;  // [E_loc], aligned to expert_alignment
+  int rejected_ranks = 0;       // bit r: rank r's layout found an invalid topk_idx value
 };
 
 class IntranodeRuntime {
@@ -183,6 +184,8 @@ class IntranodeRuntime {
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);
 
+  // A copy of the error record (code kErrorNone when there is none).
+  ErrorRecord error_record() const;
   // "" when no kernel reported an error, else e.g.
   // "ep dispatch: rank 0 timed out after 60 s waiting for rank 1".
   std::string check_error() const;
