@@ -46,6 +46,29 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
     idx = torch.randint(-1, num_experts, (num_tokens, topk), device=dev, generator=g)
     w = torch.rand(num_tokens, topk, device=dev, generator=g)
     xc, idxc, wc = x.cpu(), idx.cpu(), w.cpu()
+    for ids, ids_cpu in ((idx, idxc), (idx.int(), idxc.int())):  # the layout kernel, both dtypes
+        got, want = (
+            ep.get_dispatch_layout(ids, num_experts),
+            ref.get_dispatch_layout(ids_cpu, num_experts, world),
+        )
+        check(f"layout per_rank {ids.dtype}", got.num_tokens_per_rank, want.num_tokens_per_rank)
+        check(
+            f"layout per_expert {ids.dtype}", got.num_tokens_per_expert, want.num_tokens_per_expert
+        )
+        check(f"layout in_rank {ids.dtype}", got.is_token_in_rank, want.is_token_in_rank)
+    bad = idx.clone()
+    if num_tokens > 0:  # an id out of range: counted as -1, the next call on the device raises
+        bad[0, 0] = num_experts
+        ep.get_dispatch_layout(bad, num_experts)
+        torch.cuda.synchronize()  # the error record is read by the first call after the kernel ran
+        try:
+            ep.get_dispatch_layout(idx, num_experts)
+            failures.append("an out-of-range id in get_dispatch_layout was never reported")
+        except RuntimeError as exc:
+            if f"got topk_idx value {num_experts}" not in str(exc):
+                failures.append(f"layout error message: {exc}")
+        again = ep.get_dispatch_layout(idx, num_experts)  # reported once; then fine again
+        check("layout after the error", again.is_token_in_rank, want.is_token_in_rank)
     for kwargs in ({}, {"expert_alignment": 4}, {"num_worst_tokens": 2048}):
         a = ep.dispatch(x, idx, w, num_experts, **kwargs)
         b = ref.dispatch(xc, idxc, wc, num_experts, **kwargs)

@@ -16,7 +16,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +26,7 @@
 
 #include "ep_process_group.hpp"
 #include "group_state.hpp"
+#include "intranode_kernels.hpp"
 #include "intranode_runtime.hpp"
 #include "moe_validation.hpp"
 #include "store_exchange.hpp"
@@ -359,6 +362,84 @@ bool usable(EPProcessGroup& pg, const at::Device& device) {
     st->decided = true;
   }
   return st->usable;
+}
+
+namespace {
+
+// Error state of the standalone layout kernel, one per device, kept for the process: the
+// kernel's error lock (device memory) and its error record (host-mapped, read by the next call).
+struct LayoutErrorState {
+  ControlBlock* ctrl = nullptr;
+  ErrorRecord* host = nullptr;
+  ErrorRecord* dev = nullptr;
+};
+
+LayoutErrorState& layoutErrorState(int device) {
+  static std::mutex mutex;
+  static auto* states = new std::map<int, LayoutErrorState>();
+  std::lock_guard<std::mutex> lock(mutex);
+  LayoutErrorState& st = (*states)[device];
+  if (st.ctrl == nullptr) {
+    C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.ctrl), sizeof(ControlBlock)));
+    C10_CUDA_CHECK(cudaMemset(st.ctrl, 0, sizeof(ControlBlock)));
+    C10_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st.host), sizeof(ErrorRecord),
+                                 cudaHostAllocMapped));
+    std::memset(static_cast<void*>(st.host), 0, sizeof(ErrorRecord));
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.dev), st.host, 0));
+  }
+  return st;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
+                                                              int64_t num_experts,
+                                                              int64_t num_ranks) {
+  const char* op = "ep get_dispatch_layout: ";
+  TORCH_CHECK(topk_idx.dim() == 2, op, "topk_idx must be [T, K]");
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt, op,
+              "topk_idx must be int64 or int32");
+  TORCH_CHECK(num_ranks > 0 && num_ranks <= kMaxRanks, op, "the CUDA layout kernel serves 1..",
+              kMaxRanks, " ranks, got ", num_ranks);
+  TORCH_CHECK(num_experts > 0 && num_experts % num_ranks == 0, op, "num_experts=", num_experts,
+              " must be a positive multiple of num_ranks=", num_ranks);
+  TORCH_CHECK(num_experts <= (1 << 14), op, "num_experts=", num_experts, " exceeds 16384");
+  TORCH_CHECK(topk_idx.size(0) <= std::numeric_limits<int>::max() / num_ranks, op,
+              "too many tokens");
+  const at::Device device = topk_idx.device();
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  LayoutErrorState& err = layoutErrorState(device.index());
+  if (const volatile ErrorRecord* e = err.host; e->code != kErrorNone) {
+    const long long value = e->value_a, flat = e->value_b;
+    std::memset(static_cast<void*>(err.host), 0, sizeof(ErrorRecord));
+    C10_CUDA_CHECK(cudaMemsetAsync(&err.ctrl->error_lock, 0, sizeof(int), stream));
+    TORCH_CHECK(false, op, "an earlier call on ", device, " got topk_idx value ", value,
+                " at flat position ", flat,
+                ", outside [-1, num_experts) (counted as -1 there; "
+                "reported by the next call)");
+  }
+  const at::Tensor idx = topk_idx.contiguous();
+  const auto i32 = idx.options().dtype(at::kInt);
+  at::Tensor per_rank = at::empty({num_ranks}, i32);
+  at::Tensor per_expert = at::empty({num_experts}, i32);
+  at::Tensor in_rank = at::empty({idx.size(0), num_ranks}, idx.options().dtype(at::kBool));
+  LayoutParams p{};
+  p.topk_idx = idx.data_ptr();
+  p.idx_bytes = static_cast<int>(idx.element_size());
+  p.num_tokens = static_cast<int>(idx.size(0));
+  p.num_topk = static_cast<int>(idx.size(1));
+  p.num_experts = static_cast<int>(num_experts);
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.num_tokens_per_rank = per_rank.data_ptr<int>();
+  p.num_tokens_per_expert = per_expert.data_ptr<int>();
+  p.is_token_in_rank = in_rank.data_ptr<bool>();
+  p.send_pos = nullptr;
+  p.ctrl = err.ctrl;
+  p.error = err.dev;
+  p.rank = -1;
+  C10_CUDA_CHECK(launch_intranode_layout(p, stream));
+  return {per_rank, per_expert, in_rank};
 }
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "moe_types.hpp"
@@ -18,6 +19,13 @@ namespace intranode {
 // Whether the NVLink kernels can serve this group (CUDA build, every rank a GPU of this host with
 // peer access, 2..8 ranks). Decided once per group, identically on every rank.
 bool usable(EPProcessGroup& pg, const at::Device& device);
+
+// get_dispatch_layout on a CUDA topk_idx: the layout kernel (one launch, no host sync). Ids
+// outside [-1, E) count as -1; the first call on the device after that kernel ran raises. num_ranks
+// <= 8.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
+                                                              int64_t num_experts,
+                                                              int64_t num_ranks);
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
 

@@ -46,6 +46,12 @@ DispatchRouting routingOf(const at::Tensor& is_token_in_rank, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(const at::Tensor& topk_idx,
                                                                 int64_t num_experts,
                                                                 int64_t num_ranks) {
+#ifdef EP_WITH_CUDA
+  // The layout kernel serves up to 8 ranks (intranode); larger groups use the ATen version.
+  if (topk_idx.is_cuda() && num_ranks <= 8 && topk_idx.dim() == 2 && topk_idx.size(1) <= 32) {
+    return intranode::dispatchLayout(topk_idx, num_experts, num_ranks);
+  }
+#endif
   return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
 }
 

@@ -170,7 +170,7 @@ struct LayoutParams {
   int* num_tokens_per_rank;    // [R]
   int* num_tokens_per_expert;  // [E]
   bool* is_token_in_rank;      // [T, R]
-  int* send_pos;               // [T, R]
+  int* send_pos;               // [T, R], or null (get_dispatch_layout)
   ControlBlock* ctrl;
   ErrorRecord* error;
   int rank;

@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
       for (int r = 0; r < R; ++r) {
         const bool in = (rank_mask >> r) & 1u;
         p.is_token_in_rank[size_t(t) * R + r] = in;
-        p.send_pos[size_t(t) * R + r] = in ? warp_offset[warp][r] + in_warp_pos[r] : -1;
+        if (p.send_pos != nullptr)
+          p.send_pos[size_t(t) * R + r] = in ? warp_offset[warp][r] + in_warp_pos[r] : -1;
       }
     }
     __syncthreads();  // warp_count/warp_offset are reused by the next chunk
