@@ -4,6 +4,7 @@
 # SKIP_TESTS=1 / SKIP_BENCH=1 skip parts, BENCH_ARGS adds bench flags; RUN_NATIVE=1 also runs
 # the torch-free intranode kernel harness, RUN_LL=1 the torch-free NVSHMEM low-latency harness
 # (2 GPUs; LL_QUICK=1: short suite).
+# The GPU tests run one rank per GPU (EP4 on 4 GPUs); EP_TEST_WORLD_SIZE=N sets the rank count.
 # Logs go to $OUT (default ./out). Repeat the figures in docs/performance.md with this script.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
