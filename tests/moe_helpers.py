@@ -29,6 +29,27 @@ def single_thread() -> None:
     torch.set_num_threads(1)
 
 
+def cuda_routing(
+    num_tokens: int, hidden: int, num_experts: int, topk: int, seed: int, distinct: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random inputs of one rank on its current GPU: ``x`` BF16 ``[T, H]``, ``topk_idx`` int64
+    ``[T, K]``, ``topk_weights`` float32 ``[T, K]``.
+
+    ``distinct``: K different experts per token, 10% of the slots -1 (a router's top-k); else any
+    ids in ``[-1, E)``, repeats included.
+    """
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
+    if distinct:
+        idx = torch.rand(num_tokens, num_experts, device=dev, generator=g).topk(topk).indices
+        idx[torch.rand(num_tokens, topk, device=dev, generator=g) < 0.1] = -1
+    else:
+        idx = torch.randint(-1, num_experts, (num_tokens, topk), device=dev, generator=g)
+    w = torch.rand(num_tokens, topk, device=dev, generator=g)
+    return x, idx, w
+
+
 def make_generator(*key: int) -> torch.Generator:
     seed = 0
     for k in key:

@@ -12,6 +12,7 @@ import datetime
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
+from moe_helpers import cuda_routing
 
 pytestmark = pytest.mark.gpu(min_gpus=1)
 
@@ -19,13 +20,7 @@ H, K, E = 1024, 8, 64
 
 
 def _inputs(rank: int, num_tokens: int, seed: int, hidden: int = H, topk: int = K):
-    dev = torch.device("cuda", torch.cuda.current_device())
-    g = torch.Generator(device=dev).manual_seed(seed * 131 + rank)
-    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
-    idx = torch.rand(num_tokens, E, device=dev, generator=g).topk(topk).indices
-    idx[torch.rand(num_tokens, topk, device=dev, generator=g) < 0.1] = -1
-    w = torch.rand(num_tokens, topk, device=dev, generator=g)
-    return x, idx, w
+    return cuda_routing(num_tokens, hidden, E, topk, seed=seed * 131 + rank)
 
 
 def _graph_replay(rank: int, world: int) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
+from moe_helpers import cuda_routing
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -37,14 +38,12 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
     from ep_backend import reference as ref
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    g = torch.Generator(device=dev).manual_seed(1000 + rank)
     failures: list[str] = []
     check = _checker(failures)
 
     num_tokens = [300, 0, 257, 64][rank % 4]
-    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
-    idx = torch.randint(-1, num_experts, (num_tokens, topk), device=dev, generator=g)
-    w = torch.rand(num_tokens, topk, device=dev, generator=g)
+    x, idx, w = cuda_routing(num_tokens, hidden, num_experts, topk, 1000 + rank, distinct=False)
+    g = torch.Generator(device=dev).manual_seed(3000 + rank)  # for the FP8 input below
     xc, idxc, wc = x.cpu(), idx.cpu(), w.cpu()
     for ids, ids_cpu in ((idx, idxc), (idx.int(), idxc.int())):  # the layout kernel, both dtypes
         got, want = (
@@ -114,13 +113,11 @@ def _ll_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) ->
     from ep_backend import reference as ref
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    g = torch.Generator(device=dev).manual_seed(2000 + rank)
     failures: list[str] = []
     check = _checker(failures)
     num_tokens = [128, 0, 77, 64][rank % 4]
-    x = torch.randn(num_tokens, hidden, device=dev, generator=g).bfloat16()
-    idx = torch.randint(-1, num_experts, (num_tokens, topk), device=dev, generator=g)
-    w = torch.rand(num_tokens, topk, device=dev, generator=g)
+    x, idx, w = cuda_routing(num_tokens, hidden, num_experts, topk, 2000 + rank, distinct=False)
+    g = torch.Generator(device=dev).manual_seed(4000 + rank)  # for the combine input below
     xl, il, ll_tokens = x, idx, num_tokens
     for fp8, rs, ue in ((False, False, False), (True, False, False), (True, True, True)):
         la = ep.low_latency_dispatch(xl, il, 128, num_experts, use_fp8=fp8, round_scale=rs,
@@ -197,18 +194,12 @@ def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts:
     import ep_backend as ep
     from ep_backend import reference as ref
 
-    dev = torch.device("cuda", torch.cuda.current_device())
     m = 128
     failures: list[str] = []
     check = _checker(failures)
 
     def inputs(step: int):
-        g = torch.Generator(device=dev).manual_seed(step * 31 + rank)
-        x = torch.randn(m, hidden, device=dev, generator=g).bfloat16()
-        idx = torch.rand(m, num_experts, device=dev, generator=g).topk(topk).indices
-        idx[torch.rand(m, topk, device=dev, generator=g) < 0.1] = -1
-        w = torch.rand(m, topk, device=dev, generator=g)
-        return x, idx, w
+        return cuda_routing(m, hidden, num_experts, topk, seed=step * 31 + rank)
 
     x, idx, w = inputs(0)
     sx, sidx, sw = x.clone(), idx.clone(), w.clone()

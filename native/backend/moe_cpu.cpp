@@ -145,12 +145,7 @@ std::pair<at::Tensor, std::vector<int64_t>> sendPlan(const at::Tensor& is_token_
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
                                                               int64_t num_experts,
                                                               int64_t num_ranks) {
-  TORCH_CHECK(topk_idx.dim() == 2, "ep get_dispatch_layout: topk_idx must be [T, K]");
-  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
-              "ep get_dispatch_layout: topk_idx must be int64 or int32");
-  TORCH_CHECK(num_experts > 0 && num_ranks > 0 && num_experts % num_ranks == 0,
-              "ep get_dispatch_layout: num_experts=", num_experts,
-              " must be a positive multiple of num_ranks=", num_ranks);
+  checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
   const int64_t experts_per_rank = num_experts / num_ranks;
   at::Tensor idx = topk_idx.to(at::kLong);
   at::Tensor valid = idx.ge(0);

@@ -336,14 +336,13 @@ const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
                 "), got ", record.value_a, " at token ", record.value_b / topk, ", slot ",
                 record.value_b % topk, " (rank ", rank, "; nothing was exchanged)");
   }
-  std::ostringstream os;
-  for (int r = 0, n = 0; r < 32; ++r) {
+  std::vector<int64_t> bad_ranks;
+  for (int r = 0; r < kMaxRanks; ++r) {
     if ((rejected_ranks >> r) & 1) {
-      os << (n++ ? ", " : "") << r;
+      bad_ranks.push_back(r);
     }
   }
-  TORCH_CHECK(false, "ep dispatch: rank(s) ", os.str(),
-              " rejected their inputs (see their error); nothing was exchanged");
+  raiseRejectedBy("dispatch", bad_ranks);
 }
 
 // While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
@@ -396,13 +395,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
                                                               int64_t num_experts,
                                                               int64_t num_ranks) {
   const char* op = "ep get_dispatch_layout: ";
-  TORCH_CHECK(topk_idx.dim() == 2, op, "topk_idx must be [T, K]");
-  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt, op,
-              "topk_idx must be int64 or int32");
-  TORCH_CHECK(num_ranks > 0 && num_ranks <= kMaxRanks, op, "the CUDA layout kernel serves 1..",
-              kMaxRanks, " ranks, got ", num_ranks);
-  TORCH_CHECK(num_experts > 0 && num_experts % num_ranks == 0, op, "num_experts=", num_experts,
-              " must be a positive multiple of num_ranks=", num_ranks);
+  checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
+  TORCH_CHECK(num_ranks <= kMaxRanks, op, "the CUDA layout kernel serves 1..", kMaxRanks,
+              " ranks, got ", num_ranks);
   TORCH_CHECK(num_experts <= (1 << 14), op, "num_experts=", num_experts, " exceeds 16384");
   TORCH_CHECK(topk_idx.size(0) <= std::numeric_limits<int>::max() / num_ranks, op,
               "too many tokens");

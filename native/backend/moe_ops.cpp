@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(const at::Tensor
                                                                 int64_t num_ranks) {
 #ifdef EP_WITH_CUDA
   // The layout kernel serves up to 8 ranks (intranode); larger groups use the ATen version.
-  if (topk_idx.is_cuda() && num_ranks <= 8 && topk_idx.dim() == 2 && topk_idx.size(1) <= 32) {
+  if (topk_idx.is_cuda() && num_ranks <= 8) {
     return intranode::dispatchLayout(topk_idx, num_experts, num_ranks);
   }
 #endif

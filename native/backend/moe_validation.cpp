@@ -450,12 +450,7 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
     TORCH_CHECK(false, local_error, " (rank ", rank, "; nothing was exchanged)");
   }
   if (!bad_ranks.empty()) {
-    std::ostringstream os;
-    for (size_t i = 0; i < bad_ranks.size(); ++i) {
-      os << (i ? ", " : "") << bad_ranks[i];
-    }
-    TORCH_CHECK(false, "ep ", op, ": rank(s) ", os.str(),
-                " rejected their inputs (see their error); nothing was exchanged");
+    raiseRejectedBy(op, bad_ranks);
   }
   for (int64_t r = 0; r < num_ranks; ++r) {
     TORCH_CHECK(
@@ -551,6 +546,24 @@ void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offs
           ")");
     }
   }
+}
+
+void raiseRejectedBy(const char* op, const std::vector<int64_t>& bad_ranks) {
+  std::ostringstream os;
+  for (size_t i = 0; i < bad_ranks.size(); ++i) {
+    os << (i ? ", " : "") << bad_ranks[i];
+  }
+  TORCH_CHECK(false, "ep ", op, ": rank(s) ", os.str(),
+              " rejected their inputs (see their error); nothing was exchanged");
+}
+
+void checkDispatchLayoutArgs(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  TORCH_CHECK(topk_idx.dim() == 2, "ep get_dispatch_layout: topk_idx must be [T, K]");
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+              "ep get_dispatch_layout: topk_idx must be int64 or int32");
+  TORCH_CHECK(num_experts > 0 && num_ranks > 0 && num_experts % num_ranks == 0,
+              "ep get_dispatch_layout: num_experts=", num_experts,
+              " must be a positive multiple of num_ranks=", num_ranks);
 }
 
 }  // namespace ep

@@ -48,6 +48,12 @@ std::string moeAgreementTransport(EPProcessGroup& pg);
 // rejected their inputs"; this rank raises RuntimeError with `message`.
 void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message);
 
+// Raises on a rank whose own input was fine: "ep <op>: rank(s) <bad_ranks> rejected their inputs".
+[[noreturn]] void raiseRejectedBy(const char* op, const std::vector<int64_t>& bad_ranks);
+
+// Arguments of get_dispatch_layout: topk_idx 2-D int64/int32, E a positive multiple of R.
+void checkDispatchLayoutArgs(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+
 // The fields every rank must agree on for each collective (`ok`: this rank's input is valid, so
 // its shapes may be read).
 std::vector<AgreedField> dispatchFields(const DispatchArgs& args, bool ok);
