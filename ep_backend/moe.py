@@ -241,7 +241,7 @@ def all_to_all_moe_dispatch(
 
     result, work = _run(run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list)
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
-     per_rank, recv_per_rank, src_idx, src_rank) = result  # fmt: skip
+     per_rank, recv_per_rank, src_idx, src_rank, per_expert_host) = result  # fmt: skip
     handle = DispatchHandle(
         num_ranks=pg.size(),
         num_experts=num_experts,
@@ -252,9 +252,8 @@ def all_to_all_moe_dispatch(
         recv_src_rank=src_rank,
         num_worst_tokens=num_worst_tokens,
     )
-    per_expert_list: list[int] = []
-    if num_worst_tokens == 0 and not async_op:
-        per_expert_list = per_expert.tolist()
+    # The host learnt these counts before it launched the dispatch (a CPU tensor): no device read.
+    per_expert_list: list[int] = per_expert_host.tolist()
     return DispatchOutput(
         recv_x=recv_x,
         recv_x_scales=_opt(recv_scales, x_scales is not None),
@@ -561,7 +560,7 @@ class _DispatchFn(torch.autograd.Function):
             x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name
         )
         recv_topk_idx = outs[2]
-        routing = outs[5:]
+        routing = outs[5:10]  # (outs[10]: the per-expert counts on the host)
         ctx.save_for_backward(recv_topk_idx, *routing)
         ctx.group_name = group_name
         ctx.has_weights = topk_weights is not None
@@ -682,6 +681,7 @@ def _dispatch_fake(x, x_scales, topk_idx, topk_weights, num_experts, alignment, 
         x.new_empty((num_ranks,), dtype=torch.int32),
         x.new_empty((rows,), dtype=torch.int32),
         x.new_empty((rows,), dtype=torch.int32),
+        torch.empty((0 if worst > 0 else num_experts // num_ranks,), dtype=torch.int64),
     )
 
 

@@ -242,6 +242,11 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   out.num_recv_tokens_per_expert =
       (per_expert + (align - 1)).div(align, "floor").mul(align).to(at::kInt);
 
+  // ATen path: the counts are on the device of x; reading them back is one more sync of a path
+  // that synchronises anyway.
+  out.num_recv_tokens_per_expert_host =
+      a.num_worst_tokens > 0 ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
+                             : out.num_recv_tokens_per_expert.to(at::kCPU, at::kLong);
   out.recv_topk_idx = recv_local.to(a.topk_idx.scalar_type());
   if (a.num_worst_tokens > 0) {
     const int64_t cap = a.num_worst_tokens;

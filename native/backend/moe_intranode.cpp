@@ -345,6 +345,14 @@ const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
   raiseRejectedBy("dispatch", bad_ranks);
 }
 
+// The notify kernel's per-expert counts as a CPU int64 tensor (no device read).
+at::Tensor hostCounts(const std::vector<int>& counts) {
+  at::Tensor t =
+      at::empty({static_cast<int64_t>(counts.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(counts.begin(), counts.end(), t.data_ptr<int64_t>());
+  return t;
+}
+
 // While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
 // check (which reads the handle's counts) is skipped then; it ran when the handle was made.
 bool capturing() {
@@ -489,17 +497,17 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   stages.mark("layout+notify");
   int64_t rows = a.num_worst_tokens;
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
+  at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
   if (host_counts) {
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
     if (counts.rejected_ranks != 0) {
       raiseRejectedTopk(rt, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
     }
     rows = counts.num_recv_tokens;
-    // Layout finished before notify published the counts, so this copy waits for nothing.
-    at::Tensor sent = per_rank.to(at::kCPU);
-    host_routing_counts.assign(sent.data_ptr<int>(), sent.data_ptr<int>() + num_ranks);
+    host_routing_counts.assign(counts.sent_per_rank.begin(), counts.sent_per_rank.end());
     host_routing_counts.insert(host_routing_counts.end(), counts.per_rank.begin(),
                                counts.per_rank.end());
+    host_per_expert = hostCounts(counts.per_expert);
   }
   stages.mark("wait_counts");
 
@@ -539,6 +547,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   stages.mark("alloc+launch");
 
   out.num_recv_tokens_per_expert = recv_per_expert;
+  out.num_recv_tokens_per_expert_host = host_per_expert;
   out.routing.is_token_in_rank = in_rank;
   out.routing.num_tokens_per_rank = per_rank;
   out.routing.num_recv_tokens_per_rank = recv_counts;

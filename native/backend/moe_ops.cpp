@@ -16,8 +16,9 @@ namespace ep {
 namespace {
 
 using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
-using DispatchOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                   at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using DispatchOutputs =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+               at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 c10::intrusive_ptr<EPProcessGroup> resolveGroup(const std::string& group_name, const char* op) {
   if (auto registered = EPProcessGroup::byGroupName(group_name)) {
@@ -65,7 +66,8 @@ DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x) {
           r.routing.num_tokens_per_rank,
           r.routing.num_recv_tokens_per_rank,
           r.routing.recv_src_idx,
-          r.routing.recv_src_rank};
+          r.routing.recv_src_rank,
+          r.num_recv_tokens_per_expert_host};
 }
 
 DispatchOutputs dispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
@@ -271,7 +273,8 @@ TORCH_LIBRARY(ep, m) {
       "int expert_alignment, int num_worst_tokens, str group_name) -> (Tensor recv_x, "
       "Tensor recv_x_scales, Tensor recv_topk_idx, Tensor recv_topk_weights, "
       "Tensor num_recv_tokens_per_expert, Tensor is_token_in_rank, Tensor num_tokens_per_rank, "
-      "Tensor num_recv_tokens_per_rank, Tensor recv_src_idx, Tensor recv_src_rank)",
+      "Tensor num_recv_tokens_per_rank, Tensor recv_src_idx, Tensor recv_src_rank, "
+      "Tensor num_recv_tokens_per_expert_host)",
       tags);
   m.def(
       "cached_dispatch(Tensor x, Tensor? x_scales, Tensor is_token_in_rank, "

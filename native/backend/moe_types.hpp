@@ -36,6 +36,9 @@ struct DispatchResult {
   at::Tensor recv_topk_idx;
   std::optional<at::Tensor> recv_topk_weights;
   at::Tensor num_recv_tokens_per_expert;  // int32 [E_loc], aligned
+  // The same counts on the CPU (int64 [E_loc]) where the host knows them without reading the
+  // device (normal mode); int64 [0] in worst-case mode (no host step).
+  at::Tensor num_recv_tokens_per_expert_host;
   DispatchRouting routing;
 };
 

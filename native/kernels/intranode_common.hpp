@@ -63,10 +63,11 @@ struct HostCounters {
   volatile int num_recv_tokens;
   volatile int num_recv_tokens_per_rank[kMaxRanks];
   volatile int rejected_ranks;  // bit s: rank s found an invalid topk_idx value (its layout)
-  volatile int pad[5];
+  volatile int num_send_tokens_per_rank[kMaxRanks];  // this rank's layout: rows sent to each rank
+  volatile int pad[13];
   // followed in the same allocation by int num_recv_tokens_per_expert[max_local_experts]
 };
-static_assert(sizeof(HostCounters) == 64, "per-expert counters start 64 bytes in");
+static_assert(sizeof(HostCounters) == 128, "per-expert counters start 128 bytes in");
 
 EP_HOST_DEVICE size_t align_up(size_t v, size_t a) {
   return (v + a - 1) / a * a;

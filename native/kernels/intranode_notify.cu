@@ -82,7 +82,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
       const int n = static_cast<int>(word & ~kRejected);
       p.recv_counts[s] = n;
       p.recv_prefix[s] = total;
-      if (write_host) p.host->num_recv_tokens_per_rank[s] = n;
+      if (write_host) {
+        p.host->num_recv_tokens_per_rank[s] = n;
+        p.host->num_send_tokens_per_rank[s] = p.num_tokens_per_rank[s];
+      }
       total += n;
     }
     p.recv_prefix[R] = total;

@@ -312,8 +312,11 @@ IntranodeRecvCounts IntranodeRuntime::wait_recv_counts(int ticket) {
   out.num_recv_tokens = counters_host_->num_recv_tokens;
   out.rejected_ranks = counters_host_->rejected_ranks;
   out.per_rank.resize(num_ranks_);
-  for (int r = 0; r < num_ranks_; ++r)
+  out.sent_per_rank.resize(num_ranks_);
+  for (int r = 0; r < num_ranks_; ++r) {
     out.per_rank[r] = counters_host_->num_recv_tokens_per_rank[r];
+    out.sent_per_rank[r] = counters_host_->num_send_tokens_per_rank[r];
+  }
   const volatile int* pe = reinterpret_cast<const volatile int*>(counters_host_ + 1);
   out.per_expert.resize(host_num_local_experts_);
   for (int e = 0; e < host_num_local_experts_; ++e) out.per_expert[e] = pe[e];

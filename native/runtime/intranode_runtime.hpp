@@ -108,10 +108,11 @@ struct IntranodeCombineArgs {
 
 // Counts the host needs after a normal-mode notify.
 struct IntranodeRecvCounts {
-  int num_recv_tokens = 0;      // N
-  std::vector<int> per_rank;    // rows from each source rank
-  std::vector<int> per_expert;  // [E_loc], aligned to expert_alignment
-  int rejected_ranks = 0;       // bit r: rank r's layout found an invalid topk_idx value
+  int num_recv_tokens = 0;         // N
+  std::vector<int> per_rank;       // rows from each source rank
+  std::vector<int> sent_per_rank;  // rows this rank sends to each rank (its layout)
+  std::vector<int> per_expert;     // [E_loc], aligned to expert_alignment
+  int rejected_ranks = 0;          // bit r: rank r's layout found an invalid topk_idx value
 };
 
 class IntranodeRuntime {
