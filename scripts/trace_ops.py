@@ -1,10 +1,14 @@
 """Timeline of the NVLink-path ops: where a call's time goes between the host and the GPU.
 
-Usage (GPU machine): python scripts/trace_ops.py [--tokens 4096] [--out DIR]
-Runs one process per GPU, times dispatch (BF16, FP8), cached dispatch and combine the way the
-bench does (L2 flushed, ranks lined up on the host), under torch.profiler, and prints for rank 0
-each call's GPU work relative to the moment the call began on the host (µs): kernel and copy
-names, starts and durations, and the host span of the call. Chrome traces go to --out.
+Usage (GPU machine): python scripts/trace_ops.py [--tokens 4096] [--out DIR] [--sweep CFG ...]
+Runs one process per GPU and calls dispatch (BF16, FP8), cached dispatch and combine the way the
+bench does (L2 flushed, ranks lined up on the host) under torch.profiler. For rank 0 it prints,
+per op, the median over calls of: the host span of the call, when each GPU kernel started after
+the call began and how long it ran (µs). Chrome traces go to --out.
+
+--sweep SMS:DW:CW ... repeats the measurement on a fresh group per configuration: SMS blocks
+(``Options.num_sms``), DW dispatch and CW combine send warps per block (EP_DISPATCH_SEND_WARPS /
+EP_COMBINE_SEND_WARPS), e.g. ``--sweep 24:10:4 48:10:4 24:12:6``.
 """
 
 from __future__ import annotations
@@ -12,19 +16,90 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+OPS = ("dispatch", "dispatch_fp8", "cached", "combine")
 
-def _events_in(events, start_ns: int, end_ns: int):
-    out = []
+
+def _short(name: str) -> str:
+    name = name.split("(")[0]
+    return name.rsplit("::", 1)[-1].replace("intranode_", "").replace("_kernel", "")[:24]
+
+
+def _profile(args, group, data, label: str, rank: int) -> None:
+    import ep_backend as ep
+
+    x, x8, s8, idx, w, flush, cpu_group = data
+    E = 256
+    state: dict = {}
+
+    def do_dispatch():
+        state["out"] = ep.dispatch(x, idx, w, E, group=group)
+
+    calls = {
+        "dispatch": do_dispatch,
+        "dispatch_fp8": lambda: ep.dispatch(x8, idx, w, E, x_scales=s8, group=group),
+        "cached": lambda: ep.dispatch(x, handle=state["out"].handle, group=group),
+        "combine": lambda: ep.combine(state["out"].recv_x, state["out"].handle, group=group),
+    }
+    for _ in range(3):
+        for name in OPS:
+            do_dispatch()
+            calls[name]()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for it in range(args.iters):
+            for name in OPS:
+                if name in ("cached", "combine"):
+                    do_dispatch()
+                flush.zero_()
+                torch.cuda.synchronize()
+                dist.barrier(group=cpu_group)
+                with torch.profiler.record_function(f"call:{name}:{it}"):
+                    calls[name]()
+                torch.cuda.synchronize()
+    events = list(prof.profiler.kineto_results.events())
+    kernels = sorted(
+        (e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
+         and not e.name().startswith("call:")),
+        key=lambda e: e.start_ns(),
+    )  # fmt: skip
+    spans: dict[str, list[float]] = {}
+    stages: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for e in events:
-        if e.device_type() == torch.autograd.DeviceType.CUDA and start_ns <= e.start_ns() <= end_ns:
-            out.append(e)
-    return sorted(out, key=lambda e: e.start_ns())
+        if e.device_type() != torch.autograd.DeviceType.CPU or not e.name().startswith("call:"):
+            continue
+        _, name, _ = e.name().split(":")
+        start, end = e.start_ns(), e.start_ns() + e.duration_ns()
+        spans.setdefault(name, []).append(e.duration_ns() / 1e3)
+        per = stages.setdefault(name, {})
+        # The call's kernels: launched inside the span (they may run after it ends).
+        for k in kernels:
+            if start <= k.start_ns() <= end + 1_500_000 and "vectorized" not in k.name():
+                per.setdefault(_short(k.name()), []).append(
+                    ((k.start_ns() - start) / 1e3, k.duration_ns() / 1e3)
+                )
+                if "dispatch" in k.name() or "combine" in k.name():
+                    break  # the op's last kernel
+    if label == "default":
+        os.makedirs(args.out, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
+    if rank == 0:
+        print(f"[{label}] median µs over {args.iters} calls: host span | kernel @start +duration")
+        for name in OPS:
+            parts = [f"  {name:13s} host {statistics.median(spans.get(name, [0])):6.1f} |"]
+            for k, v in stages.get(name, {}).items():
+                s = statistics.median(a for a, _ in v)
+                d = statistics.median(b for _, b in v)
+                parts.append(f" {k} @{s:.0f} +{d:.1f}")
+            print("".join(parts), flush=True)
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -39,63 +114,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     x8 = x.to(torch.float8_e4m3fn)
     s8 = torch.rand(T, H // 128, device="cuda", generator=g)
-    scores = torch.rand(T, E, device="cuda", generator=g)
-    w, idx = scores.topk(K, dim=1)
-    w = w.float()
+    w, idx = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     cpu_group = dist.new_group(backend="gloo")
-
-    state: dict = {}
-
-    def do_dispatch():
-        state["out"] = ep.dispatch(x, idx, w, E)
-
-    def do_dispatch_fp8():
-        ep.dispatch(x8, idx, w, E, x_scales=s8)
-
-    def do_cached():
-        ep.dispatch(x, handle=state["out"].handle)
-
-    def do_combine():
-        ep.combine(state["out"].recv_x, state["out"].handle)
-
-    ops = [("dispatch", do_dispatch), ("dispatch_fp8", do_dispatch_fp8), ("cached", do_cached),
-           ("combine", do_combine)]  # fmt: skip
-    for _ in range(3):
-        for _, fn in ops:
-            do_dispatch()
-            fn()
-    torch.cuda.synchronize()
-    marks: list[tuple[str, int, int]] = []
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    ) as prof:
-        for it in range(args.iters):
-            for name, fn in ops:
-                if name in ("cached", "combine"):
-                    do_dispatch()
-                flush.zero_()
-                torch.cuda.synchronize()
-                dist.barrier(group=cpu_group)
-                with torch.profiler.record_function(f"call:{name}:{it}"):
-                    fn()
-                torch.cuda.synchronize()
-    events = list(prof.profiler.kineto_results.events())
-    for e in events:
-        if e.name().startswith("call:"):
-            _, name, it = e.name().split(":")
-            marks.append((f"{name}#{it}", e.start_ns(), e.start_ns() + e.duration_ns()))
-    os.makedirs(args.out, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(args.out, f"trace_rank{rank}.json"))
-    if rank == 0:
-        for label, start, end in sorted(marks, key=lambda m: m[1]):
-            gpu = _events_in(events, start, end + 2_000_000)
-            gpu = [e for e in gpu if "fill" not in e.name().lower() or e.duration_ns() < 50_000]
-            line = [f"{label:16s} host {(end - start) / 1e3:7.1f} us |"]
-            for e in gpu[:12]:
-                line.append(f" {e.name()[:28]}@{(e.start_ns() - start) / 1e3:.1f}+"
-                            f"{e.duration_ns() / 1e3:.1f}")  # fmt: skip
-            print("".join(line), flush=True)
+    data = (x, x8, s8, idx, w.float(), flush, cpu_group)
+    _profile(args, None, data, "default", rank)
+    for cfg in args.sweep:
+        sms, dw, cw = (int(v) for v in cfg.split(":"))
+        os.environ["EP_DISPATCH_SEND_WARPS"], os.environ["EP_COMBINE_SEND_WARPS"] = str(dw), str(cw)
+        group = dist.new_group(backend="ep", pg_options=ep.Options(num_sms=sms))
+        _profile(args, group, data, f"num_sms={sms} send warps {dw}/{cw}", rank)
+        dist.destroy_process_group(group)
     dist.destroy_process_group()
 
 
@@ -105,7 +134,8 @@ if __name__ == "__main__":
         os.environ.setdefault(k, v)
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="SMS:DW:CW")
     parser.add_argument("--out", type=str, default=os.environ.get("OUT", "trace_out"))
     a = parser.parse_args()
     n = torch.cuda.device_count()

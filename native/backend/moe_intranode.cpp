@@ -199,6 +199,13 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   cfg.max_local_experts = static_cast<int>(std::max<int64_t>(needs.local_experts, 1));
   cfg.timeout_seconds = pg.options()->kernel_timeout_s;
   cfg.num_sms = static_cast<int>(pg.options()->num_sms);
+  // Tuning knobs for sweeps (docs/api.md): warps per block that send; the rest receive.
+  for (auto [name, field] : {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
+                             std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps}}) {
+    if (const char* env = std::getenv(name)) {
+      *field = std::atoi(env);
+    }
+  }
   st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
   const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";
   auto handle = st.runtime->ipc_handle();

@@ -4,8 +4,11 @@
 //   is_token_in_rank[t, r],
 //   send_pos[t, r]           rank of t among the tokens sent to r (-1 if t is not sent to r).
 // send_pos is an exclusive scan over tokens, so the kernel is one block walking the tokens in
-// chunks of blockDim: a warp ballot per rank gives in-warp positions, a shared-memory pass over
-// the warp totals gives the chunk positions, and running totals carry across chunks.
+// chunks of blockDim. Per chunk the block first reads the chunk's ids coalesced (thread i takes
+// flat entries i, i + blockDim, ...; many loads in flight), counting experts and OR-ing rank bits
+// into a per-token shared mask; then thread i owns token i of the chunk: a warp ballot per rank
+// gives in-warp positions, a shared-memory pass over the warp totals gives the chunk positions,
+// and running totals carry across chunks.
 // Out-of-range expert ids (< -1 or >= E) are reported in the error record and treated as -1.
 #include "intranode_kernels.hpp"
 #include "ptx_utils.cuh"
@@ -15,9 +18,25 @@ namespace {
 
 constexpr int kLayoutThreads = 1024;
 constexpr int kLayoutWarps = kLayoutThreads / 32;
+constexpr int kLoads = 8;  // ids in flight per thread
+
+__device__ __forceinline__ void report_invalid(const LayoutParams& p, long long idx, size_t flat) {
+  if (atomicCAS(&p.ctrl->error_lock, 0, 1) == 0) {
+    volatile ErrorRecord* err = p.error;
+    err->op = kOpLayout;
+    err->rank = p.rank;
+    err->peer = -1;
+    err->value_a = idx;
+    err->value_b = static_cast<long long>(flat);
+    __threadfence_system();
+    err->code = kErrorInvalidTopkIdx;
+    __threadfence_system();
+  }
+}
 
 __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(LayoutParams p) {
-  extern __shared__ int expert_hist[];  // [E]
+  extern __shared__ int expert_hist[];             // [E]
+  __shared__ uint32_t token_mask[kLayoutThreads];  // ranks of each token of the chunk
   __shared__ int warp_count[kLayoutWarps][kMaxRanks];
   __shared__ int warp_offset[kLayoutWarps][kMaxRanks];
   __shared__ int running[kMaxRanks];
@@ -27,38 +46,41 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
   const int experts_per_rank = E / R;
   for (int e = tid; e < E; e += kLayoutThreads) expert_hist[e] = 0;
   if (tid < kMaxRanks) running[tid] = 0;
+  token_mask[tid] = 0;
   __syncthreads();
 
   const uint32_t lane_mask_lt = (1u << lane) - 1u;
   for (int base = 0; base < p.num_tokens; base += kLayoutThreads) {
-    const int t = base + tid;
-    uint32_t rank_mask = 0;
-    if (t < p.num_tokens) {
-      for (int k = 0; k < K; ++k) {
-        const size_t flat = size_t(t) * K + k;
-        const long long idx =
-            p.idx_bytes == 8 ? static_cast<const long long*>(p.topk_idx)[flat]
-                             : static_cast<long long>(static_cast<const int*>(p.topk_idx)[flat]);
+    // 1. The chunk's ids, coalesced, kLoads in flight per thread.
+    const size_t flat0 = size_t(base) * K;
+    const int num_flat = min(kLayoutThreads, p.num_tokens - base) * K;
+    for (int j0 = tid; j0 < num_flat; j0 += kLayoutThreads * kLoads) {
+      long long v[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int j = j0 + u * kLayoutThreads;
+        v[u] = -1;
+        if (j < num_flat)
+          v[u] = p.idx_bytes == 8 ? static_cast<const long long*>(p.topk_idx)[flat0 + j]
+                                  : static_cast<const int*>(p.topk_idx)[flat0 + j];
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int j = j0 + u * kLayoutThreads;
+        const long long idx = v[u];
         if (idx < -1 || idx >= E) {
-          if (atomicCAS(&p.ctrl->error_lock, 0, 1) == 0) {
-            volatile ErrorRecord* err = p.error;
-            err->op = kOpLayout;
-            err->rank = p.rank;
-            err->peer = -1;
-            err->value_a = idx;
-            err->value_b = static_cast<long long>(flat);
-            __threadfence_system();
-            err->code = kErrorInvalidTopkIdx;
-            __threadfence_system();
-          }
+          report_invalid(p, idx, flat0 + j);
           continue;
         }
         if (idx < 0) continue;
         atomicAdd(&expert_hist[idx], 1);
-        rank_mask |= 1u << (static_cast<int>(idx) / experts_per_rank);
+        atomicOr(&token_mask[j / K], 1u << (static_cast<int>(idx) / experts_per_rank));
       }
     }
-    // Position of this token among this chunk's tokens sent to each rank.
+    __syncthreads();
+    const int t = base + tid;
+    const uint32_t rank_mask = token_mask[tid];
+    // 2. Position of this token among this chunk's tokens sent to each rank.
     int in_warp_pos[kMaxRanks];
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
@@ -68,6 +90,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
         if (lane == 0) warp_count[warp][r] = __popc(ballot);
       }
     }
+    token_mask[tid] = 0;  // only this thread reads it; the next chunk ORs after __syncthreads
     __syncthreads();
     if (warp < R) {  // warp r scans the warp totals of rank r
       const int r = warp;
