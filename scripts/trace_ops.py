@@ -6,9 +6,10 @@ bench does (L2 flushed, ranks lined up on the host) under torch.profiler. For ra
 per op, the median over calls of: the host span of the call, when each GPU kernel started after
 the call began and how long it ran (µs). Chrome traces go to --out.
 
---sweep SMS:DW:CW ... repeats the measurement on a fresh group per configuration: SMS blocks
-(``Options.num_sms``), DW dispatch and CW combine send warps per block (EP_DISPATCH_SEND_WARPS /
-EP_COMBINE_SEND_WARPS), e.g. ``--sweep 24:10:4 48:10:4 24:12:6``.
+--sweep SMS:DW:CW[:ALIGN:BATCH] ... repeats the measurement on a fresh group per configuration:
+SMS blocks (``Options.num_sms``), DW dispatch and CW combine send warps per block, ALIGN the row
+alignment in the buffer and BATCH the tokens per publisher fence (EP_DISPATCH_SEND_WARPS,
+EP_COMBINE_SEND_WARPS, EP_ROW_ALIGN, EP_PUBLISH_BATCH), e.g. ``--sweep 24:10:4 24:10:4:16:1``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ OPS = ("dispatch", "dispatch_fp8", "cached", "combine")
 
 
 def _short(name: str) -> str:
-    name = name.split("(")[0]
+    name = name.replace("(anonymous namespace)", "").split("(")[0]
     return name.rsplit("::", 1)[-1].replace("intranode_", "").replace("_kernel", "")[:24]
 
 
@@ -86,7 +87,7 @@ def _profile(args, group, data, label: str, rank: int) -> None:
                 per.setdefault(_short(k.name()), []).append(
                     ((k.start_ns() - start) / 1e3, k.duration_ns() / 1e3)
                 )
-                if "dispatch" in k.name() or "combine" in k.name():
+                if "dispatch_kernel" in k.name() or "combine" in k.name():
                     break  # the op's last kernel
     if label == "default":
         os.makedirs(args.out, exist_ok=True)
@@ -120,10 +121,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     data = (x, x8, s8, idx, w.float(), flush, cpu_group)
     _profile(args, None, data, "default", rank)
     for cfg in args.sweep:
-        sms, dw, cw = (int(v) for v in cfg.split(":"))
-        os.environ["EP_DISPATCH_SEND_WARPS"], os.environ["EP_COMBINE_SEND_WARPS"] = str(dw), str(cw)
+        sms, dw, cw, align, batch = (int(v) for v in (cfg + ":128:1").split(":")[:5])
+        os.environ.update(EP_DISPATCH_SEND_WARPS=str(dw), EP_COMBINE_SEND_WARPS=str(cw),
+                          EP_ROW_ALIGN=str(align), EP_PUBLISH_BATCH=str(batch))  # fmt: skip
         group = dist.new_group(backend="ep", pg_options=ep.Options(num_sms=sms))
-        _profile(args, group, data, f"num_sms={sms} send warps {dw}/{cw}", rank)
+        label = f"num_sms={sms} send warps {dw}/{cw} row_align {align} publish_batch {batch}"
+        _profile(args, group, data, label, rank)
         dist.destroy_process_group(group)
     dist.destroy_process_group()
 

@@ -201,7 +201,9 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   cfg.num_sms = static_cast<int>(pg.options()->num_sms);
   // Tuning knobs for sweeps (docs/api.md): warps per block that send; the rest receive.
   for (auto [name, field] : {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
-                             std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps}}) {
+                             std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
+                             std::pair{"EP_ROW_ALIGN", &cfg.row_align},
+                             std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
     if (const char* env = std::getenv(name)) {
       *field = std::atoi(env);
     }

@@ -92,7 +92,7 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
   const int hidden_bytes = p.hidden * p.elem_bytes;
-  const CombineRow row = CombineRow::make(hidden_bytes, K);
+  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
   const int n16 = hidden_bytes / 16;
   const int first = blockIdx.x * p.num_send_warps + warp;
   const int stride = gridDim.x * p.num_send_warps;
@@ -167,9 +167,11 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
   long long idle_since = 0;
   for (uint32_t idle = 0;;) {
     const int done = lane < S ? device::ld_acquire_cta_shared(progress + lane) : 0;
-    const bool fresh = done > published;
+    // One fence per publish_batch rows of a sender (or its last ones), as in dispatch.
+    const bool fresh = done >= published + p.publish_batch || (done == total && done > published);
+    const bool any_fresh = __any_sync(kFull, fresh);
+    if (any_fresh) device::fence_acq_rel_sys();
     if (fresh) {
-      device::fence_acq_rel_sys();
       for (int k = published; k < done; ++k) {
         const int i = first + k * stride;
 #pragma unroll
@@ -182,7 +184,7 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
       published = done;
     }
     if (__all_sync(kFull, published >= total)) return;
-    if (__any_sync(kFull, fresh)) {
+    if (any_fresh) {
       idle = 0;
       continue;
     }
@@ -209,7 +211,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
   const int hidden_bytes = p.hidden * kElemBytes;
-  const CombineRow row = CombineRow::make(hidden_bytes, K);
+  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
   const int n16 = hidden_bytes / 16;
   char* const own = c.buffers.ptr[me];
 
@@ -285,7 +287,7 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
                              int warp, int lane) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
-  const CombineRow row = CombineRow::make(p.hidden * kElemBytes, p.num_topk);
+  const CombineRow row = CombineRow::make(p.hidden * kElemBytes, p.num_topk, c.layout.row_align);
   const int num_recv_warps = kWarps - p.num_send_warps - 1;
   const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
   const int stride = gridDim.x * num_recv_warps;

@@ -83,11 +83,15 @@ struct DispatchRow {
   int stride;
   int scales_offset;
   int meta_offset;
-  EP_HOST_DEVICE static DispatchRow make(int hidden_bytes, int num_scales, int num_topk) {
+  // `align` (BufferLayout::row_align): rows start on this boundary, so a warp's 512-byte stores
+  // cover whole 32-byte sectors and 128-byte lines instead of splitting some across two writes.
+  EP_HOST_DEVICE static DispatchRow make(int hidden_bytes, int num_scales, int num_topk,
+                                         int align) {
     DispatchRow r;
     r.scales_offset = hidden_bytes;
     r.meta_offset = r.scales_offset + static_cast<int>(align_up(size_t(num_scales) * 4, 16));
-    r.stride = r.meta_offset + static_cast<int>(align_up(16 + size_t(num_topk) * 8, 16));
+    r.stride = static_cast<int>(
+        align_up(r.meta_offset + align_up(16 + size_t(num_topk) * 8, 16), size_t(align)));
     return r;
   }
 };
@@ -97,10 +101,11 @@ struct DispatchRow {
 struct CombineRow {
   int stride;
   int weights_offset;
-  EP_HOST_DEVICE static CombineRow make(int hidden_bytes, int num_topk) {
+  EP_HOST_DEVICE static CombineRow make(int hidden_bytes, int num_topk, int align) {
     CombineRow r;
     r.weights_offset = hidden_bytes;
-    r.stride = r.weights_offset + static_cast<int>(align_up(size_t(num_topk) * 4, 16));
+    r.stride = static_cast<int>(
+        align_up(r.weights_offset + align_up(size_t(num_topk) * 4, 16), size_t(align)));
     return r;
   }
 };
@@ -117,6 +122,7 @@ struct BufferLayout {
   int num_ranks;
   int max_tokens;  // rows a region holds (max tokens of any rank)
   int max_local_experts;
+  int row_align;  // bytes; dispatch and combine rows start on this boundary (16 or 128)
   size_t entered_offset;
   size_t notify_offset;
   size_t dispatch_offset;
@@ -214,6 +220,7 @@ struct DispatchParams {
   int* recv_src_rank;        // [cap] or null
   int num_worst_tokens;      // 0: exact N rows; > 0: capacity, padding rows filled
   int num_send_warps;
+  int publish_batch;  // tokens a sender warp reports before the publisher fences (>= 1)
 };
 
 struct CombineParams {
@@ -232,6 +239,7 @@ struct CombineParams {
   void* out;                // [T, H]
   float* out_topk_weights;  // [T, K] or null (needs topk_weights)
   int num_send_warps;
+  int publish_batch;  // rows a sender warp reports before the publisher fences (>= 1)
 };
 
 struct BarrierParams {

@@ -90,7 +90,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
                               int warp, int lane, int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
-  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const bool with_meta = p.topk_idx != nullptr;
@@ -219,9 +219,12 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
   long long idle_since = 0;
   for (uint32_t idle = 0;;) {
     const int done = lane < S ? device::ld_acquire_cta_shared(progress + lane) : 0;
-    const bool fresh = done > published;
+    // One fence per publish_batch tokens of a sender (or its last ones): a system-scope fence
+    // costs about an NVLink round trip.
+    const bool fresh = done >= published + p.publish_batch || (done == total && done > published);
+    const bool any_fresh = __any_sync(kFull, fresh);
+    if (any_fresh) device::fence_acq_rel_sys();
     if (fresh) {
-      device::fence_acq_rel_sys();
       for (int k = published; k < done; ++k) {
         const int t = first + k * stride;
         for (int d = 0; d < R; ++d) {
@@ -237,7 +240,7 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
       published = done;
     }
     if (__all_sync(kFull, published >= total)) return;
-    if (__any_sync(kFull, fresh)) {
+    if (any_fresh) {
       idle = 0;
       continue;
     }
@@ -257,7 +260,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
                               int warp, int lane) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
-  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const int num_recv_warps = kWarps - p.num_send_warps - 1;

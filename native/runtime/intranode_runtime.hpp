@@ -62,6 +62,8 @@ struct IntranodeConfig {
   // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench.
   int dispatch_send_warps = 10;
   int combine_send_warps = 4;
+  int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
+  int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
