@@ -28,8 +28,9 @@ namespace {
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
 constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more would spill registers)
-constexpr int kRecvUnroll = 16;
-constexpr int kSendEarly = 4;  // x chunks per lane loaded together with the token's other inputs
+constexpr int kRecvUnroll = 12;
+constexpr int kLocalUnroll = 8;  // own rows (fewer registers: the receivers' state is live)
+constexpr int kSendEarly = 4;    // x chunks per lane loaded together with the token's other inputs
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
@@ -50,15 +51,17 @@ __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int
   }
 }
 
-// Copies chunks [begin, n16) of a row a peer wrote into our buffer (coherent loads).
+// Copies chunks [begin, n16) of a row a peer wrote into our buffer (coherent loads), or of a
+// row of x, kUnroll 16-byte loads in flight per lane.
+template <int kUnroll = kRecvUnroll>
 __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane, int begin) {
-  for (int i = begin + lane; i < n16; i += 32 * kRecvUnroll) {
-    int4 v[kRecvUnroll];
+  for (int i = begin + lane; i < n16; i += 32 * kUnroll) {
+    int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kRecvUnroll; ++u)
+    for (int u = 0; u < kUnroll; ++u)
       if (i + 32 * u < n16) v[u] = device::ld_v4(src + i + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kRecvUnroll; ++u)
+    for (int u = 0; u < kUnroll; ++u)
       if (i + 32 * u < n16) device::st_v4(dst + i + 32 * u, v[u]);
   }
 }
@@ -92,11 +95,9 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
-  const int cap = p.num_worst_tokens;
   const bool with_meta = p.topk_idx != nullptr;
   const int first = blockIdx.x * p.num_send_warps + warp;
   const int stride = gridDim.x * p.num_send_warps;
-  const int local_base = p.recv_prefix[me];
   const uint64_t* entered =
       reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
   uint32_t ready = 1u << me;  // peers known to have entered this sequence
@@ -120,8 +121,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
     for (int u = 0; u < kSendEarly; ++u)
       if (lane + 32 * u < n16) v[u] = device::ld_nc_v4(src + lane + 32 * u);
 
-    // 2. Destinations.
-    const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
+    // 2. Destinations (peers only: the receivers copy this rank's own rows).
+    const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0 && lane != me);
     const uint32_t need = dest_mask & ~ready;
     if (need != 0) {
       bool ok = true;
@@ -132,22 +133,12 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       ready |= need;
     }
     char* dst[kMaxRanks];
-    int local_row = -1;
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       const int slot = __shfl_sync(kFull, pos, d);
-      dst[d] = nullptr;
-      if (d < R && slot >= 0) {
-        if (d == me) {
-          const int r = local_base + slot;
-          if (cap == 0 || r < cap) {
-            local_row = r;
-            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
-          }
-        } else {
-          dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
-        }
-      }
+      dst[d] = d < R && d != me && slot >= 0
+                   ? dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride)
+                   : nullptr;
     }
 
     // 3. Stores: first batch of x, the rest of x, scales, metadata.
@@ -165,8 +156,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
         if (dst[d] == nullptr) continue;
-        float* sc_out = d == me ? p.recv_scales + size_t(local_row) * S
-                                : reinterpret_cast<float*>(dst[d] + row.scales_offset);
+        float* sc_out = reinterpret_cast<float*>(dst[d] + row.scales_offset);
         if (lane < S) sc_out[lane] = sc0;
         if (lane + 32 < S) sc_out[lane + 32] = sc1;
         for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
@@ -178,24 +168,12 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
           const long long lo = static_cast<long long>(d) * p.experts_per_rank;
           const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
           const float local_w = local_idx >= 0 ? w : 0.0f;
-          if (d == me) {
-            if (lane < K && p.recv_topk_idx != nullptr) {
-              store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
-              if (p.recv_topk_weights != nullptr)
-                p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
-            }
-            if (lane == 0) {
-              if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
-              if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
-            }
-          } else {
-            char* meta = dst[d] + row.meta_offset;
-            if (lane < K) {
-              reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
-              reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
-            }
-            if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
+          char* meta = dst[d] + row.meta_offset;
+          if (lane < K) {
+            reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
+            reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
           }
+          if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
         }
       }
     }
@@ -256,16 +234,108 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
   }
 }
 
+// The outputs receivers write to: the kernel's own parameters, or (late binding) what the host
+// wrote to the binding once it had allocated them. Receiver warp 0's lane 0 of each block waits
+// for the binding and shares it with the block's other receiver warps (named barrier 1).
+// Returns false if the host cancelled the call (it raised): then nothing is copied.
+__device__ bool bind_outputs(const DispatchParams& p, const device::WaitContext& ctx, int recv_warp,
+                             int num_recv_warps, int lane, DispatchOutputs& o,
+                             DispatchOutputs* s_out, int* s_bound) {
+  if (p.bind_ticket == 0) {
+    o = DispatchOutputs{p.recv_x,       p.recv_scales,  p.recv_topk_idx, p.recv_topk_weights,
+                        p.recv_src_idx, p.recv_src_rank};
+    return true;
+  }
+  if (recv_warp == 0 && lane == 0) {
+    const int* ticket = const_cast<const int*>(&p.binding->ticket);
+    int seen = 0;
+    const bool ok = device::spin_wait(ctx, ctx.rank, [&] {
+      seen = device::ld_volatile_int(ticket);
+      return seen == p.bind_ticket || seen == -p.bind_ticket;
+    });
+    const bool bound = ok && seen == p.bind_ticket;
+    if (bound) {
+      device::fence_acq_rel_sys();  // the host wrote `out` before the ticket
+      const uint64_t* words = reinterpret_cast<const uint64_t*>(&p.binding->out);
+      uint64_t* dst = reinterpret_cast<uint64_t*>(s_out);
+      for (int i = 0; i < int(sizeof(DispatchOutputs) / 8); ++i)
+        dst[i] = device::ld_relaxed_sys(words + i);
+    }
+    *s_bound = bound ? 1 : 0;
+  }
+  asm volatile("bar.sync 1, %0;" ::"r"(num_recv_warps * 32) : "memory");
+  if (*s_bound == 0) return false;
+  o = *s_out;
+  return true;
+}
+
+// This rank's own rows: straight from x (and topk_idx, weights, scales) to the outputs. Receiver
+// warp v takes tokens v, v + V, ...; each lane looks up one token's position per batch of 32.
+__device__ void dispatch_copy_local(const DispatchParams& p, const DispatchOutputs& o, int first,
+                                    int stride, int local_base, int lane) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
+  const int n16 = p.hidden_bytes / 16;
+  const int cap = p.num_worst_tokens;
+  const bool with_meta = p.topk_idx != nullptr && o.recv_topk_idx != nullptr;
+  const long long lo = static_cast<long long>(me) * p.experts_per_rank;
+  for (int t0 = first; t0 < p.num_tokens; t0 += 32 * stride) {
+    const int my_t = t0 + lane * stride;
+    const int my_pos = my_t < p.num_tokens ? p.send_pos[size_t(my_t) * R + me] : -1;
+    uint32_t todo = __ballot_sync(kFull, my_pos >= 0);
+    while (todo != 0) {
+      const int j = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const int t = t0 + j * stride;
+      const int r = local_base + __shfl_sync(kFull, my_pos, j);
+      if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
+      long long idx = -1;
+      float w = 0.0f, sc0 = 0.0f, sc1 = 0.0f;
+      if (with_meta && lane < K) {
+        idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
+        if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
+      }
+      if (o.recv_scales != nullptr) {
+        if (lane < S) sc0 = p.scales[size_t(t) * S + lane];
+        if (lane + 32 < S) sc1 = p.scales[size_t(t) * S + lane + 32];
+      }
+      copy_row<kLocalUnroll>(
+          reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(t) * p.hidden_bytes),
+          reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes), n16,
+          lane, 0);
+      if (o.recv_scales != nullptr) {
+        float* sc_out = o.recv_scales + size_t(r) * S;
+        if (lane < S) sc_out[lane] = sc0;
+        if (lane + 32 < S) sc_out[lane + 32] = sc1;
+        for (int q = lane + 64; q < S; q += 32) sc_out[q] = p.scales[size_t(t) * S + q];
+      }
+      if (with_meta && lane < K) {
+        const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
+        store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, local_idx);
+        if (o.recv_topk_weights != nullptr)
+          o.recv_topk_weights[size_t(r) * K + lane] = local_idx >= 0 ? w : 0.0f;
+      }
+      if (lane == 0) {
+        if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = t;
+        if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = me;
+      }
+    }
+  }
+}
+
 __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane) {
+                              int warp, int lane, DispatchOutputs* s_out, int* s_bound) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const int num_recv_warps = kWarps - p.num_send_warps - 1;
-  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
+  const int recv_warp = warp - p.num_send_warps - 1;
+  const int first = blockIdx.x * num_recv_warps + recv_warp;
   const int stride = gridDim.x * num_recv_warps;
+  DispatchOutputs o;
+  if (!bind_outputs(p, ctx, recv_warp, num_recv_warps, lane, o, s_out, s_bound)) return;
   const int prefix = lane <= R ? p.recv_prefix[lane] : 0;  // lane s: first row of source s
   const int total = __shfl_sync(kFull, prefix, R);
   // Lane s (a remote source) also keeps that source's row count.
@@ -276,20 +346,22 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   if (cap > 0) {
     for (int r = total + first; r < cap; r += stride) {
       int4* out =
-          reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
+          reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes);
       for (int i = lane; i < n16; i += 32) device::st_v4(out + i, make_int4(0, 0, 0, 0));
-      if (p.recv_scales != nullptr)
-        for (int j = lane; j < S; j += 32) p.recv_scales[size_t(r) * S + j] = 0.0f;
-      if (p.recv_topk_idx != nullptr && lane < K) {
-        store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, -1);
-        if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = 0.0f;
+      if (o.recv_scales != nullptr)
+        for (int j = lane; j < S; j += 32) o.recv_scales[size_t(r) * S + j] = 0.0f;
+      if (o.recv_topk_idx != nullptr && lane < K) {
+        store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, -1);
+        if (o.recv_topk_weights != nullptr) o.recv_topk_weights[size_t(r) * K + lane] = 0.0f;
       }
       if (lane == 0) {
-        if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = -1;
-        if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = -1;
+        if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = -1;
+        if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = -1;
       }
     }
   }
+  // Own rows next: peers' rows wait in the buffer meanwhile (each source owns its region).
+  dispatch_copy_local(p, o, first, stride, __shfl_sync(kFull, prefix, me), lane);
 
   int max_count = count;
 #pragma unroll
@@ -334,11 +406,11 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           const char* in = dispatch_row(c, own, s, me, slot, row.stride);
           const int4* in16 = reinterpret_cast<const int4*>(in);
           int4* out16 =
-              reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
+              reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes);
           const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
           const char* meta = in + row.meta_offset;
-          const bool copy_scales = p.recv_scales != nullptr;
-          const bool copy_meta = p.recv_topk_idx != nullptr;
+          const bool copy_scales = o.recv_scales != nullptr;
+          const bool copy_meta = o.recv_topk_idx != nullptr;
           float sc0 = 0.0f, sc1 = 0.0f, mw = 0.0f;
           int mi = -1, msrc = -1;
           copy_row(in16, out16, n16, lane, 0);
@@ -351,18 +423,18 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           }
           if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
           if (copy_scales) {
-            float* sc_out = p.recv_scales + size_t(r) * S;
+            float* sc_out = o.recv_scales + size_t(r) * S;
             if (lane < S) sc_out[lane] = sc0;
             if (lane + 32 < S) sc_out[lane + 32] = sc1;
             for (int j2 = lane + 64; j2 < S; j2 += 32) sc_out[j2] = sc[j2];
           }
           if (copy_meta && lane < K) {
-            store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
-            if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = mw;
+            store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
+            if (o.recv_topk_weights != nullptr) o.recv_topk_weights[size_t(r) * K + lane] = mw;
           }
           if (lane == 0) {
-            if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = msrc;
-            if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = s;
+            if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = msrc;
+            if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = s;
           }
         }
       }
@@ -390,29 +462,38 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     intranode_dispatch_kernel(DispatchParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];  // tokens done per sender warp (read by the publisher)
+  __shared__ DispatchOutputs s_out;   // late binding: the outputs the host allocated
+  __shared__ int s_bound;
+  __shared__ int s_run;  // one decision per block: the receivers' named barrier needs all of them
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
-  if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
+  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
+                                p.topk_idx != nullptr ? kOpDispatch : kOpCachedDispatch, me};
+  if (threadIdx.x == 0) {
+    s_seq = device::read_sequence(ctrl);
+    // A late-bound dispatch whose notify recorded an invalid topk_idx on some rank moves nothing
+    // (every rank's notify saw the same ranks; the hosts raise).
+    const bool rejected = p.bind_ticket != 0 && device::ld_volatile_int(&ctrl->rejected_ranks) != 0;
+    s_run = !device::aborted(ctx) && !rejected;
+  }
   if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t seq = s_seq;
-  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
-                                p.topk_idx != nullptr ? kOpDispatch : kOpCachedDispatch, me};
   // Tell every peer we have entered this sequence (so finished all earlier kernels).
   if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
     device::st_release_sys(
         reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
         seq);
 
-  if (!device::aborted(ctx)) {
+  if (s_run) {
     if (warp < p.num_send_warps)
       dispatch_send(p, ctx, seq, warp, lane, s_progress);
     else if (warp == p.num_send_warps)
       dispatch_publish(p, ctx, seq, lane, s_progress);
     else
-      dispatch_recv(p, ctx, seq, warp, lane);
+      dispatch_recv(p, ctx, seq, warp, lane, &s_out, &s_bound);
   }
   // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
   // every peer, which the notify slots' parity scheme relies on.
