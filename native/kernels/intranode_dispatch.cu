@@ -19,6 +19,13 @@
 // Before a sender first writes into a peer's buffer it waits for the peer's "entered" flag of this
 // sequence: the peer has finished every earlier kernel, so the region is no longer being read.
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
+//
+// Late binding (normal mode): the kernel is launched right after notify, before the host knows
+// the output sizes. Senders push to peers at once; a token's own row waits until the host has
+// allocated the outputs and written them to the host-mapped binding (one receiver lane per block
+// polls it and shares it through shared memory): own rows of tokens sent before that are written
+// after the warp's last token. Receivers start copying once bound. A cancelled binding (the host
+// raised) writes nothing; a notify that recorded an invalid topk_idx makes the kernel idle.
 #include "intranode_kernels.hpp"
 #include "ptx_utils.cuh"
 
@@ -28,7 +35,7 @@ namespace {
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
 constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more would spill registers)
-constexpr int kRecvUnroll = 12;
+constexpr int kRecvUnroll = 16;
 constexpr int kLocalUnroll = 8;  // own rows (fewer registers: the receivers' state is live)
 constexpr int kSendEarly = 4;    // x chunks per lane loaded together with the token's other inputs
 
@@ -86,23 +93,106 @@ __device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer
          size_t(slot) * stride;
 }
 
+// Late binding (p.bind_ticket != 0): lane 0 of receiver warp 0 in each block waits for the
+// host's binding, copies the output pointers to shared memory and sets the block's state to 1
+// (bound) or -1 (cancelled: the call raised; write nothing). Without late binding the state
+// starts at 1 with the kernel's own pointers. Senders and receivers read the state (acquire).
+__device__ void poll_binding(const DispatchParams& p, const device::WaitContext& ctx,
+                             DispatchOutputs* s_out, int* s_state) {
+  const int* ticket = const_cast<const int*>(&p.binding->ticket);
+  int seen = 0;
+  const bool ok = device::spin_wait(ctx, ctx.rank, [&] {
+    seen = device::ld_volatile_int(ticket);
+    return seen == p.bind_ticket || seen == -p.bind_ticket;
+  });
+  const bool bound = ok && seen == p.bind_ticket;
+  if (bound) {
+    device::fence_acq_rel_sys();  // the host wrote `out` before the ticket
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(&p.binding->out);
+    uint64_t* dst = reinterpret_cast<uint64_t*>(s_out);
+    for (int i = 0; i < int(sizeof(DispatchOutputs) / 8); ++i)
+      dst[i] = device::ld_relaxed_sys(words + i);
+  }
+  device::st_release_cta_shared(s_state, bound ? 1 : -1);
+}
+
+// The block's binding state once it is no longer pending (1 bound, -1 cancelled).
+__device__ int wait_binding(const int* s_state) {
+  for (;;) {
+    const int v = device::ld_acquire_cta_shared(s_state);
+    if (v != 0) return v;
+    __nanosleep(128);  // the poller has the timeout: it sets -1 when it gives up
+  }
+}
+
+// Token t's own row (this rank is one of its destinations): straight from x (and topk_idx,
+// weights, scales) to output row r. Used for the tokens a sender handled before the binding.
+__device__ void copy_local_token(const DispatchParams& p, const DispatchOutputs& o, int t, int r,
+                                 int lane) {
+  const int me = p.comm.rank, K = p.num_topk, S = p.num_scales;
+  const bool with_meta = p.topk_idx != nullptr && o.recv_topk_idx != nullptr;
+  const long long lo = static_cast<long long>(me) * p.experts_per_rank;
+  long long idx = -1;
+  float w = 0.0f, sc0 = 0.0f, sc1 = 0.0f;
+  if (with_meta && lane < K) {
+    idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
+    if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
+  }
+  if (o.recv_scales != nullptr) {
+    if (lane < S) sc0 = p.scales[size_t(t) * S + lane];
+    if (lane + 32 < S) sc1 = p.scales[size_t(t) * S + lane + 32];
+  }
+  copy_row<kLocalUnroll>(
+      reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(t) * p.hidden_bytes),
+      reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes),
+      p.hidden_bytes / 16, lane, 0);
+  if (o.recv_scales != nullptr) {
+    float* sc_out = o.recv_scales + size_t(r) * S;
+    if (lane < S) sc_out[lane] = sc0;
+    if (lane + 32 < S) sc_out[lane + 32] = sc1;
+    for (int q = lane + 64; q < S; q += 32) sc_out[q] = p.scales[size_t(t) * S + q];
+  }
+  if (with_meta && lane < K) {
+    const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
+    store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, local_idx);
+    if (o.recv_topk_weights != nullptr)
+      o.recv_topk_weights[size_t(r) * K + lane] = local_idx >= 0 ? w : 0.0f;
+  }
+  if (lane == 0) {
+    if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = t;
+    if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = me;
+  }
+}
+
 // Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
 // loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
 // of x) are issued together, so they cost one memory latency instead of one each.
+// The own row of a token goes straight to the outputs once the block is bound; tokens handled
+// before (late binding) get theirs after the warp's last token (their rows to peers go first).
 __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane, int* progress) {
+                              int warp, int lane, int* progress, const DispatchOutputs* s_out,
+                              const int* s_state) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
+  const int cap = p.num_worst_tokens;
   const bool with_meta = p.topk_idx != nullptr;
   const int first = blockIdx.x * p.num_send_warps + warp;
   const int stride = gridDim.x * p.num_send_warps;
+  const int local_base = p.recv_prefix[me];
   const uint64_t* entered =
       reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
   uint32_t ready = 1u << me;  // peers known to have entered this sequence
+  int state = 0;              // the block's binding state as last seen (0: pending)
+  DispatchOutputs o{};
+  int deferred = 0;  // tokens [0, deferred) of this warp still owe their own row
   int k = 0;
   for (int t = first; t < p.num_tokens; t += stride, ++k) {
+    if (state == 0) {
+      state = device::ld_acquire_cta_shared(s_state);
+      if (state == 1) o = *s_out;
+    }
     // 1. Independent loads.
     const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
     long long idx = -1;
@@ -121,8 +211,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
     for (int u = 0; u < kSendEarly; ++u)
       if (lane + 32 * u < n16) v[u] = device::ld_nc_v4(src + lane + 32 * u);
 
-    // 2. Destinations (peers only: the receivers copy this rank's own rows).
-    const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0 && lane != me);
+    // 2. Destinations.
+    const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
     const uint32_t need = dest_mask & ~ready;
     if (need != 0) {
       bool ok = true;
@@ -133,12 +223,24 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       ready |= need;
     }
     char* dst[kMaxRanks];
+    int local_row = -1;
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       const int slot = __shfl_sync(kFull, pos, d);
-      dst[d] = d < R && d != me && slot >= 0
-                   ? dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride)
-                   : nullptr;
+      dst[d] = nullptr;
+      if (d < R && slot >= 0) {
+        if (d == me) {
+          const int r = local_base + slot;
+          if (state == 0) {
+            deferred = k + 1;
+          } else if (state == 1 && (cap == 0 || r < cap)) {
+            local_row = r;
+            dst[d] = static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes;
+          }
+        } else {
+          dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
+        }
+      }
     }
 
     // 3. Stores: first batch of x, the rest of x, scales, metadata.
@@ -156,7 +258,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
         if (dst[d] == nullptr) continue;
-        float* sc_out = reinterpret_cast<float*>(dst[d] + row.scales_offset);
+        float* sc_out = d == me ? o.recv_scales + size_t(local_row) * S
+                                : reinterpret_cast<float*>(dst[d] + row.scales_offset);
         if (lane < S) sc_out[lane] = sc0;
         if (lane + 32 < S) sc_out[lane + 32] = sc1;
         for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
@@ -168,18 +271,37 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
           const long long lo = static_cast<long long>(d) * p.experts_per_rank;
           const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
           const float local_w = local_idx >= 0 ? w : 0.0f;
-          char* meta = dst[d] + row.meta_offset;
-          if (lane < K) {
-            reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
-            reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
+          if (d == me) {
+            if (lane < K && o.recv_topk_idx != nullptr) {
+              store_idx(o.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
+              if (o.recv_topk_weights != nullptr)
+                o.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
+            }
+            if (lane == 0) {
+              if (o.recv_src_idx != nullptr) o.recv_src_idx[local_row] = t;
+              if (o.recv_src_rank != nullptr) o.recv_src_rank[local_row] = me;
+            }
+          } else {
+            char* meta = dst[d] + row.meta_offset;
+            if (lane < K) {
+              reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
+              reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
+            }
+            if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
           }
-          if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
         }
       }
     }
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
     __syncwarp();
     if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
+  }
+  if (deferred == 0 || wait_binding(s_state) != 1) return;
+  o = *s_out;
+  for (int j = 0; j < deferred; ++j) {
+    const int t = first + j * stride;
+    const int r = local_base + p.send_pos[size_t(t) * R + me];
+    if (r >= local_base && (cap == 0 || r < cap)) copy_local_token(p, o, t, r, lane);
   }
 }
 
@@ -234,97 +356,8 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
   }
 }
 
-// The outputs receivers write to: the kernel's own parameters, or (late binding) what the host
-// wrote to the binding once it had allocated them. Receiver warp 0's lane 0 of each block waits
-// for the binding and shares it with the block's other receiver warps (named barrier 1).
-// Returns false if the host cancelled the call (it raised): then nothing is copied.
-__device__ bool bind_outputs(const DispatchParams& p, const device::WaitContext& ctx, int recv_warp,
-                             int num_recv_warps, int lane, DispatchOutputs& o,
-                             DispatchOutputs* s_out, int* s_bound) {
-  if (p.bind_ticket == 0) {
-    o = DispatchOutputs{p.recv_x,       p.recv_scales,  p.recv_topk_idx, p.recv_topk_weights,
-                        p.recv_src_idx, p.recv_src_rank};
-    return true;
-  }
-  if (recv_warp == 0 && lane == 0) {
-    const int* ticket = const_cast<const int*>(&p.binding->ticket);
-    int seen = 0;
-    const bool ok = device::spin_wait(ctx, ctx.rank, [&] {
-      seen = device::ld_volatile_int(ticket);
-      return seen == p.bind_ticket || seen == -p.bind_ticket;
-    });
-    const bool bound = ok && seen == p.bind_ticket;
-    if (bound) {
-      device::fence_acq_rel_sys();  // the host wrote `out` before the ticket
-      const uint64_t* words = reinterpret_cast<const uint64_t*>(&p.binding->out);
-      uint64_t* dst = reinterpret_cast<uint64_t*>(s_out);
-      for (int i = 0; i < int(sizeof(DispatchOutputs) / 8); ++i)
-        dst[i] = device::ld_relaxed_sys(words + i);
-    }
-    *s_bound = bound ? 1 : 0;
-  }
-  asm volatile("bar.sync 1, %0;" ::"r"(num_recv_warps * 32) : "memory");
-  if (*s_bound == 0) return false;
-  o = *s_out;
-  return true;
-}
-
-// This rank's own rows: straight from x (and topk_idx, weights, scales) to the outputs. Receiver
-// warp v takes tokens v, v + V, ...; each lane looks up one token's position per batch of 32.
-__device__ void dispatch_copy_local(const DispatchParams& p, const DispatchOutputs& o, int first,
-                                    int stride, int local_base, int lane) {
-  const CommContext& c = p.comm;
-  const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
-  const int n16 = p.hidden_bytes / 16;
-  const int cap = p.num_worst_tokens;
-  const bool with_meta = p.topk_idx != nullptr && o.recv_topk_idx != nullptr;
-  const long long lo = static_cast<long long>(me) * p.experts_per_rank;
-  for (int t0 = first; t0 < p.num_tokens; t0 += 32 * stride) {
-    const int my_t = t0 + lane * stride;
-    const int my_pos = my_t < p.num_tokens ? p.send_pos[size_t(my_t) * R + me] : -1;
-    uint32_t todo = __ballot_sync(kFull, my_pos >= 0);
-    while (todo != 0) {
-      const int j = __ffs(todo) - 1;
-      todo &= todo - 1;
-      const int t = t0 + j * stride;
-      const int r = local_base + __shfl_sync(kFull, my_pos, j);
-      if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
-      long long idx = -1;
-      float w = 0.0f, sc0 = 0.0f, sc1 = 0.0f;
-      if (with_meta && lane < K) {
-        idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
-        if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
-      }
-      if (o.recv_scales != nullptr) {
-        if (lane < S) sc0 = p.scales[size_t(t) * S + lane];
-        if (lane + 32 < S) sc1 = p.scales[size_t(t) * S + lane + 32];
-      }
-      copy_row<kLocalUnroll>(
-          reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(t) * p.hidden_bytes),
-          reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes), n16,
-          lane, 0);
-      if (o.recv_scales != nullptr) {
-        float* sc_out = o.recv_scales + size_t(r) * S;
-        if (lane < S) sc_out[lane] = sc0;
-        if (lane + 32 < S) sc_out[lane + 32] = sc1;
-        for (int q = lane + 64; q < S; q += 32) sc_out[q] = p.scales[size_t(t) * S + q];
-      }
-      if (with_meta && lane < K) {
-        const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
-        store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, local_idx);
-        if (o.recv_topk_weights != nullptr)
-          o.recv_topk_weights[size_t(r) * K + lane] = local_idx >= 0 ? w : 0.0f;
-      }
-      if (lane == 0) {
-        if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = t;
-        if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = me;
-      }
-    }
-  }
-}
-
 __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane, DispatchOutputs* s_out, int* s_bound) {
+                              int warp, int lane, DispatchOutputs* s_out, int* s_state) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
@@ -334,8 +367,10 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   const int recv_warp = warp - p.num_send_warps - 1;
   const int first = blockIdx.x * num_recv_warps + recv_warp;
   const int stride = gridDim.x * num_recv_warps;
-  DispatchOutputs o;
-  if (!bind_outputs(p, ctx, recv_warp, num_recv_warps, lane, o, s_out, s_bound)) return;
+  if (p.bind_ticket != 0 && recv_warp == 0 && lane == 0) poll_binding(p, ctx, s_out, s_state);
+  __syncwarp();
+  if (wait_binding(s_state) != 1) return;
+  const DispatchOutputs o = *s_out;
   const int prefix = lane <= R ? p.recv_prefix[lane] : 0;  // lane s: first row of source s
   const int total = __shfl_sync(kFull, prefix, R);
   // Lane s (a remote source) also keeps that source's row count.
@@ -360,9 +395,6 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
       }
     }
   }
-  // Own rows next: peers' rows wait in the buffer meanwhile (each source owns its region).
-  dispatch_copy_local(p, o, first, stride, __shfl_sync(kFull, prefix, me), lane);
-
   int max_count = count;
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
@@ -462,8 +494,8 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     intranode_dispatch_kernel(DispatchParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];  // tokens done per sender warp (read by the publisher)
-  __shared__ DispatchOutputs s_out;   // late binding: the outputs the host allocated
-  __shared__ int s_bound;
+  __shared__ DispatchOutputs s_out;   // the outputs (late binding: as the host allocated them)
+  __shared__ int s_state;             // binding state: 0 pending, 1 bound, -1 cancelled
   __shared__ int s_run;  // one decision per block: the receivers' named barrier needs all of them
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
@@ -477,6 +509,10 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     // (every rank's notify saw the same ranks; the hosts raise).
     const bool rejected = p.bind_ticket != 0 && device::ld_volatile_int(&ctrl->rejected_ranks) != 0;
     s_run = !device::aborted(ctx) && !rejected;
+    s_state = p.bind_ticket == 0 ? 1 : 0;
+    if (p.bind_ticket == 0)
+      s_out = DispatchOutputs{p.recv_x,       p.recv_scales,  p.recv_topk_idx, p.recv_topk_weights,
+                              p.recv_src_idx, p.recv_src_rank};
   }
   if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
@@ -489,11 +525,11 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
 
   if (s_run) {
     if (warp < p.num_send_warps)
-      dispatch_send(p, ctx, seq, warp, lane, s_progress);
+      dispatch_send(p, ctx, seq, warp, lane, s_progress, &s_out, &s_state);
     else if (warp == p.num_send_warps)
       dispatch_publish(p, ctx, seq, lane, s_progress);
     else
-      dispatch_recv(p, ctx, seq, warp, lane, &s_out, &s_bound);
+      dispatch_recv(p, ctx, seq, warp, lane, &s_out, &s_state);
   }
   // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
   // every peer, which the notify slots' parity scheme relies on.
