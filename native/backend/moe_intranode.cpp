@@ -203,7 +203,8 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   for (auto [name, field] : {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
                              std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
                              std::pair{"EP_ROW_ALIGN", &cfg.row_align},
-                             std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
+                             std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch},
+                             std::pair{"EP_BIND_POLL", &cfg.bind_poll}}) {
     if (const char* env = std::getenv(name)) {
       *field = std::atoi(env);
     }
@@ -498,6 +499,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor recv_prefix = at::empty({num_ranks + 1}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
   const bool host_counts = a.num_worst_tokens == 0;
+  const char* late_env = std::getenv("EP_LATE_BIND");
+  const bool late_bind = host_counts && (late_env == nullptr || late_env[0] != '0');
   const int ticket =
       rt.notify(per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
                 static_cast<int>(a.num_experts), static_cast<int>(a.expert_alignment),
@@ -526,7 +529,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     IntranodeRuntime& rt;
     int ticket;
     ~CancelUnlessBound() { rt.cancel_dispatch(ticket); }
-  } pending{rt, host_counts ? rt.dispatch_unbound(args, stream) : 0};
+  } pending{rt, late_bind ? rt.dispatch_unbound(args, stream) : 0};
 
   int64_t rows = a.num_worst_tokens;
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
@@ -563,7 +566,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
       has_weights ? out.recv_topk_weights->data_ptr<float>() : nullptr,
       src_idx.data_ptr<int>(),
       src_rank.data_ptr<int>()};
-  if (host_counts) {
+  if (late_bind) {
     rt.bind_dispatch(pending.ticket, outputs);
   } else {
     args.recv_x = outputs.recv_x;

@@ -246,6 +246,7 @@ struct DispatchParams {
   // once its ticket is +bind_ticket, and the kernel moves nothing if notify recorded a rejection.
   const DispatchBinding* binding;
   int bind_ticket;
+  int bind_poll;  // how the binding's ticket is read: 0 ld.volatile, 1 ld.relaxed.sys, 2 ld.cv
 };
 
 struct CombineParams {

@@ -102,8 +102,12 @@ __device__ void poll_binding(const DispatchParams& p, const device::WaitContext&
   const int* ticket = const_cast<const int*>(&p.binding->ticket);
   int seen = 0;
   const bool ok = device::spin_wait(ctx, ctx.rank, [&] {
-    seen = device::ld_volatile_int(ticket);
-    return seen == p.bind_ticket || seen == -p.bind_ticket;
+    seen = p.bind_poll == 1   ? ptx::ld_relaxed_sys_int(ticket)
+           : p.bind_poll == 2 ? ptx::ld_cv_int(ticket)
+                              : device::ld_volatile_int(ticket);
+    if (seen == p.bind_ticket || seen == -p.bind_ticket) return true;
+    __nanosleep(64);
+    return false;
   });
   const bool bound = ok && seen == p.bind_ticket;
   if (bound) {

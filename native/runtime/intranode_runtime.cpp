@@ -377,6 +377,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.publish_batch = config_.publish_batch;
   p.binding = binding_dev_;
   p.bind_ticket = bind_ticket;
+  p.bind_poll = config_.bind_poll;
   if (!cached) {
     require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
     require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,

@@ -64,6 +64,7 @@ struct IntranodeConfig {
   int combine_send_warps = 4;
   int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
   int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
+  int bind_poll = 0;      // diagnostic: load used to poll the late binding (see DispatchParams)
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
