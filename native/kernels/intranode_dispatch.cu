@@ -33,6 +33,7 @@ namespace ep {
 namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
+__device__ unsigned long long g_diag_start[1024];  // bind_poll 3: each block's start time
 constexpr int kWarps = kIntranodeThreads / 32;
 constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more would spill registers)
 constexpr int kRecvUnroll = 16;
@@ -102,9 +103,9 @@ __device__ void poll_binding(const DispatchParams& p, const device::WaitContext&
   const int* ticket = const_cast<const int*>(&p.binding->ticket);
   int seen = 0;
   const bool ok = device::spin_wait(ctx, ctx.rank, [&] {
-    seen = p.bind_poll == 1   ? ptx::ld_relaxed_sys_int(ticket)
-           : p.bind_poll == 2 ? ptx::ld_cv_int(ticket)
-                              : device::ld_volatile_int(ticket);
+    seen = p.bind_poll == 1 || p.bind_poll == 3 ? ptx::ld_relaxed_sys_int(ticket)
+           : p.bind_poll == 2                   ? ptx::ld_cv_int(ticket)
+                                                : device::ld_volatile_int(ticket);
     if (seen == p.bind_ticket || seen == -p.bind_ticket) return true;
     __nanosleep(64);
     return false;
@@ -118,6 +119,12 @@ __device__ void poll_binding(const DispatchParams& p, const device::WaitContext&
       dst[i] = device::ld_relaxed_sys(words + i);
   }
   device::st_release_cta_shared(s_state, bound ? 1 : -1);
+  if (p.bind_poll == 3 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1)) {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    printf("ep-diag rank %d block %d: binding seen %.1f us after the kernel began\n", ctx.rank,
+           blockIdx.x, (now - g_diag_start[blockIdx.x]) * 1e-3);
+  }
 }
 
 // The block's binding state once it is no longer pending (1 bound, -1 cancelled).
@@ -299,6 +306,12 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
     __syncwarp();
     if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
+  }
+  if (p.bind_poll == 3 && blockIdx.x == 0 && lane == 0 && warp < 3) {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    printf("ep-diag rank %d warp %d: %d of %d tokens deferred; sends done %.1f us in\n", me, warp,
+           deferred, k, (now - g_diag_start[0]) * 1e-3);
   }
   if (deferred == 0 || wait_binding(s_state) != 1) return;
   o = *s_out;
@@ -513,6 +526,8 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     // (every rank's notify saw the same ranks; the hosts raise).
     const bool rejected = p.bind_ticket != 0 && device::ld_volatile_int(&ctrl->rejected_ranks) != 0;
     s_run = !device::aborted(ctx) && !rejected;
+    if (p.bind_poll == 3)
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_diag_start[blockIdx.x]));
     s_state = p.bind_ticket == 0 ? 1 : 0;
     if (p.bind_ticket == 0)
       s_out = DispatchOutputs{p.recv_x,       p.recv_scales,  p.recv_topk_idx, p.recv_topk_weights,
