@@ -29,6 +29,8 @@
 #include "intranode_kernels.hpp"
 #include "ptx_utils.cuh"
 
+#include <cstdio>
+
 namespace ep {
 namespace {
 
