@@ -6,12 +6,10 @@ bench does (L2 flushed, ranks lined up on the host) under torch.profiler. For ra
 per op, the median over calls of: the host span of the call, when each GPU kernel started after
 the call began and how long it ran (µs). Chrome traces go to --out.
 
---sweep SMS:DW:CW[:ALIGN:BATCH[:LATE:POLL]] ... repeats the measurement on a fresh group per configuration:
+--sweep SMS:DW:CW[:ALIGN:BATCH] ... repeats the measurement on a fresh group per configuration:
 SMS blocks (``Options.num_sms``), DW dispatch and CW combine send warps per block, ALIGN the row
 alignment in the buffer and BATCH the tokens per publisher fence (EP_DISPATCH_SEND_WARPS,
-EP_COMBINE_SEND_WARPS, EP_ROW_ALIGN, EP_PUBLISH_BATCH), LATE 0 to launch a normal dispatch only
-after its counts are known (EP_LATE_BIND) and POLL the load that polls the late binding
-(EP_BIND_POLL), e.g. ``--sweep 24:10:4 24:10:4:16:1 24:10:4:128:1:0``.
+EP_COMBINE_SEND_WARPS, EP_ROW_ALIGN, EP_PUBLISH_BATCH), e.g. ``--sweep 24:10:4 24:10:4:16:1``.
 """
 
 from __future__ import annotations
@@ -123,14 +121,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     data = (x, x8, s8, idx, w.float(), flush, cpu_group)
     _profile(args, None, data, "default", rank)
     for cfg in args.sweep:
-        given = [int(v) for v in cfg.split(":")]
-        sms, dw, cw, align, batch, late, poll = given + [24, 10, 4, 128, 1, 1, 0][len(given) :]
+        sms, dw, cw, align, batch = (int(v) for v in (cfg + ":128:1").split(":")[:5])
         os.environ.update(EP_DISPATCH_SEND_WARPS=str(dw), EP_COMBINE_SEND_WARPS=str(cw),
-                          EP_ROW_ALIGN=str(align), EP_PUBLISH_BATCH=str(batch),
-                          EP_LATE_BIND=str(late), EP_BIND_POLL=str(poll))  # fmt: skip
+                          EP_ROW_ALIGN=str(align), EP_PUBLISH_BATCH=str(batch))  # fmt: skip
         group = dist.new_group(backend="ep", pg_options=ep.Options(num_sms=sms))
-        label = (f"num_sms={sms} send warps {dw}/{cw} row_align {align} publish_batch {batch} "
-                 f"late_bind {late} bind_poll {poll}")  # fmt: skip
+        label = f"num_sms={sms} send warps {dw}/{cw} row_align {align} publish_batch {batch}"
         _profile(args, group, data, label, rank)
         dist.destroy_process_group(group)
     dist.destroy_process_group()

@@ -203,8 +203,7 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   for (auto [name, field] : {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
                              std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
                              std::pair{"EP_ROW_ALIGN", &cfg.row_align},
-                             std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch},
-                             std::pair{"EP_BIND_POLL", &cfg.bind_poll}}) {
+                             std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
     if (const char* env = std::getenv(name)) {
       *field = std::atoi(env);
     }
@@ -499,45 +498,18 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor recv_prefix = at::empty({num_ranks + 1}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
   const bool host_counts = a.num_worst_tokens == 0;
-  const char* late_env = std::getenv("EP_LATE_BIND");
-  const bool late_bind = host_counts && (late_env == nullptr || late_env[0] != '0');
   const int ticket =
       rt.notify(per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
                 static_cast<int>(a.num_experts), static_cast<int>(a.expert_alignment),
                 static_cast<int>(a.num_worst_tokens), recv_counts.data_ptr<int>(),
                 recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(), host_counts, stream);
   stages.mark("layout+notify");
-
-  IntranodeDispatchArgs args;
-  args.x = a.x.data_ptr();
-  args.num_tokens = static_cast<int>(num_tokens);
-  args.hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
-  args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;
-  args.num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
-  args.topk_idx = a.topk_idx.data_ptr();
-  args.idx_bytes = idx_bytes;
-  args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
-  args.num_topk = static_cast<int>(topk);
-  args.num_experts = static_cast<int>(a.num_experts);
-  args.send_pos = send_pos.data_ptr<int>();
-  args.recv_prefix = recv_prefix.data_ptr<int>();
-  args.num_worst_tokens = static_cast<int>(a.num_worst_tokens);
-  // Normal mode: the kernel starts now (late binding) and its senders push while this thread
-  // waits for the counts and allocates the outputs; its receivers start once they are bound.
-  // Every exit before bind_dispatch cancels the binding, so the kernel never waits in vain.
-  struct CancelUnlessBound {
-    IntranodeRuntime& rt;
-    int ticket;
-    ~CancelUnlessBound() { rt.cancel_dispatch(ticket); }
-  } pending{rt, late_bind ? rt.dispatch_unbound(args, stream) : 0};
-
   int64_t rows = a.num_worst_tokens;
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
   at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
   if (host_counts) {
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
-    if (counts.rejected_ranks != 0) {  // the kernel saw it too and moves nothing
-      rt.cancel_dispatch(pending.ticket);
+    if (counts.rejected_ranks != 0) {
       raiseRejectedTopk(rt, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
     }
     rows = counts.num_recv_tokens;
@@ -559,24 +531,28 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   }
   at::Tensor src_idx = at::empty({rows}, i32);
   at::Tensor src_rank = at::empty({rows}, i32);
-  const DispatchOutputs outputs{
-      out.recv_x.data_ptr(),
-      has_scales ? static_cast<float*>(out.recv_x_scales->data_ptr()) : nullptr,
-      out.recv_topk_idx.data_ptr(),
-      has_weights ? out.recv_topk_weights->data_ptr<float>() : nullptr,
-      src_idx.data_ptr<int>(),
-      src_rank.data_ptr<int>()};
-  if (late_bind) {
-    rt.bind_dispatch(pending.ticket, outputs);
-  } else {
-    args.recv_x = outputs.recv_x;
-    args.recv_x_scales = outputs.recv_scales;
-    args.recv_topk_idx = outputs.recv_topk_idx;
-    args.recv_topk_weights = outputs.recv_topk_weights;
-    args.recv_src_idx = outputs.recv_src_idx;
-    args.recv_src_rank = outputs.recv_src_rank;
-    rt.dispatch(args, stream);
-  }
+
+  IntranodeDispatchArgs args;
+  args.x = a.x.data_ptr();
+  args.num_tokens = static_cast<int>(num_tokens);
+  args.hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
+  args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;
+  args.num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
+  args.topk_idx = a.topk_idx.data_ptr();
+  args.idx_bytes = idx_bytes;
+  args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+  args.num_topk = static_cast<int>(topk);
+  args.num_experts = static_cast<int>(a.num_experts);
+  args.send_pos = send_pos.data_ptr<int>();
+  args.recv_prefix = recv_prefix.data_ptr<int>();
+  args.recv_x = out.recv_x.data_ptr();
+  args.recv_x_scales = has_scales ? static_cast<float*>(out.recv_x_scales->data_ptr()) : nullptr;
+  args.recv_topk_idx = out.recv_topk_idx.data_ptr();
+  args.recv_topk_weights = has_weights ? out.recv_topk_weights->data_ptr<float>() : nullptr;
+  args.recv_src_idx = src_idx.data_ptr<int>();
+  args.recv_src_rank = src_rank.data_ptr<int>();
+  args.num_worst_tokens = static_cast<int>(a.num_worst_tokens);
+  rt.dispatch(args, stream);
   stages.mark("alloc+launch");
 
   out.num_recv_tokens_per_expert = recv_per_expert;

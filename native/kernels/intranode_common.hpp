@@ -53,8 +53,7 @@ struct ControlBlock {
   unsigned int blocks_done;  // arrival counter used by finish_block(), back to 0 after each kernel
   int abort;                 // set on timeout: every later spin-wait gives up at once
   int error_lock;            // first-error-wins lock of the ErrorRecord
-  int rejected_ranks;        // written by every notify: bit s = rank s found an invalid topk_idx
-  int pad[26];
+  int pad[27];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
 
@@ -199,26 +198,6 @@ struct NotifyParams {
   int host_ticket;
 };
 
-// The receive-side outputs of a dispatch.
-struct DispatchOutputs {
-  void* recv_x;              // [rows, hidden_bytes]
-  float* recv_scales;        // [rows, S] or null
-  void* recv_topk_idx;       // [rows, K] or null
-  float* recv_topk_weights;  // [rows, K] or null
-  int* recv_src_idx;         // [rows] or null
-  int* recv_src_rank;        // [rows] or null
-};
-
-// Late binding of a normal-mode dispatch's outputs, whose sizes the host learns only from
-// notify: the kernel is launched right after notify, its senders push at once, and its receivers
-// wait until the host has allocated the outputs and written them here (host-mapped). The host
-// writes `out`, then `ticket` = +t (bound) or -t (cancelled: the call raised; copy nothing).
-struct DispatchBinding {
-  DispatchOutputs out;
-  volatile int ticket;
-  int pad[3];
-};
-
 struct DispatchParams {
   CommContext comm;
   const void* x;  // [T, hidden_bytes] raw rows
@@ -242,11 +221,6 @@ struct DispatchParams {
   int num_worst_tokens;      // 0: exact N rows; > 0: capacity, padding rows filled
   int num_send_warps;
   int publish_batch;  // tokens a sender warp reports before the publisher fences (>= 1)
-  // bind_ticket != 0: the recv_* pointers above are unset; receivers take them from *binding
-  // once its ticket is +bind_ticket, and the kernel moves nothing if notify recorded a rejection.
-  const DispatchBinding* binding;
-  int bind_ticket;
-  int bind_poll;  // how the binding's ticket is read: 0 ld.volatile, 1 ld.relaxed.sys, 2 ld.cv
 };
 
 struct CombineParams {

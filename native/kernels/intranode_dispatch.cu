@@ -19,28 +19,17 @@
 // Before a sender first writes into a peer's buffer it waits for the peer's "entered" flag of this
 // sequence: the peer has finished every earlier kernel, so the region is no longer being read.
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
-//
-// Late binding (normal mode): the kernel is launched right after notify, before the host knows
-// the output sizes. Senders push to peers at once; a token's own row waits until the host has
-// allocated the outputs and written them to the host-mapped binding (one receiver lane per block
-// polls it and shares it through shared memory): own rows of tokens sent before that are written
-// after the warp's last token. Receivers start copying once bound. A cancelled binding (the host
-// raised) writes nothing; a notify that recorded an invalid topk_idx makes the kernel idle.
 #include "intranode_kernels.hpp"
 #include "ptx_utils.cuh"
-
-#include <cstdio>
 
 namespace ep {
 namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
-__device__ unsigned long long g_diag_start[1024];  // bind_poll 3: each block's start time
 constexpr int kWarps = kIntranodeThreads / 32;
 constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more would spill registers)
 constexpr int kRecvUnroll = 16;
-constexpr int kLocalUnroll = 8;  // own rows (fewer registers: the receivers' state is live)
-constexpr int kSendEarly = 4;    // x chunks per lane loaded together with the token's other inputs
+constexpr int kSendEarly = 4;  // x chunks per lane loaded together with the token's other inputs
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
@@ -61,17 +50,15 @@ __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int
   }
 }
 
-// Copies chunks [begin, n16) of a row a peer wrote into our buffer (coherent loads), or of a
-// row of x, kUnroll 16-byte loads in flight per lane.
-template <int kUnroll = kRecvUnroll>
+// Copies chunks [begin, n16) of a row a peer wrote into our buffer (coherent loads).
 __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane, int begin) {
-  for (int i = begin + lane; i < n16; i += 32 * kUnroll) {
-    int4 v[kUnroll];
+  for (int i = begin + lane; i < n16; i += 32 * kRecvUnroll) {
+    int4 v[kRecvUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < kRecvUnroll; ++u)
       if (i + 32 * u < n16) v[u] = device::ld_v4(src + i + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+    for (int u = 0; u < kRecvUnroll; ++u)
       if (i + 32 * u < n16) device::st_v4(dst + i + 32 * u, v[u]);
   }
 }
@@ -96,95 +83,11 @@ __device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer
          size_t(slot) * stride;
 }
 
-// Late binding (p.bind_ticket != 0): lane 0 of receiver warp 0 in each block waits for the
-// host's binding, copies the output pointers to shared memory and sets the block's state to 1
-// (bound) or -1 (cancelled: the call raised; write nothing). Without late binding the state
-// starts at 1 with the kernel's own pointers. Senders and receivers read the state (acquire).
-__device__ void poll_binding(const DispatchParams& p, const device::WaitContext& ctx,
-                             DispatchOutputs* s_out, int* s_state) {
-  const int* ticket = const_cast<const int*>(&p.binding->ticket);
-  int seen = 0;
-  const bool ok = device::spin_wait(ctx, ctx.rank, [&] {
-    seen = p.bind_poll == 1 || p.bind_poll == 3 ? ptx::ld_relaxed_sys_int(ticket)
-           : p.bind_poll == 2                   ? ptx::ld_cv_int(ticket)
-                                                : device::ld_volatile_int(ticket);
-    if (seen == p.bind_ticket || seen == -p.bind_ticket) return true;
-    __nanosleep(64);
-    return false;
-  });
-  const bool bound = ok && seen == p.bind_ticket;
-  if (bound) {
-    device::fence_acq_rel_sys();  // the host wrote `out` before the ticket
-    const uint64_t* words = reinterpret_cast<const uint64_t*>(&p.binding->out);
-    uint64_t* dst = reinterpret_cast<uint64_t*>(s_out);
-    for (int i = 0; i < int(sizeof(DispatchOutputs) / 8); ++i)
-      dst[i] = device::ld_relaxed_sys(words + i);
-  }
-  device::st_release_cta_shared(s_state, bound ? 1 : -1);
-  if (p.bind_poll == 3 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1)) {
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    printf("ep-diag rank %d block %d: binding seen %.1f us after the kernel began\n", ctx.rank,
-           blockIdx.x, (now - g_diag_start[blockIdx.x]) * 1e-3);
-  }
-}
-
-// The block's binding state once it is no longer pending (1 bound, -1 cancelled).
-__device__ int wait_binding(const int* s_state) {
-  for (;;) {
-    const int v = device::ld_acquire_cta_shared(s_state);
-    if (v != 0) return v;
-    __nanosleep(128);  // the poller has the timeout: it sets -1 when it gives up
-  }
-}
-
-// Token t's own row (this rank is one of its destinations): straight from x (and topk_idx,
-// weights, scales) to output row r. Used for the tokens a sender handled before the binding.
-__device__ void copy_local_token(const DispatchParams& p, const DispatchOutputs& o, int t, int r,
-                                 int lane) {
-  const int me = p.comm.rank, K = p.num_topk, S = p.num_scales;
-  const bool with_meta = p.topk_idx != nullptr && o.recv_topk_idx != nullptr;
-  const long long lo = static_cast<long long>(me) * p.experts_per_rank;
-  long long idx = -1;
-  float w = 0.0f, sc0 = 0.0f, sc1 = 0.0f;
-  if (with_meta && lane < K) {
-    idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
-    if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
-  }
-  if (o.recv_scales != nullptr) {
-    if (lane < S) sc0 = p.scales[size_t(t) * S + lane];
-    if (lane + 32 < S) sc1 = p.scales[size_t(t) * S + lane + 32];
-  }
-  copy_row<kLocalUnroll>(
-      reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(t) * p.hidden_bytes),
-      reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes),
-      p.hidden_bytes / 16, lane, 0);
-  if (o.recv_scales != nullptr) {
-    float* sc_out = o.recv_scales + size_t(r) * S;
-    if (lane < S) sc_out[lane] = sc0;
-    if (lane + 32 < S) sc_out[lane + 32] = sc1;
-    for (int q = lane + 64; q < S; q += 32) sc_out[q] = p.scales[size_t(t) * S + q];
-  }
-  if (with_meta && lane < K) {
-    const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
-    store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, local_idx);
-    if (o.recv_topk_weights != nullptr)
-      o.recv_topk_weights[size_t(r) * K + lane] = local_idx >= 0 ? w : 0.0f;
-  }
-  if (lane == 0) {
-    if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = t;
-    if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = me;
-  }
-}
-
 // Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
 // loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
 // of x) are issued together, so they cost one memory latency instead of one each.
-// The own row of a token goes straight to the outputs once the block is bound; tokens handled
-// before (late binding) get theirs after the warp's last token (their rows to peers go first).
 __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane, int* progress, const DispatchOutputs* s_out,
-                              const int* s_state) {
+                              int warp, int lane, int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
@@ -197,15 +100,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   const uint64_t* entered =
       reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
   uint32_t ready = 1u << me;  // peers known to have entered this sequence
-  int state = 0;              // the block's binding state as last seen (0: pending)
-  DispatchOutputs o{};
-  int deferred = 0;  // tokens [0, deferred) of this warp still owe their own row
   int k = 0;
   for (int t = first; t < p.num_tokens; t += stride, ++k) {
-    if (state == 0) {
-      state = device::ld_acquire_cta_shared(s_state);
-      if (state == 1) o = *s_out;
-    }
     // 1. Independent loads.
     const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
     long long idx = -1;
@@ -244,11 +140,9 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       if (d < R && slot >= 0) {
         if (d == me) {
           const int r = local_base + slot;
-          if (state == 0) {
-            deferred = k + 1;
-          } else if (state == 1 && (cap == 0 || r < cap)) {
+          if (cap == 0 || r < cap) {
             local_row = r;
-            dst[d] = static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes;
+            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
           }
         } else {
           dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
@@ -271,7 +165,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
         if (dst[d] == nullptr) continue;
-        float* sc_out = d == me ? o.recv_scales + size_t(local_row) * S
+        float* sc_out = d == me ? p.recv_scales + size_t(local_row) * S
                                 : reinterpret_cast<float*>(dst[d] + row.scales_offset);
         if (lane < S) sc_out[lane] = sc0;
         if (lane + 32 < S) sc_out[lane + 32] = sc1;
@@ -285,14 +179,14 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
           const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
           const float local_w = local_idx >= 0 ? w : 0.0f;
           if (d == me) {
-            if (lane < K && o.recv_topk_idx != nullptr) {
-              store_idx(o.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
-              if (o.recv_topk_weights != nullptr)
-                o.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
+            if (lane < K && p.recv_topk_idx != nullptr) {
+              store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
+              if (p.recv_topk_weights != nullptr)
+                p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
             }
             if (lane == 0) {
-              if (o.recv_src_idx != nullptr) o.recv_src_idx[local_row] = t;
-              if (o.recv_src_rank != nullptr) o.recv_src_rank[local_row] = me;
+              if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
+              if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
             }
           } else {
             char* meta = dst[d] + row.meta_offset;
@@ -308,19 +202,6 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
     __syncwarp();
     if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
-  }
-  if (p.bind_poll == 3 && blockIdx.x == 0 && lane == 0 && warp < 3) {
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    printf("ep-diag rank %d warp %d: %d of %d tokens deferred; sends done %.1f us in\n", me, warp,
-           deferred, k, (now - g_diag_start[0]) * 1e-3);
-  }
-  if (deferred == 0 || wait_binding(s_state) != 1) return;
-  o = *s_out;
-  for (int j = 0; j < deferred; ++j) {
-    const int t = first + j * stride;
-    const int r = local_base + p.send_pos[size_t(t) * R + me];
-    if (r >= local_base && (cap == 0 || r < cap)) copy_local_token(p, o, t, r, lane);
   }
 }
 
@@ -376,20 +257,15 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
 }
 
 __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane, DispatchOutputs* s_out, int* s_state) {
+                              int warp, int lane) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const int num_recv_warps = kWarps - p.num_send_warps - 1;
-  const int recv_warp = warp - p.num_send_warps - 1;
-  const int first = blockIdx.x * num_recv_warps + recv_warp;
+  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
   const int stride = gridDim.x * num_recv_warps;
-  if (p.bind_ticket != 0 && recv_warp == 0 && lane == 0) poll_binding(p, ctx, s_out, s_state);
-  __syncwarp();
-  if (wait_binding(s_state) != 1) return;
-  const DispatchOutputs o = *s_out;
   const int prefix = lane <= R ? p.recv_prefix[lane] : 0;  // lane s: first row of source s
   const int total = __shfl_sync(kFull, prefix, R);
   // Lane s (a remote source) also keeps that source's row count.
@@ -400,20 +276,21 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   if (cap > 0) {
     for (int r = total + first; r < cap; r += stride) {
       int4* out =
-          reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes);
+          reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
       for (int i = lane; i < n16; i += 32) device::st_v4(out + i, make_int4(0, 0, 0, 0));
-      if (o.recv_scales != nullptr)
-        for (int j = lane; j < S; j += 32) o.recv_scales[size_t(r) * S + j] = 0.0f;
-      if (o.recv_topk_idx != nullptr && lane < K) {
-        store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, -1);
-        if (o.recv_topk_weights != nullptr) o.recv_topk_weights[size_t(r) * K + lane] = 0.0f;
+      if (p.recv_scales != nullptr)
+        for (int j = lane; j < S; j += 32) p.recv_scales[size_t(r) * S + j] = 0.0f;
+      if (p.recv_topk_idx != nullptr && lane < K) {
+        store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, -1);
+        if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = 0.0f;
       }
       if (lane == 0) {
-        if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = -1;
-        if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = -1;
+        if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = -1;
+        if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = -1;
       }
     }
   }
+
   int max_count = count;
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
@@ -457,11 +334,11 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           const char* in = dispatch_row(c, own, s, me, slot, row.stride);
           const int4* in16 = reinterpret_cast<const int4*>(in);
           int4* out16 =
-              reinterpret_cast<int4*>(static_cast<char*>(o.recv_x) + size_t(r) * p.hidden_bytes);
+              reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
           const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
           const char* meta = in + row.meta_offset;
-          const bool copy_scales = o.recv_scales != nullptr;
-          const bool copy_meta = o.recv_topk_idx != nullptr;
+          const bool copy_scales = p.recv_scales != nullptr;
+          const bool copy_meta = p.recv_topk_idx != nullptr;
           float sc0 = 0.0f, sc1 = 0.0f, mw = 0.0f;
           int mi = -1, msrc = -1;
           copy_row(in16, out16, n16, lane, 0);
@@ -474,18 +351,18 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           }
           if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
           if (copy_scales) {
-            float* sc_out = o.recv_scales + size_t(r) * S;
+            float* sc_out = p.recv_scales + size_t(r) * S;
             if (lane < S) sc_out[lane] = sc0;
             if (lane + 32 < S) sc_out[lane + 32] = sc1;
             for (int j2 = lane + 64; j2 < S; j2 += 32) sc_out[j2] = sc[j2];
           }
           if (copy_meta && lane < K) {
-            store_idx(o.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
-            if (o.recv_topk_weights != nullptr) o.recv_topk_weights[size_t(r) * K + lane] = mw;
+            store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
+            if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = mw;
           }
           if (lane == 0) {
-            if (o.recv_src_idx != nullptr) o.recv_src_idx[r] = msrc;
-            if (o.recv_src_rank != nullptr) o.recv_src_rank[r] = s;
+            if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = msrc;
+            if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = s;
           }
         }
       }
@@ -513,44 +390,29 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     intranode_dispatch_kernel(DispatchParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];  // tokens done per sender warp (read by the publisher)
-  __shared__ DispatchOutputs s_out;   // the outputs (late binding: as the host allocated them)
-  __shared__ int s_state;             // binding state: 0 pending, 1 bound, -1 cancelled
-  __shared__ int s_run;  // one decision per block: the receivers' named barrier needs all of them
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
-  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
-                                p.topk_idx != nullptr ? kOpDispatch : kOpCachedDispatch, me};
-  if (threadIdx.x == 0) {
-    s_seq = device::read_sequence(ctrl);
-    // A late-bound dispatch whose notify recorded an invalid topk_idx on some rank moves nothing
-    // (every rank's notify saw the same ranks; the hosts raise).
-    const bool rejected = p.bind_ticket != 0 && device::ld_volatile_int(&ctrl->rejected_ranks) != 0;
-    s_run = !device::aborted(ctx) && !rejected;
-    if (p.bind_poll == 3)
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_diag_start[blockIdx.x]));
-    s_state = p.bind_ticket == 0 ? 1 : 0;
-    if (p.bind_ticket == 0)
-      s_out = DispatchOutputs{p.recv_x,       p.recv_scales,  p.recv_topk_idx, p.recv_topk_weights,
-                              p.recv_src_idx, p.recv_src_rank};
-  }
+  if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
   if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t seq = s_seq;
+  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
+                                p.topk_idx != nullptr ? kOpDispatch : kOpCachedDispatch, me};
   // Tell every peer we have entered this sequence (so finished all earlier kernels).
   if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
     device::st_release_sys(
         reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
         seq);
 
-  if (s_run) {
+  if (!device::aborted(ctx)) {
     if (warp < p.num_send_warps)
-      dispatch_send(p, ctx, seq, warp, lane, s_progress, &s_out, &s_state);
+      dispatch_send(p, ctx, seq, warp, lane, s_progress);
     else if (warp == p.num_send_warps)
       dispatch_publish(p, ctx, seq, lane, s_progress);
     else
-      dispatch_recv(p, ctx, seq, warp, lane, &s_out, &s_state);
+      dispatch_recv(p, ctx, seq, warp, lane);
   }
   // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
   // every peer, which the notify slots' parity scheme relies on.

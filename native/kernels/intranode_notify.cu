@@ -89,7 +89,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
       total += n;
     }
     p.recv_prefix[R] = total;
-    ctrl->rejected_ranks = rejected;  // read by a late-bound dispatch (stream order)
     if (write_host) {
       p.host->num_recv_tokens = total;
       p.host->rejected_ranks = rejected;

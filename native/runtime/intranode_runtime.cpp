@@ -128,12 +128,6 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
   std::memset(static_cast<void*>(counters_host_), 0, counter_bytes);
   cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&counters_dev_), counters_host_, 0),
              "cudaHostGetDevicePointer(counters)");
-  cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&binding_host_), sizeof(DispatchBinding),
-                           cudaHostAllocMapped | cudaHostAllocPortable),
-             "cudaHostAlloc(binding)");
-  std::memset(static_cast<void*>(binding_host_), 0, sizeof(DispatchBinding));
-  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&binding_dev_), binding_host_, 0),
-             "cudaHostGetDevicePointer(binding)");
 
   int clock_khz = 0;
   cuda_check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device_),
@@ -167,11 +161,9 @@ void IntranodeRuntime::destroy() {
   if (buffer_ != nullptr) cudaFree(buffer_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   if (counters_host_ != nullptr) cudaFreeHost(counters_host_);
-  if (binding_host_ != nullptr) cudaFreeHost(binding_host_);
   buffer_ = nullptr;
   error_host_ = error_dev_ = nullptr;
   counters_host_ = counters_dev_ = nullptr;
-  binding_host_ = binding_dev_ = nullptr;
   connected_ = false;
   cudaSetDevice(previous);
 }
@@ -338,7 +330,7 @@ IntranodeRecvCounts IntranodeRuntime::wait_recv_counts(int ticket) {
 }
 
 void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cached,
-                                       cudaStream_t stream, int bind_ticket) {
+                                       cudaStream_t stream) {
   const char* op = cached ? "cached_dispatch" : "dispatch";
   check_ready(op);
   const std::string pre = std::string(op) + ": ";
@@ -355,12 +347,10 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   require(a.num_worst_tokens >= 0, pre + "num_worst_tokens must be >= 0");
   require(a.send_pos != nullptr || a.num_tokens == 0, pre + "send_pos is null");
   require(a.recv_prefix != nullptr, pre + "recv_prefix is null");
-  require(bind_ticket != 0 || (a.recv_x != nullptr && aligned16(a.recv_x)),
-          pre + "recv_x must be 16-byte aligned");
+  require(a.recv_x != nullptr && aligned16(a.recv_x), pre + "recv_x must be 16-byte aligned");
   require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)),
           pre + "x must be 16-byte aligned");
-  require(bind_ticket != 0 || a.num_scales == 0 || a.recv_x_scales != nullptr,
-          pre + "recv_x_scales is null");
+  require(a.num_scales == 0 || a.recv_x_scales != nullptr, pre + "recv_x_scales is null");
   DispatchParams p{};
   p.comm = comm_context();
   p.x = a.x;
@@ -375,9 +365,6 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.num_worst_tokens = a.num_worst_tokens;
   p.num_send_warps = config_.dispatch_send_warps;
   p.publish_batch = config_.publish_batch;
-  p.binding = binding_dev_;
-  p.bind_ticket = bind_ticket;
-  p.bind_poll = config_.bind_poll;
   if (!cached) {
     require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
     require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
@@ -385,7 +372,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
     require(a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0,
             pre + "num_experts must be a positive multiple of the number of ranks");
     require(a.topk_idx != nullptr || a.num_tokens == 0, pre + "topk_idx is null");
-    require(bind_ticket != 0 || a.recv_topk_idx != nullptr, pre + "recv_topk_idx is null");
+    require(a.recv_topk_idx != nullptr, pre + "recv_topk_idx is null");
     // A non-null marker keeps the kernel in metadata mode on ranks without tokens.
     static const long long kEmpty = 0;
     p.topk_idx = a.topk_idx != nullptr ? a.topk_idx : &kEmpty;
@@ -404,40 +391,11 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
 }
 
 void IntranodeRuntime::dispatch(const IntranodeDispatchArgs& args, cudaStream_t stream) {
-  launch_dispatch(args, false, stream, 0);
-}
-
-int IntranodeRuntime::dispatch_unbound(const IntranodeDispatchArgs& args, cudaStream_t stream) {
-  require(pending_bind_ == 0, "dispatch_unbound: the previous late-bound dispatch is unbound");
-  require(args.num_worst_tokens == 0, "dispatch_unbound: normal mode only");
-  int ticket = next_bind_ + 1;
-  if (ticket <= 0) ticket = 1;  // wrapped; the binding holds +-(ticket - 1) or 0, never +-ticket
-  launch_dispatch(args, false, stream, ticket);
-  next_bind_ = pending_bind_ = ticket;
-  return ticket;
-}
-
-void IntranodeRuntime::bind_dispatch(int ticket, const DispatchOutputs& outputs) {
-  require(ticket != 0 && ticket == pending_bind_, "bind_dispatch: not the pending dispatch");
-  require(outputs.recv_x != nullptr && aligned16(outputs.recv_x),
-          "bind_dispatch: recv_x must be 16-byte aligned");
-  binding_host_->out = outputs;
-  // The kernel reads `out` after it sees the ticket (x86 keeps stores in order; the fence keeps
-  // the compiler from reordering them).
-  std::atomic_thread_fence(std::memory_order_release);
-  binding_host_->ticket = ticket;
-  pending_bind_ = 0;
-}
-
-void IntranodeRuntime::cancel_dispatch(int ticket) {
-  if (ticket == 0 || ticket != pending_bind_) return;
-  std::atomic_thread_fence(std::memory_order_release);
-  binding_host_->ticket = -ticket;
-  pending_bind_ = 0;
+  launch_dispatch(args, false, stream);
 }
 
 void IntranodeRuntime::cached_dispatch(const IntranodeDispatchArgs& args, cudaStream_t stream) {
-  launch_dispatch(args, true, stream, 0);
+  launch_dispatch(args, true, stream);
 }
 
 void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t stream) {

@@ -64,7 +64,6 @@ struct IntranodeConfig {
   int combine_send_warps = 4;
   int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
   int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
-  int bind_poll = 0;      // diagnostic: load used to poll the late binding (see DispatchParams)
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
@@ -173,15 +172,6 @@ class IntranodeRuntime {
   // -1), recv_src_idx, recv_src_rank; rows ordered by source rank then source token. In
   // worst-case mode rows past N are padding: x/scales 0, idx -1, weights 0, src -1.
   void dispatch(const IntranodeDispatchArgs& args, cudaStream_t stream);
-  // Normal-mode dispatch launched before its outputs exist (late binding): call it right after
-  // notify with the recv_* pointers unset; the kernel's senders start at once and its receivers
-  // wait until bind_dispatch(ticket, outputs) (typically after wait_recv_counts sized them). Every
-  // ticket must be bound or cancelled exactly once before the next dispatch_unbound; a cancelled
-  // dispatch copies nothing into the outputs. If notify recorded an invalid topk_idx on any rank
-  // the kernel moves nothing at all (the caller raises and cancels).
-  int dispatch_unbound(const IntranodeDispatchArgs& args, cudaStream_t stream);
-  void bind_dispatch(int ticket, const DispatchOutputs& outputs);
-  void cancel_dispatch(int ticket);  // no-op unless `ticket` is pending
   // Same routing as an earlier dispatch (its send_pos/recv_prefix), new x (+ scales) only:
   // topk_idx/topk_weights and the recv metadata pointers are ignored.
   void cached_dispatch(const IntranodeDispatchArgs& args, cudaStream_t stream);
@@ -213,8 +203,7 @@ class IntranodeRuntime {
  private:
   void check_ready(const char* op) const;
   CommContext comm_context() const;
-  void launch_dispatch(const IntranodeDispatchArgs& args, bool cached, cudaStream_t stream,
-                       int bind_ticket);
+  void launch_dispatch(const IntranodeDispatchArgs& args, bool cached, cudaStream_t stream);
 
   int rank_;
   int num_ranks_;
@@ -229,10 +218,6 @@ class IntranodeRuntime {
   ErrorRecord* error_dev_ = nullptr;
   HostCounters* counters_host_ = nullptr;
   HostCounters* counters_dev_ = nullptr;
-  DispatchBinding* binding_host_ = nullptr;  // host-mapped late binding of dispatch outputs
-  DispatchBinding* binding_dev_ = nullptr;
-  int next_bind_ = 0;
-  int pending_bind_ = 0;  // ticket launched by dispatch_unbound and not yet bound or cancelled
   int next_ticket_ = 0;
   int host_num_local_experts_ = 0;  // E_loc of the last notify with host counters
   long long timeout_cycles_ = 0;
