@@ -108,6 +108,11 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     return _comm_streams[index]
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must record the op (else the op runs without the Function's overhead)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _completed_work(result: list[torch.Tensor]) -> dist.Work:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(result)
@@ -234,10 +239,9 @@ def all_to_all_moe_dispatch(
         return _cached_dispatch(x, x_scales, handle, pg, async_op)
 
     def run() -> tuple[torch.Tensor, ...]:
-        return _DispatchFn.apply(
-            x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-            num_worst_tokens, pg.group_name,
-        )  # fmt: skip
+        args = (x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                num_worst_tokens, pg.group_name)  # fmt: skip
+        return _DispatchFn.apply(*args) if _needs_grad(x, topk_weights) else _ops.dispatch(*args)
 
     result, work = _run(run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list)
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
@@ -292,7 +296,8 @@ def _cached_dispatch(
     async_op: bool,
 ) -> DispatchOutput:
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return _CachedDispatchFn.apply(x, x_scales, *_routing(handle), pg.group_name)
+        args = (x, x_scales, *_routing(handle), pg.group_name)
+        return _CachedDispatchFn.apply(*args) if _needs_grad(x) else _ops.cached_dispatch(*args)
 
     (recv_x, recv_scales), work = _run(run, (x, x_scales), x.device, async_op, list)
     return DispatchOutput(
@@ -351,9 +356,10 @@ def combine(
         _reject(pg, "combine", type(exc)(f"ep combine: {exc}"))
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return _CombineFn.apply(
-            x, topk_weights, biases[0], biases[1], *_routing(handle), pg.group_name
-        )
+        args = (x, topk_weights, biases[0], biases[1], *_routing(handle), pg.group_name)
+        if _needs_grad(x, topk_weights, *biases):
+            return _CombineFn.apply(*args)
+        return _ops.combine(*args)
 
     (combined, weights), work = _run(run, (x, topk_weights, *biases), x.device, async_op, list)
     return CombineOutput(
