@@ -354,6 +354,18 @@ const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
   raiseRejectedBy("dispatch", bad_ranks);
 }
 
+// Scratch of the layout kernel's blocks (undefined when one block does it all). Stream-ordered
+// like any tensor; its contents do not matter.
+at::Tensor layoutWorkspace(int64_t num_tokens, int64_t num_experts, const at::Device& device) {
+  const size_t bytes =
+      intranode_layout_workspace_bytes(static_cast<int>(num_tokens), static_cast<int>(num_experts));
+  if (bytes == 0) {
+    return at::Tensor();
+  }
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions().dtype(at::kByte).device(device));
+}
+
 // The notify kernel's per-expert counts as a CPU int64 tensor (no device read).
 at::Tensor hostCounts(const std::vector<int>& counts) {
   at::Tensor t =
@@ -424,8 +436,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
   LayoutErrorState& err = layoutErrorState(device.index());
   if (const volatile ErrorRecord* e = err.host; e->code != kErrorNone) {
     const long long value = e->value_a, flat = e->value_b;
+    const int code = e->code;
     std::memset(static_cast<void*>(err.host), 0, sizeof(ErrorRecord));
     C10_CUDA_CHECK(cudaMemsetAsync(&err.ctrl->error_lock, 0, sizeof(int), stream));
+    TORCH_CHECK(code != kErrorTimeout, op, "an earlier call on ", device,
+                " timed out: a block of the layout kernel waited for block ", value,
+                ", which never ran (its outputs are wrong; reported by the next call)");
     TORCH_CHECK(false, op, "an earlier call on ", device, " got topk_idx value ", value,
                 " at flat position ", flat,
                 ", outside [-1, num_experts) (counted as -1 there; "
@@ -450,6 +466,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
   p.ctrl = err.ctrl;
   p.error = err.dev;
   p.rank = -1;
+  const at::Tensor ws = layoutWorkspace(idx.size(0), num_experts, device);
+  p.workspace = ws.defined() ? ws.data_ptr() : nullptr;
   C10_CUDA_CHECK(launch_intranode_layout(p, stream));
   return {per_rank, per_expert, in_rank};
 }
@@ -491,9 +509,11 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
   at::Tensor send_pos = at::empty({num_tokens, num_ranks}, i32);
   const int idx_bytes = static_cast<int>(a.topk_idx.element_size());
+  const at::Tensor layout_ws = layoutWorkspace(num_tokens, a.num_experts, device);
   rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens), static_cast<int>(topk),
             static_cast<int>(a.num_experts), per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
-            in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(), stream);
+            in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(), stream,
+            layout_ws.defined() ? layout_ws.data_ptr() : nullptr);
   at::Tensor recv_counts = at::empty({num_ranks}, i32);
   at::Tensor recv_prefix = at::empty({num_ranks + 1}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);

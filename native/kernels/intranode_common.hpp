@@ -181,6 +181,11 @@ struct LayoutParams {
   ControlBlock* ctrl;
   ErrorRecord* error;
   int rank;
+  // Several blocks (one chunk of tokens each) need a workspace of
+  // intranode_layout_workspace_bytes() bytes (any contents: blocks tag what they publish with
+  // `epoch`, unique per launch); null: one block walks every chunk.
+  void* workspace;
+  unsigned long long epoch;
 };
 
 struct NotifyParams {

@@ -15,7 +15,10 @@ constexpr int kIntranodeThreads = 512;
 constexpr int kIntranodeMaxSendWarps = kIntranodeThreads / 32 - 2;
 
 // intranode_layout.cu: per-rank/per-expert counts, is_token_in_rank, send_pos. Local only.
-cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream);
+// Fills p.epoch. With p.workspace (intranode_layout_workspace_bytes(T, E) bytes, 0 = not needed)
+// one block per 1,024 tokens, else one block.
+cudaError_t launch_intranode_layout(LayoutParams p, cudaStream_t stream);
+size_t intranode_layout_workspace_bytes(int num_tokens, int num_experts);
 
 // intranode_notify.cu: exchanges counts with every peer (one block).
 cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream);

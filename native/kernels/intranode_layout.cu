@@ -3,15 +3,21 @@
 //   num_tokens_per_expert[e] (t, k) entries equal to e,
 //   is_token_in_rank[t, r],
 //   send_pos[t, r]           rank of t among the tokens sent to r (-1 if t is not sent to r).
-// send_pos is an exclusive scan over tokens, so the kernel is one block walking the tokens in
-// chunks of blockDim. Per chunk the block first reads the chunk's ids coalesced (thread i takes
-// flat entries i, i + blockDim, ...; many loads in flight), counting experts and OR-ing rank bits
-// into a per-token shared mask; then thread i owns token i of the chunk: a warp ballot per rank
-// gives in-warp positions, a shared-memory pass over the warp totals gives the chunk positions,
-// and running totals carry across chunks.
+// Tokens go in chunks of blockDim. Per chunk the block first reads the chunk's ids coalesced
+// (thread i takes flat entries i, i + blockDim, ...; many loads in flight), counting experts and
+// OR-ing rank bits into a per-token shared mask; then thread i owns token i of the chunk: a warp
+// ballot per rank gives in-warp positions and a shared-memory pass over the warp totals gives the
+// chunk positions. send_pos is an exclusive scan over tokens, so chunk positions need the totals
+// of the chunks before:
+//  * with a workspace, one block per chunk (all run at once): each block publishes its per-rank
+//    totals and expert counts, tagged with the launch's epoch, and adds up those of the blocks
+//    before it; the last block also sums every block's counts into the outputs;
+//  * without, one block walks the chunks and carries running totals.
 // Out-of-range expert ids (< -1 or >= E) are reported in the error record and treated as -1.
 #include "intranode_kernels.hpp"
 #include "ptx_utils.cuh"
+
+#include <atomic>
 
 namespace ep {
 namespace {
@@ -20,18 +26,46 @@ constexpr int kLayoutThreads = 1024;
 constexpr int kLayoutWarps = kLayoutThreads / 32;
 constexpr int kLoads = 8;  // ids in flight per thread
 
-__device__ __forceinline__ void report_invalid(const LayoutParams& p, long long idx, size_t flat) {
+__device__ __forceinline__ void report_error(const LayoutParams& p, int code, long long a,
+                                             long long b) {
   if (atomicCAS(&p.ctrl->error_lock, 0, 1) == 0) {
     volatile ErrorRecord* err = p.error;
     err->op = kOpLayout;
     err->rank = p.rank;
     err->peer = -1;
-    err->value_a = idx;
-    err->value_b = static_cast<long long>(flat);
+    err->value_a = a;
+    err->value_b = b;
     __threadfence_system();
-    err->code = kErrorInvalidTopkIdx;
+    err->code = code;
     __threadfence_system();
   }
+}
+
+// What a block publishes in the workspace: [max blocks] x Published, then [blocks][E] counts.
+struct Published {
+  unsigned long long epoch;  // written last (release): the fields below are this launch's
+  int totals[kMaxRanks];     // tokens of this block's chunk sent to each rank
+  int pad[6];
+};
+static_assert(sizeof(Published) == 64, "one published record per 64 bytes");
+constexpr int kMaxLayoutBlocks = 128;  // all resident at once (one 1,024-thread block per SM)
+constexpr long long kWaitCycles = 1ll << 33;  // ~4 s: a block waiting for an earlier one
+
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Other blocks' records, read after the acquire above (not from a possibly stale L1 line).
+__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(LayoutParams p) {
@@ -39,18 +73,23 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
   __shared__ uint32_t token_mask[kLayoutThreads];  // ranks of each token of the chunk
   __shared__ int warp_count[kLayoutWarps][kMaxRanks];
   __shared__ int warp_offset[kLayoutWarps][kMaxRanks];
-  __shared__ int running[kMaxRanks];
+  __shared__ int running[kMaxRanks];  // tokens sent to each rank before the current chunk
+  __shared__ int chunk_total[kMaxRanks];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int R = p.num_ranks, K = p.num_topk, E = p.num_experts;
   const int experts_per_rank = E / R;
+  const bool split = gridDim.x > 1;  // one chunk per block (workspace) or one block for all
+  Published* published = static_cast<Published*>(p.workspace);
+  int* block_hist = reinterpret_cast<int*>(published + kMaxLayoutBlocks);  // [blocks][E]
   for (int e = tid; e < E; e += kLayoutThreads) expert_hist[e] = 0;
   if (tid < kMaxRanks) running[tid] = 0;
   token_mask[tid] = 0;
   __syncthreads();
 
   const uint32_t lane_mask_lt = (1u << lane) - 1u;
-  for (int base = 0; base < p.num_tokens; base += kLayoutThreads) {
+  const int chunk_stride = split ? p.num_tokens : kLayoutThreads;  // split: one chunk per block
+  for (int base = blockIdx.x * kLayoutThreads; base < p.num_tokens; base += chunk_stride) {
     // 1. The chunk's ids, coalesced, kLoads in flight per thread.
     const size_t flat0 = size_t(base) * K;
     const int num_flat = min(kLayoutThreads, p.num_tokens - base) * K;
@@ -69,7 +108,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
         const int j = j0 + u * kLayoutThreads;
         const long long idx = v[u];
         if (idx < -1 || idx >= E) {
-          report_invalid(p, idx, flat0 + j);
+          report_error(p, kErrorInvalidTopkIdx, idx, static_cast<long long>(flat0 + j));
           continue;
         }
         if (idx < 0) continue;
@@ -101,24 +140,67 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
         const int v = __shfl_up_sync(0xffffffffu, incl, d);
         if (lane >= d) incl += v;
       }
-      warp_offset[lane][r] = running[r] + incl - c;
-      __syncwarp();
-      const int chunk_total = __shfl_sync(0xffffffffu, incl, 31);
-      if (lane == 0) running[r] += chunk_total;  // read by nobody until the next __syncthreads
+      warp_offset[lane][r] = incl - c;
+      if (lane == 31) chunk_total[r] = incl;
     }
     __syncthreads();
+    if (split) {
+      // 3. Publish this chunk's totals and counts, then add up the chunks before it.
+      const int b = blockIdx.x;
+      if (tid < R) published[b].totals[tid] = chunk_total[tid];
+      for (int e = tid; e < E; e += kLayoutThreads) block_hist[size_t(b) * E + e] = expert_hist[e];
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();
+        st_release_gpu(&published[b].epoch, p.epoch);
+      }
+      // The last block waits for every other block (it sums their counts below); the others
+      // for the blocks before them. They all run at once, so nobody waits forever.
+      if (tid < b) {
+        const long long start = clock64();
+        while (ld_acquire_gpu(&published[tid].epoch) != p.epoch) {
+          __nanosleep(32);
+          if (clock64() - start > kWaitCycles) {  // cannot happen while all blocks are resident
+            report_error(p, kErrorTimeout, tid, kWaitCycles);
+            break;
+          }
+        }
+      }
+      __syncthreads();
+      if (tid < R) {
+        int before = 0;
+        for (int q = 0; q < b; ++q) before += ld_relaxed_gpu(&published[q].totals[tid]);
+        running[tid] = before;
+      }
+      __syncthreads();
+    }
     if (t < p.num_tokens) {
       for (int r = 0; r < R; ++r) {
         const bool in = (rank_mask >> r) & 1u;
         p.is_token_in_rank[size_t(t) * R + r] = in;
         if (p.send_pos != nullptr)
-          p.send_pos[size_t(t) * R + r] = in ? warp_offset[warp][r] + in_warp_pos[r] : -1;
+          p.send_pos[size_t(t) * R + r] =
+              in ? running[r] + warp_offset[warp][r] + in_warp_pos[r] : -1;
       }
     }
-    __syncthreads();  // warp_count/warp_offset are reused by the next chunk
+    __syncthreads();  // warp_count/warp_offset/running are reused by the next chunk
+    if (!split && tid < R) running[tid] += chunk_total[tid];
+    __syncthreads();
   }
-  if (tid < R) p.num_tokens_per_rank[tid] = running[tid];
-  for (int e = tid; e < E; e += kLayoutThreads) p.num_tokens_per_expert[e] = expert_hist[e];
+  if (!split) {
+    if (tid < R) p.num_tokens_per_rank[tid] = running[tid];
+    for (int e = tid; e < E; e += kLayoutThreads) p.num_tokens_per_expert[e] = expert_hist[e];
+    return;
+  }
+  if (blockIdx.x != gridDim.x - 1) return;
+  // The last block saw every block's record: the totals are its prefix plus its own chunk.
+  if (tid < R) p.num_tokens_per_rank[tid] = running[tid] + chunk_total[tid];
+  for (int e = tid; e < E; e += kLayoutThreads) {
+    int n = expert_hist[e];
+    for (int q = 0; q + 1 < int(gridDim.x); ++q)
+      n += ld_relaxed_gpu(&block_hist[size_t(q) * E + e]);
+    p.num_tokens_per_expert[e] = n;
+  }
 }
 
 }  // namespace
@@ -128,7 +210,15 @@ cudaError_t preload_intranode_layout() {
   return cudaFuncGetAttributes(&attr, intranode_layout_kernel);
 }
 
-cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream) {
+size_t intranode_layout_workspace_bytes(int num_tokens, int num_experts) {
+  const int blocks = (num_tokens + kLayoutThreads - 1) / kLayoutThreads;
+  if (blocks <= 1 || blocks > kMaxLayoutBlocks) return 0;
+  return sizeof(Published) * kMaxLayoutBlocks + sizeof(int) * size_t(blocks) * num_experts;
+}
+
+cudaError_t launch_intranode_layout(LayoutParams p, cudaStream_t stream) {
+  static std::atomic<unsigned long long> epochs{0};
+  p.epoch = ++epochs;  // unique per launch in this process: stale records never match
   const size_t smem = size_t(p.num_experts) * sizeof(int);
   if (smem > 48 * 1024) {
     cudaError_t e =
@@ -136,7 +226,10 @@ cudaError_t launch_intranode_layout(const LayoutParams& p, cudaStream_t stream) 
                              static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  intranode_layout_kernel<<<1, kLayoutThreads, smem, stream>>>(p);
+  const bool split =
+      p.workspace != nullptr && intranode_layout_workspace_bytes(p.num_tokens, p.num_experts) > 0;
+  const int blocks = split ? (p.num_tokens + kLayoutThreads - 1) / kLayoutThreads : 1;
+  intranode_layout_kernel<<<blocks, kLayoutThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

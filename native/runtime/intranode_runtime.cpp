@@ -223,7 +223,8 @@ CommContext IntranodeRuntime::comm_context() const {
 
 void IntranodeRuntime::layout(const void* topk_idx, int idx_bytes, int num_tokens, int num_topk,
                               int num_experts, int* num_tokens_per_rank, int* num_tokens_per_expert,
-                              bool* is_token_in_rank, int* send_pos, cudaStream_t stream) {
+                              bool* is_token_in_rank, int* send_pos, cudaStream_t stream,
+                              void* workspace) {
   require(buffer_ != nullptr, "layout: runtime destroyed");
   require(idx_bytes == 4 || idx_bytes == 8, "layout: topk_idx must be int32 or int64");
   require(num_tokens >= 0, "layout: num_tokens must be >= 0");
@@ -249,6 +250,7 @@ void IntranodeRuntime::layout(const void* topk_idx, int idx_bytes, int num_token
   p.ctrl = reinterpret_cast<ControlBlock*>(buffer_);
   p.error = error_dev_;
   p.rank = rank_;
+  p.workspace = workspace;
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_layout(p, stream), "layout launch");
 }
@@ -483,6 +485,10 @@ std::string IntranodeRuntime::check_error() const {
   os << "ep " << op_name(e->op) << ": rank " << e->rank;
   switch (code) {
     case kErrorTimeout:
+      if (e->op == kOpLayout) {  // blocks of one kernel on this GPU, not a peer
+        os << " timed out: a layout block waited for block " << e->value_a << ", which never ran";
+        break;
+      }
       os << " timed out after " << config_.timeout_seconds << " s waiting for rank " << e->peer;
       break;
     case kErrorCapacity:

@@ -147,9 +147,11 @@ class IntranodeRuntime {
   //   num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
   //   is_token_in_rank [T, R] bool, send_pos [T, R] int32 (position among tokens sent to r, -1).
   // Invalid ids (outside [-1, E)) are recorded as an error and treated as -1.
+  // workspace: intranode_layout_workspace_bytes(num_tokens, num_experts) bytes of device memory
+  // (stream-ordered, any contents) lets one block per 1,024 tokens run at once; null: one block.
   void layout(const void* topk_idx, int idx_bytes, int num_tokens, int num_topk, int num_experts,
               int* num_tokens_per_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
-              int* send_pos, cudaStream_t stream);
+              int* send_pos, cudaStream_t stream, void* workspace = nullptr);
 
   // Count exchange (communicating). Outputs (caller-allocated, device; keep them in the handle):
   //   recv_counts [R] int32 (rows from each source), recv_prefix [R+1] int32,
