@@ -57,13 +57,17 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         check(f"layout in_rank {ids.dtype}", got.is_token_in_rank, want.is_token_in_rank)
     # More than 1,024 tokens: one layout block per 1,024, each adding up the counts before it.
     _, big, _ = cuda_routing([2500, 1025, 4096, 3000][rank % 4], 16, num_experts, topk, 4000 + rank)
-    got, want = (
+    got_big, want_big = (
         ep.get_dispatch_layout(big, num_experts),
         ref.get_dispatch_layout(big.cpu(), num_experts, world),
     )
-    check("layout per_rank, many blocks", got.num_tokens_per_rank, want.num_tokens_per_rank)
-    check("layout per_expert, many blocks", got.num_tokens_per_expert, want.num_tokens_per_expert)
-    check("layout in_rank, many blocks", got.is_token_in_rank, want.is_token_in_rank)
+    check("layout per_rank, many blocks", got_big.num_tokens_per_rank, want_big.num_tokens_per_rank)
+    check(
+        "layout per_expert, many blocks",
+        got_big.num_tokens_per_expert,
+        want_big.num_tokens_per_expert,
+    )
+    check("layout in_rank, many blocks", got_big.is_token_in_rank, want_big.is_token_in_rank)
     bad = idx.clone()
     if num_tokens > 0:  # an id out of range: counted as -1, the next call on the device raises
         bad[0, 0] = num_experts
