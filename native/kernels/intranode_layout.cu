@@ -43,30 +43,13 @@ __device__ __forceinline__ void report_error(const LayoutParams& p, int code, lo
 
 // What a block publishes in the workspace: [max blocks] x Published, then [blocks][E] counts.
 struct Published {
-  unsigned long long epoch;  // written last (release): the fields below are this launch's
-  int totals[kMaxRanks];     // tokens of this block's chunk sent to each rank
+  uint64_t epoch;         // written last (release): the fields below are this launch's
+  int totals[kMaxRanks];  // tokens of this block's chunk sent to each rank
   int pad[6];
 };
 static_assert(sizeof(Published) == 64, "one published record per 64 bytes");
 constexpr int kMaxLayoutBlocks = 128;  // all resident at once (one 1,024-thread block per SM)
 constexpr long long kWaitCycles = 1ll << 33;  // ~4 s: a block waiting for an earlier one
-
-__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Other blocks' records, read after the acquire above (not from a possibly stale L1 line).
-__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 
 __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(LayoutParams p) {
   extern __shared__ int expert_hist[];             // [E]
@@ -152,13 +135,13 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
       __syncthreads();
       if (tid == 0) {
         __threadfence();
-        st_release_gpu(&published[b].epoch, p.epoch);
+        ptx::st_release_gpu(&published[b].epoch, p.epoch);
       }
       // The last block waits for every other block (it sums their counts below); the others
       // for the blocks before them. They all run at once, so nobody waits forever.
       if (tid < b) {
         const long long start = clock64();
-        while (ld_acquire_gpu(&published[tid].epoch) != p.epoch) {
+        while (ptx::ld_acquire_gpu(&published[tid].epoch) != p.epoch) {
           __nanosleep(32);
           if (clock64() - start > kWaitCycles) {  // cannot happen while all blocks are resident
             report_error(p, kErrorTimeout, tid, kWaitCycles);
@@ -169,7 +152,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
       __syncthreads();
       if (tid < R) {
         int before = 0;
-        for (int q = 0; q < b; ++q) before += ld_relaxed_gpu(&published[q].totals[tid]);
+        for (int q = 0; q < b; ++q) before += ptx::ld_relaxed_gpu(&published[q].totals[tid]);
         running[tid] = before;
       }
       __syncthreads();
@@ -198,7 +181,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) intranode_layout_kernel(Lay
   for (int e = tid; e < E; e += kLayoutThreads) {
     int n = expert_hist[e];
     for (int q = 0; q + 1 < int(gridDim.x); ++q)
-      n += ld_relaxed_gpu(&block_hist[size_t(q) * E + e]);
+      n += ptx::ld_relaxed_gpu(&block_hist[size_t(q) * E + e]);
     p.num_tokens_per_expert[e] = n;
   }
 }
