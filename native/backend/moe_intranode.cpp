@@ -199,7 +199,7 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   cfg.max_local_experts = static_cast<int>(std::max<int64_t>(needs.local_experts, 1));
   cfg.timeout_seconds = pg.options()->kernel_timeout_s;
   cfg.num_sms = static_cast<int>(pg.options()->num_sms);
-  // Tuning knobs for sweeps (docs/api.md): warps per block that send; the rest receive.
+  // Tuning knobs for sweeps (docs/api.md): send warps per block, row alignment, publish batch.
   for (auto [name, field] : {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
                              std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
                              std::pair{"EP_ROW_ALIGN", &cfg.row_align},
