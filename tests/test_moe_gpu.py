@@ -89,6 +89,8 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         check(f"recv_topk_idx {kwargs}", a.recv_topk_idx, b.recv_topk_idx)
         check(f"recv_topk_weights {kwargs}", a.recv_topk_weights, b.recv_topk_weights)
         check(f"per_expert {kwargs}", a.num_recv_tokens_per_expert, b.num_recv_tokens_per_expert)
+        if a.num_recv_tokens_per_expert_list != b.num_recv_tokens_per_expert_list:
+            failures.append(f"per_expert_list {kwargs}: {a.num_recv_tokens_per_expert_list[:8]}")
         check(f"src_idx {kwargs}", a.handle.recv_src_idx, b.handle.recv_src_idx)
         y = (a.recv_x.float() * 0.75).bfloat16()
         c = ep.combine(y, a.handle, a.recv_topk_weights)
@@ -99,6 +101,16 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         b2 = ref.dispatch(xc * 3, handle=b.handle)
         n = int(b.handle.recv_src_idx.ge(0).sum())
         check(f"cached {kwargs}", a2.recv_x[:n], b2.recv_x[:n])
+    # async_op: the comm stream and a Work to wait on; the per-expert list needs no device read.
+    a = ep.dispatch(x, idx, w, num_experts, async_op=True)
+    a.work.wait()
+    b = ref.dispatch(xc, idxc, wc, num_experts)
+    check("async recv_x", a.recv_x, b.recv_x)
+    if a.num_recv_tokens_per_expert_list != b.num_recv_tokens_per_expert_list:
+        failures.append(f"async per_expert_list: {a.num_recv_tokens_per_expert_list[:8]}")
+    c = ep.combine(a.recv_x, a.handle, async_op=True)
+    c.work.wait()
+    check("async combined_x", c.combined_x, ref.combine(b.recv_x, b.handle).combined_x)
     x8, s8 = ref.quantize_fp8_per128(torch.randn(num_tokens, 256, device=dev, generator=g))
     a = ep.dispatch(x8, idx, None, num_experts, x_scales=s8)
     b = ref.dispatch(x8.cpu(), idxc, None, num_experts, x_scales=s8.cpu())
