@@ -163,41 +163,15 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
     max_count = max(max_count, count[d]);
   }
   const int total = (lane < S && first < max_count) ? (max_count - 1 - first) / stride + 1 : 0;
-  int published = 0;
-  long long idle_since = 0;
-  for (uint32_t idle = 0;;) {
-    const int done = lane < S ? device::ld_acquire_cta_shared(progress + lane) : 0;
-    // One fence per publish_batch rows of a sender (or its last ones), as in dispatch.
-    const bool fresh = done >= published + p.publish_batch || (done == total && done > published);
-    const bool any_fresh = __any_sync(kFull, fresh);
-    if (any_fresh) device::fence_acq_rel_sys();
-    if (fresh) {
-      for (int k = published; k < done; ++k) {
-        const int i = first + k * stride;
+  device::publish_loop(ctx, lane, S, total, p.publish_batch, progress, [&](int k) {
+    const int i = first + k * stride;
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-          if (i < count[d])
-            device::st_relaxed_sys(reinterpret_cast<uint64_t*>(
-                                       c.buffers.ptr[d] + c.layout.combine_flag_offset(me, d, i)),
-                                   seq);
-      }
-      published = done;
-    }
-    if (__all_sync(kFull, published >= total)) return;
-    if (any_fresh) {
-      idle = 0;
-      continue;
-    }
-    if (idle++ == 0) idle_since = clock64();
-    __nanosleep(32);
-    if ((idle & 255u) == 0) {
-      if (device::aborted(ctx)) return;
-      if (clock64() - idle_since > ctx.timeout_cycles) {
-        if (lane == 0) device::raise_timeout(ctx, me);
-        return;
-      }
-    }
-  }
+    for (int d = 0; d < kMaxRanks; ++d)
+      if (i < count[d])
+        device::st_relaxed_sys(
+            reinterpret_cast<uint64_t*>(c.buffers.ptr[d] + c.layout.combine_flag_offset(me, d, i)),
+            seq);
+  });
 }
 
 // Owner side: reduce token t whose rows from rank r sit at pos[r] (-1: none).

@@ -215,45 +215,18 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
   const int first = blockIdx.x * S + lane;
   const int total =
       (lane < S && first < p.num_tokens) ? (p.num_tokens - 1 - first) / stride + 1 : 0;
-  int published = 0;
-  long long idle_since = 0;
-  for (uint32_t idle = 0;;) {
-    const int done = lane < S ? device::ld_acquire_cta_shared(progress + lane) : 0;
-    // One fence per publish_batch tokens of a sender (or its last ones): a system-scope fence
-    // costs about an NVLink round trip.
-    const bool fresh = done >= published + p.publish_batch || (done == total && done > published);
-    const bool any_fresh = __any_sync(kFull, fresh);
-    if (any_fresh) device::fence_acq_rel_sys();
-    if (fresh) {
-      for (int k = published; k < done; ++k) {
-        const int t = first + k * stride;
-        for (int d = 0; d < R; ++d) {
-          if (d == me) continue;
-          const int pos = p.send_pos[size_t(t) * R + d];
-          if (pos >= 0)
-            device::st_relaxed_sys(
-                reinterpret_cast<uint64_t*>(c.buffers.ptr[d] +
-                                            c.layout.dispatch_flag_offset(me, d, pos)),
-                seq);
-        }
-      }
-      published = done;
+  // One fence per publish_batch tokens: a system-scope fence costs about an NVLink round trip.
+  device::publish_loop(ctx, lane, S, total, p.publish_batch, progress, [&](int k) {
+    const int t = first + k * stride;
+    for (int d = 0; d < R; ++d) {
+      if (d == me) continue;
+      const int pos = p.send_pos[size_t(t) * R + d];
+      if (pos >= 0)
+        device::st_relaxed_sys(reinterpret_cast<uint64_t*>(
+                                   c.buffers.ptr[d] + c.layout.dispatch_flag_offset(me, d, pos)),
+                               seq);
     }
-    if (__all_sync(kFull, published >= total)) return;
-    if (any_fresh) {
-      idle = 0;
-      continue;
-    }
-    if (idle++ == 0) idle_since = clock64();
-    __nanosleep(32);
-    if ((idle & 255u) == 0) {
-      if (device::aborted(ctx)) return;  // a sender gave up
-      if (clock64() - idle_since > ctx.timeout_cycles) {
-        if (lane == 0) device::raise_timeout(ctx, me);
-        return;
-      }
-    }
-  }
+  });
 }
 
 __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,

@@ -139,6 +139,44 @@ __device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Read
   }
 }
 
+// The publisher warp of a dispatch or combine block. Lane l follows sender warp l of the block,
+// which releases through progress[l] how many of its `total` items (tokens, rows) it has stored.
+// For each new batch (`batch` items, or the sender's last ones) the warp issues one system-scope
+// fence, cumulative over the stores the senders released to it, then `publish(k)` writes the
+// arrival flags of the lane's k-th item. Returns once every sender is published, or on abort or
+// timeout (which names this rank: its own senders stalled).
+template <typename Publish>
+__device__ __forceinline__ void publish_loop(const WaitContext& ctx, int lane, int num_senders,
+                                             int total, int batch, const int* progress,
+                                             Publish publish) {
+  int published = 0;
+  long long idle_since = 0;
+  for (uint32_t idle = 0;;) {
+    const int done = lane < num_senders ? ld_acquire_cta_shared(progress + lane) : 0;
+    const bool fresh = done >= published + batch || (done == total && done > published);
+    const bool any_fresh = __any_sync(0xffffffffu, fresh);
+    if (any_fresh) fence_acq_rel_sys();
+    if (fresh) {
+      for (int k = published; k < done; ++k) publish(k);
+      published = done;
+    }
+    if (__all_sync(0xffffffffu, published >= total)) return;
+    if (any_fresh) {
+      idle = 0;
+      continue;
+    }
+    if (idle++ == 0) idle_since = clock64();
+    __nanosleep(32);
+    if ((idle & 255u) == 0) {
+      if (aborted(ctx)) return;  // a sender gave up
+      if (clock64() - idle_since > ctx.timeout_cycles) {
+        if (lane == 0) raise_timeout(ctx, ctx.rank);
+        return;
+      }
+    }
+  }
+}
+
 // Polls a flag cheaply (relaxed) and acquires only once it matches: spinning warps then do not
 // issue a stream of acquire loads that slow the working warps of their SM.
 __device__ __forceinline__ bool flag_arrived(const uint64_t* flag, uint64_t seq) {
