@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "error_record.hpp"
+
 #if defined(__CUDACC__)
 #define EP_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -27,24 +29,6 @@ enum IntranodeOp : int {
   kOpCachedDispatch = 4,
   kOpCombine = 5,
   kOpBarrier = 6,
-};
-
-enum ErrorCode : int {
-  kErrorNone = 0,
-  kErrorTimeout = 1,         // peer = the rank waited for; value_a = timeout in cycles
-  kErrorCapacity = 2,        // value_a = rows to receive, value_b = num_worst_tokens
-  kErrorInvalidTopkIdx = 3,  // value_a = offending value, value_b = flat (t*K+k) position
-};
-
-// Host-mapped (cudaHostAllocMapped) record of the first error a kernel hit. `code` is written
-// last, so a non-zero code means the other fields are complete.
-struct ErrorRecord {
-  int code;
-  int op;
-  int rank;
-  int peer;
-  long long value_a;
-  long long value_b;
 };
 
 // Private per-rank control words at the start of the rank's buffer. Peers never touch these.

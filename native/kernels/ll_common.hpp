@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "error_record.hpp"
+
 #if defined(__CUDACC__)
 #define EP_LL_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -31,22 +33,13 @@ enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2, kPhaseBoth = 3 };
 // Op codes in error records and messages.
 enum Op : int { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2 };
 
-enum ErrorCode : int {
-  kErrorNone = 0,
-  kErrorTimeout = 1,         // peer = the rank waited for; value_a = timeout in ns
-  kErrorCapacity = 2,        // value_a = rows for one expert, value_b = M
-  kErrorInvalidTopkIdx = 3,  // value_a = offending value, value_b = flat (t*K+k) position
-};
-
-// Host-mapped record of the first error a kernel hit; `code` is written last.
-struct ErrorRecord {
-  int code;
-  int op;
-  int rank;
-  int peer;
-  long long value_a;
-  long long value_b;
-};
+// The error record and codes of both kernel families (error_record.hpp).
+using ::ep::ErrorCode;
+using ::ep::ErrorRecord;
+using ::ep::kErrorCapacity;
+using ::ep::kErrorInvalidTopkIdx;
+using ::ep::kErrorNone;
+using ::ep::kErrorTimeout;
 
 // Private per-runtime control words (plain device memory, never touched by peers).
 struct ControlBlock {
