@@ -482,7 +482,11 @@ def low_latency_combine(
     group: Group = None,
     async_op: bool = False,
 ) -> torch.Tensor:
-    """Low-latency combine: ``out[t] = sum_k w[t,k] * y(t, expert_k)`` in ``k`` order (-1 skipped).
+    """Low-latency combine: ``out[t] = sum_k w[t,k] * y(t, expert_k)`` (-1 skipped), float32.
+
+    The ATen path adds in ``k`` order, bit for bit the reference. The NVSHMEM kernels add the
+    same products per expert rank first (``k`` order), then the ranks: within float32-accumulation
+    tolerance of the reference and deterministic run to run (docs/semantics.md).
 
     Args:
         x: BF16 ``[E_loc, R*M, H]`` expert outputs in the layout of the dispatch.

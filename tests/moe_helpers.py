@@ -189,6 +189,24 @@ def compare_combine(m: Mismatches, a, b) -> None:
     m.bitwise(a.combined_topk_weights, b.combined_topk_weights, "combined_topk_weights")
 
 
+def ll_combine_beyond_tolerance(
+    got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, topk: int
+) -> int:
+    """Outputs of a low-latency combine beyond float32-accumulation tolerance of the reference.
+
+    The NVSHMEM kernel adds the same float32 products ``w_k * y_k`` in another order (per expert
+    rank, then the ranks) than the reference (``k`` ascending). ``want`` is the reference's BF16
+    ``[T, H]``; ``magnitude`` the reference combine of ``|y|`` with ``|w|`` (the scale of any
+    reordering error). Allowed: one BF16 ulp of the larger magnitude plus ``2 K 2^-23 sum|w y|``.
+    """
+    g, w, mag = got.float().cpu(), want.float().cpu(), magnitude.float().cpu()
+    larger = torch.maximum(g.abs(), w.abs())
+    _, exponent = torch.frexp(larger)
+    ulp = torch.where(larger > 0, torch.ldexp(torch.ones_like(larger), exponent - 8), 0.0)
+    tolerance = ulp + 2 * topk * mag * 2.0**-23
+    return int(((g - w).abs() > tolerance).sum())
+
+
 def ll_valid_mask(recv_count: torch.Tensor, slots: int) -> torch.Tensor:
     """bool ``[E_loc, slots]``: the slots below each expert's ``recv_count``."""
     return torch.arange(slots).unsqueeze(0) < recv_count.long().unsqueeze(1)

@@ -254,6 +254,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   cfg.max_hidden = static_cast<int>(hidden);
   cfg.max_topk = static_cast<int>(std::max<int64_t>(topk, 1));
   cfg.num_experts = static_cast<int>(experts);
+  cfg.num_ranks = static_cast<int>(pg.getSize());
   cfg.timeout_seconds = pg.options()->kernel_timeout_s;
   const std::string key =
       "ep_ll/" + pg.options()->group_name + "/uid/" + std::to_string(++st.generation);

@@ -1,16 +1,28 @@
-// Low-latency combine over NVSHMEM symmetric memory.
+// Low-latency combine over NVSHMEM symmetric memory, reduced per rank before it crosses the link.
 //
-// SEND (expert side, rank r, buffer b of the dispatch): for every (local expert le, source s),
-// the rows begin_s .. begin_s + count_s of x[le] (the layout_range of the dispatch) go back to
-// rank s, slot (global expert r*E_loc + le, position p = row - begin_s) of its combine receive
-// area; each row (remote path) or each block's batch of rows (P2P path) adds to the arrival
-// counter of that global expert on rank s. Zero-copy: x is this rank's combine send area
-// (remote puts read it directly; the P2P path reads it like any input).
-// RECV (token side): wait until the arrival counter of every expert reaches the count this rank
-// sent to it (sent_count of the dispatch) plus one handshake unit from the expert's owner, then
-//   out[t] = bf16(acc), acc = +0.0; for k = 0..K-1 with a valid slot: acc = acc + w_k * y_k
-// with separately rounded multiply and add (no FMA), exactly the reference's order. The last
-// block resets the arrival counters.
+// Each expert rank sums a token's entries that it holds (in k order, float32, weighted) and
+// returns ONE partial per (token, expert rank): float32 [H], or the BF16 row itself when the
+// token had a single entry there (the token side weights it). At EP2 with top-8 of 16 experts
+// that is half the bytes of returning every (token, expert) row.
+//
+// Sequence numbers: a call on buffer b uses the seq of b's dispatch (ControlBlock); every flag
+// below is set to it, so nothing needs resetting.
+// SEND (expert side, rank r):
+//  0. This rank's weights [T, K] go to every rank (comb_weights[r], stride max_topk), then the
+//     rank's weights flag. Since this kernel runs after r's dispatch RECV on the same stream,
+//     the flag also says "r finished reading this buffer's dispatch area".
+//  1. The messages r received in the dispatch (recv_tokens[s] per source) are spread over the
+//     blocks. For message (s, q) of token t: wait for s's weights, then acc = +0.0 and, for the
+//     header's entries in k order, acc = acc + w_k * y (separately rounded, no FMA), y being
+//     x[le, begin(le, s) + p]; store it to comb_recv[r * M + t] on rank s and release
+//     comb_flag[r * M + t] (P2P), or put it from comb_stage with the flag as its signal.
+// RECV (token side, rank s): wait for every rank's weights flag (its dispatch RECV is over, so
+// the next dispatch on this buffer may overwrite what it read), then per token: the ranks its
+// entries went to (send_route of the dispatch, first-appearance order), wait for their
+// partials, out[t] = bf16(sum of the partials in that order, float32).
+//
+// Versus the reference (one float32 sum over k): the same products, added in another order.
+// The result is within float32-accumulation tolerance of it and bitwise identical run to run.
 #include <cstdint>
 
 #include "ll_device.cuh"
@@ -26,161 +38,240 @@ using namespace device;
 __device__ uint64_t g_combine_timeline[kTimelineBlocks * kTimelineStages];
 #endif
 
-__device__ void send_phase(const CombineParams& p) {
+struct CombineShared {
+  int first_item[kMaxExperts];  // SEND: first message index of each source
+  long long row[kMaxTopk];      // SEND: x row of entry j | RECV: partial offset of destination j
+  float weight[kMaxTopk];       // SEND: w of entry j | RECV: w of the single entry, or 0
+  int single[kMaxTopk];         // RECV: destination j returned a BF16 row
+  int dest[kMaxTopk];           // RECV: destination rank j
+  int count;                    // entries (SEND) or destinations (RECV) of the current token
+  int items;
+  int weights_of;  // SEND: source whose weights flag this block has seen, or -1
+  int fail;
+};
+
+// Stores 8 float32 (two 16-byte pieces) at `dst`.
+__device__ __forceinline__ void st_f32x8(char* dst, const float* acc) {
+  st_v4(dst, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                       __float_as_int(acc[3])));
+  st_v4(dst + 16, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]), __float_as_int(acc[6]),
+                            __float_as_int(acc[7])));
+}
+
+// acc[0..8) += w * the eight BF16 values of `y` (separately rounded multiply and add).
+__device__ __forceinline__ void add_weighted_bf16x8(float* acc, float w, const int4& y) {
+  const uint32_t words[4] = {static_cast<uint32_t>(y.x), static_cast<uint32_t>(y.y),
+                             static_cast<uint32_t>(y.z), static_cast<uint32_t>(y.w)};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, bf16_lo(words[j])));
+    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, bf16_hi(words[j])));
+  }
+}
+
+__device__ void send_weights(const CombineParams& p, uint64_t seq, CombineShared& sh) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
-  const int lane = lane_id();
-  const int warp = warp_id();
+  const int R = c.num_ranks;
+  const int G = static_cast<int>(gridDim.x);
+  const int KM = c.layout.max_topk;
+  const int n = p.num_tokens * p.num_topk;
+  for (int d = static_cast<int>(blockIdx.x); d < R; d += G) {
+    char* peer = c.peer[d];
+    const size_t area = c.layout.comb_weights_offset + size_t(c.rank) * c.max_tokens * KM * 4;
+    float* dst = reinterpret_cast<float*>(peer != nullptr ? peer + area
+                                                          : c.local + c.layout.comb_wstage_offset);
+    for (int i = tid; i < n; i += kThreads) {
+      const int t = i / p.num_topk;
+      const int k = i % p.num_topk;
+      dst[size_t(t) * KM + k] = p.topk_weights != nullptr ? p.topk_weights[i] : 1.0f;
+    }
+    __syncthreads();
+    const size_t flag = c.layout.comb_wflag_offset + size_t(c.rank) * 8;
+    if (peer != nullptr) {
+      if (tid == 0) st_release_sys(reinterpret_cast<uint64_t*>(peer + flag), seq);
+    } else if (warp_id() == 0) {
+      const size_t bytes = size_t(max(p.num_tokens, 1)) * KM * 4;
+      warp_put_signal(c, d, area, reinterpret_cast<const char*>(dst), bytes, flag, seq);
+    }
+    __syncthreads();  // the staged weights may be rewritten for the next rank
+  }
+}
+
+__device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq,
+                           CombineShared& sh) {
+  const Context& c = p.ctx;
+  const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
   const int M = c.max_tokens;
-  const int E = p.num_experts;
-  const int E_loc = E / R;
   const int G = static_cast<int>(gridDim.x);
-  const int splits = max(1, G / E);
-  const int row_bytes = p.hidden * 2;
-  const char* send_area = c.local + c.layout.comb_send_offset;
-  const bool zero_copy = reinterpret_cast<const char*>(p.x) == send_area;
+  const int KM = c.layout.max_topk;
+  const int H = p.hidden;
+  const int vecs = H / 8;
+  const Message msg = Message::make(H, false, false, c.layout.header_bytes);
+  const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
 
-  for (int item = static_cast<int>(blockIdx.x); item < E * splits; item += G) {
-    const int group = item % E;
-    const int split = item / E;
-    const int le = group / R;
-    const int s = group % R;
-    const long long range = p.layout_range[size_t(le) * R + s];
-    const int begin = static_cast<int>(range >> 32);
-    const int count = static_cast<int>(range & 0xFFFFFFFFll);
-    const int expert = c.rank * E_loc + le;
-    const size_t counter = c.layout.comb_arrived_offset + size_t(expert) * 8;
-    // Rows split, split + splits, ... of the group are this block's.
-    const int mine = count > split ? (count - split + splits - 1) / splits : 0;
-    char* peer = c.peer[s];
-    if (peer != nullptr) {
-      // P2P: the whole block stores the rows (16-byte pieces), then one release-add below.
-      const int vecs = row_bytes / 16;
-      for (int i = tid; i < mine * vecs; i += kThreads) {
-        const int r = split + splits * (i / vecs);
-        const int v = i % vecs;
-        const size_t src_row = size_t(le) * R * M + begin + r;
-        const char* src = reinterpret_cast<const char*>(p.x) + src_row * row_bytes;
-        const size_t dst = c.layout.comb_recv_offset + (size_t(expert) * M + r) * row_bytes;
-        st_v4(peer + dst + size_t(v) * 16, ld_nc_v4(src + size_t(v) * 16));
-      }
-      __syncthreads();
-    } else {
-      for (int q = warp; q < mine; q += kThreads / 32) {
-        const int r = split + splits * q;
-        const size_t src_row = size_t(le) * R * M + begin + r;
-        const char* src = reinterpret_cast<const char*>(p.x) + src_row * row_bytes;
-        const size_t dst = c.layout.comb_recv_offset + (size_t(expert) * M + r) * row_bytes;
-        if (!zero_copy) {
-          // Remote puts need a symmetric source: stage the row in the send area first.
-          char* staged = c.local + c.layout.comb_send_offset + src_row * row_bytes;
-          for (int i = lane; i < row_bytes / 16; i += 32)
-            st_v4(staged + size_t(i) * 16, ld_nc_v4(src + size_t(i) * 16));
-          __syncwarp();
-          src = staged;
-        }
-        warp_put_row(c, s, dst, src, row_bytes, counter, false);
-      }
+  send_weights(p, seq, sh);
+  EP_LL_MARK(g_combine_timeline, 1);
+  if (tid == 0) {
+    int n = 0;
+    for (int s = 0; s < R; ++s) {
+      sh.first_item[s] = n;
+      n += c.recv_tokens[s];
     }
-    // Handshake unit: warp 0 of split 0 adds 1 to the counter, rows or no rows, so rank s hears
-    // from every rank (it waits for sent_count + 1 on every expert). Without it a rank that was
-    // sent no rows by this rank (T=0, or no token routed here) finishes its combine without
-    // waiting for this rank and may start the next dispatch on this buffer while this rank's
-    // dispatch RECV is still reading it: overwritten count words (hang until timeout) and rows,
-    // and arrival increments lost to the RECV's reset. That is the normal case under CUDA-graph
-    // replay (buffer index frozen at capture) and in the two-micro-batch hook pattern. This
-    // kernel runs after this rank's dispatch RECV on the same stream, so the unit also says
-    // "done reading this buffer's dispatch area" (and every nbi put source was consumed).
-    const int unit = split == 0 ? 1 : 0;
-    // P2P: warp 0 publishes the block's rows (after the barrier above) and the unit at once.
-    if (warp == 0) p2p_count_rows(c, s, counter, mine + unit);
-    if (peer == nullptr && unit && warp == 0 && lane == 0) {
-      // No ordering with the rows is needed: the receiver waits for all rows plus this unit,
-      // and each row's own signal is delivered after its data.
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + counter), 1, NVSHMEM_SIGNAL_ADD, s);
+    sh.items = n;
+    sh.weights_of = -1;
+    sh.fail = 0;
+  }
+  __syncthreads();
+  const int items = sh.items;
+  for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
+    int s = 0;
+    while (s + 1 < R && sh.first_item[s + 1] <= item) ++s;
+    const int q = item - sh.first_item[s];
+    // The dispatch message (s, q) is still in this rank's receive area: its header says which
+    // rows of x belong to the token and with which k.
+    const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
+    const int t = ld_cg_s32(m);
+    const int n = ld_cg_s32(m + 4);
+    if (tid == 0 && sh.weights_of != s) {
+      const uint64_t* f = wflags + s;
+      if (spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; }))
+        sh.weights_of = s;
+      else
+        sh.fail = 1;
+    }
+    __syncthreads();
+    if (sh.fail) return;
+    if (tid < n) {
+      const int key = ld_cg_s32(m + 8 + 8 * tid);
+      const int pos = ld_cg_s32(m + 12 + 8 * tid);
+      const int le = key >> 5;
+      const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
+      sh.row[tid] = static_cast<long long>(le) * R * M + begin + pos;
+      const float* weights =
+          reinterpret_cast<const float*>(c.local + c.layout.comb_weights_offset) +
+          size_t(s) * M * KM;
+      sh.weight[tid] = __int_as_float(ld_cg_s32(weights + size_t(t) * KM + (key & 31)));
+    }
+    __syncthreads();
+    char* peer = c.peer[s];
+    const size_t slot = size_t(c.rank) * M + t;
+    char* dst = peer != nullptr
+                    ? peer + c.layout.comb_recv_offset + slot * size_t(H) * 4
+                    : c.local + c.layout.comb_stage_offset + (size_t(s) * M + t) * size_t(H) * 4;
+    const char* x = reinterpret_cast<const char*>(p.x);
+    for (int v = tid; v < vecs; v += kThreads) {
+      if (n == 1) {
+        st_v4(dst + size_t(v) * 16, ld_nc_v4(x + size_t(sh.row[0]) * H * 2 + size_t(v) * 16));
+        continue;
+      }
+      float acc[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+      // Batches of four independent row loads in flight, then the adds in k order.
+      constexpr int kBatch = 4;
+      for (int k0 = 0; k0 < n; k0 += kBatch) {
+        int4 y[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (k0 + u < n) y[u] = ld_nc_v4(x + size_t(sh.row[k0 + u]) * H * 2 + size_t(v) * 16);
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (k0 + u >= n) break;
+          add_weighted_bf16x8(acc, sh.weight[k0 + u], y[u]);
+        }
+      }
+      st_f32x8(dst + size_t(v) * 32, acc);
+    }
+    __syncthreads();
+    const size_t flag = c.layout.comb_flag_offset + slot * 8;
+    if (peer != nullptr) {
+      if (tid == 0) st_release_sys(reinterpret_cast<uint64_t*>(peer + flag), seq);
+    } else if (warp_id() == 0) {
+      const size_t bytes = size_t(H) * (n == 1 ? 2 : 4);
+      warp_put_signal(c, s, c.layout.comb_recv_offset + slot * size_t(H) * 4, dst, bytes, flag,
+                      seq);
     }
   }
 }
 
-__device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail, int* s_rows,
-                           float* s_weights, int* s_valid) {
+__device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq,
+                           CombineShared& sh) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
+  const int lane = lane_id();
   const int R = c.num_ranks;
   const int M = c.max_tokens;
-  const int E = p.num_experts;
-  const int E_loc = E / R;
   const int K = p.num_topk;
   const int T = p.num_tokens;
+  const int H = p.hidden;
   const int G = static_cast<int>(gridDim.x);
   const int chunk = (T + G - 1) / G;
   const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
   const int t_end = min(T, t_begin + chunk);
-  const uint64_t* arrived =
-      reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_arrived_offset);
+  const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_flag_offset);
+  const char* recv = c.local + c.layout.comb_recv_offset;
 
-  // Every block waits for every expert (cheap: one word per expert): the rows this rank sent
-  // to it plus the owner's handshake unit (see send_phase), so the arrival counters can be reset
-  // by the last block and every rank is known to have finished its dispatch RECV.
-  if (tid == 0) *s_fail = 0;
+  // Every rank's weights flag: it has finished its dispatch RECV of this buffer.
+  if (tid == 0) sh.fail = 0;
   __syncthreads();
-  for (int e = tid; e < E; e += kThreads) {
-    const uint64_t need = static_cast<uint64_t>(c.sent_count[e]) + 1;
-    if (!spin_wait(w, e / E_loc, [&] { return ld_acquire_sys(arrived + e) >= need; })) *s_fail = 1;
-  }
+  for (int d = tid; d < R; d += kThreads)
+    if (!spin_wait(w, d, [&] { return ld_acquire_sys(wflags + d) == seq; })) sh.fail = 1;
   __syncthreads();
-  if (*s_fail) return;
+  if (sh.fail) return;
   EP_LL_MARK(g_combine_timeline, 2);
 
-  const int vecs = p.hidden / 8;
-  const int row_bytes = p.hidden * 2;
-  const char* recv = c.local + c.layout.comb_recv_offset;
+  const unsigned full = 0xffffffffu;
   for (int t = t_begin; t < t_end; ++t) {
-    // The token's valid entries, k ascending: row offsets and weights, once per block.
+    // The token's destination ranks, first-appearance order, from the dispatch's routes.
     if (tid < 32) {
-      const int k = tid;
-      int row = -1;
-      float wk = 0.0f;
-      if (k < K) {
-        const size_t entry = size_t(t) * K + k;
-        const int slot = c.send_pos[entry];
-        const long long e = load_idx(p.topk_idx, p.idx_bytes, entry);
-        if (slot >= 0 && e >= 0 && e < E) {
-          row = static_cast<int>(e) * M + slot;
-          wk = p.topk_weights != nullptr ? p.topk_weights[entry] : 1.0f;
-        }
+      const int route = lane < K ? c.send_route[size_t(t) * K + lane] : -1;
+      const int d = route >= 0 ? route >> 1 : -1;
+      const unsigned same = __match_any_sync(full, d);
+      const int first = __ffs(same) - 1;
+      const unsigned firsts = __ballot_sync(full, d >= 0 && lane == first);
+      const unsigned listed = same & __ballot_sync(full, route >= 0 && (route & 1));
+      if (d >= 0 && lane == first) {
+        const int j = __popc(firsts & ((1u << lane) - 1u));
+        const bool single = __popc(listed) == 1;
+        const int k = __ffs(listed) - 1;
+        sh.dest[j] = d;
+        sh.single[j] = single ? 1 : 0;
+        sh.weight[j] =
+            single ? (p.topk_weights != nullptr ? p.topk_weights[size_t(t) * K + k] : 1.0f) : 0.0f;
+        sh.row[j] = static_cast<long long>(size_t(d) * M + t) * H * 4;
       }
-      const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
-      if (row >= 0) {
-        const int q = __popc(valid & ((1u << k) - 1u));
-        s_rows[q] = row;
-        s_weights[q] = wk;
-      }
-      if (k == 0) *s_valid = __popc(valid);
+      if (lane == 0) sh.count = __popc(firsts);
     }
     __syncthreads();
-    const int nvalid = *s_valid;
-    for (int v = tid; v < vecs; v += kThreads) {
+    const int nd = sh.count;
+    if (tid < nd) {
+      const uint64_t* f = flags + size_t(sh.dest[tid]) * M + t;
+      if (!spin_wait(w, sh.dest[tid], [&] { return ld_acquire_sys(f) == seq; })) sh.fail = 1;
+    }
+    __syncthreads();
+    if (sh.fail) return;
+    for (int v = tid; v < H / 8; v += kThreads) {
       float acc[8];
+#pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-      // Batches of eight independent row loads in flight, then the adds in k order.
-      for (int k0 = 0; k0 < nvalid; k0 += 8) {
-        int4 y[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-          if (k0 + u < nvalid)
-            y[u] = ld_cg_v4(recv + size_t(s_rows[k0 + u]) * row_bytes + size_t(v) * 16);
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (k0 + u >= nvalid) break;
-          const float wk = s_weights[k0 + u];
-          const uint32_t words[4] = {static_cast<uint32_t>(y[u].x), static_cast<uint32_t>(y[u].y),
-                                     static_cast<uint32_t>(y[u].z), static_cast<uint32_t>(y[u].w)};
-          for (int j = 0; j < 4; ++j) {
-            acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(wk, bf16_lo(words[j])));
-            acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(wk, bf16_hi(words[j])));
-          }
+      for (int j = 0; j < nd; ++j) {
+        const char* part = recv + sh.row[j];
+        if (sh.single[j]) {
+          add_weighted_bf16x8(acc, sh.weight[j], ld_cg_v4(part + size_t(v) * 16));
+        } else {
+          const int4 a = ld_cg_v4(part + size_t(v) * 32);
+          const int4 b = ld_cg_v4(part + size_t(v) * 32 + 16);
+          acc[0] = __fadd_rn(acc[0], __int_as_float(a.x));
+          acc[1] = __fadd_rn(acc[1], __int_as_float(a.y));
+          acc[2] = __fadd_rn(acc[2], __int_as_float(a.z));
+          acc[3] = __fadd_rn(acc[3], __int_as_float(a.w));
+          acc[4] = __fadd_rn(acc[4], __int_as_float(b.x));
+          acc[5] = __fadd_rn(acc[5], __int_as_float(b.y));
+          acc[6] = __fadd_rn(acc[6], __int_as_float(b.z));
+          acc[7] = __fadd_rn(acc[7], __int_as_float(b.w));
         }
       }
       int4 o;
@@ -188,35 +279,25 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, int* s_fail,
       o.y = static_cast<int>(float_to_bf16_rne(acc[2]) | (float_to_bf16_rne(acc[3]) << 16));
       o.z = static_cast<int>(float_to_bf16_rne(acc[4]) | (float_to_bf16_rne(acc[5]) << 16));
       o.w = static_cast<int>(float_to_bf16_rne(acc[6]) | (float_to_bf16_rne(acc[7]) << 16));
-      st_v4(p.out + size_t(t) * p.hidden + size_t(v) * 8, o);
+      st_v4(p.out + size_t(t) * H + size_t(v) * 8, o);
     }
-    __syncthreads();  // s_rows / s_weights are the next token's
+    __syncthreads();  // sh.dest / sh.row are the next token's
   }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
-  __shared__ int s_fail;
-  __shared__ int s_rows[kMaxTopk];
-  __shared__ float s_weights[kMaxTopk];
-  __shared__ int s_valid;
+  __shared__ CombineShared sh;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
+  const uint64_t seq = ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]);
   // Block-uniform decisions only: every path below contains __syncthreads.
   EP_LL_MARK(g_combine_timeline, 0);
   if (!__syncthreads_or(aborted(w))) {
-    if (p.phases & kPhaseSend) send_phase(p);
-    EP_LL_MARK(g_combine_timeline, 1);
-    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv))
-      recv_phase(p, w, &s_fail, s_rows, s_weights, &s_valid);
+    if (p.phases & kPhaseSend) send_phase(p, w, seq, sh);
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
   }
   __syncthreads();
   EP_LL_MARK(g_combine_timeline, 3);
-  if (threadIdx.x == 0 && (p.phases & kPhaseRecv)) {
-    finish_block(&c.ctrl->blocks_done[1], [&] {
-      uint64_t* arrived = reinterpret_cast<uint64_t*>(c.local + c.layout.comb_arrived_offset);
-      for (int i = 0; i < p.num_experts; ++i) arrived[i] = 0;
-    });
-  }
 }
 
 }  // namespace

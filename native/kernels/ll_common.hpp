@@ -17,15 +17,18 @@
 namespace ep {
 namespace ll {
 
-constexpr int kMaxTopk = 32;          // one sending warp per top-k entry of a token
+constexpr int kMaxTopk = 32;          // one lane of warp 0 per top-k entry of a token
 constexpr int kMaxExperts = 1024;     // per-expert counters live in shared memory
 constexpr int kMaxHidden = 8192;      // combine: one thread per 8 channels, 1024 threads
 constexpr int kThreads = 1024;        // every low-latency kernel: 32 warps
 constexpr int kGroupSize = 128;       // FP8: channels per scale
 constexpr int kNumBuffers = 2;        // calls alternate between two buffers
-constexpr int kMessageHeader = 16;    // int32 source token, 12 bytes padding
 constexpr int kTimelineBlocks = 256;  // EP_LL_TIMELINE builds: blocks stamped
 constexpr int kTimelineStages = 8;
+// Header ints of a dispatch message: source token, entry count, then per entry
+// (k | local expert << 5, position p). Shared-memory rows are padded to 16 bytes.
+constexpr int kHeaderInts = 2 + 2 * kMaxTopk;
+constexpr int kHeaderRowInts = (kHeaderInts + 3) / 4 * 4;
 
 // Phases of one call (hook mode: SEND now, RECV later).
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2, kPhaseBoth = 3 };
@@ -55,17 +58,25 @@ EP_LL_HOST_DEVICE size_t align_up(size_t v, size_t a) {
   return (v + a - 1) / a * a;
 }
 
-// A dispatched message: [header 16 B][payload: H*2 (BF16) or H (FP8)][scales, padded to 16].
+// Bytes of a dispatch message header for a runtime's largest top-k (16-byte multiple).
+EP_LL_HOST_DEVICE int header_bytes(int max_topk) {
+  return static_cast<int>(align_up(size_t(8) + size_t(8) * size_t(max_topk), 16));
+}
+
+// A dispatched message, one per (token, destination rank):
+//   [header: header_bytes][payload: H*2 (BF16) or H (FP8)][scales, padded to 16].
 // Scale words: H/128 float32, or H/512 int32 (packed UE8M0).
 struct Message {
+  int header;
   int payload_bytes;
   int scale_words;
   int stride;
-  EP_LL_HOST_DEVICE static Message make(int hidden, bool fp8, bool ue8m0) {
+  EP_LL_HOST_DEVICE static Message make(int hidden, bool fp8, bool ue8m0, int header) {
     Message m;
+    m.header = header;
     m.payload_bytes = fp8 ? hidden : hidden * 2;
     m.scale_words = fp8 ? (ue8m0 ? hidden / (4 * kGroupSize) : hidden / kGroupSize) : 0;
-    m.stride = kMessageHeader +
+    m.stride = header +
                static_cast<int>(align_up(size_t(m.payload_bytes) + size_t(m.scale_words) * 4, 16));
     return m;
   }
@@ -73,42 +84,68 @@ struct Message {
 
 // Layout of one buffer inside the symmetric region (identical on every rank). Sized for the
 // config's maxima; each call packs its rows with its own H (all ranks pass the same H).
-//   signals: disp_count[E] u64 | disp_arrived[E] u64 | comb_arrived[E] u64   (128-aligned)
-//   disp_recv: [E_loc][R][M] messages     (E_loc * R = E of the call)
-//   disp_send: [M] messages               (staging of this rank's tokens, source of puts)
-//   comb_recv: [E][M] BF16 rows           (expert outputs returned to this rank)
-//   comb_send: [E_loc][R*M] BF16 rows     (zero-copy buffer; staging of remote puts)
+// Signals (u64; a count signal is seq << 32 | count, a flag is the call's seq):
+//   disp_count[E]     rows from source s to local expert le, at le * R + s
+//   disp_tokens[R]    messages from source s
+//   disp_flag[R*M]    message (s, q) complete
+//   comb_wflag[R]     weights of source s complete; also says s finished its dispatch RECV
+//   comb_flag[R*M]    partial (expert rank d, token t) complete, at d * M + t
+// Data:
+//   disp_recv[R*M]    messages, (s, q) at s * M + q
+//   disp_send[M*R]    staging: token t's message for its j-th destination at t * R + j
+//   comb_weights[R]   [M * max_topk] float32 of source s (stride max_topk)
+//   comb_wstage       [M * max_topk] float32, this rank's weights (put source)
+//   comb_recv[R*M]    partials returned to this rank, (d, t) at d * M + t: float32 [H], or the
+//                     BF16 [H] row itself when the token had one entry on d
+//   comb_stage[R*M]   partials of this rank for source s, token t (put source)
+//   comb_send         [E_loc][R*M] BF16 rows (zero-copy expert outputs)
 struct BufferLayout {
   size_t disp_count_offset;
-  size_t disp_arrived_offset;
-  size_t comb_arrived_offset;
+  size_t disp_tokens_offset;
+  size_t disp_flag_offset;
+  size_t comb_wflag_offset;
+  size_t comb_flag_offset;
   size_t disp_recv_offset;
   size_t disp_send_offset;
+  size_t comb_weights_offset;
+  size_t comb_wstage_offset;
   size_t comb_recv_offset;
+  size_t comb_stage_offset;
   size_t comb_send_offset;
-  size_t bytes;  // of one buffer (a multiple of 4096)
+  size_t bytes;      // of one buffer (a multiple of 4096)
+  int header_bytes;  // of every dispatch message
+  int max_topk;      // weight-row stride
 
-  static BufferLayout make(int max_tokens, int max_hidden, int max_experts) {
+  static BufferLayout make(int max_tokens, int max_hidden, int max_experts, int max_topk,
+                           int num_ranks) {
     BufferLayout l{};
-    const size_t msg = size_t(Message::make(max_hidden, false, false).stride);
+    l.header_bytes = ll::header_bytes(max_topk);
+    l.max_topk = max_topk;
+    const size_t msg = size_t(Message::make(max_hidden, false, false, l.header_bytes).stride);
     const size_t row = size_t(max_hidden) * 2;
+    const size_t partial = size_t(max_hidden) * 4;
     const size_t e = size_t(max_experts);
     const size_t m = size_t(max_tokens);
+    const size_t r = size_t(num_ranks);
+    const size_t weights = m * size_t(max_topk) * 4;
     size_t off = 0;
-    l.disp_count_offset = off;
-    off = align_up(off + 8 * e, 128);
-    l.disp_arrived_offset = off;
-    off = align_up(off + 8 * e, 128);
-    l.comb_arrived_offset = off;
-    off = align_up(off + 8 * e, 128);
-    l.disp_recv_offset = off;
-    off = align_up(off + e * m * msg, 128);
-    l.disp_send_offset = off;
-    off = align_up(off + m * msg, 128);
-    l.comb_recv_offset = off;
-    off = align_up(off + e * m * row, 128);
-    l.comb_send_offset = off;
-    off = align_up(off + e * m * row, 128);
+    auto take = [&](size_t bytes) {
+      const size_t at = off;
+      off = align_up(off + bytes, 128);
+      return at;
+    };
+    l.disp_count_offset = take(8 * e);
+    l.disp_tokens_offset = take(8 * r);
+    l.disp_flag_offset = take(8 * r * m);
+    l.comb_wflag_offset = take(8 * r);
+    l.comb_flag_offset = take(8 * r * m);
+    l.disp_recv_offset = take(r * m * msg);
+    l.disp_send_offset = take(m * r * msg);
+    l.comb_weights_offset = take(r * weights);
+    l.comb_wstage_offset = take(weights);
+    l.comb_recv_offset = take(r * m * partial);
+    l.comb_stage_offset = take(r * m * partial);
+    l.comb_send_offset = take(e * m * row);
     l.bytes = align_up(off, 4096);
     return l;
   }
@@ -121,8 +158,10 @@ struct Context {
   BufferLayout layout;
   ControlBlock* ctrl;  // private control block
   ErrorRecord* error;  // host-mapped, device pointer
-  int* send_pos;       // private [M * max_topk]: slot of entry (t, k) at its expert, -1
-  int* sent_count;     // private [E]: rows this rank sent to each global expert
+  // Private [M * K] of the buffer's dispatch: entry (t, k) went to rank d: 2 * d + 1 with a
+  // slot, 2 * d without (capacity overflow), -1 for no expert. Combine's token side reads it.
+  int* send_route;
+  int* recv_tokens;  // private [R]: messages the buffer's dispatch received from each source
   long long timeout_ns;
   int buffer;  // 0 or 1
   int rank;

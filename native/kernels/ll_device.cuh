@@ -1,11 +1,11 @@
 // Device helpers of the low-latency kernels: bounded waits on %globaltimer, error reporting,
 // the end-of-kernel bookkeeping and the two ways of reaching a peer's symmetric memory:
-//  * P2P fast path: the peer's region is mapped here (nvshmem_ptr != null): plain 16-byte stores,
-//    then one lane issues fence.acq_rel.sys and a relaxed system-scope atomic add on the peer's
-//    arrival counter (release is cumulative over the warp's stores ordered by __syncwarp).
+//  * P2P fast path: the peer's region is mapped here (nvshmem_ptr != null): plain 16-byte stores
+//    by the whole block, a barrier, then one thread's st.release.sys of the peer's flag (release
+//    is cumulative over the block's stores ordered by the barrier).
 //  * NVSHMEM transports (nvshmem_ptr == null, e.g. RDMA): nvshmemx_putmem_signal_nbi_warp, whose
-//    signal (an atomic add on the same counter) is delivered only after the data.
-// Receivers poll their own counters with ld.acquire.sys and read payloads with ld.global.cg
+//    signal (setting the same flag) is delivered only after the data.
+// Receivers poll their own flags with ld.acquire.sys and read payloads with ld.global.cg
 // (L2, never a stale L1 line: the same addresses were read two calls ago).
 #pragma once
 
@@ -21,15 +21,9 @@ namespace ep {
 namespace ll {
 namespace device {
 
-using ptx::fence_acq_rel_sys;
 using ptx::ld_acquire_sys;
-using ptx::ld_relaxed_sys;
 using ptx::ld_volatile_int;
 using ptx::st_release_sys;
-
-__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
-  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 
 __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
   uint64_t v;
@@ -200,43 +194,19 @@ __device__ __forceinline__ void signal_set(const Context& c, int pe, size_t offs
   }
 }
 
-// Warp copy of `bytes` (multiple of 16) from local `src` (written in this kernel, or read-only
-// input when `src_readonly`) to the same-offset destination on `pe`, followed (remote path) by a
-// signal add of 1 on the peer's counter at `counter_offset`. On the P2P path the caller adds the
-// warp's row count itself (p2p_count_rows) after its last row.
-__device__ __forceinline__ void warp_put_row(const Context& c, int pe, size_t dst_offset,
-                                             const char* src, int bytes, size_t counter_offset,
-                                             bool src_readonly) {
-  char* mapped = c.peer[pe];
-  const int lane = lane_id();
-  if (mapped != nullptr) {
-    int4* dst = reinterpret_cast<int4*>(mapped + dst_offset);
-    const int n = bytes / 16;
-    if (src_readonly) {
-      for (int i = lane; i < n; i += 32) st_v4(dst + i, ld_nc_v4(src + size_t(i) * 16));
-    } else {
-      for (int i = lane; i < n; i += 32) st_v4(dst + i, ld_cg_v4(src + size_t(i) * 16));
-    }
-  } else {
-    // The NIC (or proxy) reads `src` at system scope.
-    __threadfence_system();
-    __syncwarp();
-    nvshmemx_putmem_signal_nbi_warp(c.local + dst_offset, src, size_t(bytes),
-                                    reinterpret_cast<uint64_t*>(c.local + counter_offset), 1,
-                                    NVSHMEM_SIGNAL_ADD, pe);
-  }
-}
-
-// P2P path: publish `rows` rows this warp stored to `pe` (whole warp calls; lane 0 signals).
-__device__ __forceinline__ void p2p_count_rows(const Context& c, int pe, size_t counter_offset,
-                                               int rows) {
-  char* mapped = c.peer[pe];
+// NVSHMEM transports (no P2P mapping): the warp puts `bytes` from local symmetric `src` to the
+// same-offset destination on `pe`, then sets the peer's 64-bit flag at `flag_offset` to `value`;
+// the signal is delivered only after the data. Whole warp calls; `src` was written by this block
+// (ordered by a barrier or __syncwarp before the call).
+__device__ __forceinline__ void warp_put_signal(const Context& c, int pe, size_t dst_offset,
+                                                const char* src, size_t bytes, size_t flag_offset,
+                                                uint64_t value) {
+  // The NIC (or proxy) reads `src` at system scope.
+  __threadfence_system();
   __syncwarp();
-  if (mapped != nullptr && rows > 0 && lane_id() == 0) {
-    fence_acq_rel_sys();
-    red_add_relaxed_sys(reinterpret_cast<uint64_t*>(mapped + counter_offset),
-                        static_cast<uint64_t>(rows));
-  }
+  nvshmemx_putmem_signal_nbi_warp(c.local + dst_offset, src, bytes,
+                                  reinterpret_cast<uint64_t*>(c.local + flag_offset), value,
+                                  NVSHMEM_SIGNAL_SET, pe);
 }
 
 // ---- conversions

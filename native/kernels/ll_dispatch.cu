@@ -1,21 +1,25 @@
 // Low-latency dispatch over NVSHMEM symmetric memory (NVLink P2P stores or NVSHMEM puts).
 //
+// A token goes to each destination RANK once, not once per expert: a message carries the row
+// (BF16, or FP8 + scales quantised by the sender) and a header listing the token's entries on
+// that rank (k, local expert, position p); the receiver copies the row into each listed slot.
+// At EP2 with top-8 of 16 experts that is ~1/4 of the bytes of one message per (token, expert).
+//
 // SEND (rank r, call on buffer b, sequence number seq):
-//  1. Every block counts the entries per global expert (all tokens, and tokens before its own
-//     chunk) in shared memory; the block owning expert e (e % grid) sends the count signal
-//     (seq << 32 | count) to the expert's rank, slot (local expert, r). Counts need no ordering
-//     with the rows: the receiver also waits for an arrival counter to reach the count.
-//  2. Blocks walk their tokens in order. Warp 0 assigns each (t, k) its position p among this
-//     rank's entries to expert e (tokens ascending, then k): the reference's order. FP8 (or a
-//     destination reached by NVSHMEM puts) stages the message (header + payload + scales,
-//     quantised here) in the local send area; BF16 to P2P peers is read straight from x. Every
-//     thread then stores its 16-byte pieces to slot (le, r, p) of each P2P destination, and after
-//     a barrier lane 0 of warp k releases entry k (fence + arrival-counter add); NVSHMEM
-//     destinations get a put with its signal from warp k. p is kept (send_pos) for combine.
-// RECV (rank d): for each (local expert le, source s), wait for the count signals of all
-// sources of le (they give the packed begin of s) and for the arrival counter of (le, s), then
-// copy the rows to recv_x[le, begin_s + p] (rows split over the group's blocks, all threads
-// copying). The last block resets the arrival counters.
+//  1. Warp per token over all tokens: entries per global expert (all tokens, and tokens before
+//     this block's chunk) and messages per destination rank (same split), in shared memory. The
+//     block owning expert e (e % grid) sends the count signal (seq << 32 | count) to the expert's
+//     rank, slot (local expert, r); the block owning rank d sends the message count.
+//  2. Blocks walk their tokens in order. Warp 0 gives each (t, k) its position p among this
+//     rank's entries to expert e (tokens ascending, then k: the reference's order), each
+//     destination rank d its message slot q (tokens ascending) and builds the headers. FP8 (or a
+//     destination reached by NVSHMEM puts) stages the payload in the local send area; BF16 to
+//     P2P peers is read straight from x. Every thread stores its 16-byte pieces to slot (r, q)
+//     of each P2P destination; after a barrier warp j releases destination j's flag (seq), or
+//     puts the staged message with the flag as its signal.
+// RECV (rank d): wait for every count signal (begin of source s at expert le = rows of the
+// sources before it) and message count; then messages (s, q) are spread over the blocks: wait
+// for the flag, copy the row into recv_x[le, begin + p] for each header entry.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -33,14 +37,11 @@ using namespace device;
 __device__ uint64_t g_dispatch_timeline[kTimelineBlocks * kTimelineStages];
 #endif
 
-// Stages token t's message in the local send area: header, then BF16 or FP8 + scales.
-__device__ __forceinline__ void stage_message(const DispatchParams& p, const Message& msg, int t,
-                                              char* row) {
+// Stages token t's payload (BF16, or FP8 + scales) at `payload` in the local send area.
+__device__ __forceinline__ void stage_payload(const DispatchParams& p, int t, char* payload) {
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
   const int warp = warp_id();
-  if (tid == 0) *reinterpret_cast<int*>(row) = t;
-  char* payload = row + kMessageHeader;
   const uint16_t* x = p.x + size_t(t) * p.hidden;
   if (!p.fp8) {
     const int n = p.hidden / 8;
@@ -95,8 +96,22 @@ __device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waite
   return -1;
 }
 
-__device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int* s_total,
-                           int* s_base, int* s_expert, int* s_slot) {
+// Shared memory of the dispatch kernel (send counters are reused by the receive phase).
+struct DispatchShared {
+  int total[kMaxExperts];       // SEND: entries per global expert | RECV: rows of (le, s)
+  int base[kMaxExperts];        // SEND: entries per expert before the token | RECV: begin
+  int rank_total[kMaxExperts];  // SEND: messages per destination | RECV: messages per source
+  int rank_base[kMaxExperts];   // SEND: messages per destination before the token | RECV: first
+  __align__(16) int header[kMaxTopk][kHeaderRowInts];  // the current token's, per destination
+  int dest[kMaxTopk];                                  // its j-th destination rank
+  int slot[kMaxTopk];                                  // its message slot q there
+  int num_dests;
+  int items;  // RECV: messages to copy, over all sources
+  int fail;
+};
+
+__device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                           DispatchShared& sh) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -111,97 +126,133 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   const int chunk = (T + G - 1) / G;
   const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
   const int t_end = min(T, t_begin + chunk);
-  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0);
+  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
+  const unsigned full = 0xffffffffu;
 
-  for (int e = tid; e < E; e += kThreads) s_total[e] = s_base[e] = 0;
+  for (int e = tid; e < E; e += kThreads) sh.total[e] = sh.base[e] = 0;
+  for (int d = tid; d < R; d += kThreads) sh.rank_total[d] = sh.rank_base[d] = 0;
   __syncthreads();
-  // 1. Counts (warp-aggregated shared atomics; order does not matter for counts).
-  const int n = T * K;
-  const int before = t_begin * K;
-  for (int base = 0; base < n; base += kThreads) {
-    const int i = base + tid;
-    const int e = i < n ? entry_expert(p, w, size_t(i)) : -1;
-    const unsigned mask = __match_any_sync(0xffffffffu, e);
-    const bool leader = lane == __ffs(mask) - 1;
-    if (leader && e >= 0) atomicAdd(&s_total[e], __popc(mask));
-    const int eb = i < before ? e : -1;
-    const unsigned mask_b = __match_any_sync(0xffffffffu, eb);
-    if (lane == __ffs(mask_b) - 1 && eb >= 0) atomicAdd(&s_base[eb], __popc(mask_b));
+  // 1. Counts, a warp per token (lane k: entry k); warp-aggregated shared atomics.
+  for (int t = warp; t < T; t += kThreads / 32) {
+    const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
+    const bool before = t < t_begin;
+    const unsigned same_e = __match_any_sync(full, e);
+    if (e >= 0 && lane == __ffs(same_e) - 1) {
+      atomicAdd(&sh.total[e], __popc(same_e));
+      if (before) atomicAdd(&sh.base[e], __popc(same_e));
+    }
+    const int d = e >= 0 ? e / E_loc : -1;
+    const unsigned same_d = __match_any_sync(full, d);
+    if (d >= 0 && lane == __ffs(same_d) - 1) {
+      atomicAdd(&sh.rank_total[d], 1);
+      if (before) atomicAdd(&sh.rank_base[d], 1);
+    }
   }
   __syncthreads();
   for (int e = static_cast<int>(blockIdx.x) + tid * G; e < E; e += kThreads * G) {
-    int count = s_total[e];
+    int count = sh.total[e];
     if (count > M) {
       report_error(w, kErrorCapacity, -1, count, M);
       count = M;
     }
-    c.sent_count[e] = count;
-    const int dest = e / E_loc;
     const int slot = (e % E_loc) * R + c.rank;
-    signal_set(c, dest, c.layout.disp_count_offset + size_t(slot) * 8,
+    signal_set(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
                (seq << 32) | static_cast<uint64_t>(count));
   }
+  for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
+    signal_set(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
+               (seq << 32) | static_cast<uint64_t>(sh.rank_total[d]));
 
   EP_LL_MARK(g_dispatch_timeline, 1);
   // 2. Tokens of this block, in order.
   const int vecs = msg.stride / 16;
+  const int header_vecs = msg.header / 16;
+  char* const send_area = c.local + c.layout.disp_send_offset;
   for (int t = t_begin; t < t_end; ++t) {
     if (warp == 0) {
       const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
-      const unsigned mask = __match_any_sync(0xffffffffu, e);
-      const unsigned lower = mask & ((1u << lane) - 1u);
-      const int pos = e >= 0 ? s_base[e] + __popc(lower) : -1;
+      const unsigned same_e = __match_any_sync(full, e);
+      const unsigned below = (1u << lane) - 1u;
+      const int pos = e >= 0 ? sh.base[e] + __popc(same_e & below) : -1;
       __syncwarp();
-      if (e >= 0 && lower == 0) s_base[e] += __popc(mask);
+      if (e >= 0 && (same_e & below) == 0) sh.base[e] += __popc(same_e);
       const int slot = pos < M ? pos : -1;  // overflow was reported with the counts
-      if (lane < K) {
-        s_expert[lane] = slot >= 0 ? e : -1;
-        s_slot[lane] = slot;
-        c.send_pos[size_t(t) * K + lane] = slot;
+      const int d = e >= 0 ? e / E_loc : -1;
+      const unsigned same_d = __match_any_sync(full, d);
+      const int first = __ffs(same_d) - 1;
+      const unsigned firsts = __ballot_sync(full, d >= 0 && lane == first);
+      const int j = __popc(firsts & ((1u << first) - 1u));  // my destination's index
+      const unsigned listed = same_d & __ballot_sync(full, slot >= 0);
+      if (d >= 0 && slot >= 0) {
+        const int at = 2 + 2 * __popc(listed & below);
+        sh.header[j][at] = lane | ((e % E_loc) << 5);
+        sh.header[j][at + 1] = slot;
       }
+      if (d >= 0 && lane == first) {
+        sh.header[j][0] = t;
+        sh.header[j][1] = __popc(listed);
+        sh.dest[j] = d;
+        sh.slot[j] = sh.rank_base[d]++;
+      }
+      if (lane == 0) sh.num_dests = __popc(firsts);
+      if (lane < K) c.send_route[size_t(t) * K + lane] = d < 0 ? -1 : 2 * d + (slot >= 0 ? 1 : 0);
     }
     __syncthreads();
-    // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all K
-    // copies: both stage the message in the send area. BF16 to P2P peers goes straight from x.
+    const int nd = sh.num_dests;
+    // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all
+    // destinations: both stage the payload (message slot t * R + 0). BF16 to P2P peers goes
+    // straight from x.
     bool staged = p.fp8 != 0;
-    for (int k = 0; k < K; ++k)
-      staged |= s_expert[k] >= 0 && c.peer[s_expert[k] / E_loc] == nullptr;
-    char* row = c.local + c.layout.disp_send_offset + size_t(t) * msg.stride;
+    for (int j = 0; j < nd; ++j) staged |= c.peer[sh.dest[j]] == nullptr;
+    char* const staged_row = send_area + size_t(t) * R * msg.stride;
     if (staged) {
-      stage_message(p, msg, t, row);
+      stage_payload(p, t, staged_row + msg.header);
       __syncthreads();
     }
-    // P2P destinations: every thread stores its 16-byte pieces of the message to each of them
-    // (the whole block writes, not one warp per destination).
+    // P2P destinations: every thread stores its 16-byte pieces of each message (the whole
+    // block writes, not one warp per destination).
     const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
     for (int i = tid; i < vecs; i += kThreads) {
-      const int4 v = staged ? ld_cg_v4(row + size_t(i) * 16)
-                            : (i == 0 ? make_int4(t, 0, 0, 0) : ld_nc_v4(x_row + (i - 1)));
-      for (int k = 0; k < K; ++k) {
-        const int e = s_expert[k];
-        if (e < 0) continue;
-        char* peer = c.peer[e / E_loc];
+      if (i < header_vecs) {
+        for (int j = 0; j < nd; ++j) {
+          char* peer = c.peer[sh.dest[j]];
+          if (peer == nullptr) continue;
+          const size_t dst =
+              c.layout.disp_recv_offset + (size_t(c.rank) * M + sh.slot[j]) * msg.stride;
+          st_v4(peer + dst + size_t(i) * 16, *reinterpret_cast<const int4*>(&sh.header[j][4 * i]));
+        }
+        continue;
+      }
+      const int4 v =
+          staged ? ld_cg_v4(staged_row + size_t(i) * 16) : ld_nc_v4(x_row + (i - header_vecs));
+      for (int j = 0; j < nd; ++j) {
+        char* peer = c.peer[sh.dest[j]];
         if (peer == nullptr) continue;
-        const int group = (e % E_loc) * R + c.rank;
-        const size_t dst = c.layout.disp_recv_offset + (size_t(group) * M + s_slot[k]) * msg.stride;
+        const size_t dst =
+            c.layout.disp_recv_offset + (size_t(c.rank) * M + sh.slot[j]) * msg.stride;
         st_v4(peer + dst + size_t(i) * 16, v);
       }
     }
     __syncthreads();
-    // Publish: warp k releases entry k (P2P: fence + counter add, covering the whole block's
-    // stores ordered by the barrier; otherwise a put with its signal).
-    if (warp < K) {
-      const int e = s_expert[warp];
-      if (e >= 0) {
-        const int dest = e / E_loc;
-        const int group = (e % E_loc) * R + c.rank;
-        const size_t counter = c.layout.disp_arrived_offset + size_t(group) * 8;
-        if (c.peer[dest] == nullptr) {
-          const size_t dst =
-              c.layout.disp_recv_offset + (size_t(group) * M + s_slot[warp]) * msg.stride;
-          warp_put_row(c, dest, dst, row, msg.stride, counter, false);
-        }
-        p2p_count_rows(c, dest, counter, 1);
+    // Publish: warp j releases destination j (P2P: a release store of the flag, covering the
+    // whole block's stores ordered by the barrier; otherwise the staged message is put with the
+    // flag as its signal).
+    if (warp < nd) {
+      const int d = sh.dest[warp];
+      const size_t slot = size_t(c.rank) * M + sh.slot[warp];
+      const size_t flag = c.layout.disp_flag_offset + slot * 8;
+      if (c.peer[d] != nullptr) {
+        if (lane == 0) st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), seq);
+      } else {
+        // Message j = header j + the payload staged in message 0 (copied for j > 0).
+        char* row = staged_row + size_t(warp) * msg.stride;
+        for (int i = lane; i < header_vecs; i += 32)
+          st_v4(row + size_t(i) * 16, *reinterpret_cast<const int4*>(&sh.header[warp][4 * i]));
+        if (warp > 0)
+          for (int i = header_vecs + lane; i < vecs; i += 32)
+            st_v4(row + size_t(i) * 16, ld_cg_v4(staged_row + size_t(i) * 16));
+        warp_put_signal(c, d, c.layout.disp_recv_offset + slot * msg.stride, row, msg.stride, flag,
+                        seq);
       }
     }
     __syncthreads();
@@ -209,136 +260,152 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   EP_LL_MARK(g_dispatch_timeline, 2);
 }
 
-__device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq, int* s_count,
-                           int* s_fail) {
+__device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                           DispatchShared& sh) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
   const int M = c.max_tokens;
   const int E = p.num_experts;
+  const int E_loc = E / R;
   const int slots = R * M;
   const int G = static_cast<int>(gridDim.x);
-  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0);
-  const int splits = max(1, G / E);
+  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_count_offset);
-  const uint64_t* arrived =
-      reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_arrived_offset);
+  const uint64_t* tokens = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_tokens_offset);
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_flag_offset);
   const uint32_t want = static_cast<uint32_t>(seq);
 
-  for (int item = static_cast<int>(blockIdx.x); item < E * splits; item += G) {
-    const int group = item % E;
-    const int split = item / E;
-    const int le = group / R;
-    const int s = group % R;
-    if (tid == 0) *s_fail = 0;
-    __syncthreads();
-    for (int src = tid; src < R; src += kThreads) {
-      const uint64_t* f = counts + size_t(le) * R + src;
-      uint64_t v = 0;
-      const bool ok = spin_wait(w, src, [&] {
-        v = ld_acquire_sys(f);
-        return static_cast<uint32_t>(v >> 32) == want;
-      });
-      s_count[src] = static_cast<int>(v & 0xFFFFFFFFu);
-      if (!ok) *s_fail = 1;
+  // Every block: all count signals (rows per (le, s)) and message counts per source.
+  if (tid == 0) sh.fail = 0;
+  __syncthreads();
+  for (int i = tid; i < E + R; i += kThreads) {
+    const bool is_count = i < E;
+    const uint64_t* f = is_count ? counts + i : tokens + (i - E);
+    uint64_t v = 0;
+    const bool ok = spin_wait(w, is_count ? i % R : i - E, [&] {
+      v = ld_acquire_sys(f);
+      return static_cast<uint32_t>(v >> 32) == want;
+    });
+    if (is_count)
+      sh.total[i] = static_cast<int>(v & 0xFFFFFFFFu);
+    else
+      sh.rank_total[i - E] = static_cast<int>(v & 0xFFFFFFFFu);
+    if (!ok) sh.fail = 1;
+  }
+  __syncthreads();
+  if (sh.fail) return;
+  for (int i = tid; i < E; i += kThreads) {
+    const int first = i - i % R;  // (le, 0)
+    int b = 0;
+    for (int j = first; j < i; ++j) b += sh.total[j];
+    sh.base[i] = b;
+  }
+  if (tid == 0) {
+    int n = 0;
+    for (int s = 0; s < R; ++s) {
+      sh.rank_base[s] = n;
+      n += sh.rank_total[s];
     }
-    __syncthreads();
-    if (*s_fail) return;
-    int begin = 0, total = 0;
-    for (int src = 0; src < R; ++src) {
-      if (src < s) begin += s_count[src];
-      total += s_count[src];
-    }
-    const int count = s_count[s];
-    if (tid == 0 && count > 0) {
-      const uint64_t* a = arrived + group;
-      if (!spin_wait(w, s, [&] { return ld_acquire_sys(a) >= static_cast<uint64_t>(count); }))
-        *s_fail = 1;
-    }
-    __syncthreads();
-    if (*s_fail) return;
+    sh.items = n;
+  }
+  __syncthreads();
+  EP_LL_MARK(g_dispatch_timeline, 3);
 
-    if (item == static_cast<int>(blockIdx.x)) EP_LL_MARK(g_dispatch_timeline, 3);
-    // Rows split, split + splits, ... of the group are this block's; all threads copy them.
+  // Per-expert outputs (block le % grid): count, ranges, stats, src_info -1 past the end.
+  for (int le = static_cast<int>(blockIdx.x); le < E_loc; le += G) {
+    const int last = le * R + R - 1;
+    const int total = sh.base[last] + sh.total[last];
+    if (tid == 0) {
+      p.recv_count[le] = total;
+      if (p.cumulative_stats != nullptr) p.cumulative_stats[le] += total;
+    }
+    for (int s = tid; s < R; s += kThreads)
+      p.layout_range[size_t(le) * R + s] = (static_cast<long long>(sh.base[le * R + s]) << 32) |
+                                           static_cast<long long>(sh.total[le * R + s]);
     const size_t out_base = size_t(le) * slots;
-    const int mine = count > split ? (count - split + splits - 1) / splits : 0;
-    const int payload_vecs = msg.payload_bytes / 16;
-    const char* group_base = c.local + c.layout.disp_recv_offset + size_t(group) * M * msg.stride;
-    char* x_base = static_cast<char*>(p.recv_x) + (out_base + begin) * msg.payload_bytes;
-    // Payload: four independent 16-byte loads in flight per thread before their stores.
+    for (int i = total + tid; i < slots; i += kThreads) p.src_info[out_base + i] = -1;
+    if (p.zero_padding) {
+      const int4 zero = make_int4(0, 0, 0, 0);
+      const size_t row_vecs = size_t(msg.payload_bytes) / 16;
+      char* x0 = static_cast<char*>(p.recv_x) + out_base * msg.payload_bytes;
+      for (size_t i = size_t(total) * row_vecs + tid; i < size_t(slots) * row_vecs; i += kThreads)
+        st_v4(x0 + i * 16, zero);
+      if (msg.scale_words > 0) {
+        int* s0 = static_cast<int*>(p.recv_scales) + out_base * msg.scale_words;
+        for (size_t i = size_t(total) * msg.scale_words + tid; i < size_t(slots) * msg.scale_words;
+             i += kThreads)
+          s0[i] = 0;
+      }
+    }
+  }
+  if (blockIdx.x == 0)
+    for (int s = tid; s < R; s += kThreads) c.recv_tokens[s] = sh.rank_total[s];
+
+  // Messages, spread over the blocks: wait, then copy the row to every slot in its header.
+  const int payload_vecs = msg.payload_bytes / 16;
+  const int items = sh.items;
+  for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
+    int s = 0;
+    while (s + 1 < R && sh.rank_base[s + 1] <= item) ++s;
+    const int q = item - sh.rank_base[s];
+    const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
+    if (tid == 0) {
+      const uint64_t* f = flags + size_t(s) * M + q;
+      if (!spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; })) sh.fail = 1;
+    }
+    __syncthreads();
+    if (sh.fail) return;
+    // Header -> output rows (slot of entry j at its expert), in sh.header[0].
+    const int n = ld_cg_s32(m + 4);
+    if (tid < n) {
+      const int key = ld_cg_s32(m + 8 + 8 * tid);
+      const int pos = ld_cg_s32(m + 12 + 8 * tid);
+      const int le = key >> 5;
+      sh.header[0][tid] = le * slots + sh.base[le * R + s] + pos;
+    }
+    const int src_token = ld_cg_s32(m);
+    __syncthreads();
+    // Payload: (entry, piece) pairs, four independent 16-byte loads in flight per thread.
     constexpr int kUnroll = 4;
-    const int pieces = mine * payload_vecs;
+    const int pieces = n * payload_vecs;
+    const char* payload = m + msg.header;
     for (int i0 = tid; i0 < pieces; i0 += kThreads * kUnroll) {
       int4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kThreads;
-        if (i < pieces) {
-          const int r = split + splits * (i / payload_vecs);
-          v[u] = ld_cg_v4(group_base + size_t(r) * msg.stride + kMessageHeader +
-                          size_t(i % payload_vecs) * 16);
-        }
+        if (i < pieces) v[u] = ld_cg_v4(payload + size_t(i % payload_vecs) * 16);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kThreads;
         if (i < pieces) {
-          const int r = split + splits * (i / payload_vecs);
-          st_v4(x_base + size_t(r) * msg.payload_bytes + size_t(i % payload_vecs) * 16, v[u]);
+          const size_t row = size_t(sh.header[0][i / payload_vecs]);
+          st_v4(static_cast<char*>(p.recv_x) + row * msg.payload_bytes +
+                    size_t(i % payload_vecs) * 16,
+                v[u]);
         }
       }
     }
     // Scale words and the source token of each row.
     const int extras = msg.scale_words + 1;
-    for (int i = tid; i < mine * extras; i += kThreads) {
-      const int r = split + splits * (i / extras);
-      const int q = i % extras;
-      const char* m = group_base + size_t(r) * msg.stride;
-      const size_t out_row = out_base + begin + r;
-      if (q < msg.scale_words) {
-        static_cast<int*>(p.recv_scales)[out_row * msg.scale_words + q] =
-            ld_cg_s32(m + kMessageHeader + msg.payload_bytes + size_t(q) * 4);
+    for (int i = tid; i < n * extras; i += kThreads) {
+      const size_t row = size_t(sh.header[0][i / extras]);
+      const int q2 = i % extras;
+      if (q2 < msg.scale_words) {
+        static_cast<int*>(p.recv_scales)[row * msg.scale_words + q2] =
+            ld_cg_s32(payload + msg.payload_bytes + size_t(q2) * 4);
       } else {
-        p.src_info[out_row] = ld_cg_s32(m);
+        p.src_info[row] = src_token;
       }
     }
-    if (split == 0 && s == 0) {
-      // Per-expert outputs: counts, ranges, stats, src_info (and optionally rows) past the end.
-      if (tid == 0) {
-        p.recv_count[le] = total;
-        if (p.cumulative_stats != nullptr) p.cumulative_stats[le] += total;
-      }
-      for (int src = tid; src < R; src += kThreads) {
-        int b = 0;
-        for (int j = 0; j < src; ++j) b += s_count[j];
-        p.layout_range[size_t(le) * R + src] =
-            (static_cast<long long>(b) << 32) | static_cast<long long>(s_count[src]);
-      }
-      for (int i = total + tid; i < slots; i += kThreads) p.src_info[out_base + i] = -1;
-      if (p.zero_padding) {
-        const int4 zero = make_int4(0, 0, 0, 0);
-        const size_t row_vecs = size_t(msg.payload_bytes) / 16;
-        char* x0 = static_cast<char*>(p.recv_x) + out_base * msg.payload_bytes;
-        for (size_t i = size_t(total) * row_vecs + tid; i < size_t(slots) * row_vecs; i += kThreads)
-          st_v4(x0 + i * 16, zero);
-        if (msg.scale_words > 0) {
-          int* s0 = static_cast<int*>(p.recv_scales) + out_base * msg.scale_words;
-          for (size_t i = size_t(total) * msg.scale_words + tid;
-               i < size_t(slots) * msg.scale_words; i += kThreads)
-            s0[i] = 0;
-        }
-      }
-    }
-    __syncthreads();  // s_count / s_fail are reused by the next item
+    __syncthreads();  // sh.header[0] is the next message's
   }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
-  __shared__ int s_total[kMaxExperts];
-  __shared__ int s_base[kMaxExperts];
-  __shared__ int s_expert[kMaxTopk];
-  __shared__ int s_slot[kMaxTopk];
-  __shared__ int s_fail;
+  __shared__ DispatchShared sh;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
   const uint64_t seq =
@@ -346,21 +413,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   // Block-uniform decisions only: every path below contains __syncthreads.
   EP_LL_MARK(g_dispatch_timeline, 0);
   if (!__syncthreads_or(aborted(w))) {
-    if (p.phases & kPhaseSend) send_phase(p, w, seq, s_total, s_base, s_expert, s_slot);
-    // s_total is free again: it holds the counts of the current expert's sources.
-    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv))
-      recv_phase(p, w, seq, s_total, &s_fail);
+    if (p.phases & kPhaseSend) send_phase(p, w, seq, sh);
+    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
   }
   __syncthreads();
   EP_LL_MARK(g_dispatch_timeline, 4);
-  if (threadIdx.x == 0) {
-    finish_block(&c.ctrl->blocks_done[0], [&] {
-      if (p.phases & kPhaseSend) c.ctrl->dispatch_seq[c.buffer] = seq;
-      if (p.phases & kPhaseRecv) {
-        uint64_t* arrived = reinterpret_cast<uint64_t*>(c.local + c.layout.disp_arrived_offset);
-        for (int i = 0; i < p.num_experts; ++i) arrived[i] = 0;
-      }
-    });
+  if (threadIdx.x == 0 && (p.phases & kPhaseSend)) {
+    finish_block(&c.ctrl->blocks_done[0], [&] { c.ctrl->dispatch_seq[c.buffer] = seq; });
   }
 }
 

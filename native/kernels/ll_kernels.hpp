@@ -14,12 +14,14 @@
 namespace ep {
 namespace ll {
 
-// Dispatch: SEND (count signals, FP8 quantisation or BF16 staging, puts) and/or RECV (wait for
-// every source rank, pack rows per expert in source-rank order, handle, stats).
+// Dispatch: SEND (count signals, one message per (token, destination rank): FP8 quantisation or
+// BF16, stores or puts) and/or RECV (wait for every source rank's counts, copy each message's row
+// into its slots per expert in source-rank order, handle, stats).
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream);
 
-// Combine: SEND (return each valid slot to its source rank) and/or RECV (weighted reduce in k
-// order, float32, one bf16 rounding).
+// Combine: SEND (weights to every rank; one partial per (token, expert rank): the weighted float32
+// sum of the token's entries there, in k order) and/or RECV (sum of the partials, one bf16
+// rounding).
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream);
 
 // Largest grid a cooperative launch of each kernel accepts on the current device.
@@ -27,8 +29,8 @@ cudaError_t max_dispatch_blocks(int* blocks);
 
 #ifdef EP_LL_TIMELINE
 // Per-block %globaltimer stamps of the last call, [kTimelineBlocks][kTimelineStages] (ns).
-// Dispatch: start, counts sent, send done, first receive wait over, end. Combine: start, send
-// done, receive waits over, end.
+// Dispatch: start, counts sent, send done, receive counts in, end. Combine: start, weights
+// sent, receive handshake over, end.
 cudaError_t read_dispatch_timeline(uint64_t* out);
 cudaError_t read_combine_timeline(uint64_t* out);
 #endif

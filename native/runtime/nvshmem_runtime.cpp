@@ -47,18 +47,28 @@ const char* op_name(int op) {
 }
 
 struct PrivateLayout {
-  size_t send_pos_offset;    // [2][M * max_topk] int32
-  size_t sent_count_offset;  // [2][E] int32
+  size_t send_route_offset;   // [2][M * max_topk] int32
+  size_t recv_tokens_offset;  // [2][R] int32
   size_t bytes;
-  static PrivateLayout make(const LowLatencyConfig& c) {
+  static PrivateLayout make(const LowLatencyConfig& c, int num_ranks) {
     PrivateLayout l{};
-    l.send_pos_offset = sizeof(ll::ControlBlock);
-    const size_t pos = size_t(c.max_tokens_per_rank) * c.max_topk * sizeof(int);
-    l.sent_count_offset = ll::align_up(l.send_pos_offset + 2 * pos, 128);
-    l.bytes = ll::align_up(l.sent_count_offset + 2 * size_t(c.num_experts) * sizeof(int), 128);
+    l.send_route_offset = sizeof(ll::ControlBlock);
+    const size_t route = size_t(c.max_tokens_per_rank) * c.max_topk * sizeof(int);
+    l.recv_tokens_offset = ll::align_up(l.send_route_offset + 2 * route, 128);
+    l.bytes = ll::align_up(l.recv_tokens_offset + 2 * size_t(num_ranks) * sizeof(int), 128);
     return l;
   }
 };
+
+// Ranks a config's buffers are sized for (an upper bound when the config does not say).
+int sized_ranks(const LowLatencyConfig& c) {
+  return c.num_ranks > 0 ? c.num_ranks : std::max(1, c.num_experts);
+}
+
+ll::BufferLayout buffer_layout(const LowLatencyConfig& c) {
+  return ll::BufferLayout::make(c.max_tokens_per_rank, c.max_hidden, c.num_experts, c.max_topk,
+                                sized_ranks(c));
+}
 
 }  // namespace
 
@@ -88,13 +98,16 @@ std::vector<uint8_t> LowLatencyRuntime::unique_id() {
 }
 
 size_t LowLatencyRuntime::symmetric_bytes(const LowLatencyConfig& c) {
-  return 2 * ll::BufferLayout::make(c.max_tokens_per_rank, c.max_hidden, c.num_experts).bytes;
+  return 2 * buffer_layout(c).bytes;
 }
 
 LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int device,
                                      const std::vector<uint8_t>& uid,
                                      const LowLatencyConfig& config)
     : rank_(rank), num_ranks_(num_ranks), device_(device), config_(config) {
+  require(config.num_ranks == 0 || config.num_ranks == num_ranks,
+          "config.num_ranks must be 0 or the number of ranks");
+  config_.num_ranks = num_ranks;
   require(num_ranks >= 1 && num_ranks <= ll::kMaxExperts, "num_ranks must be in [1, 1024]");
   require(rank >= 0 && rank < num_ranks, "rank out of range");
   require(uid.size() == sizeof(nvshmemx_uniqueid_t), "the unique id must be 128 bytes");
@@ -126,8 +139,7 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int device,
     dispatch_blocks_ = std::max(1, std::min(want, dmax));
     combine_blocks_ = std::max(1, std::min(want, cmax));
 
-    layout_ = ll::BufferLayout::make(config_.max_tokens_per_rank, config_.max_hidden,
-                                     config_.num_experts);
+    layout_ = buffer_layout(config_);
     const size_t bytes = 2 * layout_.bytes;
     set_environment(config_);
 
@@ -156,7 +168,7 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int device,
     }
     cuda_check(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
 
-    const PrivateLayout pl = PrivateLayout::make(config_);
+    const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
     cuda_check(cudaMalloc(reinterpret_cast<void**>(&private_), pl.bytes), "cudaMalloc(private)");
     cuda_check(cudaMemset(private_, 0, pl.bytes), "cudaMemset(private)");
 
@@ -237,17 +249,17 @@ void LowLatencyRuntime::check_ready(const char* op) const {
 }
 
 ll::Context LowLatencyRuntime::context(int buffer) const {
-  const PrivateLayout pl = PrivateLayout::make(config_);
+  const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
   ll::Context c{};
   c.local = symmetric_ + size_t(buffer) * layout_.bytes;
   c.peer = peer_table_ + size_t(buffer) * num_ranks_;
   c.layout = layout_;
   c.ctrl = reinterpret_cast<ll::ControlBlock*>(private_);
   c.error = error_dev_;
-  c.send_pos = reinterpret_cast<int*>(private_ + pl.send_pos_offset) +
-               size_t(buffer) * config_.max_tokens_per_rank * config_.max_topk;
-  c.sent_count = reinterpret_cast<int*>(private_ + pl.sent_count_offset) +
-                 size_t(buffer) * config_.num_experts;
+  c.send_route = reinterpret_cast<int*>(private_ + pl.send_route_offset) +
+                 size_t(buffer) * config_.max_tokens_per_rank * config_.max_topk;
+  c.recv_tokens =
+      reinterpret_cast<int*>(private_ + pl.recv_tokens_offset) + size_t(buffer) * num_ranks_;
   c.timeout_ns = static_cast<long long>(config_.timeout_seconds * 1e9);
   c.buffer = buffer;
   c.rank = rank_;

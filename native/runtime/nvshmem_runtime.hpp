@@ -1,7 +1,8 @@
 // LowLatencyRuntime: the torch-free host side of the low-latency (decode) MoE dispatch/combine
 // over NVSHMEM. It initialises NVSHMEM from a unique id, owns ONE symmetric region holding two
 // alternating buffers, and launches the kernels of native/kernels/ll_*.cu on caller streams.
-// Semantics: ep_backend/reference.py (low_latency_dispatch / low_latency_combine), bit for bit.
+// Semantics: ep_backend/reference.py (low_latency_dispatch / low_latency_combine), bit for bit,
+// except the combine's order of additions (see "combine out" below).
 //
 // Call sequence (every rank issues the same communicating calls in the same order):
 //
@@ -30,7 +31,9 @@
 //   combine in  : x BF16 [E_loc, R*M, H] in the dispatch layout (or zero_copy: the caller wrote
 //                 it into combine_buffer(b)), topk_idx/topk_weights float32 [T, K] of the
 //                 dispatch, layout_range of the dispatch, its buffer index.
-//   combine out : out BF16 [T, H] = bf16(sum over k ascending of w_k * y_k), float32, no FMA.
+//   combine out : out BF16 [T, H] = bf16(sum of w_k * y_k), float32, no FMA: per expert rank in k
+//                 order, then the ranks in first-appearance order (within float32-accumulation
+//                 tolerance of the reference's k order; deterministic).
 //
 // Rules:
 //  * One runtime per process (NVSHMEM is process-global). Construction and destroy() are
@@ -73,6 +76,8 @@ struct LowLatencyConfig {
   int max_hidden = 7168;          // largest H (multiple of 128, <= 8192)
   int max_topk = 8;               // largest K (<= 32)
   int num_experts = 16;           // largest E of any call (multiple of R, <= 1024)
+  int num_ranks = 0;              // R the buffers are sized for; 0: the constructor's R (and
+                                  // unique_id(config) sizes the heap for R = num_experts)
   bool use_fp8 = true;            // informational: buffers always fit BF16 rows too
   double timeout_seconds = 60.0;  // every device spin-wait
   int num_sms = 0;                // blocks per kernel; 0 = one per SM
