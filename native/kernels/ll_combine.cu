@@ -39,7 +39,7 @@ __device__ uint64_t g_combine_timeline[kTimelineBlocks * kTimelineStages];
 #endif
 
 struct CombineShared {
-  int first_item[kMaxExperts];  // SEND: first message index of each source
+  int first_item[kMaxExperts];  // SEND: first item of the i-th source taken (rank + 1 + i) % R
   long long row[kMaxTopk];      // SEND: x row of entry j | RECV: partial offset of destination j
   float weight[kMaxTopk];       // SEND: w of entry j | RECV: w of the single entry, or 0
   int single[kMaxTopk];         // RECV: destination j returned a BF16 row
@@ -108,16 +108,19 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   const int KM = c.layout.max_topk;
   const int H = p.hidden;
   const int vecs = H / 8;
-  const Message msg = Message::make(H, false, false, c.layout.header_bytes);
+  // The dispatch's messages (BF16 or FP8: their stride was recorded by its RECV).
+  const int stride = ld_volatile_int(&c.ctrl->message_stride[c.buffer]);
   const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
 
   send_weights(p, seq, sh);
   EP_LL_MARK(g_combine_timeline, 1);
+  // Sources are taken from the next rank on, this rank's own last: the link is busy from the
+  // first item of every block (taking the local source first left it idle for microseconds).
   if (tid == 0) {
     int n = 0;
-    for (int s = 0; s < R; ++s) {
-      sh.first_item[s] = n;
-      n += c.recv_tokens[s];
+    for (int i = 0; i < R; ++i) {
+      sh.first_item[i] = n;
+      n += c.recv_tokens[(c.rank + 1 + i) % R];
     }
     sh.items = n;
     sh.weights_of = -1;
@@ -126,15 +129,17 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   __syncthreads();
   const int items = sh.items;
   for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
-    int s = 0;
-    while (s + 1 < R && sh.first_item[s + 1] <= item) ++s;
-    const int q = item - sh.first_item[s];
+    int i = 0;
+    while (i + 1 < R && sh.first_item[i + 1] <= item) ++i;
+    const int s = (c.rank + 1 + i) % R;
+    const int q = item - sh.first_item[i];
     // The dispatch message (s, q) is still in this rank's receive area: its header says which
     // rows of x belong to the token and with which k.
-    const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
+    const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * stride;
     const int t = ld_cg_s32(m);
     const int n = ld_cg_s32(m + 4);
-    if (tid == 0 && sh.weights_of != s) {
+    // A single entry goes back unweighted: only sums wait for the source's weights.
+    if (tid == 0 && n > 1 && sh.weights_of != s) {
       const uint64_t* f = wflags + s;
       if (spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; }))
         sh.weights_of = s;
@@ -152,7 +157,8 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       const float* weights =
           reinterpret_cast<const float*>(c.local + c.layout.comb_weights_offset) +
           size_t(s) * M * KM;
-      sh.weight[tid] = __int_as_float(ld_cg_s32(weights + size_t(t) * KM + (key & 31)));
+      sh.weight[tid] =
+          n > 1 ? __int_as_float(ld_cg_s32(weights + size_t(t) * KM + (key & 31))) : 0.0f;
     }
     __syncthreads();
     char* peer = c.peer[s];

@@ -50,7 +50,8 @@ struct ControlBlock {
   unsigned int blocks_done[4];         // finish counters: [dispatch, combine] x spare
   int abort;                           // set on timeout: every later spin-wait gives up
   int error_lock;                      // first-error-wins lock of the ErrorRecord
-  int pad[22];
+  int message_stride[kNumBuffers];     // of the last dispatch RECV per buffer (combine reads it)
+  int pad[20];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
 

@@ -6,7 +6,8 @@
 // At EP2 with top-8 of 16 experts that is ~1/4 of the bytes of one message per (token, expert).
 //
 // SEND (rank r, call on buffer b, sequence number seq):
-//  1. Warp per token over all tokens: entries per global expert (all tokens, and tokens before
+//  1. Whole tokens per warp, over all tokens: entries per global expert (all tokens, and tokens
+//  before
 //     this block's chunk) and messages per destination rank (same split), in shared memory. The
 //     block owning expert e (e % grid) sends the count signal (seq << 32 | count) to the expert's
 //     rank, slot (local expert, r); the block owning rank d sends the message count.
@@ -18,8 +19,9 @@
 //     of each P2P destination; after a barrier warp j releases destination j's flag (seq), or
 //     puts the staged message with the flag as its signal.
 // RECV (rank d): wait for every count signal (begin of source s at expert le = rows of the
-// sources before it) and message count; then messages (s, q) are spread over the blocks: wait
-// for the flag, copy the row into recv_x[le, begin + p] for each header entry.
+// sources before it) and message count; then messages (s, q), sources from d itself onwards,
+// are spread over the blocks: wait for the flag, copy the row into recv_x[le, begin + p] for
+// each header entry.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -102,6 +104,7 @@ struct DispatchShared {
   int base[kMaxExperts];        // SEND: entries per expert before the token | RECV: begin
   int rank_total[kMaxExperts];  // SEND: messages per destination | RECV: messages per source
   int rank_base[kMaxExperts];   // SEND: messages per destination before the token | RECV: first
+                                // item of the i-th source taken
   __align__(16) int header[kMaxTopk][kHeaderRowInts];  // the current token's, per destination
   int dest[kMaxTopk];                                  // its j-th destination rank
   int slot[kMaxTopk];                                  // its message slot q there
@@ -132,18 +135,25 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   for (int e = tid; e < E; e += kThreads) sh.total[e] = sh.base[e] = 0;
   for (int d = tid; d < R; d += kThreads) sh.rank_total[d] = sh.rank_base[d] = 0;
   __syncthreads();
-  // 1. Counts, a warp per token (lane k: entry k); warp-aggregated shared atomics.
-  for (int t = warp; t < T; t += kThreads / 32) {
-    const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
+  // 1. Counts: each warp holds 32 / K whole tokens (lane = token slot * K + k), so one round of
+  // loads covers 32 * (32 / K) tokens (all of T = 128 at K = 8); warp-aggregated shared atomics.
+  const int per_warp = 32 / K;
+  const int my_token = lane / K;
+  for (int t0 = warp * per_warp; t0 < T; t0 += (kThreads / 32) * per_warp) {
+    const int t = t0 + my_token;
+    const bool mine = my_token < per_warp && t < T;
+    const int e = mine ? entry_expert(p, w, size_t(t) * K + lane % K) : -1;
     const bool before = t < t_begin;
     const unsigned same_e = __match_any_sync(full, e);
-    if (e >= 0 && lane == __ffs(same_e) - 1) {
-      atomicAdd(&sh.total[e], __popc(same_e));
-      if (before) atomicAdd(&sh.base[e], __popc(same_e));
-    }
+    if (e >= 0 && lane == __ffs(same_e) - 1) atomicAdd(&sh.total[e], __popc(same_e));
+    const int e_before = before ? e : -1;
+    const unsigned same_b = __match_any_sync(full, e_before);
+    if (e_before >= 0 && lane == __ffs(same_b) - 1) atomicAdd(&sh.base[e_before], __popc(same_b));
+    // A message per (token, destination rank): counted by the token's first entry on the rank.
     const int d = e >= 0 ? e / E_loc : -1;
-    const unsigned same_d = __match_any_sync(full, d);
-    if (d >= 0 && lane == __ffs(same_d) - 1) {
+    const int key = d >= 0 ? my_token * R + d : -1;
+    const unsigned same_d = __match_any_sync(full, key);
+    if (key >= 0 && lane == __ffs(same_d) - 1) {
       atomicAdd(&sh.rank_total[d], 1);
       if (before) atomicAdd(&sh.rank_base[d], 1);
     }
@@ -301,11 +311,13 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     for (int j = first; j < i; ++j) b += sh.total[j];
     sh.base[i] = b;
   }
+  // Messages are taken source by source starting with this rank (its own arrive first):
+  // rank_base[i] = first item of source (rank + i) % R.
   if (tid == 0) {
     int n = 0;
-    for (int s = 0; s < R; ++s) {
-      sh.rank_base[s] = n;
-      n += sh.rank_total[s];
+    for (int i = 0; i < R; ++i) {
+      sh.rank_base[i] = n;
+      n += sh.rank_total[(c.rank + i) % R];
     }
     sh.items = n;
   }
@@ -339,16 +351,20 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       }
     }
   }
-  if (blockIdx.x == 0)
+  // What combine needs to find these messages again (its H alone does not give the stride).
+  if (blockIdx.x == 0) {
     for (int s = tid; s < R; s += kThreads) c.recv_tokens[s] = sh.rank_total[s];
+    if (tid == 0) c.ctrl->message_stride[c.buffer] = msg.stride;
+  }
 
   // Messages, spread over the blocks: wait, then copy the row to every slot in its header.
   const int payload_vecs = msg.payload_bytes / 16;
   const int items = sh.items;
   for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
-    int s = 0;
-    while (s + 1 < R && sh.rank_base[s + 1] <= item) ++s;
-    const int q = item - sh.rank_base[s];
+    int i = 0;
+    while (i + 1 < R && sh.rank_base[i + 1] <= item) ++i;
+    const int s = (c.rank + i) % R;
+    const int q = item - sh.rank_base[i];
     const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
     if (tid == 0) {
       const uint64_t* f = flags + size_t(s) * M + q;
