@@ -6,11 +6,11 @@
 // At EP2 with top-8 of 16 experts that is ~1/4 of the bytes of one message per (token, expert).
 //
 // SEND (rank r, call on buffer b, sequence number seq):
-//  1. Whole tokens per warp, over all tokens: entries per global expert (all tokens, and tokens
-//  before
-//     this block's chunk) and messages per destination rank (same split), in shared memory. The
-//     block owning expert e (e % grid) sends the count signal (seq << 32 | count) to the expert's
-//     rank, slot (local expert, r); the block owning rank d sends the message count.
+//  1. Whole tokens per warp, over all tokens: entries per global expert (all tokens, and those
+//     before this block's chunk) and messages per destination rank (same split), in shared
+//     memory. The block owning expert e (e % grid) sends the count signal (seq << 32 | count)
+//     to the expert's rank, slot (local expert, r); the block owning rank d sends the message
+//     count.
 //  2. Blocks walk their tokens in order. Warp 0 gives each (t, k) its position p among this
 //     rank's entries to expert e (tokens ascending, then k: the reference's order), each
 //     destination rank d its message slot q (tokens ascending) and builds the headers. FP8 (or a
