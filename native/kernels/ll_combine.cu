@@ -50,12 +50,14 @@ struct CombineShared {
   int fail;
 };
 
-// Stores 8 float32 (two 16-byte pieces) at `dst`.
-__device__ __forceinline__ void st_f32x8(char* dst, const float* acc) {
-  st_v4(dst, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
-                       __float_as_int(acc[3])));
-  st_v4(dst + 16, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]), __float_as_int(acc[6]),
-                            __float_as_int(acc[7])));
+// A float32 partial row is stored as two halves: channels 8v..8v+3 at piece v of the first
+// half, 8v+4..8v+7 at piece v of the second. A warp's store is then 512 contiguous bytes (with
+// the 8 floats of a thread side by side, every 32-byte sector was half-written per store).
+__device__ __forceinline__ void st_partial(char* row, int v, int vecs, const float* acc) {
+  st_v4(row + size_t(v) * 16, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]),
+                                        __float_as_int(acc[2]), __float_as_int(acc[3])));
+  st_v4(row + size_t(vecs + v) * 16, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
+                                               __float_as_int(acc[6]), __float_as_int(acc[7])));
 }
 
 // acc[0..8) += w * the eight BF16 values of `y` (separately rounded multiply and add).
@@ -188,7 +190,7 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
           add_weighted_bf16x8(acc, sh.weight[k0 + u], y[u]);
         }
       }
-      st_f32x8(dst + size_t(v) * 32, acc);
+      st_partial(dst, v, vecs, acc);
     }
     __syncthreads();
     const size_t flag = c.layout.comb_flag_offset + slot * 8;
@@ -268,8 +270,8 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
         if (sh.single[j]) {
           add_weighted_bf16x8(acc, sh.weight[j], ld_cg_v4(part + size_t(v) * 16));
         } else {
-          const int4 a = ld_cg_v4(part + size_t(v) * 32);
-          const int4 b = ld_cg_v4(part + size_t(v) * 32 + 16);
+          const int4 a = ld_cg_v4(part + size_t(v) * 16);
+          const int4 b = ld_cg_v4(part + size_t(H / 8 + v) * 16);
           acc[0] = __fadd_rn(acc[0], __int_as_float(a.x));
           acc[1] = __fadd_rn(acc[1], __int_as_float(a.y));
           acc[2] = __fadd_rn(acc[2], __int_as_float(a.z));

@@ -96,7 +96,8 @@ struct Message {
 //   disp_send[M*R]    staging: token t's message for its j-th destination at t * R + j
 //   comb_weights[R]   [M * max_topk] float32 of source s (stride max_topk)
 //   comb_wstage       [M * max_topk] float32, this rank's weights (put source)
-//   comb_recv[R*M]    partials returned to this rank, (d, t) at d * M + t: float32 [H], or the
+//   comb_recv[R*M]    partials returned to this rank, (d, t) at d * M + t: float32 [H] (channels
+//                     8v..8v+3 at 16-byte piece v, 8v+4..8v+7 at piece H/8 + v), or the
 //                     BF16 [H] row itself when the token had one entry on d
 //   comb_stage[R*M]   partials of this rank for source s, token t (put source)
 //   comb_send         [E_loc][R*M] BF16 rows (zero-copy expert outputs)

@@ -23,6 +23,7 @@ namespace device {
 
 using ptx::ld_acquire_sys;
 using ptx::ld_volatile_int;
+using ptx::st_relaxed_sys;
 using ptx::st_release_sys;
 
 __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
@@ -182,12 +183,13 @@ cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
 
 // ---- reaching peers -----------------------------------------------------------------------------
 
-// Sets a peer's 64-bit signal word (no ordering with other data is implied).
+// Sets a peer's 64-bit signal word. No ordering with other data is implied (a relaxed store:
+// no fence), so it may only carry its own value, like a count.
 __device__ __forceinline__ void signal_set(const Context& c, int pe, size_t offset,
                                            uint64_t value) {
   char* mapped = c.peer[pe];
   if (mapped != nullptr) {
-    st_release_sys(reinterpret_cast<uint64_t*>(mapped + offset), value);
+    st_relaxed_sys(reinterpret_cast<uint64_t*>(mapped + offset), value);
   } else {
     nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + offset), value, NVSHMEM_SIGNAL_SET,
                        pe);

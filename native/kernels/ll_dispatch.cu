@@ -20,8 +20,8 @@
 //     puts the staged message with the flag as its signal.
 // RECV (rank d): wait for every count signal (begin of source s at expert le = rows of the
 // sources before it) and message count; then messages (s, q), sources from d itself onwards,
-// are spread over the blocks: wait for the flag, copy the row into recv_x[le, begin + p] for
-// each header entry.
+// are spread over all warps of the grid: a warp waits for its message's flag and copies the row
+// into recv_x[le, begin + p] for each header entry.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -357,66 +357,59 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     if (tid == 0) c.ctrl->message_stride[c.buffer] = msg.stride;
   }
 
-  // Messages, spread over the blocks: wait, then copy the row to every slot in its header.
+  // Messages, a warp each (warp w of block b takes items w * grid + b, ...): every message is
+  // copied as soon as it is in, none waits behind another in its block. Lane j < n holds the
+  // output row of header entry j.
+  const int lane = lane_id();
+  const int warp = warp_id();
   const int payload_vecs = msg.payload_bytes / 16;
   const int items = sh.items;
-  for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
+  const int warps = G * (kThreads / 32);
+  for (int item = warp * G + static_cast<int>(blockIdx.x); item < items; item += warps) {
     int i = 0;
     while (i + 1 < R && sh.rank_base[i + 1] <= item) ++i;
     const int s = (c.rank + i) % R;
     const int q = item - sh.rank_base[i];
     const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
-    if (tid == 0) {
+    bool ok = true;
+    if (lane == 0) {
       const uint64_t* f = flags + size_t(s) * M + q;
-      if (!spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; })) sh.fail = 1;
+      ok = spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; });
     }
-    __syncthreads();
-    if (sh.fail) return;
-    // Header -> output rows (slot of entry j at its expert), in sh.header[0].
-    const int n = ld_cg_s32(m + 4);
-    if (tid < n) {
-      const int key = ld_cg_s32(m + 8 + 8 * tid);
-      const int pos = ld_cg_s32(m + 12 + 8 * tid);
-      const int le = key >> 5;
-      sh.header[0][tid] = le * slots + sh.base[le * R + s] + pos;
-    }
+    if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) break;  // timed out or aborted
     const int src_token = ld_cg_s32(m);
-    __syncthreads();
-    // Payload: (entry, piece) pairs, four independent 16-byte loads in flight per thread.
-    constexpr int kUnroll = 4;
-    const int pieces = n * payload_vecs;
+    const int n = ld_cg_s32(m + 4);
+    long long my_row = 0;
+    if (lane < n) {
+      const int key = ld_cg_s32(m + 8 + 8 * lane);
+      const int pos = ld_cg_s32(m + 12 + 8 * lane);
+      const int le = key >> 5;
+      my_row = static_cast<long long>(le) * slots + sh.base[le * R + s] + pos;
+    }
+    // Payload: up to four 16-byte loads in flight per lane, each stored to all n rows.
     const char* payload = m + msg.header;
-    for (int i0 = tid; i0 < pieces; i0 += kThreads * kUnroll) {
+    constexpr int kUnroll = 4;
+    for (int v0 = lane; v0 < payload_vecs; v0 += 32 * kUnroll) {
       int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = i0 + u * kThreads;
-        if (i < pieces) v[u] = ld_cg_v4(payload + size_t(i % payload_vecs) * 16);
-      }
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + 32 * u < payload_vecs) v[u] = ld_cg_v4(payload + size_t(v0 + 32 * u) * 16);
+      for (int j = 0; j < n; ++j) {
+        const long long row = __shfl_sync(0xffffffffu, my_row, j);
+        char* out = static_cast<char*>(p.recv_x) + size_t(row) * msg.payload_bytes;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = i0 + u * kThreads;
-        if (i < pieces) {
-          const size_t row = size_t(sh.header[0][i / payload_vecs]);
-          st_v4(static_cast<char*>(p.recv_x) + row * msg.payload_bytes +
-                    size_t(i % payload_vecs) * 16,
-                v[u]);
-        }
+        for (int u = 0; u < kUnroll; ++u)
+          if (v0 + 32 * u < payload_vecs) st_v4(out + size_t(v0 + 32 * u) * 16, v[u]);
       }
     }
-    // Scale words and the source token of each row.
-    const int extras = msg.scale_words + 1;
-    for (int i = tid; i < n * extras; i += kThreads) {
-      const size_t row = size_t(sh.header[0][i / extras]);
-      const int q2 = i % extras;
-      if (q2 < msg.scale_words) {
-        static_cast<int*>(p.recv_scales)[row * msg.scale_words + q2] =
+    // Scale words (lanes over words) and the source token of each row (lane j).
+    for (int j = 0; j < n; ++j) {
+      const long long row = __shfl_sync(0xffffffffu, my_row, j);
+      for (int q2 = lane; q2 < msg.scale_words; q2 += 32)
+        static_cast<int*>(p.recv_scales)[size_t(row) * msg.scale_words + q2] =
             ld_cg_s32(payload + msg.payload_bytes + size_t(q2) * 4);
-      } else {
-        p.src_info[row] = src_token;
-      }
     }
-    __syncthreads();  // sh.header[0] is the next message's
+    if (lane < n) p.src_info[my_row] = src_token;
   }
 }
 
