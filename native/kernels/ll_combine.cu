@@ -42,7 +42,6 @@ struct CombineShared {
   int first_item[kMaxExperts];  // SEND: first item of the i-th source taken (rank + 1 + i) % R
   long long row[kMaxTopk];      // SEND: x row of entry j | RECV: partial offset of destination j
   float weight[kMaxTopk];       // SEND: w of entry j | RECV: w of the single entry, or 0
-  int entry_k[kMaxTopk];        // SEND: k of entry j
   int single[kMaxTopk];         // RECV: destination j returned a BF16 row
   int dest[kMaxTopk];           // RECV: destination rank j
   int count;                    // entries (SEND) or destinations (RECV) of the current token
@@ -141,23 +140,6 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * stride;
     const int t = ld_cg_s32(m);
     const int n = ld_cg_s32(m + 4);
-    if (tid < n) {
-      const int key = ld_cg_s32(m + 8 + 8 * tid);
-      const int pos = ld_cg_s32(m + 12 + 8 * tid);
-      const int le = key >> 5;
-      const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
-      sh.row[tid] = static_cast<long long>(le) * R * M + begin + pos;
-      sh.entry_k[tid] = key & 31;
-    }
-    __syncthreads();
-    // This thread's first piece of the first rows: the loads overlap the weights wait below.
-    constexpr int kBatch = 4;
-    const char* x = reinterpret_cast<const char*>(p.x);
-    int4 early[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-      if (u < n && tid < vecs)
-        early[u] = ld_nc_v4(x + size_t(sh.row[u]) * H * 2 + size_t(tid) * 16);
     // A single entry goes back unweighted: only sums wait for the source's weights.
     if (tid == 0 && n > 1 && sh.weights_of != s) {
       const uint64_t* f = wflags + s;
@@ -168,11 +150,17 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     }
     __syncthreads();
     if (sh.fail) return;
-    if (n > 1 && tid < n) {
+    if (tid < n) {
+      const int key = ld_cg_s32(m + 8 + 8 * tid);
+      const int pos = ld_cg_s32(m + 12 + 8 * tid);
+      const int le = key >> 5;
+      const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
+      sh.row[tid] = static_cast<long long>(le) * R * M + begin + pos;
       const float* weights =
           reinterpret_cast<const float*>(c.local + c.layout.comb_weights_offset) +
           size_t(s) * M * KM;
-      sh.weight[tid] = __int_as_float(ld_cg_s32(weights + size_t(t) * KM + sh.entry_k[tid]));
+      sh.weight[tid] =
+          n > 1 ? __int_as_float(ld_cg_s32(weights + size_t(t) * KM + (key & 31))) : 0.0f;
     }
     __syncthreads();
     char* peer = c.peer[s];
@@ -180,25 +168,22 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     char* dst = peer != nullptr
                     ? peer + c.layout.comb_recv_offset + slot * size_t(H) * 4
                     : c.local + c.layout.comb_stage_offset + (size_t(s) * M + t) * size_t(H) * 4;
+    const char* x = reinterpret_cast<const char*>(p.x);
     for (int v = tid; v < vecs; v += kThreads) {
-      const bool first_piece = v == tid;
       if (n == 1) {
-        st_v4(dst + size_t(v) * 16,
-              first_piece ? early[0] : ld_nc_v4(x + size_t(sh.row[0]) * H * 2 + size_t(v) * 16));
+        st_v4(dst + size_t(v) * 16, ld_nc_v4(x + size_t(sh.row[0]) * H * 2 + size_t(v) * 16));
         continue;
       }
       float acc[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
       // Batches of four independent row loads in flight, then the adds in k order.
+      constexpr int kBatch = 4;
       for (int k0 = 0; k0 < n; k0 += kBatch) {
         int4 y[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
-          if (k0 + u < n)
-            y[u] = first_piece && k0 == 0
-                       ? early[u]
-                       : ld_nc_v4(x + size_t(sh.row[k0 + u]) * H * 2 + size_t(v) * 16);
+          if (k0 + u < n) y[u] = ld_nc_v4(x + size_t(sh.row[k0 + u]) * H * 2 + size_t(v) * 16);
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           if (k0 + u >= n) break;

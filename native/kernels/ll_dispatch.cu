@@ -39,99 +39,6 @@ using namespace device;
 __device__ uint64_t g_dispatch_timeline[kTimelineBlocks * kTimelineStages];
 #endif
 
-// One FP8 group (128 channels) quantised by a warp; the lane holds channels 4*lane .. 4*lane+3
-// as raw BF16. Returns the lane's 4 packed e4m3 bytes and the group's scale.
-__device__ __forceinline__ uint32_t quantize_group(uint2 raw, bool round_scale, float& scale_out) {
-  float v[4] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y)};
-  float amax = 0.0f;
-  bool nan = false;
-  for (int j = 0; j < 4; ++j) {
-    amax = fmaxf(amax, fabsf(v[j]));
-    nan |= v[j] != v[j];
-  }
-  for (int s = 16; s > 0; s >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-  nan = __any_sync(0xffffffffu, nan);
-  // amax.clamp(min=1e-4) keeps NaN; scale = amax / 448 is a correctly rounded division.
-  amax = nan ? __uint_as_float(0x7FC00000u) : fmaxf(amax, 1e-4f);
-  float scale = __fdiv_rn(amax, 448.0f);
-  if (round_scale) scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0x7F800000u);
-  const float inv = __frcp_rn(scale);
-  uint32_t packed = 0;
-  for (int j = 0; j < 4; ++j) {
-    float q = __fmul_rn(v[j], inv);
-    q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);  // NaN stays NaN
-    const uint32_t b = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-    packed |= (b & 0xFFu) << (8 * j);
-  }
-  scale_out = scale;
-  return packed;
-}
-
-// Group g's scale in a message's scale area: float32 word g, or (UE8M0) exponent byte g, which
-// is byte g % 4 of int32 g / 4 (little-endian).
-__device__ __forceinline__ void store_scale(char* scales, int g, float scale, bool ue8m0) {
-  if (ue8m0) {
-    reinterpret_cast<uint8_t*>(scales)[g] =
-        static_cast<uint8_t>((__float_as_uint(scale) >> 23) & 0xFFu);
-  } else {
-    reinterpret_cast<float*>(scales)[g] = scale;
-  }
-}
-
-__device__ __forceinline__ uint2 ld_nc_u2(const void* p) {
-  uint2 v;
-  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-// Lane layout of the counting rounds: each warp holds 32 / K whole tokens, lane = slot * K + k.
-__device__ __forceinline__ int count_token(const DispatchParams& p, int t0) {
-  return t0 + lane_id() / p.num_topk;
-}
-__device__ __forceinline__ bool count_lane_used(const DispatchParams& p, int t) {
-  return lane_id() / p.num_topk < 32 / p.num_topk && t < p.num_tokens;
-}
-
-__device__ __forceinline__ int block_first_token(int T) {
-  const int G = static_cast<int>(gridDim.x);
-  return min(T, static_cast<int>(blockIdx.x) * ((T + G - 1) / G));
-}
-
-// Inputs of the SEND phase loaded at kernel start, before the control words, so that their
-// latencies overlap: this thread's topk_idx entry of the first counting round, and its part of
-// the block's first token (BF16: 16-byte piece tid; FP8: groups warp and warp + 32).
-struct SendPrefetch {
-  long long entry;
-  int4 piece;
-  uint2 group[2];
-};
-
-__device__ __forceinline__ SendPrefetch prefetch_send(const DispatchParams& p) {
-  SendPrefetch pf;
-  pf.entry = -1;
-  pf.piece = make_int4(0, 0, 0, 0);
-  pf.group[0] = pf.group[1] = make_uint2(0, 0);
-  const int K = p.num_topk;
-  const int t = count_token(p, warp_id() * (32 / K));
-  if (count_lane_used(p, t))
-    pf.entry = load_idx(p.topk_idx, p.idx_bytes, size_t(t) * K + lane_id() % K);
-  const int first = block_first_token(p.num_tokens);
-  if (first < p.num_tokens) {
-    const uint16_t* x = p.x + size_t(first) * p.hidden;
-    if (!p.fp8) {
-      if (static_cast<int>(threadIdx.x) < p.hidden / 8)
-        pf.piece = ld_nc_v4(x + size_t(threadIdx.x) * 8);
-    } else {
-      for (int j = 0; j < 2; ++j) {
-        const int g = warp_id() + 32 * j;
-        if (g < p.hidden / kGroupSize)
-          pf.group[j] = ld_nc_u2(x + size_t(g) * kGroupSize + lane_id() * 4);
-      }
-    }
-  }
-  return pf;
-}
-
 // Stages token t's payload (BF16, or FP8 + scales) at `payload` in the local send area.
 __device__ __forceinline__ void stage_payload(const DispatchParams& p, int t, char* payload) {
   const int tid = static_cast<int>(threadIdx.x);
@@ -144,28 +51,51 @@ __device__ __forceinline__ void stage_payload(const DispatchParams& p, int t, ch
       st_v4(payload + size_t(i) * 16, ld_nc_v4(x + size_t(i) * 8));
     return;
   }
+  char* scales = payload + p.hidden;
   const int groups = p.hidden / kGroupSize;
   for (int g = warp; g < groups; g += kThreads / 32) {
-    float scale;
-    const uint32_t packed =
-        quantize_group(ld_nc_u2(x + size_t(g) * kGroupSize + lane * 4), p.round_scale, scale);
+    const uint2 raw = *reinterpret_cast<const uint2*>(x + size_t(g) * kGroupSize + lane * 4);
+    float v[4] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y)};
+    float amax = 0.0f;
+    bool nan = false;
+    for (int j = 0; j < 4; ++j) {
+      amax = fmaxf(amax, fabsf(v[j]));
+      nan |= v[j] != v[j];
+    }
+    for (int s = 16; s > 0; s >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+    nan = __any_sync(0xffffffffu, nan);
+    // amax.clamp(min=1e-4) keeps NaN; scale = amax / 448 is a correctly rounded division.
+    amax = nan ? __uint_as_float(0x7FC00000u) : fmaxf(amax, 1e-4f);
+    float scale = __fdiv_rn(amax, 448.0f);
+    if (p.round_scale) scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0x7F800000u);
+    const float inv = __frcp_rn(scale);
+    uint32_t packed = 0;
+    for (int j = 0; j < 4; ++j) {
+      float q = __fmul_rn(v[j], inv);
+      q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);  // NaN stays NaN
+      const uint32_t b = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+      packed |= (b & 0xFFu) << (8 * j);
+    }
     *reinterpret_cast<uint32_t*>(payload + size_t(g) * kGroupSize + lane * 4) = packed;
-    if (lane == 0) store_scale(payload + p.hidden, g, scale, p.ue8m0 != 0);
+    if (lane == 0) {
+      if (p.ue8m0) {
+        // Exponent byte of group g: byte g % 4 of int32 g / 4 (little-endian) = byte g.
+        reinterpret_cast<uint8_t*>(scales)[g] =
+            static_cast<uint8_t>((__float_as_uint(scale) >> 23) & 0xFFu);
+      } else {
+        reinterpret_cast<float*>(scales)[g] = scale;
+      }
+    }
   }
 }
 
-// topk_idx entry i (raw value) as a valid expert id or -1 (invalid ids are reported by block 0
-// and skipped).
-__device__ __forceinline__ int checked_expert(const DispatchParams& p, const Waiter& w, long long e,
-                                              size_t i) {
+// Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped).
+__device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i) {
+  const long long e = load_idx(p.topk_idx, p.idx_bytes, i);
   if (e >= 0 && e < p.num_experts) return static_cast<int>(e);
   if (e != -1 && blockIdx.x == 0)
     report_error(w, kErrorInvalidTopkIdx, -1, e, static_cast<long long>(i));
   return -1;
-}
-
-__device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i) {
-  return checked_expert(p, w, load_idx(p.topk_idx, p.idx_bytes, i), i);
 }
 
 // Shared memory of the dispatch kernel (send counters are reused by the receive phase).
@@ -184,7 +114,7 @@ struct DispatchShared {
 };
 
 __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                           const SendPrefetch& pf, DispatchShared& sh) {
+                           DispatchShared& sh) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -210,13 +140,9 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   const int per_warp = 32 / K;
   const int my_token = lane / K;
   for (int t0 = warp * per_warp; t0 < T; t0 += (kThreads / 32) * per_warp) {
-    const int t = count_token(p, t0);
-    const bool mine = count_lane_used(p, t);
-    const size_t i = size_t(t) * K + lane % K;
-    const bool first_round = t0 == warp * per_warp;
-    const long long raw =
-        !mine ? -1 : (first_round ? pf.entry : load_idx(p.topk_idx, p.idx_bytes, i));
-    const int e = mine ? checked_expert(p, w, raw, i) : -1;
+    const int t = t0 + my_token;
+    const bool mine = my_token < per_warp && t < T;
+    const int e = mine ? entry_expert(p, w, size_t(t) * K + lane % K) : -1;
     const bool before = t < t_begin;
     const unsigned same_e = __match_any_sync(full, e);
     if (e >= 0 && lane == __ffs(same_e) - 1) atomicAdd(&sh.total[e], __popc(same_e));
@@ -283,53 +209,20 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     }
     __syncthreads();
     const int nd = sh.num_dests;
-    bool all_p2p = true;
-    for (int j = 0; j < nd; ++j) all_p2p &= c.peer[sh.dest[j]] != nullptr;
-    if (all_p2p) {
-      // Every destination is mapped: the block stores each message straight from x (BF16) or
-      // from the registers it quantised into (FP8); the first token's x was prefetched.
-      const bool prefetched = t == t_begin;
-      for (int i = tid; i < header_vecs; i += kThreads)
-        for (int j = 0; j < nd; ++j)
-          st_v4(c.peer[sh.dest[j]] + c.layout.disp_recv_offset +
-                    (size_t(c.rank) * M + sh.slot[j]) * msg.stride + size_t(i) * 16,
-                *reinterpret_cast<const int4*>(&sh.header[j][4 * i]));
-      const uint16_t* x = p.x + size_t(t) * p.hidden;
-      if (!p.fp8) {
-        for (int v = tid; v < p.hidden / 8; v += kThreads) {
-          const int4 piece = prefetched && v == tid ? pf.piece : ld_nc_v4(x + size_t(v) * 8);
-          for (int j = 0; j < nd; ++j)
-            st_v4(c.peer[sh.dest[j]] + c.layout.disp_recv_offset +
-                      (size_t(c.rank) * M + sh.slot[j]) * msg.stride + msg.header + size_t(v) * 16,
-                  piece);
-        }
-      } else {
-        const int groups = p.hidden / kGroupSize;
-        for (int g = warp, n = 0; g < groups; g += kThreads / 32, ++n) {
-          const uint2 raw =
-              prefetched && n < 2 ? pf.group[n] : ld_nc_u2(x + size_t(g) * kGroupSize + lane * 4);
-          float scale;
-          const uint32_t packed = quantize_group(raw, p.round_scale, scale);
-          for (int j = 0; j < nd; ++j) {
-            char* payload = c.peer[sh.dest[j]] + c.layout.disp_recv_offset +
-                            (size_t(c.rank) * M + sh.slot[j]) * msg.stride + msg.header;
-            *reinterpret_cast<uint32_t*>(payload + size_t(g) * kGroupSize + lane * 4) = packed;
-            if (lane == 0) store_scale(payload + p.hidden, g, scale, p.ue8m0 != 0);
-          }
-        }
-      }
-    }
-    // Some destination is reached by NVSHMEM puts, which read a symmetric source: the payload
-    // is staged once (message slot t * R + 0) and the P2P destinations copy it from there.
-    const bool staged = !all_p2p;
+    // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all
+    // destinations: both stage the payload (message slot t * R + 0). BF16 to P2P peers goes
+    // straight from x.
+    bool staged = p.fp8 != 0;
+    for (int j = 0; j < nd; ++j) staged |= c.peer[sh.dest[j]] == nullptr;
     char* const staged_row = send_area + size_t(t) * R * msg.stride;
     if (staged) {
       stage_payload(p, t, staged_row + msg.header);
       __syncthreads();
     }
-    // P2P destinations next to put ones: every thread stores its 16-byte pieces of each
-    // message from the staged copy (the whole block writes, not one warp per destination).
-    for (int i = tid; staged && i < vecs; i += kThreads) {
+    // P2P destinations: every thread stores its 16-byte pieces of each message (the whole
+    // block writes, not one warp per destination).
+    const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
+    for (int i = tid; i < vecs; i += kThreads) {
       if (i < header_vecs) {
         for (int j = 0; j < nd; ++j) {
           char* peer = c.peer[sh.dest[j]];
@@ -340,7 +233,8 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
         }
         continue;
       }
-      const int4 v = ld_cg_v4(staged_row + size_t(i) * 16);
+      const int4 v =
+          staged ? ld_cg_v4(staged_row + size_t(i) * 16) : ld_nc_v4(x_row + (i - header_vecs));
       for (int j = 0; j < nd; ++j) {
         char* peer = c.peer[sh.dest[j]];
         if (peer == nullptr) continue;
@@ -523,15 +417,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   __shared__ DispatchShared sh;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
-  // Issued first: the SEND inputs' loads overlap those of the control words below.
-  SendPrefetch pf;
-  if (p.phases & kPhaseSend) pf = prefetch_send(p);
   const uint64_t seq =
       ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
   // Block-uniform decisions only: every path below contains __syncthreads.
   EP_LL_MARK(g_dispatch_timeline, 0);
   if (!__syncthreads_or(aborted(w))) {
-    if (p.phases & kPhaseSend) send_phase(p, w, seq, pf, sh);
+    if (p.phases & kPhaseSend) send_phase(p, w, seq, sh);
     if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
   }
   __syncthreads();
