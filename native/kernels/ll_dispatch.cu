@@ -386,20 +386,26 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       const int le = key >> 5;
       my_row = static_cast<long long>(le) * slots + sh.base[le * R + s] + pos;
     }
-    // Payload: up to four 16-byte loads in flight per lane, each stored to all n rows.
+    // Payload: up to four 16-byte loads in flight per lane, each stored to all n rows. The trip
+    // count is the same for every lane (pieces past the end are predicated off): the shuffles
+    // inside need the whole warp (a per-lane bound hung at H = 128: lanes 16..31 never came).
     const char* payload = m + msg.header;
     constexpr int kUnroll = 4;
-    for (int v0 = lane; v0 < payload_vecs; v0 += 32 * kUnroll) {
+    for (int v0 = 0; v0 < payload_vecs; v0 += 32 * kUnroll) {
       int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + 32 * u < payload_vecs) v[u] = ld_cg_v4(payload + size_t(v0 + 32 * u) * 16);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int piece = v0 + 32 * u + lane;
+        if (piece < payload_vecs) v[u] = ld_cg_v4(payload + size_t(piece) * 16);
+      }
       for (int j = 0; j < n; ++j) {
         const long long row = __shfl_sync(0xffffffffu, my_row, j);
         char* out = static_cast<char*>(p.recv_x) + size_t(row) * msg.payload_bytes;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (v0 + 32 * u < payload_vecs) st_v4(out + size_t(v0 + 32 * u) * 16, v[u]);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int piece = v0 + 32 * u + lane;
+          if (piece < payload_vecs) st_v4(out + size_t(piece) * 16, v[u]);
+        }
       }
     }
     // Scale words (lanes over words) and the source token of each row (lane j).
