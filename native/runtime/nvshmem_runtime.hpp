@@ -44,10 +44,11 @@
 //  * Per call every rank passes the same H, K-independent layout (H, E, use_fp8, use_ue8m0).
 //  * Buffers: dispatch call i uses buffer i % 2 (or the index given); its combine uses the same
 //    buffer. Safe orders: dispatch -> combine -> dispatch on ONE buffer (a captured CUDA graph
-//    replays its pair on the buffer chosen at capture: every combine waits for a handshake
-//    unit from every rank), and alternating buffers (also dispatch-only, or two hooks in
-//    flight, one per buffer). Not safe: three calls in flight, or dispatch repeated on one
-//    buffer (combine repeated on one buffer) with nothing in between. docs/low_latency.md.
+//    replays its pair on the buffer chosen at capture: every combine waits for the weights
+//    flag of every rank, sent after its dispatch RECV), and alternating buffers (also
+//    dispatch-only, or two hooks in flight, one per buffer). Not safe: three calls in flight,
+//    or dispatch repeated on one buffer (combine repeated on one buffer) with nothing in
+//    between. docs/low_latency.md.
 //  * Hook mode: dispatch(phases=kPhaseSend) returns b; later dispatch(same args, phases =
 //    kPhaseRecv, buffer_index = b) completes it. Same for combine. Inputs must stay unchanged
 //    and outputs untouched until the RECV phase has run on the stream.
@@ -194,7 +195,7 @@ class LowLatencyRuntime {
   LowLatencyConfig config_;
   ll::BufferLayout layout_{};
   char* symmetric_ = nullptr;     // both buffers, nvshmem_malloc
-  char* private_ = nullptr;       // control block, send_pos, sent_count (cudaMalloc)
+  char* private_ = nullptr;       // control block, send_route, recv_tokens (cudaMalloc)
   char** peer_table_ = nullptr;   // device [2][R] P2P bases (or null) per buffer
   std::vector<char*> peer_base_;  // host copy for buffer 0 (nvshmem_ptr of the region)
   ll::ErrorRecord* error_host_ = nullptr;
