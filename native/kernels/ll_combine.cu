@@ -12,10 +12,12 @@
 //     rank's weights flag. Since this kernel runs after r's dispatch RECV on the same stream,
 //     the flag also says "r finished reading this buffer's dispatch area".
 //  1. The messages r received in the dispatch (recv_tokens[s] per source) are spread over the
-//     blocks. For message (s, q) of token t: wait for s's weights, then acc = +0.0 and, for the
-//     header's entries in k order, acc = acc + w_k * y (separately rounded, no FMA), y being
-//     x[le, begin(le, s) + p]; store it to comb_recv[r * M + t] on rank s and release
-//     comb_flag[r * M + t] (P2P), or put it from comb_stage with the flag as its signal.
+//     blocks, remote sources first. For message (s, q) of token t with n > 1 entries: wait for
+//     s's weights, then acc = +0.0 and, for the header's entries in k order, acc = acc + w_k * y
+//     (separately rounded, no FMA), y being x[le, begin(le, s) + p], stored as float32 in two
+//     halves (st_partial); with one entry, the BF16 row y itself. It goes to comb_recv[r * M + t]
+//     on rank s, then comb_flag[r * M + t] is released (P2P), or it is put from comb_stage with
+//     the flag as its signal.
 // RECV (token side, rank s): wait for every rank's weights flag (its dispatch RECV is over, so
 // the next dispatch on this buffer may overwrite what it read), then per token: the ranks its
 // entries went to (send_route of the dispatch, first-appearance order), wait for their
