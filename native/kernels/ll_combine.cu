@@ -133,15 +133,14 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   __syncthreads();
   const int items = sh.items;
   for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
-    int i = 0;
-    while (i + 1 < R && sh.first_item[i + 1] <= item) ++i;
+    const int i = item_source(sh.first_item, R, item);
     const int s = (c.rank + 1 + i) % R;
     const int q = item - sh.first_item[i];
     // The dispatch message (s, q) is still in this rank's receive area: its header says which
     // rows of x belong to the token and with which k.
     const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * stride;
-    const int t = ld_cg_s32(m);
-    const int n = ld_cg_s32(m + 4);
+    const int t = message_token(m);
+    const int n = message_entries(m);
     // A single entry goes back unweighted: only sums wait for the source's weights.
     if (tid == 0 && n > 1 && sh.weights_of != s) {
       const uint64_t* f = wflags + s;
@@ -153,16 +152,15 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     __syncthreads();
     if (sh.fail) return;
     if (tid < n) {
-      const int key = ld_cg_s32(m + 8 + 8 * tid);
-      const int pos = ld_cg_s32(m + 12 + 8 * tid);
-      const int le = key >> 5;
+      const int2 entry = message_entry(m, tid);
+      const int le = key_expert(entry.x);
       const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
-      sh.row[tid] = static_cast<long long>(le) * R * M + begin + pos;
+      sh.row[tid] = static_cast<long long>(le) * R * M + begin + entry.y;
       const float* weights =
           reinterpret_cast<const float*>(c.local + c.layout.comb_weights_offset) +
           size_t(s) * M * KM;
       sh.weight[tid] =
-          n > 1 ? __int_as_float(ld_cg_s32(weights + size_t(t) * KM + (key & 31))) : 0.0f;
+          n > 1 ? __int_as_float(ld_cg_s32(weights + size_t(t) * KM + key_k(entry.x))) : 0.0f;
     }
     __syncthreads();
     char* peer = c.peer[s];
@@ -238,11 +236,11 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     // The token's destination ranks, first-appearance order, from the dispatch's routes.
     if (tid < 32) {
       const int route = lane < K ? c.send_route[size_t(t) * K + lane] : -1;
-      const int d = route >= 0 ? route >> 1 : -1;
+      const int d = route_rank(route);
       const unsigned same = __match_any_sync(full, d);
       const int first = __ffs(same) - 1;
       const unsigned firsts = __ballot_sync(full, d >= 0 && lane == first);
-      const unsigned listed = same & __ballot_sync(full, route >= 0 && (route & 1));
+      const unsigned listed = same & __ballot_sync(full, route_has_slot(route));
       if (d >= 0 && lane == first) {
         const int j = __popc(firsts & ((1u << lane) - 1u));
         const bool single = __popc(listed) == 1;

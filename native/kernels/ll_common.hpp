@@ -26,9 +26,11 @@ constexpr int kNumBuffers = 2;        // calls alternate between two buffers
 constexpr int kTimelineBlocks = 256;  // EP_LL_TIMELINE builds: blocks stamped
 constexpr int kTimelineStages = 8;
 // Header ints of a dispatch message: source token, entry count, then per entry
-// (k | local expert << 5, position p). Shared-memory rows are padded to 16 bytes.
+// (header_key(k, local expert), position p). Shared-memory rows are padded to 16 bytes.
 constexpr int kHeaderInts = 2 + 2 * kMaxTopk;
 constexpr int kHeaderRowInts = (kHeaderInts + 3) / 4 * 4;
+constexpr int kKeyKBits = 5;  // k < kMaxTopk = 32
+static_assert(kMaxTopk <= (1 << kKeyKBits), "k must fit the header key");
 
 // Phases of one call (hook mode: SEND now, RECV later).
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2, kPhaseBoth = 3 };
@@ -57,6 +59,29 @@ static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte
 
 EP_LL_HOST_DEVICE size_t align_up(size_t v, size_t a) {
   return (v + a - 1) / a * a;
+}
+
+// A header entry's first word: the entry's k and the local expert it goes to.
+EP_LL_HOST_DEVICE int header_key(int k, int local_expert) {
+  return k | (local_expert << kKeyKBits);
+}
+EP_LL_HOST_DEVICE int key_k(int key) {
+  return key & ((1 << kKeyKBits) - 1);
+}
+EP_LL_HOST_DEVICE int key_expert(int key) {
+  return key >> kKeyKBits;
+}
+
+// send_route word of entry (t, k): 2 d + 1 when it went to rank d with a slot, 2 d when it went
+// without one (capacity overflow), -1 when it names no expert.
+EP_LL_HOST_DEVICE int route_word(int rank, bool has_slot) {
+  return rank < 0 ? -1 : 2 * rank + (has_slot ? 1 : 0);
+}
+EP_LL_HOST_DEVICE int route_rank(int route) {
+  return route >= 0 ? route >> 1 : -1;
+}
+EP_LL_HOST_DEVICE bool route_has_slot(int route) {
+  return route >= 0 && (route & 1);
 }
 
 // Bytes of a dispatch message header for a runtime's largest top-k (16-byte multiple).
@@ -160,8 +185,8 @@ struct Context {
   BufferLayout layout;
   ControlBlock* ctrl;  // private control block
   ErrorRecord* error;  // host-mapped, device pointer
-  // Private [M * K] of the buffer's dispatch: entry (t, k) went to rank d: 2 * d + 1 with a
-  // slot, 2 * d without (capacity overflow), -1 for no expert. Combine's token side reads it.
+  // Private [M * K] of the buffer's dispatch: route_word of entry (t, k). Combine's token side
+  // reads it.
   int* send_route;
   int* recv_tokens;  // private [R]: messages the buffer's dispatch received from each source
   long long timeout_ns;

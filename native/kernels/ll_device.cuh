@@ -83,6 +83,28 @@ __device__ __forceinline__ long long load_idx(const void* topk_idx, int idx_byte
   return static_cast<const int*>(topk_idx)[i];
 }
 
+// ---- dispatch messages and work items ------------------------------------------------------
+
+// A dispatch message in the receive area (written by a peer, acquired through its flag):
+// source token, entry count, entry j as (header_key, position p).
+__device__ __forceinline__ int message_token(const char* m) {
+  return ld_cg_s32(m);
+}
+__device__ __forceinline__ int message_entries(const char* m) {
+  return ld_cg_s32(m + 4);
+}
+__device__ __forceinline__ int2 message_entry(const char* m, int j) {
+  return make_int2(ld_cg_s32(m + 8 + 8 * j), ld_cg_s32(m + 12 + 8 * j));
+}
+
+// Work items taken source by source: first[i] is the first item of the i-th source taken
+// (ascending; a source without items shares its successor's). The i of `item`.
+__device__ __forceinline__ int item_source(const int* first, int sources, int item) {
+  int i = 0;
+  while (i + 1 < sources && first[i + 1] <= item) ++i;
+  return i;
+}
+
 // ---- errors and bounded waits -----------------------------------------------------------------
 
 struct Waiter {

@@ -195,7 +195,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       const unsigned listed = same_d & __ballot_sync(full, slot >= 0);
       if (d >= 0 && slot >= 0) {
         const int at = 2 + 2 * __popc(listed & below);
-        sh.header[j][at] = lane | ((e % E_loc) << 5);
+        sh.header[j][at] = header_key(lane, e % E_loc);
         sh.header[j][at + 1] = slot;
       }
       if (d >= 0 && lane == first) {
@@ -205,7 +205,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
         sh.slot[j] = sh.rank_base[d]++;
       }
       if (lane == 0) sh.num_dests = __popc(firsts);
-      if (lane < K) c.send_route[size_t(t) * K + lane] = d < 0 ? -1 : 2 * d + (slot >= 0 ? 1 : 0);
+      if (lane < K) c.send_route[size_t(t) * K + lane] = route_word(d, slot >= 0);
     }
     __syncthreads();
     const int nd = sh.num_dests;
@@ -366,8 +366,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   const int items = sh.items;
   const int warps = G * (kThreads / 32);
   for (int item = warp * G + static_cast<int>(blockIdx.x); item < items; item += warps) {
-    int i = 0;
-    while (i + 1 < R && sh.rank_base[i + 1] <= item) ++i;
+    const int i = item_source(sh.rank_base, R, item);
     const int s = (c.rank + i) % R;
     const int q = item - sh.rank_base[i];
     const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
@@ -377,14 +376,13 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       ok = spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; });
     }
     if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) break;  // timed out or aborted
-    const int src_token = ld_cg_s32(m);
-    const int n = ld_cg_s32(m + 4);
+    const int src_token = message_token(m);
+    const int n = message_entries(m);
     long long my_row = 0;
     if (lane < n) {
-      const int key = ld_cg_s32(m + 8 + 8 * lane);
-      const int pos = ld_cg_s32(m + 12 + 8 * lane);
-      const int le = key >> 5;
-      my_row = static_cast<long long>(le) * slots + sh.base[le * R + s] + pos;
+      const int2 entry = message_entry(m, lane);
+      const int le = key_expert(entry.x);
+      my_row = static_cast<long long>(le) * slots + sh.base[le * R + s] + entry.y;
     }
     // Payload: up to four 16-byte loads in flight per lane, each stored to all n rows. The trip
     // count is the same for every lane (pieces past the end are predicated off): the shuffles
