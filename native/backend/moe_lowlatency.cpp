@@ -608,8 +608,6 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   args.zero_copy = zero_copy;
   args.x = a.x.data_ptr();
   args.hidden = static_cast<int>(a.x.size(2));
-  args.topk_idx = a.topk_idx.data_ptr();
-  args.idx_bytes = static_cast<int>(a.topk_idx.element_size());
   args.topk_weights = a.topk_weights.data_ptr<float>();
   args.num_tokens = static_cast<int>(num_tokens);
   args.num_topk = static_cast<int>(a.topk_idx.size(1));

@@ -222,13 +222,10 @@ struct CombineParams {
   Context ctx;
   const uint16_t* x;              // BF16 [E_loc, R*M, H] (zero-copy: the comb_send area)
   const long long* layout_range;  // [E_loc, R] of the dispatch
-  const void* topk_idx;           // [T, K]
-  int idx_bytes;
-  const float* topk_weights;  // [T, K] or null (weight 1)
+  const float* topk_weights;      // [T, K] or null (weight 1); the routes are the dispatch's
   int num_tokens;
   int num_topk;
   int hidden;
-  int num_experts;
   int phases;
   uint16_t* out;  // BF16 [T, H]
 };

@@ -354,7 +354,6 @@ void LowLatencyRuntime::combine(const LowLatencyCombineArgs& a, cudaStream_t str
   require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
           pre + "num_tokens must be in [0, max_tokens_per_rank]");
   require(a.num_topk >= 1 && a.num_topk <= config_.max_topk, pre + "K must be in [1, max_topk]");
-  require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
   const ll::Context ctx = context(a.buffer_index);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   if (a.phases & ll::kPhaseSend) {
@@ -366,21 +365,17 @@ void LowLatencyRuntime::combine(const LowLatencyCombineArgs& a, cudaStream_t str
     }
   }
   if (a.phases & ll::kPhaseRecv) {
-    require(a.num_tokens == 0 || (a.topk_idx != nullptr && a.out != nullptr && aligned16(a.out)),
-            pre + "topk_idx and out (16-byte aligned) are required");
+    require(a.num_tokens == 0 || (a.out != nullptr && aligned16(a.out)),
+            pre + "out (16-byte aligned) is required");
   }
   ll::CombineParams p{};
   p.ctx = ctx;
   p.x = x;
   p.layout_range = reinterpret_cast<const long long*>(a.layout_range);
-  static const long long kEmpty = -1;
-  p.topk_idx = a.topk_idx != nullptr ? a.topk_idx : &kEmpty;
-  p.idx_bytes = a.idx_bytes;
   p.topk_weights = a.topk_weights;
   p.num_tokens = a.num_tokens;
   p.num_topk = a.num_topk;
   p.hidden = a.hidden;
-  p.num_experts = a.num_experts;
   p.phases = a.phases;
   p.out = static_cast<uint16_t*>(a.out);
   DeviceGuard guard(device_);

@@ -29,8 +29,8 @@
 //                 rank by token index, then k. Slots past recv_count are left untouched unless
 //                 zero_padding is set.
 //   combine in  : x BF16 [E_loc, R*M, H] in the dispatch layout (or zero_copy: the caller wrote
-//                 it into combine_buffer(b)), topk_idx/topk_weights float32 [T, K] of the
-//                 dispatch, layout_range of the dispatch, its buffer index.
+//                 it into combine_buffer(b)), topk_weights float32 [T, K] (T, K of the
+//                 dispatch), layout_range of the dispatch, its buffer index.
 //   combine out : out BF16 [T, H] = bf16(sum of w_k * y_k), float32, no FMA: per expert rank in k
 //                 order, then the ranks in first-appearance order (within float32-accumulation
 //                 tolerance of the reference's k order; deterministic).
@@ -113,9 +113,9 @@ struct LowLatencyCombineArgs {
   const void* x = nullptr;  // BF16 [E_loc, R*M, H]; ignored with zero_copy
   bool zero_copy = false;   // x was written into combine_buffer(buffer_index)
   int hidden = 0;
-  const void* topk_idx = nullptr;  // [T, K] of the dispatch
-  int idx_bytes = 8;
-  const float* topk_weights = nullptr;  // float32 [T, K]; null = all weights 1
+  // Float32 [T, K], null = all weights 1. T and K are the dispatch's; where each entry went is
+  // taken from the dispatch itself (its send_route), so combine needs no topk_idx.
+  const float* topk_weights = nullptr;
   int num_tokens = 0;
   int num_topk = 0;
   int num_experts = 0;

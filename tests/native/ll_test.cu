@@ -335,8 +335,6 @@ struct Harness {
     ep::LowLatencyCombineArgs a;
     a.x = buf.y;
     a.hidden = c.H;
-    a.topk_idx = buf.idx;
-    a.idx_bytes = c.idx32 ? 4 : 8;
     a.topk_weights = c.weighted ? buf.weights : nullptr;
     a.num_tokens = in.T;
     a.num_topk = c.K;
