@@ -73,13 +73,19 @@ __device__ __forceinline__ void add_weighted_bf16x8(float* acc, float w, const i
   }
 }
 
-__device__ void send_weights(const CombineParams& p, uint64_t seq, CombineShared& sh) {
+// False when the group was aborted (`abort_seen`, loaded at kernel start): nothing sent. The
+// first weight is loaded before the abort check, so the two loads overlap.
+__device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
   const int G = static_cast<int>(gridDim.x);
   const int KM = c.layout.max_topk;
   const int n = p.num_tokens * p.num_topk;
+  auto weight = [&](int i) { return p.topk_weights != nullptr ? p.topk_weights[i] : 1.0f; };
+  if (static_cast<int>(blockIdx.x) >= R) return true;
+  const float first = tid < n ? weight(tid) : 0.0f;
+  if (__syncthreads_or(abort_seen)) return false;
   for (int d = static_cast<int>(blockIdx.x); d < R; d += G) {
     char* peer = c.peer[d];
     const size_t area = c.layout.comb_weights_offset + size_t(c.rank) * c.max_tokens * KM * 4;
@@ -88,7 +94,7 @@ __device__ void send_weights(const CombineParams& p, uint64_t seq, CombineShared
     for (int i = tid; i < n; i += kThreads) {
       const int t = i / p.num_topk;
       const int k = i % p.num_topk;
-      dst[size_t(t) * KM + k] = p.topk_weights != nullptr ? p.topk_weights[i] : 1.0f;
+      dst[size_t(t) * KM + k] = i == tid ? first : weight(i);
     }
     __syncthreads();
     const size_t flag = c.layout.comb_wflag_offset + size_t(c.rank) * 8;
@@ -100,10 +106,12 @@ __device__ void send_weights(const CombineParams& p, uint64_t seq, CombineShared
     }
     __syncthreads();  // the staged weights may be rewritten for the next rank
   }
+  return true;
 }
 
-__device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq,
-                           CombineShared& sh) {
+// False when aborted or a wait failed (block-uniform).
+__device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq,
+                           CombineShared& sh, int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
@@ -116,8 +124,9 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   const int stride = ld_volatile_int(&c.ctrl->message_stride[c.buffer]);
   const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
 
-  send_weights(p, seq, sh);
-  EP_LL_MARK(g_combine_timeline, 1);
+  EP_LL_MARK(g_combine_timeline, kCsReady);
+  if (!send_weights(p, seq, abort_seen)) return false;
+  EP_LL_MARK(g_combine_timeline, kCsWeightsSent);
   // Sources are taken from the next rank on, this rank's own last: the link is busy from the
   // first item of every block (taking the local source first left it idle for microseconds).
   if (tid == 0) {
@@ -130,7 +139,7 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     sh.weights_of = -1;
     sh.fail = 0;
   }
-  __syncthreads();
+  if (__syncthreads_or(abort_seen)) return false;
   const int items = sh.items;
   for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
     const int i = item_source(sh.first_item, R, item);
@@ -150,7 +159,8 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
         sh.fail = 1;
     }
     __syncthreads();
-    if (sh.fail) return;
+    EP_LL_MARK_IF(item == static_cast<int>(blockIdx.x), g_combine_timeline, kCsWeightsIn);
+    if (sh.fail) return false;
     if (tid < n) {
       const int2 entry = message_entry(m, tid);
       const int le = key_expert(entry.x);
@@ -193,6 +203,7 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       st_partial(dst, v, vecs, acc);
     }
     __syncthreads();
+    EP_LL_MARK_IF(item == static_cast<int>(blockIdx.x), g_combine_timeline, kCsStored);
     const size_t flag = c.layout.comb_flag_offset + slot * 8;
     if (peer != nullptr) {
       if (tid == 0) st_release_sys(reinterpret_cast<uint64_t*>(peer + flag), seq);
@@ -201,7 +212,10 @@ __device__ void send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       warp_put_signal(c, s, c.layout.comb_recv_offset + slot * size_t(H) * 4, dst, bytes, flag,
                       seq);
     }
+    EP_LL_MARK_IF(item == static_cast<int>(blockIdx.x), g_combine_timeline, kCsReleased);
   }
+  EP_LL_MARK(g_combine_timeline, kCsSendDone);
+  return true;
 }
 
 __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq,
@@ -229,7 +243,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     if (!spin_wait(w, d, [&] { return ld_acquire_sys(wflags + d) == seq; })) sh.fail = 1;
   __syncthreads();
   if (sh.fail) return;
-  EP_LL_MARK(g_combine_timeline, 2);
+  EP_LL_MARK(g_combine_timeline, kCsHandshake);
 
   const unsigned full = 0xffffffffu;
   for (int t = t_begin; t < t_end; ++t) {
@@ -260,6 +274,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       if (!spin_wait(w, sh.dest[tid], [&] { return ld_acquire_sys(f) == seq; })) sh.fail = 1;
     }
     __syncthreads();
+    EP_LL_MARK_IF(t == t_begin, g_combine_timeline, kCsFirstFlags);
     if (sh.fail) return;
     for (int v = tid; v < H / 8; v += kThreads) {
       float acc[8];
@@ -298,14 +313,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
   const uint64_t seq = ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]);
-  // Block-uniform decisions only: every path below contains __syncthreads.
-  EP_LL_MARK(g_combine_timeline, 0);
-  if (!__syncthreads_or(aborted(w))) {
-    if (p.phases & kPhaseSend) send_phase(p, w, seq, sh);
-    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
-  }
+  // Block-uniform decisions only: every path below contains __syncthreads. A SEND checks the
+  // abort word before its first remote store; the RECV's waits give up on it by themselves.
+  EP_LL_MARK(g_combine_timeline, kCsStart);
+  const int abort_seen = aborted(w) ? 1 : 0;
+  const bool sent = (p.phases & kPhaseSend) ? send_phase(p, w, seq, sh, abort_seen)
+                                            : !__syncthreads_or(abort_seen);
+  if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
   __syncthreads();
-  EP_LL_MARK(g_combine_timeline, 3);
+  EP_LL_MARK(g_combine_timeline, kCsEnd);
 }
 
 }  // namespace

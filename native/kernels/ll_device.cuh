@@ -197,9 +197,16 @@ cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
     if (threadIdx.x == 0 && blockIdx.x < kTimelineBlocks)                     \
       (timeline)[blockIdx.x * kTimelineStages + (stage)] = global_timer_ns(); \
   } while (0)
+#define EP_LL_MARK_IF(cond, timeline, stage) \
+  do {                                       \
+    if (cond) EP_LL_MARK(timeline, stage);   \
+  } while (0)
 #else
 #define EP_LL_MARK(timeline, stage) \
   do {                              \
+  } while (0)
+#define EP_LL_MARK_IF(cond, timeline, stage) \
+  do {                                       \
   } while (0)
 #endif
 

@@ -19,9 +19,10 @@
 //     of each P2P destination; after a barrier warp j releases destination j's flag (seq), or
 //     puts the staged message with the flag as its signal.
 // RECV (rank d): wait for every count signal (begin of source s at expert le = rows of the
-// sources before it) and message count; then messages (s, q), sources from d itself onwards,
-// are spread over all warps of the grid: a warp waits for its message's flag and copies the row
-// into recv_x[le, begin + p] for each header entry.
+// sources before it) and message count; then (message (s, q), 1 KB chunk) units, sources from
+// d itself onwards, are spread over all warps of the grid: a warp waits for its message's flag
+// and copies its chunk into recv_x[le, begin + p] for each header entry (a warp per whole
+// message took ~3 us longer at H = 7168: each warp ran its loads and stores in series).
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -113,8 +114,9 @@ struct DispatchShared {
   int fail;
 };
 
-__device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                           DispatchShared& sh) {
+// False when the group was aborted (seen in `abort_seen`, loaded at kernel start): nothing sent.
+__device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                           DispatchShared& sh, int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -135,6 +137,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   for (int e = tid; e < E; e += kThreads) sh.total[e] = sh.base[e] = 0;
   for (int d = tid; d < R; d += kThreads) sh.rank_total[d] = sh.rank_base[d] = 0;
   __syncthreads();
+  EP_LL_MARK(g_dispatch_timeline, kDsReady);
   // 1. Counts: each warp holds 32 / K whole tokens (lane = token slot * K + k), so one round of
   // loads covers 32 * (32 / K) tokens (all of T = 128 at K = 8); warp-aggregated shared atomics.
   const int per_warp = 32 / K;
@@ -158,7 +161,9 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       if (before) atomicAdd(&sh.rank_base[d], 1);
     }
   }
-  __syncthreads();
+  // The abort word was loaded before the counting pass (its latency hidden behind topk_idx's).
+  if (__syncthreads_or(abort_seen)) return false;
+  EP_LL_MARK(g_dispatch_timeline, kDsCounted);
   for (int e = static_cast<int>(blockIdx.x) + tid * G; e < E; e += kThreads * G) {
     int count = sh.total[e];
     if (count > M) {
@@ -173,7 +178,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     signal_set(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
                (seq << 32) | static_cast<uint64_t>(sh.rank_total[d]));
 
-  EP_LL_MARK(g_dispatch_timeline, 1);
+  EP_LL_MARK(g_dispatch_timeline, kDsCountsSent);
   // 2. Tokens of this block, in order.
   const int vecs = msg.stride / 16;
   const int header_vecs = msg.header / 16;
@@ -208,6 +213,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       if (lane < K) c.send_route[size_t(t) * K + lane] = route_word(d, slot >= 0);
     }
     __syncthreads();
+    EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsHeader);
     const int nd = sh.num_dests;
     // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all
     // destinations: both stage the payload (message slot t * R + 0). BF16 to P2P peers goes
@@ -218,6 +224,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     if (staged) {
       stage_payload(p, t, staged_row + msg.header);
       __syncthreads();
+      EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsStaged);
     }
     // P2P destinations: every thread stores its 16-byte pieces of each message (the whole
     // block writes, not one warp per destination).
@@ -244,6 +251,7 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       }
     }
     __syncthreads();
+    EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsStored);
     // Publish: warp j releases destination j (P2P: a release store of the flag, covering the
     // whole block's stores ordered by the barrier; otherwise the staged message is put with the
     // flag as its signal).
@@ -266,8 +274,10 @@ __device__ void send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       }
     }
     __syncthreads();
+    EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsReleased);
   }
-  EP_LL_MARK(g_dispatch_timeline, 2);
+  EP_LL_MARK(g_dispatch_timeline, kDsSendDone);
+  return true;
 }
 
 __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
@@ -304,6 +314,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     if (!ok) sh.fail = 1;
   }
   __syncthreads();
+  EP_LL_MARK(g_dispatch_timeline, kDsCountsIn);
   if (sh.fail) return;
   for (int i = tid; i < E; i += kThreads) {
     const int first = i - i % R;  // (le, 0)
@@ -322,7 +333,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     sh.items = n;
   }
   __syncthreads();
-  EP_LL_MARK(g_dispatch_timeline, 3);
+  EP_LL_MARK(g_dispatch_timeline, kDsPrefixDone);
 
   // Per-expert outputs (block le % grid): count, ranges, stats, src_info -1 past the end.
   for (int le = static_cast<int>(blockIdx.x); le < E_loc; le += G) {
@@ -357,15 +368,20 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     if (tid == 0) c.ctrl->message_stride[c.buffer] = msg.stride;
   }
 
-  // Messages, a warp each (warp w of block b takes items w * grid + b, ...): every message is
-  // copied as soon as it is in, none waits behind another in its block. Lane j < n holds the
-  // output row of header entry j.
+  // Work units (message, chunk of kChunkVecs 16-byte payload pieces), a warp each (warp w of
+  // block b takes units w * grid + b, ...): the copies of one message run on several warps at
+  // once. Lane j < n holds the output row of header entry j.
   const int lane = lane_id();
   const int warp = warp_id();
   const int payload_vecs = msg.payload_bytes / 16;
-  const int items = sh.items;
+  constexpr int kUnroll = 2;
+  constexpr int kChunkVecs = 32 * kUnroll;
+  const int chunks = (payload_vecs + kChunkVecs - 1) / kChunkVecs;
+  const int units = sh.items * chunks;
   const int warps = G * (kThreads / 32);
-  for (int item = warp * G + static_cast<int>(blockIdx.x); item < items; item += warps) {
+  for (int unit = warp * G + static_cast<int>(blockIdx.x); unit < units; unit += warps) {
+    const int item = unit / chunks;
+    const int chunk = unit - item * chunks;
     const int i = item_source(sh.rank_base, R, item);
     const int s = (c.rank + i) % R;
     const int q = item - sh.rank_base[i];
@@ -376,7 +392,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       ok = spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; });
     }
     if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) break;  // timed out or aborted
-    const int src_token = message_token(m);
+    EP_LL_MARK_IF(unit == static_cast<int>(blockIdx.x), g_dispatch_timeline, kDsFirstFlag);
     const int n = message_entries(m);
     long long my_row = 0;
     if (lane < n) {
@@ -384,37 +400,33 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       const int le = key_expert(entry.x);
       my_row = static_cast<long long>(le) * slots + sh.base[le * R + s] + entry.y;
     }
-    // Payload: up to four 16-byte loads in flight per lane, each stored to all n rows. The trip
-    // count is the same for every lane (pieces past the end are predicated off): the shuffles
-    // inside need the whole warp (a per-lane bound hung at H = 128: lanes 16..31 never came).
     const char* payload = m + msg.header;
-    constexpr int kUnroll = 4;
-    for (int v0 = 0; v0 < payload_vecs; v0 += 32 * kUnroll) {
-      int4 v[kUnroll];
+    int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int piece = v0 + 32 * u + lane;
-        if (piece < payload_vecs) v[u] = ld_cg_v4(payload + size_t(piece) * 16);
-      }
-      for (int j = 0; j < n; ++j) {
-        const long long row = __shfl_sync(0xffffffffu, my_row, j);
-        char* out = static_cast<char*>(p.recv_x) + size_t(row) * msg.payload_bytes;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int piece = v0 + 32 * u + lane;
-          if (piece < payload_vecs) st_v4(out + size_t(piece) * 16, v[u]);
-        }
-      }
+    for (int u = 0; u < kUnroll; ++u) {
+      const int piece = chunk * kChunkVecs + 32 * u + lane;
+      if (piece < payload_vecs) v[u] = ld_cg_v4(payload + size_t(piece) * 16);
     }
-    // Scale words (lanes over words) and the source token of each row (lane j).
     for (int j = 0; j < n; ++j) {
       const long long row = __shfl_sync(0xffffffffu, my_row, j);
-      for (int q2 = lane; q2 < msg.scale_words; q2 += 32)
-        static_cast<int*>(p.recv_scales)[size_t(row) * msg.scale_words + q2] =
-            ld_cg_s32(payload + msg.payload_bytes + size_t(q2) * 4);
+      char* out = static_cast<char*>(p.recv_x) + size_t(row) * msg.payload_bytes;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int piece = chunk * kChunkVecs + 32 * u + lane;
+        if (piece < payload_vecs) st_v4(out + size_t(piece) * 16, v[u]);
+      }
     }
-    if (lane < n) p.src_info[my_row] = src_token;
+    if (chunk == chunks - 1) {  // scale words (lanes over words)
+      for (int j = 0; j < n; ++j) {
+        const long long row = __shfl_sync(0xffffffffu, my_row, j);
+        for (int q2 = lane; q2 < msg.scale_words; q2 += 32)
+          static_cast<int*>(p.recv_scales)[size_t(row) * msg.scale_words + q2] =
+              ld_cg_s32(payload + msg.payload_bytes + size_t(q2) * 4);
+      }
+    }
+    if (chunk == 0 && lane < n) p.src_info[my_row] = message_token(m);
   }
+  EP_LL_MARK(g_dispatch_timeline, kDsCopied);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
@@ -423,14 +435,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
   const uint64_t seq =
       ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
-  // Block-uniform decisions only: every path below contains __syncthreads.
-  EP_LL_MARK(g_dispatch_timeline, 0);
-  if (!__syncthreads_or(aborted(w))) {
-    if (p.phases & kPhaseSend) send_phase(p, w, seq, sh);
-    if (!__syncthreads_or(aborted(w)) && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
-  }
+  // Block-uniform decisions only: every path below contains __syncthreads. A SEND checks the
+  // abort word at its first barrier; the RECV's waits give up on it by themselves.
+  EP_LL_MARK(g_dispatch_timeline, kDsStart);
+  const int abort_seen = aborted(w) ? 1 : 0;
+  const bool sent = (p.phases & kPhaseSend) ? send_phase(p, w, seq, sh, abort_seen)
+                                            : !__syncthreads_or(abort_seen);
+  if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
   __syncthreads();
-  EP_LL_MARK(g_dispatch_timeline, 4);
+  EP_LL_MARK(g_dispatch_timeline, kDsEnd);
   if (threadIdx.x == 0 && (p.phases & kPhaseSend)) {
     finish_block(&c.ctrl->blocks_done[0], [&] { c.ctrl->dispatch_seq[c.buffer] = seq; });
   }

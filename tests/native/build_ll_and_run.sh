@@ -26,6 +26,8 @@ FLAGS=(-arch=sm_90a -std=c++17 -O3 -rdc=true -lineinfo -Xcompiler -ffp-contract=
   -Inative/kernels -Inative/runtime -I"$NVSHMEM_HOME/include" -I"$CCCL")
 # Per-stage kernel timeline in the harness's latency report (LL_TIMELINE=0 builds without it).
 if [[ "${LL_TIMELINE:-1}" == 1 ]]; then FLAGS+=(-DEP_LL_TIMELINE); fi
+# Extra nvcc flags (e.g. -D switches of a kernel variant being measured).
+if [[ -n "${LL_EXTRA_FLAGS:-}" ]]; then read -r -a extra <<<"$LL_EXTRA_FLAGS"; FLAGS+=("${extra[@]}"); fi
 objs=()
 pids=()
 for src in native/kernels/ll_dispatch.cu native/kernels/ll_combine.cu \

@@ -7,7 +7,8 @@
 // first, then the ranks) and bitwise identical from run to run.
 //
 // Usage: ll_test [--timeout-test] [--no-p2p] [--soak N] [--graph N] [--quick] [--no-bench]
-//                [--no-recreate]
+//                [--bench-only] [--no-recreate]
+// (--bench-only: latency and the timeline only, no correctness cases, for trying kernel variants)
 // Prints one line per case, timings, and "ALL PASSED" when both ranks pass.
 #include <cuda_runtime.h>
 #include <sys/prctl.h>
@@ -789,30 +790,40 @@ struct Harness {
     return ms[ms.size() / 2] * 1000.0 / calls;
   }
 
-  // -DEP_LL_TIMELINE builds: where the last call's time went, per stage: [earliest, latest]
-  // block stamp, µs after the earliest block started.
+  // -DEP_LL_TIMELINE builds: where the last call's time went, per stage: earliest / median /
+  // latest block stamp, µs after the earliest block started (stages in ll_common.hpp).
   void print_timeline(int mode, const char* op, bool combine) {
 #ifdef EP_LL_TIMELINE
+    static const char* const kDispatchNames[] = {
+        "start", "ready", "counted", "counts-sent", "header",   "staged",      "stored",
+        "released", "send-done", "counts-in", "prefix", "first-flag", "copied", "end"};
+    static const char* const kCombineNames[] = {
+        "start", "ready", "weights-sent", "weights-in", "stored", "released", "send-done",
+        "handshake", "first-flags", "end"};
+    static_assert(sizeof(kDispatchNames) / sizeof(char*) == ep::ll::kDsStages, "names");
+    static_assert(sizeof(kCombineNames) / sizeof(char*) == ep::ll::kCsStages, "names");
     std::vector<uint64_t> tl(size_t(ep::ll::kTimelineBlocks) * ep::ll::kTimelineStages);
     CUDA_OK(cudaDeviceSynchronize());
     CUDA_OK(combine ? ep::ll::read_combine_timeline(tl.data())
                     : ep::ll::read_dispatch_timeline(tl.data()));
-    const int stages = combine ? 4 : 5;
+    const int stages = combine ? int(ep::ll::kCsStages) : int(ep::ll::kDsStages);
+    const char* const* names = combine ? kCombineNames : kDispatchNames;
     const int blocks = std::min(ep::ll::kTimelineBlocks, rt->dispatch_blocks());
     uint64_t t0 = ~0ull;
     for (int b = 0; b < blocks; ++b) t0 = std::min(t0, tl[size_t(b) * ep::ll::kTimelineStages]);
     std::string line = "timeline " + std::string(mode_name(mode)) + " " + op + " rank " +
-                       std::to_string(rank) + ":";
+                       std::to_string(rank) + " (us: first/median/last block):";
     for (int st = 0; st < stages; ++st) {
-      double lo = 1e30, hi = -1;
+      std::vector<double> v;
       for (int b = 0; b < blocks; ++b) {
-        const uint64_t v = tl[size_t(b) * ep::ll::kTimelineStages + st];
-        if (v < t0) continue;  // not stamped in this call
-        lo = std::min(lo, (v - t0) / 1e3);
-        hi = std::max(hi, (v - t0) / 1e3);
+        const uint64_t x = tl[size_t(b) * ep::ll::kTimelineStages + st];
+        if (x >= t0) v.push_back((x - t0) / 1e3);  // older stamps: not stamped in this call
       }
-      char part[64];
-      std::snprintf(part, sizeof(part), " s%d [%.1f, %.1f]", st, hi < 0 ? 0.0 : lo, hi);
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      char part[96];
+      std::snprintf(part, sizeof(part), " %s %.1f/%.1f/%.1f", names[st], v.front(),
+                    v[v.size() / 2], v.back());
       line += part;
     }
     std::printf("%s\n", line.c_str());
@@ -928,6 +939,7 @@ struct Options {
   bool p2p = true;
   bool quick = false;
   bool bench = true;
+  bool bench_only = false;  // latency only (trying kernel variants): no correctness cases
   bool recreate = true;
   int soak = 2000;
   int graph = 400;
@@ -1034,8 +1046,9 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
     c.T1 = 50;
   });
 
+  if (opt.bench_only) cases.clear();
   for (const Case& c : cases) hx.run_case(c);
-  {
+  if (!opt.bench_only) {
     Case c1, c2;
     c1.name = "consecutive 1";
     c1.seed = 900;
@@ -1051,8 +1064,8 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
     c2.seed = 903;
     hx.run_consecutive(c1, c2, true);
   }
-  if (opt.soak > 0) hx.soak(opt.soak);
-  if (opt.graph > 0) hx.graph_soak(opt.graph);
+  if (opt.soak > 0 && !opt.bench_only) hx.soak(opt.soak);
+  if (opt.graph > 0 && !opt.bench_only) hx.graph_soak(opt.graph);
   if (opt.bench) hx.bench();
   const std::string err = hx.rt->check_error();
   if (!err.empty()) {
@@ -1139,6 +1152,9 @@ int main(int argc, char** argv) {
       opt.graph = 100;
     } else if (a == "--no-bench") {
       opt.bench = false;
+    } else if (a == "--bench-only") {
+      opt.bench_only = true;
+      opt.recreate = false;
     } else if (a == "--no-recreate") {
       opt.recreate = false;
     } else if (a == "--soak" && i + 1 < argc) {
@@ -1147,7 +1163,8 @@ int main(int argc, char** argv) {
       opt.graph = std::atoi(argv[++i]);
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--timeout-test] [--no-p2p] [--quick] [--no-bench] [--no-recreate] "
+                   "usage: %s [--timeout-test] [--no-p2p] [--quick] [--no-bench] [--bench-only] "
+                   "[--no-recreate] "
                    "[--soak N] [--graph N]\n",
                    argv[0]);
       return 2;
