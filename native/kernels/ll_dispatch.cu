@@ -139,7 +139,7 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   __syncthreads();
   EP_LL_MARK(g_dispatch_timeline, kDsReady);
   // 1. Counts: each warp holds 32 / K whole tokens (lane = token slot * K + k), so one round of
-  // loads covers 32 * (32 / K) tokens (all of T = 128 at K = 8); warp-aggregated shared atomics.
+  // loads covers 32 * (32 / K) tokens (all of T = 128 at K = 8); shared atomics per entry.
   const int per_warp = 32 / K;
   const int my_token = lane / K;
   for (int t0 = warp * per_warp; t0 < T; t0 += (kThreads / 32) * per_warp) {
@@ -147,16 +147,15 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     const bool mine = my_token < per_warp && t < T;
     const int e = mine ? entry_expert(p, w, size_t(t) * K + lane % K) : -1;
     const bool before = t < t_begin;
-    const unsigned same_e = __match_any_sync(full, e);
-    if (e >= 0 && lane == __ffs(same_e) - 1) atomicAdd(&sh.total[e], __popc(same_e));
-    const int e_before = before ? e : -1;
-    const unsigned same_b = __match_any_sync(full, e_before);
-    if (e_before >= 0 && lane == __ffs(same_b) - 1) atomicAdd(&sh.base[e_before], __popc(same_b));
+    if (e >= 0) {
+      atomicAdd(&sh.total[e], 1);
+      if (before) atomicAdd(&sh.base[e], 1);
+    }
     // A message per (token, destination rank): counted by the token's first entry on the rank.
     const int d = e >= 0 ? e / E_loc : -1;
-    const int key = d >= 0 ? my_token * R + d : -1;
-    const unsigned same_d = __match_any_sync(full, key);
-    if (key >= 0 && lane == __ffs(same_d) - 1) {
+    const int k = lane % K;
+    const unsigned same_d = lanes_equal(d, lane - k, K);  // lanes of my token
+    if (d >= 0 && (same_d & ((1u << k) - 1u)) == 0) {
       atomicAdd(&sh.rank_total[d], 1);
       if (before) atomicAdd(&sh.rank_base[d], 1);
     }
@@ -186,17 +185,18 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   for (int t = t_begin; t < t_end; ++t) {
     if (warp == 0) {
       const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
-      const unsigned same_e = __match_any_sync(full, e);
+      const unsigned same_e = lanes_equal(e, 0, K);
       const unsigned below = (1u << lane) - 1u;
       const int pos = e >= 0 ? sh.base[e] + __popc(same_e & below) : -1;
       __syncwarp();
       if (e >= 0 && (same_e & below) == 0) sh.base[e] += __popc(same_e);
       const int slot = pos < M ? pos : -1;  // overflow was reported with the counts
       const int d = e >= 0 ? e / E_loc : -1;
-      const unsigned same_d = __match_any_sync(full, d);
+      const unsigned same_d = lanes_equal(d, 0, K);
       const int first = __ffs(same_d) - 1;
       const unsigned firsts = __ballot_sync(full, d >= 0 && lane == first);
-      const int j = __popc(firsts & ((1u << first) - 1u));  // my destination's index
+      // My destination's index (first < 0 only for lanes without an entry: j unused).
+      const int j = first > 0 ? __popc(firsts & ((1u << first) - 1u)) : 0;
       const unsigned listed = same_d & __ballot_sync(full, slot >= 0);
       if (d >= 0 && slot >= 0) {
         const int at = 2 + 2 * __popc(listed & below);
