@@ -118,8 +118,8 @@ __device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_see
 }
 
 // False when aborted or a wait failed (block-uniform).
-__device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq,
-                           CombineShared& sh, int abort_seen) {
+__device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq, CombineShared& sh,
+                           int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
@@ -171,7 +171,8 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
         sh.fail = 1;
     }
     __syncthreads();
-    EP_LL_MARK_IF(item == static_cast<int>(blockIdx.x), g_combine_timeline, kCsWeightsIn);
+    EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline,
+                  kCsWeightsIn);
     if (sh.fail) return false;
     if (tid < n) {
       const int2 entry = message_entry(m, tid);
@@ -214,7 +215,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       }
       st_partial(dst, v, vecs, acc);
     }
-    EP_LL_MARK_IF(item == static_cast<int>(blockIdx.x), g_combine_timeline, kCsStored);
+    EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline, kCsStored);
     if (tid == 0) {
       sh.pending_rank[pending] = s;
       sh.pending_token[pending] = t;
@@ -304,7 +305,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       if (!spin_wait(w, sh.dest[tid], [&] { return ld_acquire_sys(f) == seq; })) sh.fail = 1;
     }
     __syncthreads();
-    EP_LL_MARK_IF(t == t_begin, g_combine_timeline, kCsFirstFlags);
+    EP_LL_MARK_IF(tid == 0 && t == t_begin, g_combine_timeline, kCsFirstFlags);
     if (sh.fail) return;
     for (int v = tid; v < H / 8; v += kThreads) {
       float acc[8];

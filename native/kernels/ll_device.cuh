@@ -202,15 +202,13 @@ cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
 // ---- optional timeline (-DEP_LL_TIMELINE builds: the harness's per-stage breakdown) -----------
 
 #ifdef EP_LL_TIMELINE
-#define EP_LL_MARK(timeline, stage)                                           \
+// Stamps `stage` of this block when `cond` holds (one thread's condition: the caller picks it).
+#define EP_LL_MARK_IF(cond, timeline, stage)                                  \
   do {                                                                        \
-    if (threadIdx.x == 0 && blockIdx.x < kTimelineBlocks)                     \
+    if ((cond) && blockIdx.x < kTimelineBlocks)                               \
       (timeline)[blockIdx.x * kTimelineStages + (stage)] = global_timer_ns(); \
   } while (0)
-#define EP_LL_MARK_IF(cond, timeline, stage) \
-  do {                                       \
-    if (cond) EP_LL_MARK(timeline, stage);   \
-  } while (0)
+#define EP_LL_MARK(timeline, stage) EP_LL_MARK_IF(threadIdx.x == 0, timeline, stage)
 #else
 #define EP_LL_MARK(timeline, stage) \
   do {                              \

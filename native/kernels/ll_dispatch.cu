@@ -40,21 +40,49 @@ using namespace device;
 __device__ uint64_t g_dispatch_timeline[kTimelineBlocks * kTimelineStages];
 #endif
 
-// Stages token t's payload (BF16, or FP8 + scales) at `payload` in the local send area.
-__device__ __forceinline__ void stage_payload(const DispatchParams& p, int t, char* payload) {
-  const int tid = static_cast<int>(threadIdx.x);
+// Warps [first_warp, first_warp + num_warps) of the block, working as one group with its own
+// barrier (the whole block: __syncthreads).
+struct WarpGroup {
+  int first_warp;
+  int num_warps;
+  int barrier;
+  __device__ __forceinline__ int tid() const {
+    return static_cast<int>(threadIdx.x) - first_warp * 32;
+  }
+  __device__ __forceinline__ int threads() const { return num_warps * 32; }
+  __device__ __forceinline__ int warp() const { return warp_id() - first_warp; }
+  __device__ __forceinline__ void sync() const {
+    if (num_warps == kThreads / 32)
+      __syncthreads();
+    else
+      asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(num_warps * 32) : "memory");
+  }
+};
+
+// Warps of a block that send while the others receive (a call with both phases).
+#ifndef EP_LL_SEND_WARPS
+#define EP_LL_SEND_WARPS 16
+#endif
+constexpr int kSendWarps = EP_LL_SEND_WARPS;
+static_assert(kSendWarps > 0 && kSendWarps < kThreads / 32, "send and receive warps");
+
+// Stages token t's payload (BF16, or FP8 + scales) at `payload` in the local send area, on the
+// warps of `wg`.
+__device__ __forceinline__ void stage_payload(const DispatchParams& p, int t, char* payload,
+                                              const WarpGroup& wg) {
+  const int tid = wg.tid();
   const int lane = lane_id();
-  const int warp = warp_id();
+  const int warp = wg.warp();
   const uint16_t* x = p.x + size_t(t) * p.hidden;
   if (!p.fp8) {
     const int n = p.hidden / 8;
-    for (int i = tid; i < n; i += kThreads)
+    for (int i = tid; i < n; i += wg.threads())
       st_v4(payload + size_t(i) * 16, ld_nc_v4(x + size_t(i) * 8));
     return;
   }
   char* scales = payload + p.hidden;
   const int groups = p.hidden / kGroupSize;
-  for (int g = warp; g < groups; g += kThreads / 32) {
+  for (int g = warp; g < groups; g += wg.num_warps) {
     const uint2 raw = *reinterpret_cast<const uint2*>(x + size_t(g) * kGroupSize + lane * 4);
     float v[4] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y)};
     float amax = 0.0f;
@@ -99,24 +127,31 @@ __device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waite
   return -1;
 }
 
-// Shared memory of the dispatch kernel (send counters are reused by the receive phase).
+// Shared memory of the dispatch kernel. The SEND and RECV warps of a block run at the same time:
+// each has its own part.
 struct DispatchShared {
-  int total[kMaxExperts];       // SEND: entries per global expert | RECV: rows of (le, s)
-  int base[kMaxExperts];        // SEND: entries per expert before the token | RECV: begin
-  int rank_total[kMaxExperts];  // SEND: messages per destination | RECV: messages per source
-  int rank_base[kMaxExperts];   // SEND: messages per destination before the token | RECV: first
-                                // item of the i-th source taken
+  // SEND
+  int total[kMaxExperts];       // entries per global expert
+  int base[kMaxExperts];        // entries per expert before the current token
+  int rank_total[kMaxExperts];  // messages per destination rank
+  int rank_base[kMaxExperts];   // messages per destination before the current token
   __align__(16) int header[kMaxTopk][kHeaderRowInts];  // the current token's, per destination
   int dest[kMaxTopk];                                  // its j-th destination rank
   int slot[kMaxTopk];                                  // its message slot q there
   int num_dests;
-  int items;  // RECV: messages to copy, over all sources
+  // RECV
+  int rows[kMaxExperts];        // rows from source s to local expert le, at le * R + s
+  int begin[kMaxExperts];       // first row of (le, s) in the expert's output
+  int messages[kMaxExperts];    // messages per source
+  int first_item[kMaxExperts];  // first item of the i-th source taken
+  int items;                    // messages to copy, over all sources
   int fail;
 };
 
-// False when the group was aborted (seen in `abort_seen`, loaded at kernel start): nothing sent.
-__device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                           DispatchShared& sh, int abort_seen) {
+// SEND step 1, the whole block. False when the group was aborted (seen in `abort_seen`, loaded
+// at kernel start): nothing sent.
+__device__ bool count_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                            DispatchShared& sh, int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -130,9 +165,6 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   const int G = static_cast<int>(gridDim.x);
   const int chunk = (T + G - 1) / G;
   const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
-  const int t_end = min(T, t_begin + chunk);
-  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
-  const unsigned full = 0xffffffffu;
 
   for (int e = tid; e < E; e += kThreads) sh.total[e] = sh.base[e] = 0;
   for (int d = tid; d < R; d += kThreads) sh.rank_total[d] = sh.rank_base[d] = 0;
@@ -178,7 +210,28 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
                (seq << 32) | static_cast<uint64_t>(sh.rank_total[d]));
 
   EP_LL_MARK(g_dispatch_timeline, kDsCountsSent);
-  // 2. Tokens of this block, in order.
+  return true;
+}
+
+// SEND step 2 on the warps of `wg`: the block's tokens, in order.
+__device__ void send_tokens(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                            DispatchShared& sh, const WarpGroup& wg) {
+  const Context& c = p.ctx;
+  const int tid = wg.tid();
+  const int lane = lane_id();
+  const int warp = wg.warp();
+  const int R = c.num_ranks;
+  const int M = c.max_tokens;
+  const int E_loc = p.num_experts / R;
+  const int K = p.num_topk;
+  const int T = p.num_tokens;
+  const int G = static_cast<int>(gridDim.x);
+  const int chunk = (T + G - 1) / G;
+  const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
+  const int t_end = min(T, t_begin + chunk);
+  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
+  const unsigned full = 0xffffffffu;
+  [[maybe_unused]] const bool stamp = tid == 0;
   const int vecs = msg.stride / 16;
   const int header_vecs = msg.header / 16;
   char* const send_area = c.local + c.layout.disp_send_offset;
@@ -212,8 +265,8 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       if (lane == 0) sh.num_dests = __popc(firsts);
       if (lane < K) c.send_route[size_t(t) * K + lane] = route_word(d, slot >= 0);
     }
-    __syncthreads();
-    EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsHeader);
+    wg.sync();
+    EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsHeader);
     const int nd = sh.num_dests;
     // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all
     // destinations: both stage the payload (message slot t * R + 0). BF16 to P2P peers goes
@@ -222,14 +275,14 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     for (int j = 0; j < nd; ++j) staged |= c.peer[sh.dest[j]] == nullptr;
     char* const staged_row = send_area + size_t(t) * R * msg.stride;
     if (staged) {
-      stage_payload(p, t, staged_row + msg.header);
-      __syncthreads();
-      EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsStaged);
+      stage_payload(p, t, staged_row + msg.header, wg);
+      wg.sync();
+      EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsStaged);
     }
     // P2P destinations: every thread stores its 16-byte pieces of each message (the whole
     // block writes, not one warp per destination).
     const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
-    for (int i = tid; i < vecs; i += kThreads) {
+    for (int i = tid; i < vecs; i += wg.threads()) {
       if (i < header_vecs) {
         for (int j = 0; j < nd; ++j) {
           char* peer = c.peer[sh.dest[j]];
@@ -250,8 +303,8 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
         st_v4(peer + dst + size_t(i) * 16, v);
       }
     }
-    __syncthreads();
-    EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsStored);
+    wg.sync();
+    EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsStored);
     // Publish: warp j releases destination j (P2P: a release store of the flag, covering the
     // whole block's stores ordered by the barrier; otherwise the staged message is put with the
     // flag as its signal).
@@ -273,17 +326,19 @@ __device__ bool send_phase(const DispatchParams& p, const Waiter& w, uint64_t se
                         seq);
       }
     }
-    __syncthreads();
-    EP_LL_MARK_IF(t == t_begin, g_dispatch_timeline, kDsReleased);
+    wg.sync();
+    EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsReleased);
   }
-  EP_LL_MARK(g_dispatch_timeline, kDsSendDone);
-  return true;
+  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsSendDone);
 }
 
+// RECV on the warps of `wg`.
 __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                           DispatchShared& sh) {
+                           DispatchShared& sh, const WarpGroup& wg) {
   const Context& c = p.ctx;
-  const int tid = static_cast<int>(threadIdx.x);
+  const int tid = wg.tid();
+  const int threads = wg.threads();
+  [[maybe_unused]] const bool stamp = tid == 0;
   const int R = c.num_ranks;
   const int M = c.max_tokens;
   const int E = p.num_experts;
@@ -298,8 +353,8 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
 
   // Every block: all count signals (rows per (le, s)) and message counts per source.
   if (tid == 0) sh.fail = 0;
-  __syncthreads();
-  for (int i = tid; i < E + R; i += kThreads) {
+  wg.sync();
+  for (int i = tid; i < E + R; i += threads) {
     const bool is_count = i < E;
     const uint64_t* f = is_count ? counts + i : tokens + (i - E);
     uint64_t v = 0;
@@ -308,63 +363,63 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       return static_cast<uint32_t>(v >> 32) == want;
     });
     if (is_count)
-      sh.total[i] = static_cast<int>(v & 0xFFFFFFFFu);
+      sh.rows[i] = static_cast<int>(v & 0xFFFFFFFFu);
     else
-      sh.rank_total[i - E] = static_cast<int>(v & 0xFFFFFFFFu);
+      sh.messages[i - E] = static_cast<int>(v & 0xFFFFFFFFu);
     if (!ok) sh.fail = 1;
   }
-  __syncthreads();
-  EP_LL_MARK(g_dispatch_timeline, kDsCountsIn);
+  wg.sync();
+  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsCountsIn);
   if (sh.fail) return;
-  for (int i = tid; i < E; i += kThreads) {
+  for (int i = tid; i < E; i += threads) {
     const int first = i - i % R;  // (le, 0)
     int b = 0;
-    for (int j = first; j < i; ++j) b += sh.total[j];
-    sh.base[i] = b;
+    for (int j = first; j < i; ++j) b += sh.rows[j];
+    sh.begin[i] = b;
   }
   // Messages are taken source by source starting with this rank (its own arrive first):
-  // rank_base[i] = first item of source (rank + i) % R.
+  // first_item[i] = first item of source (rank + i) % R.
   if (tid == 0) {
     int n = 0;
     for (int i = 0; i < R; ++i) {
-      sh.rank_base[i] = n;
-      n += sh.rank_total[(c.rank + i) % R];
+      sh.first_item[i] = n;
+      n += sh.messages[(c.rank + i) % R];
     }
     sh.items = n;
   }
-  __syncthreads();
-  EP_LL_MARK(g_dispatch_timeline, kDsPrefixDone);
+  wg.sync();
+  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsPrefixDone);
 
   // Per-expert outputs (block le % grid): count, ranges, stats, src_info -1 past the end.
   for (int le = static_cast<int>(blockIdx.x); le < E_loc; le += G) {
     const int last = le * R + R - 1;
-    const int total = sh.base[last] + sh.total[last];
+    const int total = sh.begin[last] + sh.rows[last];
     if (tid == 0) {
       p.recv_count[le] = total;
       if (p.cumulative_stats != nullptr) p.cumulative_stats[le] += total;
     }
-    for (int s = tid; s < R; s += kThreads)
-      p.layout_range[size_t(le) * R + s] = (static_cast<long long>(sh.base[le * R + s]) << 32) |
-                                           static_cast<long long>(sh.total[le * R + s]);
+    for (int s = tid; s < R; s += threads)
+      p.layout_range[size_t(le) * R + s] = (static_cast<long long>(sh.begin[le * R + s]) << 32) |
+                                           static_cast<long long>(sh.rows[le * R + s]);
     const size_t out_base = size_t(le) * slots;
-    for (int i = total + tid; i < slots; i += kThreads) p.src_info[out_base + i] = -1;
+    for (int i = total + tid; i < slots; i += threads) p.src_info[out_base + i] = -1;
     if (p.zero_padding) {
       const int4 zero = make_int4(0, 0, 0, 0);
       const size_t row_vecs = size_t(msg.payload_bytes) / 16;
       char* x0 = static_cast<char*>(p.recv_x) + out_base * msg.payload_bytes;
-      for (size_t i = size_t(total) * row_vecs + tid; i < size_t(slots) * row_vecs; i += kThreads)
+      for (size_t i = size_t(total) * row_vecs + tid; i < size_t(slots) * row_vecs; i += threads)
         st_v4(x0 + i * 16, zero);
       if (msg.scale_words > 0) {
         int* s0 = static_cast<int*>(p.recv_scales) + out_base * msg.scale_words;
         for (size_t i = size_t(total) * msg.scale_words + tid; i < size_t(slots) * msg.scale_words;
-             i += kThreads)
+             i += threads)
           s0[i] = 0;
       }
     }
   }
   // What combine needs to find these messages again (its H alone does not give the stride).
   if (blockIdx.x == 0) {
-    for (int s = tid; s < R; s += kThreads) c.recv_tokens[s] = sh.rank_total[s];
+    for (int s = tid; s < R; s += threads) c.recv_tokens[s] = sh.messages[s];
     if (tid == 0) c.ctrl->message_stride[c.buffer] = msg.stride;
   }
 
@@ -372,19 +427,19 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   // block b takes units w * grid + b, ...): the copies of one message run on several warps at
   // once. Lane j < n holds the output row of header entry j.
   const int lane = lane_id();
-  const int warp = warp_id();
+  const int warp = wg.warp();
   const int payload_vecs = msg.payload_bytes / 16;
   constexpr int kUnroll = 2;
   constexpr int kChunkVecs = 32 * kUnroll;
   const int chunks = (payload_vecs + kChunkVecs - 1) / kChunkVecs;
   const int units = sh.items * chunks;
-  const int warps = G * (kThreads / 32);
+  const int warps = G * wg.num_warps;
   for (int unit = warp * G + static_cast<int>(blockIdx.x); unit < units; unit += warps) {
     const int item = unit / chunks;
     const int chunk = unit - item * chunks;
-    const int i = item_source(sh.rank_base, R, item);
+    const int i = item_source(sh.first_item, R, item);
     const int s = (c.rank + i) % R;
-    const int q = item - sh.rank_base[i];
+    const int q = item - sh.first_item[i];
     const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
     bool ok = true;
     if (lane == 0) {
@@ -392,13 +447,13 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       ok = spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; });
     }
     if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) break;  // timed out or aborted
-    EP_LL_MARK_IF(unit == static_cast<int>(blockIdx.x), g_dispatch_timeline, kDsFirstFlag);
+    EP_LL_MARK_IF(stamp && unit == static_cast<int>(blockIdx.x), g_dispatch_timeline, kDsFirstFlag);
     const int n = message_entries(m);
     long long my_row = 0;
     if (lane < n) {
       const int2 entry = message_entry(m, lane);
       const int le = key_expert(entry.x);
-      my_row = static_cast<long long>(le) * slots + sh.base[le * R + s] + entry.y;
+      my_row = static_cast<long long>(le) * slots + sh.begin[le * R + s] + entry.y;
     }
     const char* payload = m + msg.header;
     int4 v[kUnroll];
@@ -426,7 +481,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     }
     if (chunk == 0 && lane < n) p.src_info[my_row] = message_token(m);
   }
-  EP_LL_MARK(g_dispatch_timeline, kDsCopied);
+  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsCopied);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
@@ -435,13 +490,28 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
   const uint64_t seq =
       ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
-  // Block-uniform decisions only: every path below contains __syncthreads. A SEND checks the
-  // abort word at its first barrier; the RECV's waits give up on it by themselves.
+  // Block-uniform decisions only: every path below contains barriers. A SEND checks the abort
+  // word at its first barrier; the RECV's waits give up on it by themselves. With both phases,
+  // warps [0, kSendWarps) send the block's tokens while the others receive: the copies start as
+  // messages land instead of after the block's own send.
   EP_LL_MARK(g_dispatch_timeline, kDsStart);
   const int abort_seen = aborted(w) ? 1 : 0;
-  const bool sent = (p.phases & kPhaseSend) ? send_phase(p, w, seq, sh, abort_seen)
-                                            : !__syncthreads_or(abort_seen);
-  if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
+  const bool send = (p.phases & kPhaseSend) != 0;
+  const bool recv = (p.phases & kPhaseRecv) != 0;
+  const bool go = send ? count_phase(p, w, seq, sh, abort_seen) : !__syncthreads_or(abort_seen);
+  if (go) {
+    constexpr int kAll = kThreads / 32;
+    if (send && recv) {
+      if (warp_id() < kSendWarps)
+        send_tokens(p, w, seq, sh, WarpGroup{0, kSendWarps, 1});
+      else
+        recv_phase(p, w, seq, sh, WarpGroup{kSendWarps, kAll - kSendWarps, 2});
+    } else if (send) {
+      send_tokens(p, w, seq, sh, WarpGroup{0, kAll, 0});
+    } else if (recv) {
+      recv_phase(p, w, seq, sh, WarpGroup{0, kAll, 0});
+    }
+  }
   __syncthreads();
   EP_LL_MARK(g_dispatch_timeline, kDsEnd);
   if (threadIdx.x == 0 && (p.phases & kPhaseSend)) {
