@@ -795,11 +795,11 @@ struct Harness {
   void print_timeline(int mode, const char* op, bool combine) {
 #ifdef EP_LL_TIMELINE
     static const char* const kDispatchNames[] = {
-        "start", "ready", "counted", "counts-sent", "header",   "staged",      "stored",
-        "released", "send-done", "counts-in", "prefix", "first-flag", "copied", "end"};
+        "start",    "ready",     "counted",   "counts-sent", "header",     "staged", "stored",
+        "released", "send-done", "counts-in", "prefix",      "first-flag", "copied", "end"};
     static const char* const kCombineNames[] = {
-        "start", "ready", "weights-sent", "weights-in", "stored", "released", "send-done",
-        "handshake", "first-flags", "end"};
+        "start",    "ready",     "weights-sent", "weights-in",  "stored",
+        "released", "send-done", "handshake",    "first-flags", "end"};
     static_assert(sizeof(kDispatchNames) / sizeof(char*) == ep::ll::kDsStages, "names");
     static_assert(sizeof(kCombineNames) / sizeof(char*) == ep::ll::kCsStages, "names");
     std::vector<uint64_t> tl(size_t(ep::ll::kTimelineBlocks) * ep::ll::kTimelineStages);
@@ -822,8 +822,8 @@ struct Harness {
       if (v.empty()) continue;
       std::sort(v.begin(), v.end());
       char part[96];
-      std::snprintf(part, sizeof(part), " %s %.1f/%.1f/%.1f", names[st], v.front(),
-                    v[v.size() / 2], v.back());
+      std::snprintf(part, sizeof(part), " %s %.1f/%.1f/%.1f", names[st], v.front(), v[v.size() / 2],
+                    v.back());
       line += part;
     }
     std::printf("%s\n", line.c_str());
