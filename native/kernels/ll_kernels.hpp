@@ -28,9 +28,9 @@ cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t 
 cudaError_t max_dispatch_blocks(int* blocks);
 
 #ifdef EP_LL_TIMELINE
-// Per-block %globaltimer stamps of the last call, [kTimelineBlocks][kTimelineStages] (ns).
-// Dispatch: start, counts sent, send done, receive counts in, end. Combine: start, weights
-// sent, receive handshake over, end.
+// Per-block %globaltimer stamps of the last call, [kTimelineBlocks][kTimelineStages] (ns), at
+// the stages DispatchStage / CombineStage of ll_common.hpp (0 or an older call's stamp where a
+// block did not reach a stage).
 cudaError_t read_dispatch_timeline(uint64_t* out);
 cudaError_t read_combine_timeline(uint64_t* out);
 #endif
