@@ -259,10 +259,9 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   const int K = p.num_topk;
   const int T = p.num_tokens;
   const int H = p.hidden;
-  const int G = static_cast<int>(gridDim.x);
-  const int chunk = (T + G - 1) / G;
-  const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
-  const int t_end = min(T, t_begin + chunk);
+  const int2 tokens = block_tokens(T);
+  const int t_begin = tokens.x;
+  const int t_end = tokens.y;
   const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_flag_offset);
   const char* recv = c.local + c.layout.comb_recv_offset;

@@ -83,6 +83,14 @@ __device__ __forceinline__ long long load_idx(const void* topk_idx, int idx_byte
   return static_cast<const int*>(topk_idx)[i];
 }
 
+// This block's tokens [x, y): T split over the grid in chunks of ceil(T / grid) (the dispatch
+// SEND and the combine RECV walk the same tokens per block).
+__device__ __forceinline__ int2 block_tokens(int num_tokens) {
+  const int chunk = (num_tokens + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const int begin = min(num_tokens, static_cast<int>(blockIdx.x) * chunk);
+  return make_int2(begin, min(num_tokens, begin + chunk));
+}
+
 // Bit j set when lane first_lane + j (j < n, lanes of this warp) holds the same `value` as this
 // lane. Every lane of the warp calls it, with the same n. A shuffle per lane compared:
 // __match_any_sync is far slower (three of them took ~1 us per round of the dispatch count).

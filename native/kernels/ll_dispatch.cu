@@ -63,7 +63,9 @@ struct WarpGroup {
   }
 };
 
-// Warps of a block that send while the others receive (a call with both phases).
+// Warps of a block that send while the others receive (a call with both phases; 8 and 24 were
+// slower: docs/performance.md). -DEP_LL_SEND_WARPS=N builds another split for
+// scripts/ll_variants.sh.
 #ifndef EP_LL_SEND_WARPS
 #define EP_LL_SEND_WARPS 16
 #endif
@@ -190,8 +192,7 @@ __device__ bool count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
   const int K = p.num_topk;
   const int T = p.num_tokens;
   const int G = static_cast<int>(gridDim.x);
-  const int chunk = (T + G - 1) / G;
-  const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
+  const int t_begin = block_tokens(T).x;
 
   for (int e = tid; e < E; e += kThreads) sh.total[e] = sh.base[e] = 0;
   for (int d = tid; d < R; d += kThreads) sh.rank_total[d] = sh.rank_base[d] = 0;
@@ -252,10 +253,9 @@ __device__ void send_tokens(const DispatchParams& p, const Waiter& w, uint64_t s
   const int E_loc = p.num_experts / R;
   const int K = p.num_topk;
   const int T = p.num_tokens;
-  const int G = static_cast<int>(gridDim.x);
-  const int chunk = (T + G - 1) / G;
-  const int t_begin = min(T, static_cast<int>(blockIdx.x) * chunk);
-  const int t_end = min(T, t_begin + chunk);
+  const int2 tokens = block_tokens(T);
+  const int t_begin = tokens.x;
+  const int t_end = tokens.y;
   const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
   const unsigned full = 0xffffffffu;
   [[maybe_unused]] const bool stamp = tid == 0;
@@ -491,6 +491,8 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
       const int piece = chunk * kChunkVecs + 32 * u + lane;
       if (piece < payload_vecs) v[u] = ld_cg_v4(payload + size_t(piece) * 16);
     }
+    // n comes from the header, the same on every lane: the shuffles see the whole warp (a
+    // per-lane bound around them hung at H = 128 once).
     for (int j = 0; j < n; ++j) {
       const long long row = __shfl_sync(0xffffffffu, my_row, j);
       char* out = static_cast<char*>(p.recv_x) + size_t(row) * msg.payload_bytes;
@@ -500,7 +502,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
         if (piece < payload_vecs) st_v4(out + size_t(piece) * 16, v[u]);
       }
     }
-    if (chunk == chunks - 1) {  // scale words (lanes over words)
+    if (chunk == chunks - 1 && msg.scale_words > 0) {  // scale words (lanes over words)
       for (int j = 0; j < n; ++j) {
         const long long row = __shfl_sync(0xffffffffu, my_row, j);
         for (int q2 = lane; q2 < msg.scale_words; q2 += 32)
