@@ -11,8 +11,9 @@
 //  0. This rank's weights [T, K] go to every rank (comb_weights[r], stride max_topk), then the
 //     rank's weights flag. Since this kernel runs after r's dispatch RECV on the same stream,
 //     the flag also says "r finished reading this buffer's dispatch area".
-//  1. The messages r received in the dispatch (recv_tokens[s] per source) are spread over the
-//     blocks, remote sources first. For message (s, q) of token t with n > 1 entries: wait for
+//  1. The dispatch's message slots (recv_tokens[s] = source s's token count; slot (s, t) holds a
+//     message when its flag says so) are spread over the blocks, remote sources first. For the
+//     message of token t of source s with n > 1 entries: wait for
 //     s's weights, then acc = +0.0 and, for the header's entries in k order, acc = acc + w_k * y
 //     (separately rounded, no FMA), y being x[le, begin(le, s) + p], stored as float32 in two
 //     halves (st_partial); with one entry, the BF16 row y itself. It goes to comb_recv[r * M + t]
@@ -131,6 +132,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   // The dispatch's messages (BF16 or FP8: their stride was recorded by its RECV).
   const int stride = ld_volatile_int(&c.ctrl->message_stride[c.buffer]);
   const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
+  const uint64_t* dflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_flag_offset);
 
   EP_LL_MARK(g_combine_timeline, kCsReady);
   if (!send_weights(p, seq, abort_seen)) return false;
@@ -156,73 +158,77 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
     const int i = item_source(sh.first_item, R, item);
     const int s = (c.rank + 1 + i) % R;
-    const int q = item - sh.first_item[i];
-    // The dispatch message (s, q) is still in this rank's receive area: its header says which
-    // rows of x belong to the token and with which k.
-    const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * stride;
-    const int t = message_token(m);
-    const int n = message_entries(m);
-    // A single entry goes back unweighted: only sums wait for the source's weights.
-    if (tid == 0 && n > 1 && sh.weights_of != s) {
-      const uint64_t* f = wflags + s;
-      if (spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; }))
-        sh.weights_of = s;
-      else
-        sh.fail = 1;
-    }
-    __syncthreads();
-    EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline,
-                  kCsWeightsIn);
-    if (sh.fail) return false;
-    if (tid < n) {
-      const int2 entry = message_entry(m, tid);
-      const int le = key_expert(entry.x);
-      const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
-      sh.row[tid] = static_cast<long long>(le) * R * M + begin + entry.y;
-      const float* weights =
-          reinterpret_cast<const float*>(c.local + c.layout.comb_weights_offset) +
-          size_t(s) * M * KM;
-      sh.weight[tid] =
-          n > 1 ? __int_as_float(ld_cg_s32(weights + size_t(t) * KM + key_k(entry.x))) : 0.0f;
-    }
-    __syncthreads();
-    char* peer = c.peer[s];
-    const size_t slot = size_t(c.rank) * M + t;
-    char* dst = peer != nullptr
-                    ? peer + c.layout.comb_recv_offset + slot * size_t(H) * 4
-                    : c.local + c.layout.comb_stage_offset + (size_t(s) * M + t) * size_t(H) * 4;
-    const char* x = reinterpret_cast<const char*>(p.x);
-    for (int v = tid; v < vecs; v += kThreads) {
-      if (n == 1) {
-        st_v4(dst + size_t(v) * 16, ld_nc_v4(x + size_t(sh.row[0]) * H * 2 + size_t(v) * 16));
-        continue;
+    const int t = item - sh.first_item[i];
+    // The dispatch's slot (s, t) is still in this rank's receive area, final since its RECV (an
+    // earlier kernel): with a message, its header says which rows of x belong to the token and
+    // with which k. Block-uniform (every thread reads the same word).
+    const bool present = ld_volatile_u64(dflags + size_t(s) * M + t) == message_flag(seq, true);
+    if (present) {
+      const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + t) * stride;
+      const int n = message_entries(m);
+      // A single entry goes back unweighted: only sums wait for the source's weights.
+      if (tid == 0 && n > 1 && sh.weights_of != s) {
+        const uint64_t* f = wflags + s;
+        if (spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; }))
+          sh.weights_of = s;
+        else
+          sh.fail = 1;
       }
-      float acc[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-      // Batches of four independent row loads in flight, then the adds in k order.
-      constexpr int kBatch = 4;
-      for (int k0 = 0; k0 < n; k0 += kBatch) {
-        int4 y[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-          if (k0 + u < n) y[u] = ld_nc_v4(x + size_t(sh.row[k0 + u]) * H * 2 + size_t(v) * 16);
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (k0 + u >= n) break;
-          add_weighted_bf16x8(acc, sh.weight[k0 + u], y[u]);
+      __syncthreads();
+      EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline,
+                    kCsWeightsIn);
+      if (sh.fail) return false;
+      if (tid < n) {
+        const int2 entry = message_entry(m, tid);
+        const int le = key_expert(entry.x);
+        const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
+        sh.row[tid] = static_cast<long long>(le) * R * M + begin + entry.y;
+        const float* weights =
+            reinterpret_cast<const float*>(c.local + c.layout.comb_weights_offset) +
+            size_t(s) * M * KM;
+        sh.weight[tid] =
+            n > 1 ? __int_as_float(ld_cg_s32(weights + size_t(t) * KM + key_k(entry.x))) : 0.0f;
+      }
+      __syncthreads();
+      char* peer = c.peer[s];
+      const size_t slot = size_t(c.rank) * M + t;
+      char* dst = peer != nullptr
+                      ? peer + c.layout.comb_recv_offset + slot * size_t(H) * 4
+                      : c.local + c.layout.comb_stage_offset + (size_t(s) * M + t) * size_t(H) * 4;
+      const char* x = reinterpret_cast<const char*>(p.x);
+      for (int v = tid; v < vecs; v += kThreads) {
+        if (n == 1) {
+          st_v4(dst + size_t(v) * 16, ld_nc_v4(x + size_t(sh.row[0]) * H * 2 + size_t(v) * 16));
+          continue;
         }
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+        // Batches of four independent row loads in flight, then the adds in k order.
+        constexpr int kBatch = 4;
+        for (int k0 = 0; k0 < n; k0 += kBatch) {
+          int4 y[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u)
+            if (k0 + u < n) y[u] = ld_nc_v4(x + size_t(sh.row[k0 + u]) * H * 2 + size_t(v) * 16);
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= n) break;
+            add_weighted_bf16x8(acc, sh.weight[k0 + u], y[u]);
+          }
+        }
+        st_partial(dst, v, vecs, acc);
       }
-      st_partial(dst, v, vecs, acc);
+      EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline,
+                    kCsStored);
+      if (tid == 0) {
+        sh.pending_rank[pending] = s;
+        sh.pending_token[pending] = t;
+        sh.pending_entries[pending] = n;
+      }
+      ++pending;
     }
-    EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline, kCsStored);
-    if (tid == 0) {
-      sh.pending_rank[pending] = s;
-      sh.pending_token[pending] = t;
-      sh.pending_entries[pending] = n;
-    }
-    ++pending;
-    if (pending < kMaxPending && item + G < items) continue;
+    if (pending == 0 || (pending < kMaxPending && item + G < items)) continue;
     // Release: every pending item's flag, after the barrier that orders the block's stores
     // (P2P: thread j's release store covers them; otherwise warp j puts item j from comb_stage
     // with the flag as its signal).

@@ -37,11 +37,11 @@ static_assert(kMaxTopk <= (1 << kKeyKBits), "k must fit the header key");
 enum DispatchStage : int {
   kDsStart,
   kDsReady,
+  kDsStaged,
+  kDsStored,
   kDsCounted,
   kDsCountsSent,
   kDsHeader,
-  kDsStaged,
-  kDsStored,
   kDsReleased,
   kDsSendDone,
   kDsCountsIn,
@@ -144,14 +144,15 @@ struct Message {
 
 // Layout of one buffer inside the symmetric region (identical on every rank). Sized for the
 // config's maxima; each call packs its rows with its own H (all ranks pass the same H).
-// Signals (u64; a count signal is seq << 32 | count, a flag is the call's seq):
+// Signals (u64; a count signal is seq << 32 | count, a flag is the call's seq, a message flag
+// seq << 1 | present):
 //   disp_count[E]     rows from source s to local expert le, at le * R + s
-//   disp_tokens[R]    messages from source s
-//   disp_flag[R*M]    message (s, q) complete
+//   disp_tokens[R]    tokens of source s (message slots to visit)
+//   disp_flag[R*M]    message slot (s, t) complete, or "token t of s sent none here"
 //   comb_wflag[R]     weights of source s complete; also says s finished its dispatch RECV
 //   comb_flag[R*M]    partial (expert rank d, token t) complete, at d * M + t
 // Data:
-//   disp_recv[R*M]    messages, (s, q) at s * M + q
+//   disp_recv[R*M]    messages, (s, t) at s * M + t: token t of source s
 //   disp_send[M*R]    staging: token t's message for its j-th destination at t * R + j
 //   comb_weights[R]   [M * max_topk] float32 of source s (stride max_topk)
 //   comb_wstage       [M * max_topk] float32, this rank's weights (put source)
@@ -222,7 +223,7 @@ struct Context {
   // Private [M * K] of the buffer's dispatch: route_word of entry (t, k). Combine's token side
   // reads it.
   int* send_route;
-  int* recv_tokens;  // private [R]: messages the buffer's dispatch received from each source
+  int* recv_tokens;  // private [R]: message slots (tokens) of each source in the buffer's dispatch
   long long timeout_ns;
   int buffer;  // 0 or 1
   int rank;

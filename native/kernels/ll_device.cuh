@@ -115,6 +115,19 @@ __device__ __forceinline__ int2 message_entry(const char* m, int j) {
   return make_int2(ld_cg_s32(m + 8 + 8 * j), ld_cg_s32(m + 12 + 8 * j));
 }
 
+// The flag of dispatch message slot (s, t): seq << 1, plus 1 when token t of source s sent this
+// rank a message (a receiver visits every slot below the source's token count, so it must also
+// learn when there is none).
+__device__ __forceinline__ uint64_t message_flag(uint64_t seq, bool present) {
+  return (seq << 1) | (present ? 1u : 0u);
+}
+__device__ __forceinline__ uint64_t message_flag_seq(uint64_t flag) {
+  return flag >> 1;
+}
+__device__ __forceinline__ bool message_flag_present(uint64_t flag) {
+  return (flag & 1u) != 0;
+}
+
 // Work items taken source by source: first[i] is the first item of the i-th source taken
 // (ascending; a source without items shares its successor's). The i of `item`.
 __device__ __forceinline__ int item_source(const int* first, int sources, int item) {

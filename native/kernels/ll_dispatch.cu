@@ -158,29 +158,135 @@ __device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waite
 // each has its own part.
 struct DispatchShared {
   // SEND
-  int total[kMaxExperts];       // entries per global expert
-  int base[kMaxExperts];        // entries per expert before the current token
-  int rank_total[kMaxExperts];  // messages per destination rank
-  int rank_base[kMaxExperts];   // messages per destination before the current token
+  int total[kMaxExperts];  // entries per global expert
+  int base[kMaxExperts];   // entries per expert before the current token
   __align__(16) int header[kMaxTopk][kHeaderRowInts];  // the current token's, per destination
   int dest[kMaxTopk];                                  // its j-th destination rank
-  int slot[kMaxTopk];                                  // its message slot q there
   char* message[kMaxTopk];  // where message j goes (P2P-mapped), or null: put by NVSHMEM
   int num_dests;
   int staged;  // the current token's payload is staged in the send area
   // RECV
   int rows[kMaxExperts];        // rows from source s to local expert le, at le * R + s
   int begin[kMaxExperts];       // first row of (le, s) in the expert's output
-  int messages[kMaxExperts];    // messages per source
+  int messages[kMaxExperts];    // message slots (= tokens) per source
   int first_item[kMaxExperts];  // first item of the i-th source taken
-  int items;                    // messages to copy, over all sources
+  int items;                    // message slots to visit, over all sources
   int fail;
 };
 
-// SEND step 1, the whole block. False when the group was aborted (seen in `abort_seen`, loaded
-// at kernel start): nothing sent.
-__device__ bool count_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                            DispatchShared& sh, int abort_seen) {
+// Warp 0, token t: its destination ranks in the order its entries first reach them (dest[j])
+// and where each message goes (slot (r, t) of that rank, P2P-mapped, or null for an NVSHMEM
+// put). With `positions` (needs the counts of SEND step 2), also each entry's position p among
+// this rank's entries to its expert (sh.base, advanced past t), the headers and send_route.
+__device__ void route_token(const DispatchParams& p, const Waiter& w, DispatchShared& sh, int t,
+                            const Message& msg, bool positions) {
+  const Context& c = p.ctx;
+  const int lane = lane_id();
+  const int M = c.max_tokens;
+  const int E_loc = p.num_experts / c.num_ranks;
+  const int K = p.num_topk;
+  const unsigned full = 0xffffffffu;
+  const unsigned below = (1u << lane) - 1u;
+  const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
+  const int d = e >= 0 ? e / E_loc : -1;
+  const unsigned same_d = lanes_equal(d, 0, K);
+  const int first = __ffs(same_d) - 1;
+  const unsigned firsts = __ballot_sync(full, d >= 0 && lane == first);
+  // My destination's index (first < 0 only for lanes without an entry: j unused).
+  const int j = first > 0 ? __popc(firsts & ((1u << first) - 1u)) : 0;
+  if (positions) {
+    const unsigned same_e = lanes_equal(e, 0, K);
+    const int pos = e >= 0 ? sh.base[e] + __popc(same_e & below) : -1;
+    __syncwarp();
+    if (e >= 0 && (same_e & below) == 0) sh.base[e] += __popc(same_e);
+    const int slot = pos < M ? pos : -1;  // overflow was reported with the counts
+    const unsigned listed = same_d & __ballot_sync(full, slot >= 0);
+    if (d >= 0 && slot >= 0) {
+      const int at = 2 + 2 * __popc(listed & below);
+      sh.header[j][at] = header_key(lane, e % E_loc);
+      sh.header[j][at + 1] = slot;
+    }
+    if (d >= 0 && lane == first) {
+      sh.header[j][0] = t;
+      sh.header[j][1] = __popc(listed);
+    }
+    if (lane < K) c.send_route[size_t(t) * K + lane] = route_word(d, slot >= 0);
+  }
+  bool put = false;
+  if (d >= 0 && lane == first) {
+    sh.dest[j] = d;
+    char* const peer = c.peer[d];
+    put = peer == nullptr;
+    sh.message[j] =
+        put ? nullptr : peer + c.layout.disp_recv_offset + (size_t(c.rank) * M + t) * msg.stride;
+  }
+  // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all
+  // destinations: both stage the payload (message slot t * R + 0). BF16 to P2P peers goes
+  // straight from x.
+  const bool any_put = __any_sync(full, put);
+  if (lane == 0) {
+    sh.num_dests = __popc(firsts);
+    sh.staged = (p.fp8 != 0 || any_put) ? 1 : 0;
+  }
+}
+
+// SEND step 1, the whole block: the payload of each of the block's tokens goes to slot (r, t)
+// of every P2P destination at once (FP8 quantised into the send area first); the headers, which
+// need the counts, follow in step 3. The stores cross the link while the block counts. Also
+// sends this rank's token count to the ranks this block owns. False when the group was aborted
+// (`abort_seen`, loaded at kernel start): nothing sent.
+__device__ bool send_payloads(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                              DispatchShared& sh, int abort_seen) {
+  const Context& c = p.ctx;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int R = c.num_ranks;
+  const int G = static_cast<int>(gridDim.x);
+  const int2 tokens = block_tokens(p.num_tokens);
+  const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
+  const WarpGroup all{0, kThreads / 32, 0};
+  const int vecs = msg.stride / 16;
+  const int header_vecs = msg.header / 16;
+  char* const send_area = c.local + c.layout.disp_send_offset;
+  for (int e = tid; e < p.num_experts; e += kThreads) sh.total[e] = sh.base[e] = 0;
+  int t = tokens.x;
+  if (warp_id() == 0 && t < tokens.y) route_token(p, w, sh, t, msg, /*positions=*/false);
+  // The abort word was loaded at kernel start (its latency hidden behind topk_idx's).
+  if (__syncthreads_or(abort_seen)) return false;
+  EP_LL_MARK(g_dispatch_timeline, kDsReady);
+  for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
+    signal_set(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
+               (seq << 32) | static_cast<uint64_t>(p.num_tokens));
+  while (t < tokens.y) {
+    const int nd = sh.num_dests;
+    const bool staged = sh.staged != 0;
+    char* const staged_row = send_area + size_t(t) * R * msg.stride;
+    if (staged) {
+      stage_payload(p, t, staged_row + msg.header, all);
+      __syncthreads();
+      EP_LL_MARK_IF(threadIdx.x == 0 && t == tokens.x, g_dispatch_timeline, kDsStaged);
+    }
+    const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
+    for (int i = header_vecs + tid; i < vecs; i += kThreads) {
+      const int4 v =
+          staged ? ld_cg_v4(staged_row + size_t(i) * 16) : ld_nc_v4(x_row + (i - header_vecs));
+      for (int j = 0; j < nd; ++j)
+        if (sh.message[j] != nullptr) st_v4(sh.message[j] + size_t(i) * 16, v);
+    }
+    EP_LL_MARK_IF(threadIdx.x == 0 && t == tokens.x, g_dispatch_timeline, kDsStored);
+    if (++t == tokens.y) break;
+    __syncthreads();  // every thread is done with the previous token's routing
+    if (warp_id() == 0) route_token(p, w, sh, t, msg, /*positions=*/false);
+    __syncthreads();
+  }
+  return true;
+}
+
+// SEND step 2, the whole block (after step 1's barriers: the counters are zero). Each warp holds
+// 32 / K whole tokens (lane = token slot * K + k), so one round of loads covers
+// 32 * (32 / K) tokens (all of T = 128 at K = 8); one shared atomic per entry. The block owning
+// expert e sends its count signal.
+__device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                            DispatchShared& sh) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -193,35 +299,18 @@ __device__ bool count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
   const int T = p.num_tokens;
   const int G = static_cast<int>(gridDim.x);
   const int t_begin = block_tokens(T).x;
-
-  for (int e = tid; e < E; e += kThreads) sh.total[e] = sh.base[e] = 0;
-  for (int d = tid; d < R; d += kThreads) sh.rank_total[d] = sh.rank_base[d] = 0;
-  __syncthreads();
-  EP_LL_MARK(g_dispatch_timeline, kDsReady);
-  // 1. Counts: each warp holds 32 / K whole tokens (lane = token slot * K + k), so one round of
-  // loads covers 32 * (32 / K) tokens (all of T = 128 at K = 8); shared atomics per entry.
   const int per_warp = 32 / K;
   const int my_token = lane / K;
   for (int t0 = warp * per_warp; t0 < T; t0 += (kThreads / 32) * per_warp) {
     const int t = t0 + my_token;
     const bool mine = my_token < per_warp && t < T;
     const int e = mine ? entry_expert(p, w, size_t(t) * K + lane % K) : -1;
-    const bool before = t < t_begin;
     if (e >= 0) {
       atomicAdd(&sh.total[e], 1);
-      if (before) atomicAdd(&sh.base[e], 1);
-    }
-    // A message per (token, destination rank): counted by the token's first entry on the rank.
-    const int d = e >= 0 ? e / E_loc : -1;
-    const int k = lane % K;
-    const unsigned same_d = lanes_equal(d, lane - k, K);  // lanes of my token
-    if (d >= 0 && (same_d & ((1u << k) - 1u)) == 0) {
-      atomicAdd(&sh.rank_total[d], 1);
-      if (before) atomicAdd(&sh.rank_base[d], 1);
+      if (t < t_begin) atomicAdd(&sh.base[e], 1);
     }
   }
-  // The abort word was loaded before the counting pass (its latency hidden behind topk_idx's).
-  if (__syncthreads_or(abort_seen)) return false;
+  __syncthreads();
   EP_LL_MARK(g_dispatch_timeline, kDsCounted);
   for (int e = static_cast<int>(blockIdx.x) + tid * G; e < E; e += kThreads * G) {
     int count = sh.total[e];
@@ -233,118 +322,55 @@ __device__ bool count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
     signal_set(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
                (seq << 32) | static_cast<uint64_t>(count));
   }
-  for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
-    signal_set(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
-               (seq << 32) | static_cast<uint64_t>(sh.rank_total[d]));
-
   EP_LL_MARK(g_dispatch_timeline, kDsCountsSent);
-  return true;
 }
 
-// SEND step 2 on the warps of `wg`: the block's tokens, in order.
-__device__ void send_tokens(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                            DispatchShared& sh, const WarpGroup& wg) {
+// SEND step 3 on the warps of `wg`: the block's tokens in order. Warp 0 builds the headers; the
+// group stores them to the P2P destinations; after a barrier warp j releases destination j
+// (P2P: a release store of the flag, covering the whole block's stores, step 1's included;
+// otherwise the staged message is put with the flag as its signal). Every rank the token does
+// not reach gets the flag's "no message" value.
+__device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t seq,
+                             DispatchShared& sh, const WarpGroup& wg) {
   const Context& c = p.ctx;
   const int tid = wg.tid();
   const int lane = lane_id();
   const int warp = wg.warp();
   const int R = c.num_ranks;
   const int M = c.max_tokens;
-  const int E_loc = p.num_experts / R;
-  const int K = p.num_topk;
-  const int T = p.num_tokens;
-  const int2 tokens = block_tokens(T);
-  const int t_begin = tokens.x;
-  const int t_end = tokens.y;
+  const int2 tokens = block_tokens(p.num_tokens);
   const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
-  const unsigned full = 0xffffffffu;
   [[maybe_unused]] const bool stamp = tid == 0;
   const int vecs = msg.stride / 16;
   const int header_vecs = msg.header / 16;
   char* const send_area = c.local + c.layout.disp_send_offset;
-  for (int t = t_begin; t < t_end; ++t) {
-    if (warp == 0) {
-      const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
-      const unsigned same_e = lanes_equal(e, 0, K);
-      const unsigned below = (1u << lane) - 1u;
-      const int pos = e >= 0 ? sh.base[e] + __popc(same_e & below) : -1;
-      __syncwarp();
-      if (e >= 0 && (same_e & below) == 0) sh.base[e] += __popc(same_e);
-      const int slot = pos < M ? pos : -1;  // overflow was reported with the counts
-      const int d = e >= 0 ? e / E_loc : -1;
-      const unsigned same_d = lanes_equal(d, 0, K);
-      const int first = __ffs(same_d) - 1;
-      const unsigned firsts = __ballot_sync(full, d >= 0 && lane == first);
-      // My destination's index (first < 0 only for lanes without an entry: j unused).
-      const int j = first > 0 ? __popc(firsts & ((1u << first) - 1u)) : 0;
-      const unsigned listed = same_d & __ballot_sync(full, slot >= 0);
-      if (d >= 0 && slot >= 0) {
-        const int at = 2 + 2 * __popc(listed & below);
-        sh.header[j][at] = header_key(lane, e % E_loc);
-        sh.header[j][at + 1] = slot;
-      }
-      bool put = false;
-      if (d >= 0 && lane == first) {
-        sh.header[j][0] = t;
-        sh.header[j][1] = __popc(listed);
-        sh.dest[j] = d;
-        const int q = sh.rank_base[d]++;
-        sh.slot[j] = q;
-        char* const peer = c.peer[d];
-        put = peer == nullptr;
-        sh.message[j] =
-            put ? nullptr
-                : peer + c.layout.disp_recv_offset + (size_t(c.rank) * M + q) * msg.stride;
-      }
-      // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all
-      // destinations: both stage the payload (message slot t * R + 0). BF16 to P2P peers goes
-      // straight from x.
-      const bool any_put = __any_sync(full, put);
-      if (lane == 0) {
-        sh.num_dests = __popc(firsts);
-        sh.staged = (p.fp8 != 0 || any_put) ? 1 : 0;
-      }
-      if (lane < K) c.send_route[size_t(t) * K + lane] = route_word(d, slot >= 0);
-    }
+  for (int t = tokens.x; t < tokens.y; ++t) {
+    if (warp == 0) route_token(p, w, sh, t, msg, /*positions=*/true);
     wg.sync();
-    EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsHeader);
+    EP_LL_MARK_IF(stamp && t == tokens.x, g_dispatch_timeline, kDsHeader);
     const int nd = sh.num_dests;
-    const bool staged = sh.staged != 0;
-    char* const staged_row = send_area + size_t(t) * R * msg.stride;
-    if (staged) {
-      stage_payload(p, t, staged_row + msg.header, wg);
-      wg.sync();
-      EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsStaged);
+    for (int i = tid; i < nd * header_vecs; i += wg.threads()) {
+      const int j = i / header_vecs;
+      const int v = i - j * header_vecs;
+      if (sh.message[j] != nullptr)
+        st_v4(sh.message[j] + size_t(v) * 16, *reinterpret_cast<const int4*>(&sh.header[j][4 * v]));
     }
-    // P2P destinations: every thread stores its 16-byte pieces of each message (header piece
-    // j of message j, or the payload piece shared by all; the whole group writes, not one warp
-    // per destination).
-    const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
-    for (int i = tid; i < vecs; i += wg.threads()) {
-      const bool head = i < header_vecs;
-      int4 v = make_int4(0, 0, 0, 0);
-      if (!head)
-        v = staged ? ld_cg_v4(staged_row + size_t(i) * 16) : ld_nc_v4(x_row + (i - header_vecs));
-      for (int j = 0; j < nd; ++j) {
-        char* const dst = sh.message[j];
-        if (dst != nullptr)
-          st_v4(dst + size_t(i) * 16,
-                head ? *reinterpret_cast<const int4*>(&sh.header[j][4 * i]) : v);
-      }
+    const size_t slot = size_t(c.rank) * M + t;
+    const size_t flag = c.layout.disp_flag_offset + slot * 8;
+    for (int d = tid; d < R; d += wg.threads()) {
+      bool reached = false;
+      for (int j = 0; j < nd; ++j) reached |= sh.dest[j] == d;
+      if (!reached) signal_set(c, d, flag, message_flag(seq, false));
     }
     wg.sync();
-    EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsStored);
-    // Publish: warp j releases destination j (P2P: a release store of the flag, covering the
-    // whole block's stores ordered by the barrier; otherwise the staged message is put with the
-    // flag as its signal).
     if (warp < nd) {
       const int d = sh.dest[warp];
-      const size_t slot = size_t(c.rank) * M + sh.slot[warp];
-      const size_t flag = c.layout.disp_flag_offset + slot * 8;
       if (c.peer[d] != nullptr) {
-        if (lane == 0) st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), seq);
+        if (lane == 0)
+          st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), message_flag(seq, true));
       } else {
         // Message j = header j + the payload staged in message 0 (copied for j > 0).
+        char* const staged_row = send_area + size_t(t) * R * msg.stride;
         char* row = staged_row + size_t(warp) * msg.stride;
         for (int i = lane; i < header_vecs; i += 32)
           st_v4(row + size_t(i) * 16, *reinterpret_cast<const int4*>(&sh.header[warp][4 * i]));
@@ -352,11 +378,11 @@ __device__ void send_tokens(const DispatchParams& p, const Waiter& w, uint64_t s
           for (int i = header_vecs + lane; i < vecs; i += 32)
             st_v4(row + size_t(i) * 16, ld_cg_v4(staged_row + size_t(i) * 16));
         warp_put_signal(c, d, c.layout.disp_recv_offset + slot * msg.stride, row, msg.stride, flag,
-                        seq);
+                        message_flag(seq, true));
       }
     }
     wg.sync();
-    EP_LL_MARK_IF(stamp && t == t_begin, g_dispatch_timeline, kDsReleased);
+    EP_LL_MARK_IF(stamp && t == tokens.x, g_dispatch_timeline, kDsReleased);
   }
   EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsSendDone);
 }
@@ -380,7 +406,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_flag_offset);
   const uint32_t want = static_cast<uint32_t>(seq);
 
-  // Every block: all count signals (rows per (le, s)) and message counts per source.
+  // Every block: all count signals (rows per (le, s)) and token counts per source.
   if (tid == 0) sh.fail = 0;
   wg.sync();
   for (int i = tid; i < E + R; i += threads) {
@@ -406,7 +432,7 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     for (int j = first; j < i; ++j) b += sh.rows[j];
     sh.begin[i] = b;
   }
-  // Messages are taken source by source starting with this rank (its own arrive first):
+  // Message slots are taken source by source starting with this rank (its own arrive first):
   // first_item[i] = first item of source (rank + i) % R.
   if (tid == 0) {
     int n = 0;
@@ -452,9 +478,10 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     if (tid == 0) c.ctrl->message_stride[c.buffer] = msg.stride;
   }
 
-  // Work units (message, chunk of kChunkVecs 16-byte payload pieces), a warp each (warp w of
-  // block b takes units w * grid + b, ...): the copies of one message run on several warps at
-  // once. Lane j < n holds the output row of header entry j.
+  // Work units (message slot (s, t), chunk of kChunkVecs 16-byte payload pieces), a warp each
+  // (warp w of block b takes units w * grid + b, ...): the copies of one message run on several
+  // warps at once; a slot whose flag says "no message" is skipped. Lane j < n holds the output
+  // row of header entry j.
   const int lane = lane_id();
   const int warp = wg.warp();
   const int payload_vecs = msg.payload_bytes / 16;
@@ -468,15 +495,22 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     const int chunk = unit - item * chunks;
     const int i = item_source(sh.first_item, R, item);
     const int s = (c.rank + i) % R;
-    const int q = item - sh.first_item[i];
-    const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + q) * msg.stride;
-    bool ok = true;
+    const int t = item - sh.first_item[i];
+    const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + t) * msg.stride;
+    int state = 1;  // 1: a message, 0: token t of s did not come here, -1: timed out or aborted
     if (lane == 0) {
-      const uint64_t* f = flags + size_t(s) * M + q;
-      ok = spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; });
+      const uint64_t* f = flags + size_t(s) * M + t;
+      uint64_t v = 0;
+      const bool ok = spin_wait(w, s, [&] {
+        v = ld_acquire_sys(f);
+        return message_flag_seq(v) == seq;
+      });
+      state = ok ? (message_flag_present(v) ? 1 : 0) : -1;
     }
-    if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) break;  // timed out or aborted
+    state = __shfl_sync(0xffffffffu, state, 0);
+    if (state < 0) break;
     EP_LL_MARK_IF(stamp && unit == static_cast<int>(blockIdx.x), g_dispatch_timeline, kDsFirstFlag);
+    if (state == 0) continue;
     const int n = message_entries(m);
     long long my_row = 0;
     if (lane < n) {
@@ -529,16 +563,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const int abort_seen = aborted(w) ? 1 : 0;
   const bool send = (p.phases & kPhaseSend) != 0;
   const bool recv = (p.phases & kPhaseRecv) != 0;
-  const bool go = send ? count_phase(p, w, seq, sh, abort_seen) : !__syncthreads_or(abort_seen);
+  const bool go = send ? send_payloads(p, w, seq, sh, abort_seen) : !__syncthreads_or(abort_seen);
   if (go) {
     constexpr int kAll = kThreads / 32;
+    if (send) count_phase(p, w, seq, sh);
     if (send && recv) {
       if (warp_id() < kSendWarps)
-        send_tokens(p, w, seq, sh, WarpGroup{0, kSendWarps, 1});
+        send_headers(p, w, seq, sh, WarpGroup{0, kSendWarps, 1});
       else
         recv_phase(p, w, seq, sh, WarpGroup{kSendWarps, kAll - kSendWarps, 2});
     } else if (send) {
-      send_tokens(p, w, seq, sh, WarpGroup{0, kAll, 0});
+      send_headers(p, w, seq, sh, WarpGroup{0, kAll, 0});
     } else if (recv) {
       recv_phase(p, w, seq, sh, WarpGroup{0, kAll, 0});
     }

@@ -795,8 +795,8 @@ struct Harness {
   void print_timeline(int mode, const char* op, bool combine) {
 #ifdef EP_LL_TIMELINE
     static const char* const kDispatchNames[] = {
-        "start",    "ready",     "counted",   "counts-sent", "header",     "staged", "stored",
-        "released", "send-done", "counts-in", "prefix",      "first-flag", "copied", "end"};
+        "start",    "ready",     "staged",    "stored", "counted",    "counts-sent", "header",
+        "released", "send-done", "counts-in", "prefix", "first-flag", "copied",      "end"};
     static const char* const kCombineNames[] = {
         "start",    "ready",     "weights-sent", "weights-in",  "stored",
         "released", "send-done", "handshake",    "first-flags", "end"};
