@@ -84,6 +84,7 @@ __device__ __forceinline__ void add_weighted_bf16x8(float* acc, float w, const i
 
 // False when the group was aborted (`abort_seen`, loaded at kernel start): nothing sent. The
 // first weight is loaded before the abort check, so the two loads overlap.
+template <bool kP2P>
 __device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
@@ -107,9 +108,9 @@ __device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_see
     }
     __syncthreads();
     const size_t flag = c.layout.comb_wflag_offset + size_t(c.rank) * 8;
-    if (peer != nullptr) {
+    if (kP2P || peer != nullptr) {
       if (tid == 0) st_release_sys(reinterpret_cast<uint64_t*>(peer + flag), seq);
-    } else if (warp_id() == 0) {
+    } else if (!kP2P && warp_id() == 0) {
       const size_t bytes = size_t(max(p.num_tokens, 1)) * KM * 4;
       warp_put_signal(c, d, area, reinterpret_cast<const char*>(dst), bytes, flag, seq);
     }
@@ -119,6 +120,7 @@ __device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_see
 }
 
 // False when aborted or a wait failed (block-uniform).
+template <bool kP2P>
 __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq, CombineShared& sh,
                            int abort_seen) {
   const Context& c = p.ctx;
@@ -135,7 +137,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   const uint64_t* dflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_flag_offset);
 
   EP_LL_MARK(g_combine_timeline, kCsReady);
-  if (!send_weights(p, seq, abort_seen)) return false;
+  if (!send_weights<kP2P>(p, seq, abort_seen)) return false;
   EP_LL_MARK(g_combine_timeline, kCsWeightsSent);
   // Sources are taken from the next rank on, this rank's own last: the link is busy from the
   // first item of every block (taking the local source first left it idle for microseconds).
@@ -237,9 +239,9 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       const int d = sh.pending_rank[j];
       const size_t at = size_t(c.rank) * M + sh.pending_token[j];
       const size_t flag = c.layout.comb_flag_offset + at * 8;
-      if (c.peer[d] != nullptr) {
+      if (kP2P || c.peer[d] != nullptr) {
         if (lane_id() == 0) st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), seq);
-      } else {
+      } else if constexpr (!kP2P) {
         const size_t bytes = size_t(H) * (sh.pending_entries[j] == 1 ? 2 : 4);
         const char* src = c.local + c.layout.comb_stage_offset +
                           (size_t(d) * M + sh.pending_token[j]) * size_t(H) * 4;
@@ -344,6 +346,8 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   }
 }
 
+// kP2P: every peer is P2P-mapped (Context::all_p2p); that instantiation has no NVSHMEM calls.
+template <bool kP2P>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ CombineShared sh;
   const Context& c = p.ctx;
@@ -353,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   // abort word before its first remote store; the RECV's waits give up on it by themselves.
   EP_LL_MARK(g_combine_timeline, kCsStart);
   const int abort_seen = aborted(w) ? 1 : 0;
-  const bool sent = (p.phases & kPhaseSend) ? send_phase(p, w, seq, sh, abort_seen)
+  const bool sent = (p.phases & kPhaseSend) ? send_phase<kP2P>(p, w, seq, sh, abort_seen)
                                             : !__syncthreads_or(abort_seen);
   if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
   __syncthreads();
@@ -369,11 +373,17 @@ cudaError_t read_combine_timeline(uint64_t* out) {
 #endif
 
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
-  return device::launch_cooperative(combine_kernel, p, num_blocks, stream);
+  return p.ctx.all_p2p ? device::launch_cooperative(combine_kernel<true>, p, num_blocks, stream)
+                       : device::launch_cooperative(combine_kernel<false>, p, num_blocks, stream);
 }
 
 cudaError_t max_combine_blocks(int* blocks) {
-  return device::max_cooperative_blocks(combine_kernel, blocks);
+  // Both instantiations: the smaller grid (they are launched with the same count).
+  int p2p = 0;
+  cudaError_t e = device::max_cooperative_blocks(combine_kernel<true>, &p2p);
+  if (e == cudaSuccess) e = device::max_cooperative_blocks(combine_kernel<false>, blocks);
+  if (e == cudaSuccess && p2p < *blocks) *blocks = p2p;
+  return e;
 }
 
 }  // namespace ll

@@ -229,6 +229,9 @@ struct Context {
   int rank;
   int num_ranks;
   int max_tokens;  // M
+  // Every peer (this rank included) is P2P-mapped: the kernels' instantiations without NVSHMEM
+  // calls run (their register pressure made the others spill).
+  int all_p2p;
 };
 
 struct DispatchParams {

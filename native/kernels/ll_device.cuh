@@ -243,12 +243,14 @@ cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
 
 // Sets a peer's 64-bit signal word. No ordering with other data is implied (a relaxed store:
 // no fence), so it may only carry its own value, like a count.
+// kP2P: every peer is P2P-mapped (Context::all_p2p), the NVSHMEM call is compiled out.
+template <bool kP2P = false>
 __device__ __forceinline__ void signal_set(const Context& c, int pe, size_t offset,
                                            uint64_t value) {
   char* mapped = c.peer[pe];
-  if (mapped != nullptr) {
+  if (kP2P || mapped != nullptr) {
     st_relaxed_sys(reinterpret_cast<uint64_t*>(mapped + offset), value);
-  } else {
+  } else if constexpr (!kP2P) {
     nvshmemx_signal_op(reinterpret_cast<uint64_t*>(c.local + offset), value, NVSHMEM_SIGNAL_SET,
                        pe);
   }

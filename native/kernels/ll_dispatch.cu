@@ -5,28 +5,33 @@
 // that rank (k, local expert, position p); the receiver copies the row into each listed slot.
 // At EP2 with top-8 of 16 experts that is ~1/4 of the bytes of one message per (token, expert).
 //
-// A call with both phases runs step 1 on the whole block, then warps [0, kSendWarps) do step 2
-// while the other warps receive (named barriers; their own shared state), so copies start as
-// messages land. A hook-mode call (one phase) gives its phase every warp.
-// SEND (rank r, call on buffer b, sequence number seq):
-//  1. Whole tokens per warp, over all tokens: entries per global expert (all tokens, and those
-//     before this block's chunk) and messages per destination rank (same split), in shared
-//     memory. The block owning expert e (e % grid) sends the count signal (seq << 32 | count)
-//     to the expert's rank, slot (local expert, r); the block owning rank d sends the message
-//     count.
-//  2. Blocks walk their tokens in order. Warp 0 gives each (t, k) its position p among this
-//     rank's entries to expert e (tokens ascending, then k: the reference's order), each
-//     destination rank d its message slot q (tokens ascending), builds the headers and notes
-//     where each message goes. FP8 (or a destination reached by NVSHMEM puts) stages the
-//     payload in the local send area; BF16 to P2P peers is read straight from x. Every thread
-//     stores its 16-byte pieces to slot (r, q) of each P2P destination; after a barrier warp j
-//     releases destination j's flag (seq), or puts the staged message with the flag as its
-//     signal.
+// A call with both phases runs steps 1 and 2 on the whole block, then warps [0, kSendWarps) do
+// step 3 while the other warps receive (named barriers; their own shared state), so copies start
+// as messages land. A hook-mode call (one phase) gives its phase every warp.
+// SEND (rank r, call on buffer b, sequence number seq). Message slot (r, t) on rank d belongs to
+// token t, so payloads need no count and go first:
+//  1. Each block's tokens: warp 0 finds the destination ranks (first-appearance order of the
+//     entries' ranks); the payload (BF16 straight from registers, or FP8 quantised once into the
+//     local send area) is stored to slot (r, t) of every P2P destination. The loads (row, the
+//     token's entries, step 2's first round) are issued before any store: a load issued behind
+//     the stores waits ~1 us for them. The block owning rank d sends it T (seq << 32 | T).
+//  2. Whole tokens per warp, over all tokens: entries per global expert (all tokens, and those
+//     before this block's chunk) in shared memory. The block owning expert e (e % grid) sends
+//     the count signal (seq << 32 | count) to the expert's rank, slot (local expert, r).
+//  3. Per token, warp 0 gives each (t, k) its position p among this rank's entries to expert e
+//     (tokens ascending, then k: the reference's order) and builds one header per destination;
+//     the group stores the headers, and after a barrier warp j releases destination j's flag
+//     (seq << 1 | 1), or puts the staged message with the flag as its signal. Every rank the
+//     token does not reach gets seq << 1 ("no message").
 // RECV (rank d): wait for every count signal (begin of source s at expert le = rows of the
-// sources before it) and message count; then (message (s, q), 1 KB chunk) units, sources from
-// d itself onwards, are spread over all warps of the grid: a warp waits for its message's flag
-// and copies its chunk into recv_x[le, begin + p] for each header entry (a warp per whole
-// message took ~3 us longer at H = 7168: each warp ran its loads and stores in series).
+// sources before it) and token count; then (slot (s, t), 1 KB chunk) units, sources from d
+// itself onwards, are spread over all warps of the grid: a warp waits for its slot's flag and,
+// when it holds a message, copies its chunk into recv_x[le, begin + p] for each header entry (a
+// warp per whole message took ~3 us longer at H = 7168: each warp ran its loads and stores in
+// series).
+// Every peer P2P-mapped (Context::all_p2p): the instantiation without NVSHMEM calls runs; with
+// them inlined the kernel spilled 240 bytes per thread, and spill reloads behind the payload
+// stores cost ~2 us.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -110,39 +115,49 @@ __device__ __forceinline__ void quantize_group(const DispatchParams& p, uint2 ra
   }
 }
 
-// Stages token t's payload (BF16, or FP8 + scales) at `payload` in the local send area, on the
-// warps of `wg`.
-__device__ __forceinline__ void stage_payload(const DispatchParams& p, int t, char* payload,
-                                              const WarpGroup& wg) {
-  const int tid = wg.tid();
-  const int lane = lane_id();
-  const int warp = wg.warp();
+// This thread's share of token t's row, loaded before the token's routing is known so the load
+// latency overlaps it (the whole block; one 16-byte piece each). BF16: piece tid (H / 8 <=
+// kThreads). FP8: lane's 4 channels of the 128-channel groups warp and warp + 32, as two uint2
+// in x, y and z, w (H / 128 <= 64).
+static_assert(kMaxHidden / 8 <= kThreads && kMaxHidden / kGroupSize <= 2 * (kThreads / 32),
+              "one 16-byte piece of a row per thread");
+__device__ __forceinline__ int4 load_row_share(const DispatchParams& p, int t) {
+  const int tid = static_cast<int>(threadIdx.x);
   const uint16_t* x = p.x + size_t(t) * p.hidden;
+  int4 v = make_int4(0, 0, 0, 0);
   if (!p.fp8) {
-    const int n = p.hidden / 8;
-    for (int i = tid; i < n; i += wg.threads())
-      st_v4(payload + size_t(i) * 16, ld_nc_v4(x + size_t(i) * 8));
-    return;
+    if (tid < p.hidden / 8) v = ld_nc_v4(x + size_t(tid) * 8);
+    return v;
   }
-  char* scales = payload + p.hidden;
   const int groups = p.hidden / kGroupSize;
-  // Two groups per warp with their loads in flight together (FP8 dispatch 20.3 -> 20.1 us with
-  // the 16 send warps; four spilled registers and took 21.1).
-  constexpr int kUnroll = 2;
-  for (int g0 = warp; g0 < groups; g0 += wg.num_warps * kUnroll) {
-    uint2 raw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int g = g0 + u * wg.num_warps;
-      if (g < groups)
-        raw[u] = *reinterpret_cast<const uint2*>(x + size_t(g) * kGroupSize + lane * 4);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int g = g0 + u * wg.num_warps;  // warp-uniform: the shuffles see the whole warp
-      if (g < groups) quantize_group(p, raw[u], g, payload, scales);
-    }
+  const int lane = lane_id();
+  const int warp = warp_id();
+  if (warp < groups) {
+    const uint2 a = *reinterpret_cast<const uint2*>(x + size_t(warp) * kGroupSize + lane * 4);
+    v.x = static_cast<int>(a.x);
+    v.y = static_cast<int>(a.y);
   }
+  if (warp + kThreads / 32 < groups) {
+    const uint2 b =
+        *reinterpret_cast<const uint2*>(x + size_t(warp + kThreads / 32) * kGroupSize + lane * 4);
+    v.z = static_cast<int>(b.x);
+    v.w = static_cast<int>(b.y);
+  }
+  return v;
+}
+
+// FP8: quantises the groups of this thread's share (load_row_share) into `payload` (FP8 bytes,
+// then the scales) in the local send area. The whole block.
+__device__ __forceinline__ void quantize_share(const DispatchParams& p, int4 share, char* payload) {
+  const int groups = p.hidden / kGroupSize;
+  const int warp = warp_id();
+  char* scales = payload + p.hidden;
+  if (warp < groups)
+    quantize_group(p, make_uint2(static_cast<uint32_t>(share.x), static_cast<uint32_t>(share.y)),
+                   warp, payload, scales);
+  if (warp + kThreads / 32 < groups)
+    quantize_group(p, make_uint2(static_cast<uint32_t>(share.z), static_cast<uint32_t>(share.w)),
+                   warp + kThreads / 32, payload, scales);
 }
 
 // Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped).
@@ -162,9 +177,10 @@ struct DispatchShared {
   int base[kMaxExperts];   // entries per expert before the current token
   __align__(16) int header[kMaxTopk][kHeaderRowInts];  // the current token's, per destination
   int dest[kMaxTopk];                                  // its j-th destination rank
-  char* message[kMaxTopk];  // where message j goes (P2P-mapped), or null: put by NVSHMEM
   int num_dests;
-  int staged;  // the current token's payload is staged in the send area
+  // c.peer, copied at kernel start: read after the payload stores are out, a global load waits
+  // ~1 us behind them.
+  char* peer[kMaxExperts];
   // RECV
   int rows[kMaxExperts];        // rows from source s to local expert le, at le * R + s
   int begin[kMaxExperts];       // first row of (le, s) in the expert's output
@@ -174,12 +190,27 @@ struct DispatchShared {
   int fail;
 };
 
-// Warp 0, token t: its destination ranks in the order its entries first reach them (dest[j])
-// and where each message goes (slot (r, t) of that rank, P2P-mapped, or null for an NVSHMEM
-// put). With `positions` (needs the counts of SEND step 2), also each entry's position p among
-// this rank's entries to its expert (sh.base, advanced past t), the headers and send_route.
-__device__ void route_token(const DispatchParams& p, const Waiter& w, DispatchShared& sh, int t,
-                            const Message& msg, bool positions) {
+// Lane k < K of warp 0: entry (t, k) as an expert id, or -1.
+__device__ __forceinline__ int lane_entry(const DispatchParams& p, const Waiter& w, int t) {
+  const int lane = lane_id();
+  return lane < p.num_topk ? entry_expert(p, w, size_t(t) * p.num_topk + lane) : -1;
+}
+
+// Where message slot (c.rank, t) of destination j lies (P2P-mapped), or null: NVSHMEM put.
+__device__ __forceinline__ char* message_at(const DispatchParams& p, const DispatchShared& sh,
+                                            int j, int t, const Message& msg) {
+  char* const peer = sh.peer[sh.dest[j]];
+  return peer == nullptr ? nullptr
+                         : peer + p.ctx.layout.disp_recv_offset +
+                               (size_t(p.ctx.rank) * p.ctx.max_tokens + t) * msg.stride;
+}
+
+// Warp 0, token t, lane k holding entry e = lane_entry(t): the token's destination ranks in the
+// order its entries first reach them (dest[j], num_dests). With `positions` (needs the counts of
+// SEND step 2), also each entry's position p among this rank's entries to its expert (sh.base,
+// advanced past t), the headers and send_route.
+__device__ void route_token(const DispatchParams& p, DispatchShared& sh, int t, int e,
+                            bool positions) {
   const Context& c = p.ctx;
   const int lane = lane_id();
   const int M = c.max_tokens;
@@ -187,7 +218,6 @@ __device__ void route_token(const DispatchParams& p, const Waiter& w, DispatchSh
   const int K = p.num_topk;
   const unsigned full = 0xffffffffu;
   const unsigned below = (1u << lane) - 1u;
-  const int e = lane < K ? entry_expert(p, w, size_t(t) * K + lane) : -1;
   const int d = e >= 0 ? e / E_loc : -1;
   const unsigned same_d = lanes_equal(d, 0, K);
   const int first = __ffs(same_d) - 1;
@@ -212,22 +242,18 @@ __device__ void route_token(const DispatchParams& p, const Waiter& w, DispatchSh
     }
     if (lane < K) c.send_route[size_t(t) * K + lane] = route_word(d, slot >= 0);
   }
-  bool put = false;
-  if (d >= 0 && lane == first) {
-    sh.dest[j] = d;
-    char* const peer = c.peer[d];
-    put = peer == nullptr;
-    sh.message[j] =
-        put ? nullptr : peer + c.layout.disp_recv_offset + (size_t(c.rank) * M + t) * msg.stride;
-  }
-  // The NVSHMEM put path reads a symmetric source, and FP8 is quantised once for all
-  // destinations: both stage the payload (message slot t * R + 0). BF16 to P2P peers goes
-  // straight from x.
-  const bool any_put = __any_sync(full, put);
-  if (lane == 0) {
-    sh.num_dests = __popc(firsts);
-    sh.staged = (p.fp8 != 0 || any_put) ? 1 : 0;
-  }
+  if (d >= 0 && lane == first) sh.dest[j] = d;
+  if (lane == 0) sh.num_dests = __popc(firsts);
+}
+
+// This thread's entry in round `round` of step 2 (lane = token slot * K + k), or -1.
+__device__ __forceinline__ int count_entry(const DispatchParams& p, const Waiter& w, int round) {
+  const int K = p.num_topk;
+  const int per_warp = 32 / K;
+  const int my_token = lane_id() / K;
+  const int t = (round * (kThreads / 32) + warp_id()) * per_warp + my_token;
+  return my_token < per_warp && t < p.num_tokens ? entry_expert(p, w, size_t(t) * K + lane_id() % K)
+                                                 : -1;
 }
 
 // SEND step 1, the whole block: the payload of each of the block's tokens goes to slot (r, t)
@@ -235,47 +261,67 @@ __device__ void route_token(const DispatchParams& p, const Waiter& w, DispatchSh
 // need the counts, follow in step 3. The stores cross the link while the block counts. Also
 // sends this rank's token count to the ranks this block owns. False when the group was aborted
 // (`abort_seen`, loaded at kernel start): nothing sent.
+template <bool kP2P>
 __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                              DispatchShared& sh, int abort_seen) {
+                              DispatchShared& sh, int abort_seen, int& first_e, int& count_e) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
   const int G = static_cast<int>(gridDim.x);
   const int2 tokens = block_tokens(p.num_tokens);
   const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
-  const WarpGroup all{0, kThreads / 32, 0};
   const int vecs = msg.stride / 16;
   const int header_vecs = msg.header / 16;
   char* const send_area = c.local + c.layout.disp_send_offset;
   for (int e = tid; e < p.num_experts; e += kThreads) sh.total[e] = sh.base[e] = 0;
+  for (int d = tid - 32; d >= 0 && d < R; d += kThreads - 32) sh.peer[d] = c.peer[d];
+  // Loads issued before any store: the first token's entries (warp 0, kept for step 3), its row,
+  // and this thread's entry of step 2's first round.
   int t = tokens.x;
-  if (warp_id() == 0 && t < tokens.y) route_token(p, w, sh, t, msg, /*positions=*/false);
+  first_e = warp_id() == 0 && t < tokens.y ? lane_entry(p, w, t) : -1;
+  int4 share = t < tokens.y ? load_row_share(p, t) : make_int4(0, 0, 0, 0);
+  count_e = count_entry(p, w, 0);
+  if (warp_id() == 0 && t < tokens.y) route_token(p, sh, t, first_e, /*positions=*/false);
   // The abort word was loaded at kernel start (its latency hidden behind topk_idx's).
   if (__syncthreads_or(abort_seen)) return false;
   EP_LL_MARK(g_dispatch_timeline, kDsReady);
   for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
-    signal_set(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
-               (seq << 32) | static_cast<uint64_t>(p.num_tokens));
+    signal_set<kP2P>(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
+                     (seq << 32) | static_cast<uint64_t>(p.num_tokens));
   while (t < tokens.y) {
     const int nd = sh.num_dests;
-    const bool staged = sh.staged != 0;
     char* const staged_row = send_area + size_t(t) * R * msg.stride;
-    if (staged) {
-      stage_payload(p, t, staged_row + msg.header, all);
+    // The NVSHMEM put path reads a symmetric source: the payload is staged in the send area
+    // (message slot t * R + 0) for it. FP8 is always quantised there once.
+    bool any_put = false;
+    for (int j = 0; j < nd; ++j) any_put |= sh.peer[sh.dest[j]] == nullptr;
+    if (p.fp8) {
+      // Quantised once into the send area, then stored to every P2P destination from there.
+      quantize_share(p, share, staged_row + msg.header);
       __syncthreads();
       EP_LL_MARK_IF(threadIdx.x == 0 && t == tokens.x, g_dispatch_timeline, kDsStaged);
-    }
-    const int4* x_row = reinterpret_cast<const int4*>(p.x + size_t(t) * p.hidden);
-    for (int i = header_vecs + tid; i < vecs; i += kThreads) {
-      const int4 v =
-          staged ? ld_cg_v4(staged_row + size_t(i) * 16) : ld_nc_v4(x_row + (i - header_vecs));
-      for (int j = 0; j < nd; ++j)
-        if (sh.message[j] != nullptr) st_v4(sh.message[j] + size_t(i) * 16, v);
+      for (int i = header_vecs + tid; i < vecs; i += kThreads) {
+        const int4 v = ld_cg_v4(staged_row + size_t(i) * 16);
+        for (int j = 0; j < nd; ++j) {
+          char* const m = message_at(p, sh, j, t, msg);
+          if (m != nullptr) st_v4(m + size_t(i) * 16, v);
+        }
+      }
+    } else if (tid < p.hidden / 8) {
+      // BF16: the piece goes from registers to every P2P destination (and to the send area
+      // when some destination takes an NVSHMEM put).
+      const size_t at = size_t(header_vecs + tid) * 16;
+      if (any_put) st_v4(staged_row + at, share);
+      for (int j = 0; j < nd; ++j) {
+        char* const m = message_at(p, sh, j, t, msg);
+        if (m != nullptr) st_v4(m + at, share);
+      }
     }
     EP_LL_MARK_IF(threadIdx.x == 0 && t == tokens.x, g_dispatch_timeline, kDsStored);
     if (++t == tokens.y) break;
+    share = load_row_share(p, t);
     __syncthreads();  // every thread is done with the previous token's routing
-    if (warp_id() == 0) route_token(p, w, sh, t, msg, /*positions=*/false);
+    if (warp_id() == 0) route_token(p, sh, t, lane_entry(p, w, t), /*positions=*/false);
     __syncthreads();
   }
   return true;
@@ -285,8 +331,9 @@ __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, uint64_t
 // 32 / K whole tokens (lane = token slot * K + k), so one round of loads covers
 // 32 * (32 / K) tokens (all of T = 128 at K = 8); one shared atomic per entry. The block owning
 // expert e sends its count signal.
+template <bool kP2P>
 __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                            DispatchShared& sh) {
+                            DispatchShared& sh, int first_round_e) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -301,10 +348,9 @@ __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
   const int t_begin = block_tokens(T).x;
   const int per_warp = 32 / K;
   const int my_token = lane / K;
-  for (int t0 = warp * per_warp; t0 < T; t0 += (kThreads / 32) * per_warp) {
+  for (int round = 0, t0 = warp * per_warp; t0 < T; ++round, t0 += (kThreads / 32) * per_warp) {
     const int t = t0 + my_token;
-    const bool mine = my_token < per_warp && t < T;
-    const int e = mine ? entry_expert(p, w, size_t(t) * K + lane % K) : -1;
+    const int e = round == 0 ? first_round_e : count_entry(p, w, round);
     if (e >= 0) {
       atomicAdd(&sh.total[e], 1);
       if (t < t_begin) atomicAdd(&sh.base[e], 1);
@@ -319,8 +365,8 @@ __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
       count = M;
     }
     const int slot = (e % E_loc) * R + c.rank;
-    signal_set(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
-               (seq << 32) | static_cast<uint64_t>(count));
+    signal_set<kP2P>(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
+                     (seq << 32) | static_cast<uint64_t>(count));
   }
   EP_LL_MARK(g_dispatch_timeline, kDsCountsSent);
 }
@@ -330,8 +376,9 @@ __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
 // (P2P: a release store of the flag, covering the whole block's stores, step 1's included;
 // otherwise the staged message is put with the flag as its signal). Every rank the token does
 // not reach gets the flag's "no message" value.
+template <bool kP2P>
 __device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                             DispatchShared& sh, const WarpGroup& wg) {
+                             DispatchShared& sh, const WarpGroup& wg, int first_e) {
   const Context& c = p.ctx;
   const int tid = wg.tid();
   const int lane = lane_id();
@@ -345,30 +392,32 @@ __device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t 
   const int header_vecs = msg.header / 16;
   char* const send_area = c.local + c.layout.disp_send_offset;
   for (int t = tokens.x; t < tokens.y; ++t) {
-    if (warp == 0) route_token(p, w, sh, t, msg, /*positions=*/true);
+    if (warp == 0)
+      route_token(p, sh, t, t == tokens.x ? first_e : lane_entry(p, w, t), /*positions=*/true);
     wg.sync();
     EP_LL_MARK_IF(stamp && t == tokens.x, g_dispatch_timeline, kDsHeader);
     const int nd = sh.num_dests;
     for (int i = tid; i < nd * header_vecs; i += wg.threads()) {
       const int j = i / header_vecs;
       const int v = i - j * header_vecs;
-      if (sh.message[j] != nullptr)
-        st_v4(sh.message[j] + size_t(v) * 16, *reinterpret_cast<const int4*>(&sh.header[j][4 * v]));
+      char* const m = message_at(p, sh, j, t, msg);
+      if (m != nullptr)
+        st_v4(m + size_t(v) * 16, *reinterpret_cast<const int4*>(&sh.header[j][4 * v]));
     }
     const size_t slot = size_t(c.rank) * M + t;
     const size_t flag = c.layout.disp_flag_offset + slot * 8;
     for (int d = tid; d < R; d += wg.threads()) {
       bool reached = false;
       for (int j = 0; j < nd; ++j) reached |= sh.dest[j] == d;
-      if (!reached) signal_set(c, d, flag, message_flag(seq, false));
+      if (!reached) signal_set<kP2P>(c, d, flag, message_flag(seq, false));
     }
     wg.sync();
     if (warp < nd) {
       const int d = sh.dest[warp];
-      if (c.peer[d] != nullptr) {
+      if (kP2P || sh.peer[d] != nullptr) {
         if (lane == 0)
-          st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), message_flag(seq, true));
-      } else {
+          st_release_sys(reinterpret_cast<uint64_t*>(sh.peer[d] + flag), message_flag(seq, true));
+      } else if constexpr (!kP2P) {
         // Message j = header j + the payload staged in message 0 (copied for j > 0).
         char* const staged_row = send_area + size_t(t) * R * msg.stride;
         char* row = staged_row + size_t(warp) * msg.stride;
@@ -549,6 +598,8 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsCopied);
 }
 
+// kP2P: every peer is P2P-mapped (Context::all_p2p); that instantiation has no NVSHMEM calls.
+template <bool kP2P>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
   __shared__ DispatchShared sh;
   const Context& c = p.ctx;
@@ -563,17 +614,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const int abort_seen = aborted(w) ? 1 : 0;
   const bool send = (p.phases & kPhaseSend) != 0;
   const bool recv = (p.phases & kPhaseRecv) != 0;
-  const bool go = send ? send_payloads(p, w, seq, sh, abort_seen) : !__syncthreads_or(abort_seen);
+  int first_e = -1;  // warp 0: the block's first token's entries, kept from step 1 to step 3
+  int count_e = -1;  // step 2's first-round entry, loaded in step 1
+  const bool go = send ? send_payloads<kP2P>(p, w, seq, sh, abort_seen, first_e, count_e)
+                       : !__syncthreads_or(abort_seen);
   if (go) {
     constexpr int kAll = kThreads / 32;
-    if (send) count_phase(p, w, seq, sh);
+    if (send) count_phase<kP2P>(p, w, seq, sh, count_e);
     if (send && recv) {
       if (warp_id() < kSendWarps)
-        send_headers(p, w, seq, sh, WarpGroup{0, kSendWarps, 1});
+        send_headers<kP2P>(p, w, seq, sh, WarpGroup{0, kSendWarps, 1}, first_e);
       else
         recv_phase(p, w, seq, sh, WarpGroup{kSendWarps, kAll - kSendWarps, 2});
     } else if (send) {
-      send_headers(p, w, seq, sh, WarpGroup{0, kAll, 0});
+      send_headers<kP2P>(p, w, seq, sh, WarpGroup{0, kAll, 0}, first_e);
     } else if (recv) {
       recv_phase(p, w, seq, sh, WarpGroup{0, kAll, 0});
     }
@@ -594,11 +648,17 @@ cudaError_t read_dispatch_timeline(uint64_t* out) {
 #endif
 
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
-  return device::launch_cooperative(dispatch_kernel, p, num_blocks, stream);
+  return p.ctx.all_p2p ? device::launch_cooperative(dispatch_kernel<true>, p, num_blocks, stream)
+                       : device::launch_cooperative(dispatch_kernel<false>, p, num_blocks, stream);
 }
 
 cudaError_t max_dispatch_blocks(int* blocks) {
-  return device::max_cooperative_blocks(dispatch_kernel, blocks);
+  // Both instantiations: the smaller grid (they are launched with the same count).
+  int p2p = 0;
+  cudaError_t e = device::max_cooperative_blocks(dispatch_kernel<true>, &p2p);
+  if (e == cudaSuccess) e = device::max_cooperative_blocks(dispatch_kernel<false>, blocks);
+  if (e == cudaSuccess && p2p < *blocks) *blocks = p2p;
+  return e;
 }
 
 }  // namespace ll

@@ -265,6 +265,9 @@ ll::Context LowLatencyRuntime::context(int buffer) const {
   c.rank = rank_;
   c.num_ranks = num_ranks_;
   c.max_tokens = config_.max_tokens_per_rank;
+  c.all_p2p =
+      std::all_of(peer_base_.begin(), peer_base_.end(), [](char* b) { return b != nullptr; }) ? 1
+                                                                                              : 0;
   return c;
 }
 
