@@ -55,6 +55,8 @@ struct CombineShared {
   int items;
   int weights_of;  // SEND: source whose weights flag this block has seen, or -1
   int fail;
+  uint64_t seq;  // the dispatch's sequence number, loaded by thread 0 (read after a barrier)
+  int stride;    // the dispatch's message stride, likewise
   // SEND: items stored and not yet released: destination rank, token, entry count.
   int pending_rank[kMaxPending];
   int pending_token[kMaxPending];
@@ -85,7 +87,7 @@ __device__ __forceinline__ void add_weighted_bf16x8(float* acc, float w, const i
 // False when the group was aborted (`abort_seen`, loaded at kernel start): nothing sent. The
 // first weight is loaded before the abort check, so the two loads overlap.
 template <bool kP2P>
-__device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_seen) {
+__device__ bool send_weights(const CombineParams& p, const CombineShared& sh, int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
@@ -96,6 +98,7 @@ __device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_see
   if (static_cast<int>(blockIdx.x) >= R) return true;
   const float first = tid < n ? weight(tid) : 0.0f;
   if (__syncthreads_or(abort_seen)) return false;
+  const uint64_t seq = sh.seq;
   for (int d = static_cast<int>(blockIdx.x); d < R; d += G) {
     char* peer = c.peer[d];
     const size_t area = c.layout.comb_weights_offset + size_t(c.rank) * c.max_tokens * KM * 4;
@@ -121,7 +124,7 @@ __device__ bool send_weights(const CombineParams& p, uint64_t seq, int abort_see
 
 // False when aborted or a wait failed (block-uniform).
 template <bool kP2P>
-__device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq, CombineShared& sh,
+__device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShared& sh,
                            int abort_seen) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
@@ -131,13 +134,11 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   const int KM = c.layout.max_topk;
   const int H = p.hidden;
   const int vecs = H / 8;
-  // The dispatch's messages (BF16 or FP8: their stride was recorded by its RECV).
-  const int stride = ld_volatile_int(&c.ctrl->message_stride[c.buffer]);
   const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
   const uint64_t* dflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_flag_offset);
 
   EP_LL_MARK(g_combine_timeline, kCsReady);
-  if (!send_weights<kP2P>(p, seq, abort_seen)) return false;
+  if (!send_weights<kP2P>(p, sh, abort_seen)) return false;
   EP_LL_MARK(g_combine_timeline, kCsWeightsSent);
   // Sources are taken from the next rank on, this rank's own last: the link is busy from the
   // first item of every block (taking the local source first left it idle for microseconds).
@@ -153,6 +154,9 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   }
   if (__syncthreads_or(abort_seen)) return false;
   const int items = sh.items;
+  const uint64_t seq = sh.seq;
+  // The dispatch's messages (BF16 or FP8: their stride was recorded by its RECV).
+  const int stride = sh.stride;
   // A block's items are stored back to back and their flags released together: a release waits
   // until the block's remote stores have landed (~10 us for the remote items at this size), and
   // the local items' loads and stores now run during that wait instead of after it.
@@ -352,14 +356,20 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ CombineShared sh;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
-  const uint64_t seq = ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]);
   // Block-uniform decisions only: every path below contains __syncthreads. A SEND checks the
   // abort word before its first remote store; the RECV's waits give up on it by themselves.
   EP_LL_MARK(g_combine_timeline, kCsStart);
-  const int abort_seen = aborted(w) ? 1 : 0;
-  const bool sent = (p.phases & kPhaseSend) ? send_phase<kP2P>(p, w, seq, sh, abort_seen)
+  // Control words are read by one thread per block (all threads of all blocks reading the same
+  // words queue thousands of requests on one L2 line at kernel start).
+  int abort_seen = 0;
+  if (threadIdx.x == 0) {
+    sh.seq = ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]);
+    sh.stride = ld_volatile_int(&c.ctrl->message_stride[c.buffer]);
+    abort_seen = aborted(w) ? 1 : 0;
+  }
+  const bool sent = (p.phases & kPhaseSend) ? send_phase<kP2P>(p, w, sh, abort_seen)
                                             : !__syncthreads_or(abort_seen);
-  if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, seq, sh);
+  if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, sh.seq, sh);
   __syncthreads();
   EP_LL_MARK(g_combine_timeline, kCsEnd);
 }

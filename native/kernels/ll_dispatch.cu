@@ -181,6 +181,7 @@ struct DispatchShared {
   // c.peer, copied at kernel start: read after the payload stores are out, a global load waits
   // ~1 us behind them.
   char* peer[kMaxExperts];
+  uint64_t seq;  // the call's sequence number, loaded by thread 0 (read after the first barrier)
   // RECV
   int rows[kMaxExperts];        // rows from source s to local expert le, at le * R + s
   int begin[kMaxExperts];       // first row of (le, s) in the expert's output
@@ -262,8 +263,8 @@ __device__ __forceinline__ int count_entry(const DispatchParams& p, const Waiter
 // sends this rank's token count to the ranks this block owns. False when the group was aborted
 // (`abort_seen`, loaded at kernel start): nothing sent.
 template <bool kP2P>
-__device__ bool send_payloads(const DispatchParams& p, const Waiter& w, uint64_t seq,
-                              DispatchShared& sh, int abort_seen, int& first_e, int& count_e) {
+__device__ bool send_payloads(const DispatchParams& p, const Waiter& w, DispatchShared& sh,
+                              int abort_seen, int& first_e, int& count_e) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
   const int R = c.num_ranks;
@@ -284,6 +285,7 @@ __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, uint64_t
   if (warp_id() == 0 && t < tokens.y) route_token(p, sh, t, first_e, /*positions=*/false);
   // The abort word was loaded at kernel start (its latency hidden behind topk_idx's).
   if (__syncthreads_or(abort_seen)) return false;
+  const uint64_t seq = sh.seq;
   EP_LL_MARK(g_dispatch_timeline, kDsReady);
   for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
     signal_set<kP2P>(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
@@ -604,20 +606,25 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   __shared__ DispatchShared sh;
   const Context& c = p.ctx;
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpDispatch, c.rank};
-  const uint64_t seq =
-      ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
   // Block-uniform decisions only: every path below contains barriers. A SEND checks the abort
   // word at its first barrier; the RECV's waits give up on it by themselves. With both phases,
   // warps [0, kSendWarps) send the block's tokens while the others receive: the copies start as
   // messages land instead of after the block's own send.
   EP_LL_MARK(g_dispatch_timeline, kDsStart);
-  const int abort_seen = aborted(w) ? 1 : 0;
+  // Control words are read by one thread per block: every thread of every block reading the
+  // same words queued thousands of requests on one L2 line at kernel start.
+  int abort_seen = 0;
+  if (threadIdx.x == 0) {
+    sh.seq = ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]) + ((p.phases & kPhaseSend) ? 1 : 0);
+    abort_seen = aborted(w) ? 1 : 0;
+  }
   const bool send = (p.phases & kPhaseSend) != 0;
   const bool recv = (p.phases & kPhaseRecv) != 0;
   int first_e = -1;  // warp 0: the block's first token's entries, kept from step 1 to step 3
   int count_e = -1;  // step 2's first-round entry, loaded in step 1
-  const bool go = send ? send_payloads<kP2P>(p, w, seq, sh, abort_seen, first_e, count_e)
+  const bool go = send ? send_payloads<kP2P>(p, w, sh, abort_seen, first_e, count_e)
                        : !__syncthreads_or(abort_seen);
+  const uint64_t seq = sh.seq;  // both paths passed a barrier
   if (go) {
     constexpr int kAll = kThreads / 32;
     if (send) count_phase<kP2P>(p, w, seq, sh, count_e);
