@@ -318,8 +318,24 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         add("ll combine BF16", t_comb, row_bf16, transport)
         add("ll dispatch FP8 + combine BF16", (t_fp8[0] + t_comb[0], t_fp8[1] + t_comb[1]),
             row_fp8 + row_bf16, transport)  # fmt: skip
-        if not full:
-            return
+        if full:
+            measure_hook_mode(x, idx, m, ll_experts, add, transport, row_fp8)
+        if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs
+            measure_graphs(x, y, idx, weights, m, ll_experts, add, transport, row_fp8, row_bf16)
+        if not shared_gpus:  # baseline: the same rows through one all_to_all_single
+            per_rank = torch.full((world,), entries // world + 1, dtype=torch.int64)
+            send = torch.empty(int(per_rank.sum()) * row_bf16 // 2, dtype=torch.bfloat16,
+                               device=device)  # fmt: skip
+            recv = torch.empty_like(send)
+
+            def a2a() -> None:
+                dist.all_to_all_single(recv, send)
+                dist.all_to_all_single(send, recv)
+
+            add("baseline all_to_all_single x2 (BF16 rows)", ll_timer(a2a), 2 * row_bf16)
+
+    def measure_hook_mode(x, idx, m, ll_experts, add, transport: str, row_fp8: int) -> None:
+        """Hook mode: the send and the receive (hook) timed apart, and together."""
 
         def hooked() -> None:
             out = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True,
@@ -334,62 +350,54 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         add("ll dispatch FP8, hook mode: send", t_send, row_fp8, transport)
         add("ll dispatch FP8, hook mode: recv (hook)", t_recv, row_fp8, transport)
         add("ll dispatch FP8, hook mode: send+recv", ll_timer(hooked), row_fp8, transport)
-        if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs
-            # Eager calls pay this host's launch gap between kernels; a graph of `calls` calls
-            # back to back keeps the GPU busy, so time / calls is the kernels' own latency.
-            # An even count of alternating-buffer dispatches (or dispatch+combine pairs) is what
-            # makes back-to-back replays safe (docs/low_latency.md).
-            calls = 16
 
-            aligned: dict[str, float] = {}
+    def measure_graphs(x, y, idx, weights, m, ll_experts, add, transport: str, row_fp8: int,
+                       row_bf16: int) -> None:  # fmt: skip
+        """Dispatch, combine and the pair replayed from CUDA graphs (how decode runs them)."""
+        # Eager calls pay this host's launch gap between kernels; a graph of `calls` calls
+        # back to back keeps the GPU busy, so time / calls is the kernels' own latency.
+        # An even count of alternating-buffer dispatches (or dispatch+combine pairs) is what
+        # makes back-to-back replays safe (docs/low_latency.md).
+        calls = 16
 
-            def per_call(body: Callable[[], object], name: str) -> tuple[float, float]:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(calls):
-                        body()
-                us, host_us = ll_timer(graph.replay)
-                aligned[name] = ll_timer.aligned(graph.replay) / calls
-                return us / calls, host_us / calls
+        aligned: dict[str, float] = {}
 
-            def pair() -> None:
-                g_d = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
-                ep.low_latency_combine(y, idx, weights, g_d.handle)
+        def per_call(body: Callable[[], object], name: str) -> tuple[float, float]:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    body()
+            us, host_us = ll_timer(graph.replay)
+            aligned[name] = ll_timer.aligned(graph.replay) / calls
+            return us / calls, host_us / calls
 
-            g_fp8 = per_call(
-                lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True), "fp8"
-            )
-            g_bf16 = per_call(
-                lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False), "bf16"
-            )
-            g_pair = per_call(pair, "pair")
-            note = f"{transport}, CUDA graph of {calls}"
-            add("ll dispatch FP8 (graph)", g_fp8, row_fp8, note)
-            add("ll dispatch BF16 (graph)", g_bf16, row_bf16, note)
-            add("ll combine BF16 (graph: pair - FP8 dispatch)",
-                (g_pair[0] - g_fp8[0], g_pair[1] - g_fp8[1]), row_bf16, note)  # fmt: skip
-            add("ll dispatch FP8 + combine BF16 (graph)", g_pair, row_fp8 + row_bf16, note)
-            # The same graphs timed from a point where the GPUs are in step (one untimed replay
-            # first): the rows above also hold the host barrier's skew between ranks / calls.
-            note = f"{transport}, CUDA graph of {calls}, GPUs in step"
-            a_fp8, a_bf16, a_pair = aligned["fp8"], aligned["bf16"], aligned["pair"]
-            add("ll dispatch FP8 (graph, in step)", (a_fp8, g_fp8[1]), row_fp8, note)
-            add("ll dispatch BF16 (graph, in step)", (a_bf16, g_bf16[1]), row_bf16, note)
-            add("ll combine BF16 (graph, in step: pair - FP8 dispatch)",
-                (a_pair - a_fp8, g_pair[1] - g_fp8[1]), row_bf16, note)  # fmt: skip
-            add("ll dispatch FP8 + combine BF16 (graph, in step)", (a_pair, g_pair[1]),
-                row_fp8 + row_bf16, note)  # fmt: skip
-        if not shared_gpus:  # baseline: the same rows through one all_to_all_single
-            per_rank = torch.full((world,), entries // world + 1, dtype=torch.int64)
-            send = torch.empty(int(per_rank.sum()) * row_bf16 // 2, dtype=torch.bfloat16,
-                               device=device)  # fmt: skip
-            recv = torch.empty_like(send)
+        def pair() -> None:
+            g_d = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
+            ep.low_latency_combine(y, idx, weights, g_d.handle)
 
-            def a2a() -> None:
-                dist.all_to_all_single(recv, send)
-                dist.all_to_all_single(send, recv)
-
-            add("baseline all_to_all_single x2 (BF16 rows)", ll_timer(a2a), 2 * row_bf16)
+        g_fp8 = per_call(
+            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True), "fp8"
+        )
+        g_bf16 = per_call(
+            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False), "bf16"
+        )
+        g_pair = per_call(pair, "pair")
+        note = f"{transport}, CUDA graph of {calls}"
+        add("ll dispatch FP8 (graph)", g_fp8, row_fp8, note)
+        add("ll dispatch BF16 (graph)", g_bf16, row_bf16, note)
+        add("ll combine BF16 (graph: pair - FP8 dispatch)",
+            (g_pair[0] - g_fp8[0], g_pair[1] - g_fp8[1]), row_bf16, note)  # fmt: skip
+        add("ll dispatch FP8 + combine BF16 (graph)", g_pair, row_fp8 + row_bf16, note)
+        # The same graphs timed from a point where the GPUs are in step (one untimed replay
+        # first): the rows above also hold the host barrier's skew between ranks / calls.
+        note = f"{transport}, CUDA graph of {calls}, GPUs in step"
+        a_fp8, a_bf16, a_pair = aligned["fp8"], aligned["bf16"], aligned["pair"]
+        add("ll dispatch FP8 (graph, in step)", (a_fp8, g_fp8[1]), row_fp8, note)
+        add("ll dispatch BF16 (graph, in step)", (a_bf16, g_bf16[1]), row_bf16, note)
+        add("ll combine BF16 (graph, in step: pair - FP8 dispatch)",
+            (a_pair - a_fp8, g_pair[1] - g_fp8[1]), row_bf16, note)  # fmt: skip
+        add("ll dispatch FP8 + combine BF16 (graph, in step)", (a_pair, g_pair[1]),
+            row_fp8 + row_bf16, note)  # fmt: skip
 
     if args.high_throughput:
         measure(args.tokens, full=True)

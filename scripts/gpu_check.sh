@@ -29,6 +29,13 @@ if ! python -m pip install -v --no-build-isolation --no-deps --no-index -e . >"$
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
+# Optional: nvshmem4py and its cuda-python wheels (no network on the GPU machine; carry them in
+# .whl312/ for Python 3.12). tests/test_nvshmem4py_gpu.py runs only where it is installed.
+if ls .whl312/nvshmem4py*.whl >/dev/null 2>&1; then
+  python -c "import numpy" 2>/dev/null || python -m pip install -q --no-deps --no-index .whl312/numpy*.whl
+  python -m pip install -q --no-deps --no-index $(ls .whl312/*.whl | grep -v numpy) >"$OUT/nvshmem4py_install.log" 2>&1 \
+    && echo "nvshmem4py installed from .whl312/" || echo "WARNING: nvshmem4py install failed (see nvshmem4py_install.log)"
+fi
 if [ "$EP_WITH_CUDA" = "1" ] && [ ! -e ep_backend/libep_nvshmem.so ]; then
   echo "WARNING: ep_backend/libep_nvshmem.so is missing: the low-latency ops will use ATen"
   grep -A16 "libep_nvshmem.so not built" "$OUT/build.log" | head -20

@@ -199,7 +199,8 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   cfg.max_local_experts = static_cast<int>(std::max<int64_t>(needs.local_experts, 1));
   cfg.timeout_seconds = pg.options()->kernel_timeout_s;
   cfg.num_sms = static_cast<int>(pg.options()->num_sms);
-  // Tuning knobs for sweeps (docs/api.md): send warps per block, row alignment, publish batch.
+  // Tuning knobs for sweeps (docs/api.md): send warps per block, row alignment, publish batch,
+  // claimed (1) or round-robin (0) dispatch token split.
   for (auto [name, field] : {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
                              std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
                              std::pair{"EP_ROW_ALIGN", &cfg.row_align},
@@ -208,6 +209,7 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
       *field = std::atoi(env);
     }
   }
+  if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
   st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
   const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";
   auto handle = st.runtime->ipc_handle();

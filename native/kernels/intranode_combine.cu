@@ -13,10 +13,15 @@
 // Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
 // token order and the reduction overlaps the transfer.
 #include "intranode_kernels.hpp"
+#include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
 
 namespace ep {
 namespace {
+
+#ifdef EP_HT_TIMELINE
+__device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
+#endif
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
@@ -121,6 +126,7 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
         if (!__shfl_sync(kFull, ok, 0)) return;
         ready |= 1u << dst;
       }
+      if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
       char* out = combine_row(c, c.buffers.ptr[dst], me, dst, i, row.stride);
       const int r = base + i;
       if (r < p.num_recv_capacity) {  // rows past the capacity never existed (overflow)
@@ -163,7 +169,7 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
     max_count = max(max_count, count[d]);
   }
   const int total = (lane < S && first < max_count) ? (max_count - 1 - first) / stride + 1 : 0;
-  device::publish_loop(ctx, lane, S, total, p.publish_batch, progress, [&](int k) {
+  device::publish_loop_counted(ctx, lane, S, total, p.publish_batch, progress, [&](int k) {
     const int i = first + k * stride;
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d)
@@ -267,6 +273,7 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
   const int stride = gridDim.x * num_recv_warps;
   char* const own = c.buffers.ptr[me];
   const int local_base = p.recv_prefix[me];
+  bool first_reduce = true;  // timeline builds stamp the first reduction
 
   for (int k0 = 0; first + k0 * stride < p.num_tokens; k0 += 32) {
     const int my_t = first + (k0 + lane) * stride;
@@ -295,6 +302,8 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
       pending &= ~ready;
       if (ready != 0) {
         idle = 0;
+        if (first_reduce && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+        first_reduce = false;
       } else {
         if (idle++ == 0) idle_since = clock64();
         __nanosleep(64);  // leave the issue slots to the working warps of this SM
@@ -331,6 +340,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
   if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t seq = s_seq;
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockStart);
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpCombine, me};
   if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
     device::st_release_sys(
@@ -345,6 +355,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
     else
       combine_recv<kElemBytes, kRanks>(p, ctx, seq, warp, lane);
   }
+  if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
   // Block 0 sees every peer enter (see the dispatch kernel for why).
   if (blockIdx.x == 0 && warp == 0 && lane < R && lane != me && !device::aborted(ctx)) {
     const uint64_t* entered =
@@ -352,6 +363,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
     device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
   }
   __syncthreads();
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
   if (threadIdx.x == 0) device::finish_block(ctrl, seq);
 }
 
@@ -377,6 +389,15 @@ cudaError_t preload_for_elem() {
 }
 
 }  // namespace
+
+cudaError_t read_intranode_combine_timeline(uint64_t* out) {
+#ifdef EP_HT_TIMELINE
+  return cudaMemcpyFromSymbol(out, g_timeline, sizeof(g_timeline));
+#else
+  (void)out;
+  return cudaErrorNotSupported;
+#endif
+}
 
 cudaError_t preload_intranode_combine() {
   cudaError_t e = preload_for_elem<2>();

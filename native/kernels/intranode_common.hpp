@@ -33,11 +33,12 @@ enum IntranodeOp : int {
 
 // Private per-rank control words at the start of the rank's buffer. Peers never touch these.
 struct ControlBlock {
-  uint64_t epoch;            // sequence number of the last communicating kernel that finished
-  unsigned int blocks_done;  // arrival counter used by finish_block(), back to 0 after each kernel
-  int abort;                 // set on timeout: every later spin-wait gives up at once
-  int error_lock;            // first-error-wins lock of the ErrorRecord
-  int pad[27];
+  uint64_t epoch;             // sequence number of the last communicating kernel that finished
+  unsigned int blocks_done;   // arrival counter used by finish_block(), back to 0 after each kernel
+  int abort;                  // set on timeout: every later spin-wait gives up at once
+  int error_lock;             // first-error-wins lock of the ErrorRecord
+  unsigned int work_claimed;  // dispatch tokens claimed by sender warps; finish_block zeroes it
+  int pad[26];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
 
@@ -210,6 +211,7 @@ struct DispatchParams {
   int num_worst_tokens;      // 0: exact N rows; > 0: capacity, padding rows filled
   int num_send_warps;
   int publish_batch;  // tokens a sender warp reports before the publisher fences (>= 1)
+  int claim_items;    // 1: senders claim tokens from a shared counter; 0: static round-robin
 };
 
 struct CombineParams {

@@ -1,15 +1,15 @@
 // High-throughput intranode dispatch (normal, worst-case and cached), push model over NVLink.
 //
 // Block = 16 warps: `num_send_warps` senders, one publisher, the rest receivers.
-//  * Senders: global sender warp w takes tokens w, w + W, w + 2W, ... (all warps walk the tokens
-//    together, so rows reach every receiver in roughly increasing slot order). Per token it reads
-//    the x row once (ld.global.nc, 16 B per lane, many loads in flight) and writes it to every
-//    destination: straight into recv_x for this rank (HBM to HBM, never through the buffer), and
-//    for a peer into slot send_pos[t, peer] of the region this rank owns in the peer's buffer,
-//    followed by scales and metadata (source index, local expert ids, weights). Senders never
-//    wait for their remote stores: after each token they hand progress to the publisher through
-//    shared memory (release/acquire at CTA scope).
-//  * Publisher: one warp; lane l follows sender warp l. When a sender reports new tokens, the
+//  * Senders: each sender warp claims tokens one at a time from the kernel's counter (tokens go
+//    out in roughly increasing order, and fast SMs take more of them, so all senders finish
+//    together). Per token it reads the x row once (ld.global.nc, 16 B per lane, many loads in
+//    flight) and writes it to every destination: straight into recv_x for this rank (HBM to HBM,
+//    never through the buffer), and for a peer into slot send_pos[t, peer] of the region this
+//    rank owns in the peer's buffer, followed by scales and metadata (source index, local expert
+//    ids, weights). Senders never wait for their remote stores: after each token they hand it to
+//    the publisher through shared memory (release/acquire at CTA scope).
+//  * Publisher: one warp; lane l follows sender warp l. When a sender hands over new tokens, the
 //    lane issues one fence.acq_rel.sys (cumulative: it covers the sender's stores it observed)
 //    and writes the per-row flags (= sequence number) of those tokens' remote rows.
 //  * Receivers: global receiver warp v owns slots v, v + V, ... of every remote source. It polls
@@ -20,10 +20,15 @@
 // sequence: the peer has finished every earlier kernel, so the region is no longer being read.
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
 #include "intranode_kernels.hpp"
+#include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
 
 namespace ep {
 namespace {
+
+#ifdef EP_HT_TIMELINE
+__device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
+#endif
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
@@ -87,21 +92,25 @@ __device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer
 // loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
 // of x) are issued together, so they cost one memory latency instead of one each.
 __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
-                              int warp, int lane, int* progress) {
+                              int warp, int lane, device::PublishQueue& queue) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const bool with_meta = p.topk_idx != nullptr;
-  const int first = blockIdx.x * p.num_send_warps + warp;
-  const int stride = gridDim.x * p.num_send_warps;
   const int local_base = p.recv_prefix[me];
   const uint64_t* entered =
       reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
   uint32_t ready = 1u << me;  // peers known to have entered this sequence
+  const bool claim = p.claim_items != 0;
+  const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
+  int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride) : 0;
+  int t = __shfl_sync(kFull, claimed, 0);
   int k = 0;
-  for (int t = first; t < p.num_tokens; t += stride, ++k) {
+  for (; t < p.num_tokens; ++k) {
+    // The next token's claim travels while this one is copied.
+    if (lane == 0) claimed = device::next_item(claim, ctx.ctrl, t, first, stride);
     // 1. Independent loads.
     const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
     long long idx = -1;
@@ -131,6 +140,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       if (!__all_sync(kFull, ok)) return;
       ready |= need;
     }
+    if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
     char* dst[kMaxRanks];
     int local_row = -1;
 #pragma unroll
@@ -201,23 +211,21 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
     }
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
     __syncwarp();
-    if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
+    bool ok = true;
+    if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, t);
+    if (!__shfl_sync(kFull, ok, 0)) return;
+    t = __shfl_sync(kFull, claimed, 0);
   }
+  if (lane == 0) device::hand_over_done(queue, warp, k);
 }
 
-// Lane l publishes the rows of sender warp l of this block as the sender reports them.
+// Lane l publishes the rows of the tokens sender warp l of this block hands over.
 __device__ void dispatch_publish(const DispatchParams& p, const device::WaitContext& ctx,
-                                 uint64_t seq, int lane, const int* progress) {
+                                 uint64_t seq, int lane, device::PublishQueue& queue) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
-  const int S = p.num_send_warps;
-  const int stride = gridDim.x * S;
-  const int first = blockIdx.x * S + lane;
-  const int total =
-      (lane < S && first < p.num_tokens) ? (p.num_tokens - 1 - first) / stride + 1 : 0;
   // One fence per publish_batch tokens: a system-scope fence costs about an NVLink round trip.
-  device::publish_loop(ctx, lane, S, total, p.publish_batch, progress, [&](int k) {
-    const int t = first + k * stride;
+  device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int t) {
     for (int d = 0; d < R; ++d) {
       if (d == me) continue;
       const int pos = p.send_pos[size_t(t) * R + d];
@@ -269,6 +277,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
 
   char* const own = c.buffers.ptr[me];
+  bool first_copy = true;  // timeline builds stamp the first arrival
   // Batches of 32 rows per source: this lane polls row first + (k0 + lane) * stride.
   for (int k0 = 0; first + k0 * stride < max_count; k0 += 32) {
     const int my_slot = first + (k0 + lane) * stride;
@@ -298,6 +307,10 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
         left |= pending;
         progressed |= ready != 0;
         const int base = __shfl_sync(kFull, prefix, s);
+        if (ready != 0 && first_copy) {
+          first_copy = false;
+          if (lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+        }
         while (ready != 0) {
           const int j = __ffs(ready) - 1;
           ready &= ready - 1;
@@ -361,16 +374,21 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
 
 __global__ void __launch_bounds__(kIntranodeThreads, 1)
     intranode_dispatch_kernel(DispatchParams p) {
+  static_assert(kWarps <= device::kMaxSenderWarps, "publish queue too small");
   __shared__ uint64_t s_seq;
-  __shared__ int s_progress[kWarps];  // tokens done per sender warp (read by the publisher)
+  __shared__ device::PublishQueue s_queue;  // sender warps -> publisher warp
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
   if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
-  if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
+  if (threadIdx.x < device::kMaxSenderWarps) {
+    s_queue.progress[threadIdx.x] = 0;
+    s_queue.published[threadIdx.x] = 0;
+  }
   __syncthreads();
   const uint64_t seq = s_seq;
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockStart);
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
                                 p.topk_idx != nullptr ? kOpDispatch : kOpCachedDispatch, me};
   // Tell every peer we have entered this sequence (so finished all earlier kernels).
@@ -381,12 +399,13 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
 
   if (!device::aborted(ctx)) {
     if (warp < p.num_send_warps)
-      dispatch_send(p, ctx, seq, warp, lane, s_progress);
+      dispatch_send(p, ctx, seq, warp, lane, s_queue);
     else if (warp == p.num_send_warps)
-      dispatch_publish(p, ctx, seq, lane, s_progress);
+      dispatch_publish(p, ctx, seq, lane, s_queue);
     else
       dispatch_recv(p, ctx, seq, warp, lane);
   }
+  if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
   // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
   // every peer, which the notify slots' parity scheme relies on.
   if (blockIdx.x == 0 && warp == 0) {
@@ -396,10 +415,20 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
       device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
   }
   __syncthreads();
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
   if (threadIdx.x == 0) device::finish_block(ctrl, seq);
 }
 
 }  // namespace
+
+cudaError_t read_intranode_dispatch_timeline(uint64_t* out) {
+#ifdef EP_HT_TIMELINE
+  return cudaMemcpyFromSymbol(out, g_timeline, sizeof(g_timeline));
+#else
+  (void)out;
+  return cudaErrorNotSupported;
+#endif
+}
 
 cudaError_t preload_intranode_dispatch() {
   cudaFuncAttributes attr;

@@ -139,16 +139,97 @@ __device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Read
   }
 }
 
-// The publisher warp of a dispatch or combine block. Lane l follows sender warp l of the block,
-// which releases through progress[l] how many of its `total` items (tokens, rows) it has stored.
-// For each new batch (`batch` items, or the sender's last ones) the warp issues one system-scope
-// fence, cumulative over the stores the senders released to it, then `publish(k)` writes the
-// arrival flags of the lane's k-th item. Returns once every sender is published, or on abort or
-// timeout (which names this rank: its own senders stalled).
+// ---- sender warps -> publisher warp ------------------------------------------------------------
+
+// Dispatch sender warps claim their tokens one at a time from the kernel's counter
+// (ControlBlock::work_claimed): SMs do not get equal shares of NVLink, and with a static
+// round-robin split the last sender of a BF16 dispatch ended ~20 us after the median one. A
+// sender hands each stored token to its block's publisher warp through a small ring in shared
+// memory. (The combine keeps the round-robin split: claiming measured no faster there.)
+constexpr int kMaxSenderWarps = 16;
+constexpr int kPublishRing = 8;  // items a sender may run ahead of its publisher lane
+struct PublishQueue {
+  int progress[kMaxSenderWarps];   // (items handed over << 1) | 1 once the sender is finished
+  int published[kMaxSenderWarps];  // items whose flags the publisher has written
+  int items[kMaxSenderWarps][kPublishRing];
+};
+
+// Lane 0 of a sender warp: its next item (items past the end mean "finished"). Claimed from
+// the kernel's counter, or (claim = false) the static round-robin split: `previous` + `stride`,
+// starting at `first`.
+__device__ __forceinline__ int next_item(bool claim, ControlBlock* ctrl, int previous, int first,
+                                         int stride) {
+  if (claim) return static_cast<int>(atomicAdd(&ctrl->work_claimed, 1u));
+  return previous < 0 ? first : previous + stride;
+}
+
+// Lane 0 of sender warp `w`, after __syncwarp(): hands the warp's k-th item (its stores are done)
+// to the publisher. Waits while the ring is full; false on abort or timeout.
+__device__ __forceinline__ bool hand_over(const WaitContext& ctx, PublishQueue& q, int w, int k,
+                                          int item) {
+  auto has_room = [&] { return k - ld_acquire_cta_shared(&q.published[w]) < kPublishRing; };
+  if (!has_room() && !spin_wait(ctx, ctx.rank, has_room)) return false;
+  q.items[w][k % kPublishRing] = item;
+  st_release_cta_shared(&q.progress[w], (k + 1) << 1);
+  return true;
+}
+
+// Lane 0 of sender warp `w`: it handed over `count` items and will hand over no more.
+__device__ __forceinline__ void hand_over_done(PublishQueue& q, int w, int count) {
+  st_release_cta_shared(&q.progress[w], (count << 1) | 1);
+}
+
+// The publisher warp of a dispatch block. Lane l follows sender warp l. For each new
+// batch (`batch` items, or the sender's last ones) the warp issues one system-scope fence,
+// cumulative over the stores the senders released to it, then `publish(item)` writes the arrival
+// flags of each item. Returns once every sender is finished and published, or on abort or timeout
+// (which names this rank: its own senders stalled).
 template <typename Publish>
 __device__ __forceinline__ void publish_loop(const WaitContext& ctx, int lane, int num_senders,
-                                             int total, int batch, const int* progress,
-                                             Publish publish) {
+                                             int batch, PublishQueue& q, Publish publish) {
+  batch = batch < 1 ? 1 : (batch > kPublishRing ? kPublishRing : batch);  // a full ring must flush
+  int published = 0;
+  long long idle_since = 0;
+  for (uint32_t idle = 0;;) {
+    const int v = lane < num_senders ? ld_acquire_cta_shared(&q.progress[lane]) : 1;
+    const int done = v >> 1;
+    const bool finished = (v & 1) != 0;
+    const bool fresh = done >= published + batch || (finished && done > published);
+    const bool any_fresh = __any_sync(0xffffffffu, fresh);
+    if (any_fresh) fence_acq_rel_sys();
+    if (fresh) {
+      for (int k = published; k < done; ++k) publish(q.items[lane][k % kPublishRing]);
+      published = done;
+      st_release_cta_shared(&q.published[lane], published);
+    }
+    if (__all_sync(0xffffffffu, finished && published == done)) return;
+    if (any_fresh) {
+      idle = 0;
+      continue;
+    }
+    if (idle++ == 0) idle_since = clock64();
+    __nanosleep(32);
+    if ((idle & 255u) == 0) {
+      if (aborted(ctx)) return;  // a sender gave up
+      if (clock64() - idle_since > ctx.timeout_cycles) {
+        if (lane == 0) raise_timeout(ctx, ctx.rank);
+        return;
+      }
+    }
+  }
+}
+
+// The publisher warp of a combine block (senders split the rows round-robin, so each lane knows
+// how many items its sender has). Lane l follows sender warp l of the block, which releases through
+// progress[l] how many of its `total` items (tokens, rows) it has stored. For each new batch
+// (`batch` items, or the sender's last ones) the warp issues one system-scope fence, cumulative
+// over the stores the senders released to it, then `publish(k)` writes the arrival flags of the
+// lane's k-th item. Returns once every sender is published, or on abort or timeout (which names
+// this rank: its own senders stalled).
+template <typename Publish>
+__device__ __forceinline__ void publish_loop_counted(const WaitContext& ctx, int lane,
+                                                     int num_senders, int total, int batch,
+                                                     const int* progress, Publish publish) {
   int published = 0;
   long long idle_since = 0;
   for (uint32_t idle = 0;;) {
@@ -197,6 +278,7 @@ __device__ __forceinline__ void finish_block(ControlBlock* ctrl, uint64_t seq) {
   const unsigned int arrived = atomicAdd(&ctrl->blocks_done, 1u);
   if (arrived == gridDim.x - 1) {
     ctrl->blocks_done = 0;
+    ctrl->work_claimed = 0;  // every sender of every block has claimed past the end
     st_relaxed_sys(&ctrl->epoch, seq);
     __threadfence();
   }

@@ -367,6 +367,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.num_worst_tokens = a.num_worst_tokens;
   p.num_send_warps = config_.dispatch_send_warps;
   p.publish_batch = config_.publish_batch;
+  p.claim_items = config_.dispatch_claim ? 1 : 0;
   if (!cached) {
     require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
     require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
@@ -451,6 +452,10 @@ void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_
               "] (a block also needs a publisher and a receiver warp)");
   config_.dispatch_send_warps = dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
+}
+
+void IntranodeRuntime::set_dispatch_claim(bool claim) {
+  config_.dispatch_claim = claim;
 }
 
 void IntranodeRuntime::barrier(cudaStream_t stream) {

@@ -60,10 +60,13 @@ struct IntranodeConfig {
   int num_sms = kDefaultNumSms;     // blocks of dispatch/combine when a call passes 0
   // Warps of the 16 of a block that send (one more publishes, the rest receive); at most 14.
   // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench.
-  int dispatch_send_warps = 10;
+  int dispatch_send_warps = 11;
   int combine_send_warps = 4;
   int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
   int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
+  // Dispatch sender warps claim tokens from a shared counter instead of a static round-robin
+  // split (faster SMs then take more of them).
+  bool dispatch_claim = true;
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
@@ -185,6 +188,8 @@ class IntranodeRuntime {
   // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
   // the rest receive).
   void set_send_warps(int dispatch_send_warps, int combine_send_warps);
+  // How dispatch sender warps split the tokens (IntranodeConfig::dispatch_claim); for sweeps.
+  void set_dispatch_claim(bool claim);
 
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);

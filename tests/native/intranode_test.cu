@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "intranode_runtime.hpp"
+#include "intranode_timeline.hpp"
 
 using ep::IntranodeCombineArgs;
 using ep::IntranodeConfig;
@@ -1156,6 +1157,58 @@ struct BenchShape {
   int S;
 };
 
+// -DEP_HT_TIMELINE builds: where the last call of a dispatch or combine kernel spent its time, per
+// rank. For each role (senders, publisher, receivers): when its warps began real work (senders:
+// first row after the peer's "entered" flag; receivers: first row arrived) and when they ended,
+// as first/median/last over (block, warp), in us after the rank's first block started. "skew" is
+// the rank's first block start minus rank 0's (%globaltimer; only as good as the clocks agree).
+void print_ht_timeline(Team& team, int R, bool combine, int send_warps) {
+  using namespace ep;
+  std::vector<std::vector<uint64_t>> tl(R);
+  for (int r = 0; r < R; ++r) {
+    CUDA_CHECK(cudaSetDevice(team.device[r]));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    tl[r].resize(size_t(kHtTimelineBlocks) * kHtTimelineSlots);
+    const cudaError_t e = combine ? read_intranode_combine_timeline(tl[r].data())
+                                  : read_intranode_dispatch_timeline(tl[r].data());
+    if (e == cudaErrorNotSupported) return;  // not a timeline build
+    CUDA_CHECK(e);
+  }
+  const int blocks = 24;  // the bench's num_sms
+  auto start_of = [&](int r) {
+    uint64_t t0 = ~0ull;
+    for (int b = 0; b < blocks; ++b)
+      t0 = std::min(t0, tl[r][size_t(b) * kHtTimelineSlots + kHtBlockStart]);
+    return t0;
+  };
+  const uint64_t t00 = start_of(0);
+  for (int r = 0; r < R; ++r) {
+    const uint64_t t0 = start_of(r);
+    auto stat = [&](int slot_base, int w_begin, int w_end) {
+      std::vector<double> v;
+      for (int b = 0; b < blocks; ++b)
+        for (int w = w_begin; w < w_end; ++w) {
+          const uint64_t x = tl[r][size_t(b) * kHtTimelineSlots + slot_base + w];
+          if (x >= t0) v.push_back((x - t0) / 1e3);
+        }
+      char buf[64];
+      if (v.empty()) return std::string("-");
+      std::sort(v.begin(), v.end());
+      std::snprintf(buf, sizeof(buf), "%.1f/%.1f/%.1f", v.front(), v[v.size() / 2], v.back());
+      return std::string(buf);
+    };
+    std::printf(
+        "  timeline %s rank %d (skew %+.1f us): block start %s end %s | send first %s end %s"
+        " | publish end %s | recv first %s end %s\n",
+        combine ? "combine" : "dispatch", r, (double(t0) - double(t00)) / 1e3,
+        stat(kHtBlockStart, 0, 1).c_str(), stat(kHtBlockEnd, 0, 1).c_str(),
+        stat(kHtFirstSlot, 0, send_warps).c_str(), stat(kHtEndSlot, 0, send_warps).c_str(),
+        stat(kHtEndSlot, send_warps, send_warps + 1).c_str(),
+        stat(kHtFirstSlot, send_warps + 1, 16).c_str(),
+        stat(kHtEndSlot, send_warps + 1, 16).c_str());
+  }
+}
+
 void bench(int iters) {
   const int R = 2, T = 4096, H = 7168, K = 8, E = 256;
   IntranodeConfig cfg;
@@ -1268,13 +1321,19 @@ void bench(int iters) {
     std::printf("\n");
   };
 
-  const int dispatch_warps[] = {8, 9, 10, 11};
-  const int combine_warps[] = {2, 3, 4, 5};
+  const int dispatch_warps[] = {10, 11, 12};
+  const int combine_warps[] = {4, 5};
+  const int rounds = 2;  // each configuration twice, alternating: run-to-run spread is visible
   const int default_dispatch_warps = cfg.dispatch_send_warps;
   const int default_combine_warps = cfg.combine_send_warps;
-  auto configure = [&](int dw, int cw) {
-    for (int r = 0; r < R; ++r) team->rt[r]->set_send_warps(dw, cw);
+  const IntranodeConfig defaults = cfg;
+  auto configure_claim = [&](int dw, int cw, bool dclaim) {
+    for (int r = 0; r < R; ++r) {
+      team->rt[r]->set_send_warps(dw, cw);
+      team->rt[r]->set_dispatch_claim(dclaim);
+    }
   };
+  auto configure = [&](int dw, int cw) { configure_claim(dw, cw, defaults.dispatch_claim); };
 
   // Layout (local) and notify once, for the routing used below.
   auto layout_op = [&](int r, cudaStream_t s) {
@@ -1320,16 +1379,24 @@ void bench(int iters) {
     };
     std::printf("%s dispatch (num_sms=24; remote bytes = rows x %d B):\n", sh.name,
                 sh.hidden_bytes + sh.S * 4);
-    for (int warps : dispatch_warps) {
-      configure(warps, default_combine_warps);
-      char label[96];
-      std::snprintf(label, sizeof(label), "dispatch kernel, %d send warps", warps);
-      report(label,
-             time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
-             remote_bytes);
-    }
+    for (int round = 0; round < rounds; ++round)
+      for (int claim = 0; claim < 2; ++claim)
+        for (int warps : dispatch_warps) {
+          configure_claim(warps, default_combine_warps, claim != 0);
+          char label[96];
+          std::snprintf(label, sizeof(label), "dispatch kernel, %d send warps, %s", warps,
+                        claim ? "claimed" : "round-robin");
+          report(label, time_op([&](int r, cudaStream_t s) {
+                   team->rt[r]->dispatch(dispatch_args(r, 0), s);
+                 }),
+                 remote_bytes);
+        }
     configure(default_dispatch_warps, default_combine_warps);
     std::printf("  (below: default %d send warps)\n", default_dispatch_warps);
+    report("dispatch kernel",
+           time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
+           remote_bytes);
+    print_ht_timeline(*team, R, false, default_dispatch_warps);
     report("cached dispatch", time_op([&](int r, cudaStream_t s) {
              team->rt[r]->cached_dispatch(dispatch_args(r, 0), s);
            }),
@@ -1353,24 +1420,26 @@ void bench(int iters) {
   // Normal-mode notify leaves recv_prefix for N rows; combine on that layout.
   const double comb_bytes = double(std::max(c.r[0].recv_counts[1], c.r[1].recv_counts[0])) * H * 2;
   std::printf("BF16 combine (num_sms=24; remote bytes = rows x %d B):\n", H * 2);
-  for (int warps : combine_warps) {
-    configure(default_dispatch_warps, warps);
-    char label[96];
-    std::snprintf(label, sizeof(label), "combine, %d send warps", warps);
-    report(label, time_op([&](int r, cudaStream_t s) {
-             IntranodeCombineArgs a;
-             a.x = rb[r].xc;
-             a.elem_bytes = 2;
-             a.hidden = H;
-             a.num_recv_rows = rb[r].N;
-             a.recv_prefix = rb[r].b.recv_prefix;
-             a.send_pos = rb[r].b.send_pos;
-             a.num_tokens = T;
-             a.out = rb[r].out;
-             team->rt[r]->combine(a, s);
-           }),
-           comb_bytes);
-  }
+  for (int round = 0; round < rounds; ++round)
+    for (int warps : combine_warps) {
+      configure(default_dispatch_warps, warps);
+      char label[96];
+      std::snprintf(label, sizeof(label), "combine, %d send warps", warps);
+      report(label, time_op([&](int r, cudaStream_t s) {
+               IntranodeCombineArgs a;
+               a.x = rb[r].xc;
+               a.elem_bytes = 2;
+               a.hidden = H;
+               a.num_recv_rows = rb[r].N;
+               a.recv_prefix = rb[r].b.recv_prefix;
+               a.send_pos = rb[r].b.send_pos;
+               a.num_tokens = T;
+               a.out = rb[r].out;
+               team->rt[r]->combine(a, s);
+             }),
+             comb_bytes);
+      if (round == 0 && warps == default_combine_warps) print_ht_timeline(*team, R, true, warps);
+    }
   for (int r = 0; r < R; ++r) {
     CUDA_CHECK(cudaSetDevice(team->device[r]));
     CUDA_CHECK(cudaFree(rb[r].flush));
