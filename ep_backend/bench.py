@@ -10,7 +10,8 @@ PNG plot. A low-latency (decode) section follows: dispatch (FP8, BF16) and combi
 T=128, top-k of 16 experts (median of >= 200 calls on GPUs), hook-mode send/receive, a CUDA-graph
 replay of 16 calls when the NVSHMEM kernels are in use (timed after a host barrier, and again with
 the GPUs in step: one untimed replay right before), and two ``all_to_all_single`` of the same rows
-as the baseline; with ``--sweep`` also T = 1..256. Results go to ``--out`` as JSON.
+as the baseline; with ``--sweep`` also T = 1..256 (eager and graph rows, without hook mode).
+Results go to ``--out`` as JSON.
 """
 
 from __future__ import annotations
