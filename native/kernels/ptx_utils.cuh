@@ -179,28 +179,27 @@ __device__ __forceinline__ void hand_over_done(PublishQueue& q, int w, int count
   st_release_cta_shared(&q.progress[w], (count << 1) | 1);
 }
 
-// The publisher warp of a dispatch block. Lane l follows sender warp l. For each new
-// batch (`batch` items, or the sender's last ones) the warp issues one system-scope fence,
-// cumulative over the stores the senders released to it, then `publish(item)` writes the arrival
-// flags of each item. Returns once every sender is finished and published, or on abort or timeout
-// (which names this rank: its own senders stalled).
-template <typename Publish>
-__device__ __forceinline__ void publish_loop(const WaitContext& ctx, int lane, int num_senders,
-                                             int batch, PublishQueue& q, Publish publish) {
-  batch = batch < 1 ? 1 : (batch > kPublishRing ? kPublishRing : batch);  // a full ring must flush
+// The loop of a publisher warp (lane l follows sender warp l of the block). `read(done, finished)`
+// gives how many items lane l's sender has handed over and whether it will hand over more. For
+// each new batch (`batch` items, or the sender's last ones) the warp issues one system-scope
+// fence, cumulative over the stores the senders released to it, then `publish_range(begin, end)`
+// writes the arrival flags of the lane's items [begin, end). Returns once every sender is finished
+// and published, or on abort or timeout (which names this rank: its own senders stalled).
+template <typename Read, typename PublishRange>
+__device__ __forceinline__ void run_publisher(const WaitContext& ctx, int lane, int batch,
+                                              Read read, PublishRange publish_range) {
   int published = 0;
   long long idle_since = 0;
   for (uint32_t idle = 0;;) {
-    const int v = lane < num_senders ? ld_acquire_cta_shared(&q.progress[lane]) : 1;
-    const int done = v >> 1;
-    const bool finished = (v & 1) != 0;
+    int done = 0;
+    bool finished = false;
+    read(done, finished);
     const bool fresh = done >= published + batch || (finished && done > published);
     const bool any_fresh = __any_sync(0xffffffffu, fresh);
     if (any_fresh) fence_acq_rel_sys();
     if (fresh) {
-      for (int k = published; k < done; ++k) publish(q.items[lane][k % kPublishRing]);
+      publish_range(published, done);
       published = done;
-      st_release_cta_shared(&q.published[lane], published);
     }
     if (__all_sync(0xffffffffu, finished && published == done)) return;
     if (any_fresh) {
@@ -219,43 +218,41 @@ __device__ __forceinline__ void publish_loop(const WaitContext& ctx, int lane, i
   }
 }
 
-// The publisher warp of a combine block (senders split the rows round-robin, so each lane knows
-// how many items its sender has). Lane l follows sender warp l of the block, which releases through
-// progress[l] how many of its `total` items (tokens, rows) it has stored. For each new batch
-// (`batch` items, or the sender's last ones) the warp issues one system-scope fence, cumulative
-// over the stores the senders released to it, then `publish(k)` writes the arrival flags of the
-// lane's k-th item. Returns once every sender is published, or on abort or timeout (which names
-// this rank: its own senders stalled).
+// Publisher of a dispatch block: senders hand tokens over through the PublishQueue ring, and
+// `publish(item)` flags each.
+template <typename Publish>
+__device__ __forceinline__ void publish_loop(const WaitContext& ctx, int lane, int num_senders,
+                                             int batch, PublishQueue& q, Publish publish) {
+  batch = batch < 1 ? 1 : (batch > kPublishRing ? kPublishRing : batch);  // a full ring must flush
+  run_publisher(
+      ctx, lane, batch,
+      [&](int& done, bool& finished) {
+        const int v = lane < num_senders ? ld_acquire_cta_shared(&q.progress[lane]) : 1;
+        done = v >> 1;
+        finished = (v & 1) != 0;
+      },
+      [&](int begin, int end) {
+        for (int k = begin; k < end; ++k) publish(q.items[lane][k % kPublishRing]);
+        st_release_cta_shared(&q.published[lane], end);  // frees the ring slots
+      });
+}
+
+// Publisher of a combine block: senders split the rows round-robin, so lane l knows its sender's
+// `total` items; the sender releases through progress[l] how many it has stored, and `publish(k)`
+// flags the lane's k-th item.
 template <typename Publish>
 __device__ __forceinline__ void publish_loop_counted(const WaitContext& ctx, int lane,
                                                      int num_senders, int total, int batch,
                                                      const int* progress, Publish publish) {
-  int published = 0;
-  long long idle_since = 0;
-  for (uint32_t idle = 0;;) {
-    const int done = lane < num_senders ? ld_acquire_cta_shared(progress + lane) : 0;
-    const bool fresh = done >= published + batch || (done == total && done > published);
-    const bool any_fresh = __any_sync(0xffffffffu, fresh);
-    if (any_fresh) fence_acq_rel_sys();
-    if (fresh) {
-      for (int k = published; k < done; ++k) publish(k);
-      published = done;
-    }
-    if (__all_sync(0xffffffffu, published >= total)) return;
-    if (any_fresh) {
-      idle = 0;
-      continue;
-    }
-    if (idle++ == 0) idle_since = clock64();
-    __nanosleep(32);
-    if ((idle & 255u) == 0) {
-      if (aborted(ctx)) return;  // a sender gave up
-      if (clock64() - idle_since > ctx.timeout_cycles) {
-        if (lane == 0) raise_timeout(ctx, ctx.rank);
-        return;
-      }
-    }
-  }
+  run_publisher(
+      ctx, lane, batch,
+      [&](int& done, bool& finished) {
+        done = lane < num_senders ? ld_acquire_cta_shared(progress + lane) : 0;
+        finished = done == total;
+      },
+      [&](int begin, int end) {
+        for (int k = begin; k < end; ++k) publish(k);
+      });
 }
 
 // Polls a flag cheaply (relaxed) and acquires only once it matches: spinning warps then do not
