@@ -210,7 +210,9 @@ __device__ __forceinline__ void run_publisher(const WaitContext& ctx, int lane, 
     __nanosleep(32);
     if ((idle & 255u) == 0) {
       if (aborted(ctx)) return;  // a sender gave up
-      if (clock64() - idle_since > ctx.timeout_cycles) {
+      // Twice the timeout: a sender waiting for a peer times out first and names that peer;
+      // this only fires if the block's own senders stall.
+      if (clock64() - idle_since > 2 * ctx.timeout_cycles) {
         if (lane == 0) raise_timeout(ctx, ctx.rank);
         return;
       }
