@@ -201,14 +201,20 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   cfg.num_sms = static_cast<int>(pg.options()->num_sms);
   // Tuning knobs for sweeps (docs/api.md): send warps per block, row alignment, publish batch,
   // claimed (1) or round-robin (0) dispatch token split.
-  for (auto [name, field] : {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
-                             std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
-                             std::pair{"EP_ROW_ALIGN", &cfg.row_align},
-                             std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
+  for (auto [name, field] :
+       {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
+        std::pair{"EP_DISPATCH_SEND_WARPS_SMALL_ROWS", &cfg.small_row_dispatch_send_warps},
+        std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
+        std::pair{"EP_ROW_ALIGN", &cfg.row_align},
+        std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
     if (const char* env = std::getenv(name)) {
       *field = std::atoi(env);
     }
   }
+  // EP_DISPATCH_SEND_WARPS alone sets the dispatch's warps for every row size.
+  if (std::getenv("EP_DISPATCH_SEND_WARPS") != nullptr &&
+      std::getenv("EP_DISPATCH_SEND_WARPS_SMALL_ROWS") == nullptr)
+    cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
   if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
   st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
   const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";

@@ -327,8 +327,8 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           const bool copy_meta = p.recv_topk_idx != nullptr;
           float sc0 = 0.0f, sc1 = 0.0f, mw = 0.0f;
           int mi = -1, msrc = -1;
-          copy_row(in16, out16, n16, lane, 0);
-          // Scales and metadata: all loads first, then the stores (one latency, not one each).
+          // Scales and metadata are loaded before the row copy, so their loads travel with the
+          // row's first loads (one latency per row, not one more after the copy).
           if (copy_scales && lane < S) sc0 = sc[lane];
           if (copy_scales && lane + 32 < S) sc1 = sc[lane + 32];
           if (copy_meta && lane < K) {
@@ -336,6 +336,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
             mw = reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
           }
           if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
+          copy_row(in16, out16, n16, lane, 0);
           if (copy_scales) {
             float* sc_out = p.recv_scales + size_t(r) * S;
             if (lane < S) sc_out[lane] = sc0;

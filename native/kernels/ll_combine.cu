@@ -8,18 +8,20 @@
 // Sequence numbers: a call on buffer b uses the seq of b's dispatch (ControlBlock); every flag
 // below is set to it, so nothing needs resetting.
 // SEND (expert side, rank r):
-//  0. This rank's weights [T, K] go to every rank (comb_weights[r], stride max_topk), then the
-//     rank's weights flag. Since this kernel runs after r's dispatch RECV on the same stream,
-//     the flag also says "r finished reading this buffer's dispatch area".
+//  0. This rank's weights [T, K] go to every rank (comb_weights[r], stride max_topk), each as a
+//     tagged word (weight_word: the call's tag and the float32 bits), then the rank's weights
+//     flag. Since this kernel runs after r's dispatch RECV on the same stream, the flag also
+//     says "r finished reading this buffer's dispatch area".
 //  1. The dispatch's message slots (recv_tokens[s] = source s's token count; slot (s, t) holds a
 //     message when its flag says so) are spread over the blocks, remote sources first. For the
-//     message of token t of source s with n > 1 entries: wait for
-//     s's weights, then acc = +0.0 and, for the header's entries in k order, acc = acc + w_k * y
-//     (separately rounded, no FMA), y being x[le, begin(le, s) + p], stored as float32 in two
-//     halves (st_partial); with one entry, the BF16 row y itself. It goes to comb_recv[r * M + t]
-//     on rank s (P2P), or to comb_stage. A block stores its items (up to kMaxPending) back to
-//     back, then releases each comb_flag[r * M + t] (P2P) or puts each staged partial with the
-//     flag as its signal.
+//     message of token t of source s with n > 1 entries: find the rows of x, then wait for the n
+//     weight words of (s, t) to carry this call's tag (on the put path: for s's weights flag,
+//     then read them); then acc = +0.0 and, for the header's entries in k order,
+//     acc = acc + w_k * y (separately rounded, no FMA), y being x[le, begin(le, s) + p], stored
+//     as float32 in two halves (st_partial); with one entry, the BF16 row y itself. It goes to
+//     comb_recv[r * M + t] on rank s (P2P), or to comb_stage. A block stores its items (up to
+//     kMaxPending) back to back, then releases each comb_flag[r * M + t] (P2P) or puts each
+//     staged partial with the flag as its signal.
 // RECV (token side, rank s): wait for every rank's weights flag (its dispatch RECV is over, so
 // the next dispatch on this buffer may overwrite what it read), then per token: the ranks its
 // entries went to (send_route of the dispatch, first-appearance order), wait for their
@@ -47,13 +49,18 @@ constexpr int kMaxPending = 8;
 
 struct CombineShared {
   int first_item[kMaxExperts];  // SEND: first item of the i-th source taken (rank + 1 + i) % R
-  long long row[kMaxTopk];      // SEND: x row of entry j | RECV: partial offset of destination j
-  float weight[kMaxTopk];       // SEND: w of entry j | RECV: w of the single entry, or 0
-  int single[kMaxTopk];         // RECV: destination j returned a BF16 row
-  int dest[kMaxTopk];           // RECV: destination rank j
-  int count;                    // entries (SEND) or destinations (RECV) of the current token
+  // SEND: x row and weight of entry j of an item, two sets used by alternate items: an item
+  // writes its set before its first barrier, while threads may still be reading the previous
+  // item's set (the barrier after it guarantees the set before that is no longer read).
+  long long item_row[2][kMaxTopk];
+  float item_weight[2][kMaxTopk];
+  long long row[kMaxTopk];  // RECV: partial offset of destination j
+  float weight[kMaxTopk];   // RECV: w of the single entry, or 0
+  int single[kMaxTopk];     // RECV: destination j returned a BF16 row
+  int dest[kMaxTopk];       // RECV: destination rank j
+  int count;                // entries (SEND) or destinations (RECV) of the current token
   int items;
-  int weights_of;  // SEND: source whose weights flag this block has seen, or -1
+  int weights_of;  // SEND, put path: source whose weights flag this block has seen, or -1
   int fail;
   uint64_t seq;  // the dispatch's sequence number, loaded by thread 0 (read after a barrier)
   int stride;    // the dispatch's message stride, likewise
@@ -85,7 +92,9 @@ __device__ __forceinline__ void add_weighted_bf16x8(float* acc, float w, const i
 }
 
 // False when the group was aborted (`abort_seen`, loaded at kernel start): nothing sent. The
-// first weight is loaded before the abort check, so the two loads overlap.
+// first weight is loaded before the abort check, so the two loads overlap. Each weight goes as a
+// tagged word (weight_word); the flag released after them is the handshake recv_phase waits for
+// and, on the put path, the weights' signal.
 template <bool kP2P>
 __device__ bool send_weights(const CombineParams& p, const CombineShared& sh, int abort_seen) {
   const Context& c = p.ctx;
@@ -99,22 +108,23 @@ __device__ bool send_weights(const CombineParams& p, const CombineShared& sh, in
   const float first = tid < n ? weight(tid) : 0.0f;
   if (__syncthreads_or(abort_seen)) return false;
   const uint64_t seq = sh.seq;
+  const uint32_t tag = weight_tag(seq);
   for (int d = static_cast<int>(blockIdx.x); d < R; d += G) {
     char* peer = c.peer[d];
-    const size_t area = c.layout.comb_weights_offset + size_t(c.rank) * c.max_tokens * KM * 4;
-    float* dst = reinterpret_cast<float*>(peer != nullptr ? peer + area
-                                                          : c.local + c.layout.comb_wstage_offset);
+    const size_t area = c.layout.comb_weights_offset + size_t(c.rank) * c.max_tokens * KM * 8;
+    uint64_t* dst = reinterpret_cast<uint64_t*>(
+        peer != nullptr ? peer + area : c.local + c.layout.comb_wstage_offset);
     for (int i = tid; i < n; i += kThreads) {
       const int t = i / p.num_topk;
       const int k = i % p.num_topk;
-      dst[size_t(t) * KM + k] = i == tid ? first : weight(i);
+      st_relaxed_sys(dst + size_t(t) * KM + k, weight_word(tag, i == tid ? first : weight(i)));
     }
     __syncthreads();
     const size_t flag = c.layout.comb_wflag_offset + size_t(c.rank) * 8;
     if (kP2P || peer != nullptr) {
       if (tid == 0) st_release_sys(reinterpret_cast<uint64_t*>(peer + flag), seq);
     } else if (!kP2P && warp_id() == 0) {
-      const size_t bytes = size_t(max(p.num_tokens, 1)) * KM * 4;
+      const size_t bytes = size_t(max(p.num_tokens, 1)) * KM * 8;
       warp_put_signal(c, d, area, reinterpret_cast<const char*>(dst), bytes, flag, seq);
     }
     __syncthreads();  // the staged weights may be rewritten for the next rank
@@ -161,6 +171,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
   // until the block's remote stores have landed (~10 us for the remote items at this size), and
   // the local items' loads and stores now run during that wait instead of after it.
   int pending = 0;
+  int set = 0;  // item_row / item_weight set of the next item with a message
   for (int item = static_cast<int>(blockIdx.x); item < items; item += G) {
     const int i = item_source(sh.first_item, R, item);
     const int s = (c.rank + 1 + i) % R;
@@ -172,30 +183,47 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
     if (present) {
       const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + t) * stride;
       const int n = message_entries(m);
-      // A single entry goes back unweighted: only sums wait for the source's weights.
-      if (tid == 0 && n > 1 && sh.weights_of != s) {
-        const uint64_t* f = wflags + s;
-        if (spin_wait(w, s, [&] { return ld_acquire_sys(f) == seq; }))
-          sh.weights_of = s;
-        else
-          sh.fail = 1;
+      long long* rows = sh.item_row[set];
+      float* weights = sh.item_weight[set];
+      set ^= 1;
+      // Which rows of x, and each entry's weight. A single entry goes back unweighted: only
+      // sums wait for the source's weights. Over P2P each weight word carries the call's tag
+      // (polled by the thread of its entry); on the put path the flag is the put's signal.
+      const bool tagged = kP2P || c.peer[s] != nullptr;
+      const uint64_t* words =
+          reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_weights_offset) +
+          (size_t(s) * M + t) * KM;
+      int k = 0;
+      if (tid < n) {
+        const int2 entry = message_entry(m, tid);
+        const int le = key_expert(entry.x);
+        const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
+        rows[tid] = static_cast<long long>(le) * R * M + begin + entry.y;
+        k = key_k(entry.x);
+        if (n > 1 && tagged) {
+          const uint32_t tag = weight_tag(seq);
+          uint64_t word = 0;
+          if (spin_wait(w, s,
+                        [&] { return weight_word_is(word = ld_volatile_u64(words + k), tag); }))
+            weights[tid] = weight_word_value(word);
+          else
+            sh.fail = 1;
+        }
+      }
+      if (n > 1 && !tagged) {
+        if (tid == 0 && sh.weights_of != s) {
+          if (spin_wait(w, s, [&] { return ld_acquire_sys(wflags + s) == seq; }))
+            sh.weights_of = s;
+          else
+            sh.fail = 1;
+        }
+        __syncthreads();
+        if (tid < n && !sh.fail) weights[tid] = weight_word_value(ld_volatile_u64(words + k));
       }
       __syncthreads();
       EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline,
                     kCsWeightsIn);
       if (sh.fail) return false;
-      if (tid < n) {
-        const int2 entry = message_entry(m, tid);
-        const int le = key_expert(entry.x);
-        const long long begin = p.layout_range[size_t(le) * R + s] >> 32;
-        sh.row[tid] = static_cast<long long>(le) * R * M + begin + entry.y;
-        const float* weights =
-            reinterpret_cast<const float*>(c.local + c.layout.comb_weights_offset) +
-            size_t(s) * M * KM;
-        sh.weight[tid] =
-            n > 1 ? __int_as_float(ld_cg_s32(weights + size_t(t) * KM + key_k(entry.x))) : 0.0f;
-      }
-      __syncthreads();
       char* peer = c.peer[s];
       const size_t slot = size_t(c.rank) * M + t;
       char* dst = peer != nullptr
@@ -204,7 +232,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
       const char* x = reinterpret_cast<const char*>(p.x);
       for (int v = tid; v < vecs; v += kThreads) {
         if (n == 1) {
-          st_v4(dst + size_t(v) * 16, ld_nc_v4(x + size_t(sh.row[0]) * H * 2 + size_t(v) * 16));
+          st_v4(dst + size_t(v) * 16, ld_nc_v4(x + size_t(rows[0]) * H * 2 + size_t(v) * 16));
           continue;
         }
         float acc[8];
@@ -216,11 +244,11 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
           int4 y[kBatch];
 #pragma unroll
           for (int u = 0; u < kBatch; ++u)
-            if (k0 + u < n) y[u] = ld_nc_v4(x + size_t(sh.row[k0 + u]) * H * 2 + size_t(v) * 16);
+            if (k0 + u < n) y[u] = ld_nc_v4(x + size_t(rows[k0 + u]) * H * 2 + size_t(v) * 16);
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
             if (k0 + u >= n) break;
-            add_weighted_bf16x8(acc, sh.weight[k0 + u], y[u]);
+            add_weighted_bf16x8(acc, weights[k0 + u], y[u]);
           }
         }
         st_partial(dst, v, vecs, acc);

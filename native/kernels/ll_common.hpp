@@ -154,8 +154,10 @@ struct Message {
 // Data:
 //   disp_recv[R*M]    messages, (s, t) at s * M + t: token t of source s
 //   disp_send[M*R]    staging: token t's message for its j-th destination at t * R + j
-//   comb_weights[R]   [M * max_topk] float32 of source s (stride max_topk)
-//   comb_wstage       [M * max_topk] float32, this rank's weights (put source)
+//   comb_weights[R]   [M * max_topk] weight words of source s (stride max_topk): u64
+//                     weight_tag(seq) << 32 | float32 bits, so a P2P reader polls the word
+//                     itself and needs no flag
+//   comb_wstage       [M * max_topk] weight words of this rank (put source)
 //   comb_recv[R*M]    partials returned to this rank, (d, t) at d * M + t: float32 [H] (channels
 //                     8v..8v+3 at 16-byte piece v, 8v+4..8v+7 at piece H/8 + v), or the
 //                     BF16 [H] row itself when the token had one entry on d
@@ -189,7 +191,7 @@ struct BufferLayout {
     const size_t e = size_t(max_experts);
     const size_t m = size_t(max_tokens);
     const size_t r = size_t(num_ranks);
-    const size_t weights = m * size_t(max_topk) * 4;
+    const size_t weights = m * size_t(max_topk) * 8;
     size_t off = 0;
     auto take = [&](size_t bytes) {
       const size_t at = off;

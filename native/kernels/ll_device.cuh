@@ -128,6 +128,23 @@ __device__ __forceinline__ bool message_flag_present(uint64_t flag) {
   return (flag & 1u) != 0;
 }
 
+// A combine weight as it crosses to an expert rank: the call's tag in the high half, the float32
+// bits in the low half, stored as one 8-byte word, so the reader polls the word itself instead of
+// a flag released behind every weight (one system fence and one more NVLink trip saved). The tag
+// is never 0 (zeroed memory never matches); it repeats after 2^32 - 1 calls on a buffer.
+__device__ __forceinline__ uint32_t weight_tag(uint64_t seq) {
+  return 1u + static_cast<uint32_t>(seq % 0xffffffffull);
+}
+__device__ __forceinline__ uint64_t weight_word(uint32_t tag, float w) {
+  return (uint64_t(tag) << 32) | __float_as_uint(w);
+}
+__device__ __forceinline__ bool weight_word_is(uint64_t word, uint32_t tag) {
+  return static_cast<uint32_t>(word >> 32) == tag;
+}
+__device__ __forceinline__ float weight_word_value(uint64_t word) {
+  return __uint_as_float(static_cast<uint32_t>(word));
+}
+
 // Work items taken source by source: first[i] is the first item of the i-th source taken
 // (ascending; a source without items shares its successor's). The i of `item`.
 __device__ __forceinline__ int item_source(const int* first, int sources, int item) {

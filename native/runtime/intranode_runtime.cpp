@@ -99,7 +99,8 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
               (config.row_align & (config.row_align - 1)) == 0,
           "row_align must be a power of two in [16, 4096]");
   require(config.publish_batch >= 1, "publish_batch must be >= 1");
-  set_send_warps(config.dispatch_send_warps, config.combine_send_warps);
+  set_send_warps(config.dispatch_send_warps, config.combine_send_warps,
+                 config.small_row_dispatch_send_warps);
 
   DeviceGuard guard(device_);
   // Load every kernel now (see preload_* in intranode_kernels.hpp: lazy loading can deadlock).
@@ -365,7 +366,9 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.recv_x = a.recv_x;
   p.recv_scales = a.num_scales > 0 ? a.recv_x_scales : nullptr;
   p.num_worst_tokens = a.num_worst_tokens;
-  p.num_send_warps = config_.dispatch_send_warps;
+  p.num_send_warps = a.hidden_bytes + 4 * a.num_scales <= kSmallDispatchRowBytes
+                         ? config_.small_row_dispatch_send_warps
+                         : config_.dispatch_send_warps;
   p.publish_batch = config_.publish_batch;
   p.claim_items = config_.dispatch_claim ? 1 : 0;
   if (!cached) {
@@ -444,13 +447,16 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   cuda_check(launch_intranode_combine(p, num_sms, stream), "combine launch");
 }
 
-void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps) {
+void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps,
+                                      int small_row_dispatch_send_warps) {
   const int limit = kIntranodeMaxSendWarps;
-  require(dispatch_send_warps >= 1 && dispatch_send_warps <= limit && combine_send_warps >= 1 &&
-              combine_send_warps <= limit,
-          "send warps must be in [1, " + std::to_string(limit) +
-              "] (a block also needs a publisher and a receiver warp)");
+  if (small_row_dispatch_send_warps < 0) small_row_dispatch_send_warps = dispatch_send_warps;
+  for (int warps : {dispatch_send_warps, combine_send_warps, small_row_dispatch_send_warps})
+    require(warps >= 1 && warps <= limit,
+            "send warps must be in [1, " + std::to_string(limit) +
+                "] (a block also needs a publisher and a receiver warp)");
   config_.dispatch_send_warps = dispatch_send_warps;
+  config_.small_row_dispatch_send_warps = small_row_dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
 }
 

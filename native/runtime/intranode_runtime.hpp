@@ -50,6 +50,9 @@
 
 namespace ep {
 
+// Dispatch rows (x + scales) up to this size use IntranodeConfig::small_row_dispatch_send_warps.
+constexpr int kSmallDispatchRowBytes = 8192;
+
 struct IntranodeConfig {
   int max_tokens_per_rank = 4096;   // T of any rank (each source region holds this many rows)
   int max_hidden_bytes = 7168 * 2;  // largest row payload: dispatch H*elem and combine H*elem
@@ -61,6 +64,9 @@ struct IntranodeConfig {
   // Warps of the 16 of a block that send (one more publishes, the rest receive); at most 14.
   // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench.
   int dispatch_send_warps = 11;
+  // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B):
+  // receivers copy such a row in one batch of loads, so one more warp can send.
+  int small_row_dispatch_send_warps = 12;
   int combine_send_warps = 4;
   int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
   int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
@@ -186,8 +192,9 @@ class IntranodeRuntime {
   void combine(const IntranodeCombineArgs& args, cudaStream_t stream);
 
   // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
-  // the rest receive).
-  void set_send_warps(int dispatch_send_warps, int combine_send_warps);
+  // the rest receive). small_row_dispatch_send_warps < 0: dispatch_send_warps for every row.
+  void set_send_warps(int dispatch_send_warps, int combine_send_warps,
+                      int small_row_dispatch_send_warps = -1);
   // How dispatch sender warps split the tokens (IntranodeConfig::dispatch_claim); for sweeps.
   void set_dispatch_claim(bool claim);
 

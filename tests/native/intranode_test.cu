@@ -1321,7 +1321,7 @@ void bench(int iters) {
     std::printf("\n");
   };
 
-  const int dispatch_warps[] = {10, 11, 12};
+  const int dispatch_warps[] = {10, 11, 12, 13};
   const int combine_warps[] = {4, 5};
   const int rounds = 2;  // each configuration twice, alternating: run-to-run spread is visible
   const int default_dispatch_warps = cfg.dispatch_send_warps;
@@ -1329,11 +1329,18 @@ void bench(int iters) {
   const IntranodeConfig defaults = cfg;
   auto configure_claim = [&](int dw, int cw, bool dclaim) {
     for (int r = 0; r < R; ++r) {
-      team->rt[r]->set_send_warps(dw, cw);
+      team->rt[r]->set_send_warps(dw, cw, dw);
       team->rt[r]->set_dispatch_claim(dclaim);
     }
   };
-  auto configure = [&](int dw, int cw) { configure_claim(dw, cw, defaults.dispatch_claim); };
+  // The defaults: dispatch warps by row size, `cw` combine warps.
+  auto configure_defaults = [&](int cw) {
+    for (int r = 0; r < R; ++r) {
+      team->rt[r]->set_send_warps(defaults.dispatch_send_warps, cw,
+                                  defaults.small_row_dispatch_send_warps);
+      team->rt[r]->set_dispatch_claim(defaults.dispatch_claim);
+    }
+  };
 
   // Layout (local) and notify once, for the routing used below.
   auto layout_op = [&](int r, cudaStream_t s) {
@@ -1391,12 +1398,15 @@ void bench(int iters) {
                  }),
                  remote_bytes);
         }
-    configure(default_dispatch_warps, default_combine_warps);
-    std::printf("  (below: default %d send warps)\n", default_dispatch_warps);
+    configure_defaults(default_combine_warps);
+    const int shape_warps = sh.hidden_bytes + 4 * sh.S <= ep::kSmallDispatchRowBytes
+                                ? defaults.small_row_dispatch_send_warps
+                                : default_dispatch_warps;
+    std::printf("  (below: default %d send warps)\n", shape_warps);
     report("dispatch kernel",
            time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
            remote_bytes);
-    print_ht_timeline(*team, R, false, default_dispatch_warps);
+    print_ht_timeline(*team, R, false, shape_warps);
     report("cached dispatch", time_op([&](int r, cudaStream_t s) {
              team->rt[r]->cached_dispatch(dispatch_args(r, 0), s);
            }),
@@ -1422,7 +1432,7 @@ void bench(int iters) {
   std::printf("BF16 combine (num_sms=24; remote bytes = rows x %d B):\n", H * 2);
   for (int round = 0; round < rounds; ++round)
     for (int warps : combine_warps) {
-      configure(default_dispatch_warps, warps);
+      configure_defaults(warps);
       char label[96];
       std::snprintf(label, sizeof(label), "combine, %d send warps", warps);
       report(label, time_op([&](int r, cudaStream_t s) {
