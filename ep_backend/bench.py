@@ -110,8 +110,9 @@ class _Timer:
         """Median time of ``replay()`` when it starts with the GPUs in step (µs, max over ranks).
 
         ``replay`` must synchronise the ranks' GPUs by itself (e.g. a graph of collectives). It
-        runs once untimed right before the timed run: the ranks leave the host barrier tens of
-        µs apart, and without this the earliest rank's timed run would include that gap.
+        runs once untimed right before the timed run: the ranks leave the host barrier a few µs
+        apart (more when a host is descheduled), and their launches differ too; without this the
+        earliest rank's timed run would include that gap.
         """
         assert self.flush is not None, "GPU only"
         for _ in range(self.warmup):
@@ -167,9 +168,25 @@ class _Timer:
         return (float(mine[0]), float(mine[2])), (float(mine[1]), float(mine[3]))
 
 
+# How far ahead of the latest rank's clock the ranks agree to start (more than the all-reduce's
+# exit skew between ranks, tens of µs on a VM).
+_START_AHEAD_NS = 500_000
+
+
 def _host_barrier() -> None:
-    """Aligns the ranks' hosts (over Gloo: no CUDA communicator, fine when ranks share a GPU)."""
-    dist.all_reduce(torch.zeros(1))
+    """Lines the ranks' hosts up (over Gloo: no CUDA communicator, fine when ranks share a GPU).
+
+    The ranks all-reduce a start time a little ahead on CLOCK_MONOTONIC, which the processes of
+    one host share, and each spins until it: they leave within a few µs of each other instead of
+    with the all-reduce's own exit skew. A start time far off (clocks of different hosts) is not
+    waited for.
+    """
+    start = torch.tensor([time.monotonic_ns() + _START_AHEAD_NS], dtype=torch.int64)
+    dist.all_reduce(start, op=dist.ReduceOp.MAX)
+    deadline = int(start.item())
+    if deadline - time.monotonic_ns() <= 2 * _START_AHEAD_NS:
+        while time.monotonic_ns() < deadline:
+            pass
 
 
 def _nccl_pipeline(x, idx, weights, num_experts: int, group) -> Callable[[], torch.Tensor]:

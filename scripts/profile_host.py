@@ -1,6 +1,6 @@
 """Host-time breakdown of the NVLink-path dispatch/combine (2 ranks, one GPU each).
 
-Usage: EP_PROFILE_HOST=1 python scripts/profile_host.py [T]
+Usage: EP_PROFILE_HOST=1 python scripts/profile_host.py [T] [fp8]   (fp8: FP8 x with scales)
 Each call prints "ep <op> host us: stage=µs ... total=µs" on stderr (see moe_intranode.cpp).
 """
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def worker(rank: int, tokens: int, port: int) -> None:
+def worker(rank: int, tokens: int, port: int, fp8: bool) -> None:
     import ep_backend as ep
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -24,12 +24,15 @@ def worker(rank: int, tokens: int, port: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(tokens, 7168, device="cuda", generator=g).bfloat16()
     idx = torch.rand(tokens, 256, device="cuda", generator=g).topk(8).indices
+    scales = None
+    if fp8:
+        x, scales = ep.reference.quantize_fp8_per128(x)
     for i in range(8):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = ep.dispatch(x, idx, None, 256)
+        out = ep.dispatch(x, idx, None, 256, x_scales=scales)
         t1 = time.perf_counter()
-        ep.combine(out.recv_x, out.handle)
+        ep.combine(out.recv_x.bfloat16() if fp8 else out.recv_x, out.handle)
         t2 = time.perf_counter()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
@@ -44,4 +47,5 @@ if __name__ == "__main__":
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-    mp.spawn(worker, args=(tokens, 29577), nprocs=2)
+    fp8 = len(sys.argv) > 2 and sys.argv[2] == "fp8"
+    mp.spawn(worker, args=(tokens, 29577, fp8), nprocs=2)
