@@ -7,23 +7,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mkdir -p build
-root=$PWD
-pids=()
+source scripts/variants_build.sh
+build_variants tests/native/build_and_run.sh HT_EXTRA_FLAGS ht_variant "$@"
 for v in "$@"; do
-  name=${v%%=*}
-  src=.
-  if [[ $name == *@* ]]; then src=${name#*@}; name=${name%%@*}; fi
-  (cd "$src" && BUILD="$root/build/ht_variant_$name" HT_EXTRA_FLAGS="${v#*=}" BUILD_ONLY=1 \
-    bash tests/native/build_and_run.sh) >"build/ht_variant_$name.log" 2>&1 &
-  pids+=($!)
-done
-rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=1; done
-[[ $rc == 0 ]] || { tail -20 build/ht_variant_*.log; echo "VARIANT BUILD FAILED"; exit 1; }
-for v in "$@"; do
-  name=${v%%=*}
-  name=${name%%@*}
+  name=$(variant_name "$v")
   echo "== variant $name: ${v#*=}"
   timeout 300 "build/ht_variant_$name/intranode_test" --bench-only |
     grep -E "kernel|dispatch|combine|FAIL" | grep -v "^[A-Z0-9]* dispatch (num_sms"

@@ -8,24 +8,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
-mkdir -p build
-pids=()
-root=$PWD
-for v in "$@"; do
-  name=${v%%=*}
-  src=.
-  if [[ $name == *@* ]]; then src=${name#*@}; name=${name%%@*}; fi
-  (cd "$src" && BUILD="$root/build/ll_variant_$name" LL_EXTRA_FLAGS="${v#*=}" BUILD_ONLY=1 \
-    bash tests/native/build_ll_and_run.sh) >"build/ll_variant_$name.log" 2>&1 &
-  pids+=($!)
-done
-rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=1; done
-[[ $rc == 0 ]] || { tail -20 build/ll_variant_*.log; echo "VARIANT BUILD FAILED"; exit 1; }
+source scripts/variants_build.sh
+build_variants tests/native/build_ll_and_run.sh LL_EXTRA_FLAGS ll_variant "$@"
 for round in 1 2; do  # twice, alternating, so host drift shows
   for v in "$@"; do
-    name=${v%%=*}
-    name=${name%%@*}
+    name=$(variant_name "$v")
     echo "== variant $name (round $round): ${v#*=}"
     timeout 120 "build/ll_variant_$name/ll_test" --bench-only | grep -E "^(bench|timeline|FAIL)|FAILED"
   done

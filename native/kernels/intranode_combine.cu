@@ -391,12 +391,7 @@ cudaError_t preload_for_elem() {
 }  // namespace
 
 cudaError_t read_intranode_combine_timeline(uint64_t* out) {
-#ifdef EP_HT_TIMELINE
-  return cudaMemcpyFromSymbol(out, g_timeline, sizeof(g_timeline));
-#else
-  (void)out;
-  return cudaErrorNotSupported;
-#endif
+  return EP_HT_READ_TIMELINE(g_timeline, out);
 }
 
 cudaError_t preload_intranode_combine() {

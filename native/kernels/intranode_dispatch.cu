@@ -423,12 +423,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
 }  // namespace
 
 cudaError_t read_intranode_dispatch_timeline(uint64_t* out) {
-#ifdef EP_HT_TIMELINE
-  return cudaMemcpyFromSymbol(out, g_timeline, sizeof(g_timeline));
-#else
-  (void)out;
-  return cudaErrorNotSupported;
-#endif
+  return EP_HT_READ_TIMELINE(g_timeline, out);
 }
 
 cudaError_t preload_intranode_dispatch() {

@@ -4,6 +4,8 @@
 // Default builds compile every stamp out.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "intranode_timeline.hpp"
@@ -22,10 +24,14 @@ __device__ __forceinline__ uint64_t ht_timer_ns() {
     if (blockIdx.x < kHtTimelineBlocks)                                         \
       (timeline)[blockIdx.x * kHtTimelineSlots + (slot)] = ::ep::ht_timer_ns(); \
   } while (0)
+// Copies a kernel file's timeline buffer to the host (a read_intranode_*_timeline body).
+#define EP_HT_READ_TIMELINE(timeline, out) cudaMemcpyFromSymbol((out), (timeline), sizeof(timeline))
 #else
 #define EP_HT_STAMP(timeline, slot) \
   do {                              \
   } while (0)
+// Not a timeline build: the buffer does not exist.
+#define EP_HT_READ_TIMELINE(timeline, out) ((void)(out), cudaErrorNotSupported)
 #endif
 
 }  // namespace ep

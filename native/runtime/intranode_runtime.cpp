@@ -366,9 +366,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.recv_x = a.recv_x;
   p.recv_scales = a.num_scales > 0 ? a.recv_x_scales : nullptr;
   p.num_worst_tokens = a.num_worst_tokens;
-  p.num_send_warps = a.hidden_bytes + 4 * a.num_scales <= kSmallDispatchRowBytes
-                         ? config_.small_row_dispatch_send_warps
-                         : config_.dispatch_send_warps;
+  p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales);
   p.publish_batch = config_.publish_batch;
   p.claim_items = config_.dispatch_claim ? 1 : 0;
   if (!cached) {
@@ -445,6 +443,12 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_combine(p, num_sms, stream), "combine launch");
+}
+
+int IntranodeRuntime::dispatch_send_warps(int hidden_bytes, int num_scales) const {
+  return hidden_bytes + 4 * num_scales <= kSmallDispatchRowBytes
+             ? config_.small_row_dispatch_send_warps
+             : config_.dispatch_send_warps;
 }
 
 void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps,

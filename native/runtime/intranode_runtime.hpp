@@ -191,6 +191,8 @@ class IntranodeRuntime {
   // bias1), accumulated in float32 (float64 for float64 rows); out_topk_weights likewise.
   void combine(const IntranodeCombineArgs& args, cudaStream_t stream);
 
+  // The dispatch's send warps for rows of this shape (the small-row rule of IntranodeConfig).
+  int dispatch_send_warps(int hidden_bytes, int num_scales) const;
   // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
   // the rest receive). small_row_dispatch_send_warps < 0: dispatch_send_warps for every row.
   void set_send_warps(int dispatch_send_warps, int combine_send_warps,

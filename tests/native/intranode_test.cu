@@ -1324,7 +1324,6 @@ void bench(int iters) {
   const int dispatch_warps[] = {10, 11, 12, 13};
   const int combine_warps[] = {4, 5};
   const int rounds = 2;  // each configuration twice, alternating: run-to-run spread is visible
-  const int default_dispatch_warps = cfg.dispatch_send_warps;
   const int default_combine_warps = cfg.combine_send_warps;
   const IntranodeConfig defaults = cfg;
   auto configure_claim = [&](int dw, int cw, bool dclaim) {
@@ -1399,9 +1398,7 @@ void bench(int iters) {
                  remote_bytes);
         }
     configure_defaults(default_combine_warps);
-    const int shape_warps = sh.hidden_bytes + 4 * sh.S <= ep::kSmallDispatchRowBytes
-                                ? defaults.small_row_dispatch_send_warps
-                                : default_dispatch_warps;
+    const int shape_warps = team->rt[0]->dispatch_send_warps(sh.hidden_bytes, sh.S);
     std::printf("  (below: default %d send warps)\n", shape_warps);
     report("dispatch kernel",
            time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
