@@ -301,6 +301,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         t_cached = timer(lambda: ep.dispatch(x, handle=out.handle))
         add("ep layout", t_layout, 0, 0, 0)
         add("ep dispatch BF16", t_dispatch, row_bf16, remote_rows, recv_rows)
+        if use_cuda:  # the same dispatch with the kernel launched after the host wait
+            options = ep.get_backend(group).options
+            options.overlap_dispatch_host_wait = False
+            t_host_first = timer(lambda: ep.dispatch(x, idx, weights, num_experts))
+            options.overlap_dispatch_host_wait = True
+            add("ep dispatch BF16, host-first", t_host_first, row_bf16, remote_rows, recv_rows,
+                "Options(overlap_dispatch_host_wait=False)")  # fmt: skip
         add("ep dispatch FP8", t_fp8, row_fp8, remote_rows, recv_rows)
         add("ep cached dispatch BF16", t_cached, row_bf16, remote_rows, recv_rows)
         add("ep combine BF16", t_combine, row_bf16, remote_rows, recv_rows)

@@ -22,21 +22,27 @@ void bindOptions(py::module_& m) {
 Args:
     timeout: collective timeout (``datetime.timedelta``), default 30 minutes.
     num_sms: SMs the high-throughput MoE kernels may use (default 24).
-    kernel_timeout_s: seconds a kernel may wait for a peer before failing (default 60).)")
-      .def(
-          py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s) {
-            TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
-            TORCH_CHECK(kernel_timeout_s > 0, "ep.Options: kernel_timeout_s must be positive, got ",
-                        kernel_timeout_s);
-            auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
-            opts->num_sms = num_sms;
-            opts->kernel_timeout_s = kernel_timeout_s;
-            return opts;
-          }),
-          py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
-          py::arg("kernel_timeout_s") = 60.0)
+    kernel_timeout_s: seconds a kernel may wait for a peer before failing (default 60).
+    overlap_dispatch_host_wait: a dispatch without ``num_worst_tokens`` launches its kernel
+        before the host waits for the receive counts (default True), so the wait overlaps the
+        transfer; its outputs are then views of storage sized for the worst case (the sum of
+        all ranks' tokens rows). False: storage of the exact size, kernel after the host wait.)")
+      .def(py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
+                       bool overlap_dispatch_host_wait) {
+             TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
+             TORCH_CHECK(kernel_timeout_s > 0,
+                         "ep.Options: kernel_timeout_s must be positive, got ", kernel_timeout_s);
+             auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
+             opts->num_sms = num_sms;
+             opts->kernel_timeout_s = kernel_timeout_s;
+             opts->overlap_dispatch_host_wait = overlap_dispatch_host_wait;
+             return opts;
+           }),
+           py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
+           py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true)
       .def_readwrite("num_sms", &ep::EPOptions::num_sms)
       .def_readwrite("kernel_timeout_s", &ep::EPOptions::kernel_timeout_s)
+      .def_readwrite("overlap_dispatch_host_wait", &ep::EPOptions::overlap_dispatch_host_wait)
       .def_readwrite("group_name", &c10d::Backend::Options::group_name)
       .def_readwrite("global_ranks_in_group", &c10d::Backend::Options::global_ranks_in_group)
       .def_property(
@@ -48,7 +54,9 @@ Args:
       .def("__repr__", [](const ep::EPOptions& o) {
         return "ep_backend.Options(timeout=" + std::to_string(o.timeout.count()) +
                "ms, num_sms=" + std::to_string(o.num_sms) +
-               ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) + ")";
+               ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) +
+               ", overlap_dispatch_host_wait=" + (o.overlap_dispatch_host_wait ? "True" : "False") +
+               ")";
       });
 }
 

@@ -114,10 +114,11 @@ def test_soak_2000_iterations_without_memory_growth() -> None:
         assert out["growth"] <= 8 << 20, (rank, out["growth"])
 
 
-def _bad_input_then_valid(rank: int, world: int) -> dict:
+def _bad_input_then_valid(rank: int, world: int, overlap: bool) -> dict:
     import ep_backend as ep
     from ep_backend import reference as ref
 
+    ep.get_backend().options.overlap_dispatch_host_wait = overlap
     x, idx, w = _inputs(rank, 256, seed=3)
     bad = idx.clone()
     if rank == 1:
@@ -132,16 +133,75 @@ def _bad_input_then_valid(rank: int, world: int) -> dict:
     return {"raised": raised, "next_ok": torch.equal(out.recv_x.cpu(), expected.recv_x)}
 
 
-def test_bad_input_rejected_on_every_rank_before_any_data_moves() -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "host-first"])
+def test_bad_input_rejected_on_every_rank_before_any_data_moves(overlap: bool) -> None:
     """An out-of-range expert id on one rank: the layout kernel finds it, notify tells every rank,
-    and all raise before the dispatch kernel (no host read of topk_idx, no extra stream sync)."""
-    res = run_distributed(_bad_input_then_valid, gpu_world_size(), backend="ep", timeout=120)
+    and all raise; no host read of topk_idx, no extra stream sync. Host-first, no dispatch kernel
+    runs; overlapped, the dispatch kernel already launched reads notify's verdict and moves
+    nothing (the next dispatch is still right)."""
+    res = run_distributed(
+        _bad_input_then_valid, gpu_world_size(), overlap, backend="ep", timeout=120
+    )
     assert "topk_idx values must be in [-1" in res[1]["raised"], res[1]
     assert f"got {E + 5} at token 0, slot 0" in res[1]["raised"], res[1]
     for rank, r in enumerate(res):
         if rank != 1:
             assert "rank(s) 1 rejected their inputs" in r["raised"], (rank, r)
     assert all(r["next_ok"] for r in res)
+
+
+def _storage_of_outputs(rank: int, world: int) -> dict:
+    """Both dispatch modes against the spec, with the storage each gives its outputs."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    options = ep.get_backend().options
+    num_tokens = 200 + 37 * rank  # uneven: the worst case is the sum over ranks
+    x, idx, w = _inputs(rank, num_tokens, seed=11)
+    x8, s8 = ref.quantize_fp8_per128(x)
+    expected = ref.dispatch(x8.cpu(), idx.cpu(), w.cpu(), E, x_scales=s8.cpu())
+    result: dict = {"worst": sum(200 + 37 * r for r in range(world))}
+    for overlap in (True, False):
+        options.overlap_dispatch_host_wait = overlap
+        out = ep.dispatch(x8, idx, w, E, x_scales=s8)
+        combined = ep.combine(out.recv_x.float().bfloat16(), out.handle)
+        assert out.recv_x_scales is not None and out.recv_topk_weights is not None
+        result[overlap] = {
+            "rows": out.recv_x.shape[0],
+            "expected_rows": expected.recv_x.shape[0],
+            "storage_rows": out.recv_x.untyped_storage().nbytes() // out.recv_x.stride(0),
+            "scale_storage_rows": out.recv_x_scales.untyped_storage().nbytes()
+            // (4 * out.recv_x_scales.shape[1]),
+            "equal": torch.equal(out.recv_x.view(torch.uint8).cpu(),
+                                 expected.recv_x.view(torch.uint8))
+            and torch.equal(out.recv_x_scales.cpu(), expected.recv_x_scales)
+            and torch.equal(out.recv_topk_idx.cpu(), expected.recv_topk_idx)
+            and torch.equal(out.recv_topk_weights.cpu(), expected.recv_topk_weights)
+            and out.num_recv_tokens_per_expert_list == expected.num_recv_tokens_per_expert_list,
+            "combine_shape": tuple(combined.combined_x.shape),
+        }  # fmt: skip
+    # The option is agreed: ranks that differ get an error, not a hang.
+    options.overlap_dispatch_host_wait = rank == 0
+    try:
+        ep.dispatch(x8, idx, w, E, x_scales=s8)
+        result["mismatch"] = ""
+    except RuntimeError as exc:
+        result["mismatch"] = str(exc)
+    return result
+
+
+def test_overlapped_dispatch_outputs_are_exact_views_of_worst_case_storage() -> None:
+    res = run_distributed(_storage_of_outputs, gpu_world_size(), backend="ep", timeout=120)
+    for rank, r in enumerate(res):
+        for overlap in (True, False):
+            got = r[overlap]
+            assert got["equal"], (rank, overlap)
+            assert got["rows"] == got["expected_rows"], (rank, overlap, got)
+            assert got["combine_shape"] == (200 + 37 * rank, H), (rank, overlap, got)
+        # overlapped: storage for every token of every rank; host-first: the exact rows
+        assert r[True]["storage_rows"] == r["worst"] == r[True]["scale_storage_rows"], (rank, r)
+        assert r[False]["storage_rows"] == r[False]["rows"], (rank, r)
+        assert "ranks disagree on Options.overlap_dispatch_host_wait" in r["mismatch"], (rank, r)
 
 
 def _absent_peer(rank: int, world: int) -> str:

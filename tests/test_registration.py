@@ -52,6 +52,10 @@ def test_options_validate_and_copy() -> None:
         ep_backend.Options(num_sms=0)
     with pytest.raises(RuntimeError, match="kernel_timeout_s"):
         ep_backend.Options(kernel_timeout_s=-1.0)
+    assert opts.overlap_dispatch_host_wait is True  # the default
+    exact = ep_backend.Options(overlap_dispatch_host_wait=False)
+    assert copy.deepcopy(exact).overlap_dispatch_host_wait is False
+    assert "overlap_dispatch_host_wait=False" in repr(exact)
 
 
 def _basic(rank: int, world_size: int) -> dict:

@@ -29,6 +29,11 @@ struct EPOptions : c10d::Backend::Options {
   int64_t num_sms = 24;
   // Seconds a kernel spin-wait may stall before the op fails naming the stalled peer.
   double kernel_timeout_s = 60.0;
+  // Dispatch (without num_worst_tokens) launches its kernel before the host waits for the
+  // receive counts, so the wait overlaps the transfer; its outputs are then views of storage
+  // sized for the worst case (every token of every rank). False: exact storage, and the kernel
+  // starts only after the host has the counts.
+  bool overlap_dispatch_host_wait = true;
 };
 
 class EPProcessGroup : public c10d::Backend {

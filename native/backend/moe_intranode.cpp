@@ -265,6 +265,17 @@ Needs maxNeeds(const at::Tensor& gathered) {
   return n;
 }
 
+// The most rows a dispatch can deliver to one rank: every token of every rank (column 0 of the
+// agreed payload), each received at most once.
+int64_t worstCaseRows(const at::Tensor& gathered) {
+  auto g = gathered.accessor<int64_t, 2>();
+  int64_t rows = 0;
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    rows += g[r][0];
+  }
+  return rows;
+}
+
 // Per-token send positions and receive prefix of a handle (the kernels' view of the routing).
 std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
   at::Tensor in_rank = r.is_token_in_rank.to(at::kInt);
@@ -431,6 +442,7 @@ LayoutErrorState& layoutErrorState(int device) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
                                                               int64_t num_experts,
                                                               int64_t num_ranks) {
+  HostStages stages("layout");
   const char* op = "ep get_dispatch_layout: ";
   checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
   TORCH_CHECK(num_ranks <= kMaxRanks, op, "the CUDA layout kernel serves 1..", kMaxRanks,
@@ -455,6 +467,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
                 ", outside [-1, num_experts) (counted as -1 there; "
                 "reported by the next call)");
   }
+  stages.mark("checks");
   const at::Tensor idx = topk_idx.contiguous();
   const auto i32 = idx.options().dtype(at::kInt);
   at::Tensor per_rank = at::empty({num_ranks}, i32);
@@ -476,7 +489,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
   p.rank = -1;
   const at::Tensor ws = layoutWorkspace(idx.size(0), num_experts, device);
   p.workspace = ws.defined() ? ws.data_ptr() : nullptr;
+  stages.mark("alloc");
   C10_CUDA_CHECK(launch_intranode_layout(p, stream));
+  stages.mark("launch");
   return {per_rank, per_expert, in_rank};
 }
 
@@ -492,7 +507,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const bool ok = error.empty();
   const bool has_scales = a.x_scales.has_value();
   const bool has_weights = a.topk_weights.has_value();
-  const std::vector<AgreedField> fields = dispatchFields(a, ok);
+  std::vector<AgreedField> fields = dispatchFields(a, ok);
+  // Ranks that disagree would diverge on a rejected routing (one launches the kernel, one not).
+  fields.push_back(
+      {"Options.overlap_dispatch_host_wait", pg.options()->overlap_dispatch_host_wait});
   std::vector<int64_t> payload{
       ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
@@ -512,18 +530,28 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t topk = a.topk_idx.size(1);
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const auto i32 = a.x.options().dtype(at::kInt);
+  // Order matters for latency: the GPU idles until the layout launch, so only the layout's
+  // tensors come first; the rest is allocated while the layout and notify kernels run.
   at::Tensor per_rank = at::empty({num_ranks}, i32);
   at::Tensor per_expert = at::empty({a.num_experts}, i32);
   at::Tensor in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
-  at::Tensor send_pos = at::empty({num_tokens, num_ranks}, i32);
+  // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive prefix
+  // [R + 1] and the layout kernel's scratch, each 16-byte aligned.
+  const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
+  const int64_t prefix_at = align4(num_tokens * num_ranks);
+  const int64_t scratch_at = prefix_at + align4(num_ranks + 1);
+  const size_t layout_ws_bytes = intranode_layout_workspace_bytes(static_cast<int>(num_tokens),
+                                                                  static_cast<int>(a.num_experts));
+  at::Tensor internal =
+      at::empty({scratch_at + align4(static_cast<int64_t>((layout_ws_bytes + 3) / 4))}, i32);
+  at::Tensor send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
+  at::Tensor recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
+  void* layout_ws = layout_ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr;
   const int idx_bytes = static_cast<int>(a.topk_idx.element_size());
-  const at::Tensor layout_ws = layoutWorkspace(num_tokens, a.num_experts, device);
   rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens), static_cast<int>(topk),
             static_cast<int>(a.num_experts), per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
-            in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(), stream,
-            layout_ws.defined() ? layout_ws.data_ptr() : nullptr);
+            in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(), stream, layout_ws);
   at::Tensor recv_counts = at::empty({num_ranks}, i32);
-  at::Tensor recv_prefix = at::empty({num_ranks + 1}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
   const bool host_counts = a.num_worst_tokens == 0;
   const int ticket =
@@ -532,7 +560,57 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                 static_cast<int>(a.num_worst_tokens), recv_counts.data_ptr<int>(),
                 recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(), host_counts, stream);
   stages.mark("layout+notify");
+
+  // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for
+  // the most any rank can receive (every token of every rank), narrowed once the counts are in.
+  const bool overlap = host_counts && pg.options()->overlap_dispatch_host_wait;
   int64_t rows = a.num_worst_tokens;
+  if (overlap) {
+    rows = worstCaseRows(gathered);
+  }
+  DispatchResult out;
+  at::Tensor src_idx, src_rank;
+  const auto allocate_and_launch = [&] {
+    out.recv_x = at::empty({rows, a.x.size(1)}, a.x.options());
+    if (has_scales) {
+      out.recv_x_scales = at::empty({rows, a.x_scales->size(1)}, a.x_scales->options());
+    }
+    out.recv_topk_idx = at::empty({rows, topk}, a.topk_idx.options());
+    if (has_weights) {
+      out.recv_topk_weights = at::empty({rows, topk}, a.topk_weights->options());
+    }
+    src_idx = at::empty({rows}, i32);
+    src_rank = at::empty({rows}, i32);
+
+    IntranodeDispatchArgs args;
+    args.x = a.x.data_ptr();
+    args.num_tokens = static_cast<int>(num_tokens);
+    args.hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
+    args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;
+    args.num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
+    args.topk_idx = a.topk_idx.data_ptr();
+    args.idx_bytes = idx_bytes;
+    args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+    args.num_topk = static_cast<int>(topk);
+    args.num_experts = static_cast<int>(a.num_experts);
+    args.send_pos = send_pos.data_ptr<int>();
+    args.recv_prefix = recv_prefix.data_ptr<int>();
+    args.recv_x = out.recv_x.data_ptr();
+    args.recv_x_scales = has_scales ? static_cast<float*>(out.recv_x_scales->data_ptr()) : nullptr;
+    args.recv_topk_idx = out.recv_topk_idx.data_ptr();
+    args.recv_topk_weights = has_weights ? out.recv_topk_weights->data_ptr<float>() : nullptr;
+    args.recv_src_idx = src_idx.data_ptr<int>();
+    args.recv_src_rank = src_rank.data_ptr<int>();
+    // Only worst-case mode pads; the overlapped launch leaves the rows past the count unwritten.
+    args.num_worst_tokens = overlap ? 0 : static_cast<int>(a.num_worst_tokens);
+    rt.dispatch(args, stream);
+  };
+  if (overlap) {
+    // The kernel reads the receive prefix notify leaves on the device; a rejected routing
+    // (an invalid topk_idx on some rank) makes it move nothing, on every rank alike.
+    allocate_and_launch();
+    stages.mark("alloc+launch");
+  }
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
   at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
   if (host_counts) {
@@ -540,48 +618,34 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     if (counts.rejected_ranks != 0) {
       raiseRejectedTopk(rt, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
     }
-    rows = counts.num_recv_tokens;
+    TORCH_INTERNAL_ASSERT(!overlap || counts.num_recv_tokens <= rows,
+                          "ep dispatch: ", counts.num_recv_tokens, " rows received, more than the ",
+                          rows, " every rank's tokens add up to");
     host_routing_counts.assign(counts.sent_per_rank.begin(), counts.sent_per_rank.end());
     host_routing_counts.insert(host_routing_counts.end(), counts.per_rank.begin(),
                                counts.per_rank.end());
     host_per_expert = hostCounts(counts.per_expert);
+    if (overlap) {
+      const int64_t n = counts.num_recv_tokens;
+      out.recv_x = out.recv_x.narrow(0, 0, n);
+      if (has_scales) {
+        out.recv_x_scales = out.recv_x_scales->narrow(0, 0, n);
+      }
+      out.recv_topk_idx = out.recv_topk_idx.narrow(0, 0, n);
+      if (has_weights) {
+        out.recv_topk_weights = out.recv_topk_weights->narrow(0, 0, n);
+      }
+      src_idx = src_idx.narrow(0, 0, n);
+      src_rank = src_rank.narrow(0, 0, n);
+    } else {
+      rows = counts.num_recv_tokens;
+    }
   }
   stages.mark("wait_counts");
-
-  DispatchResult out;
-  out.recv_x = at::empty({rows, a.x.size(1)}, a.x.options());
-  if (has_scales) {
-    out.recv_x_scales = at::empty({rows, a.x_scales->size(1)}, a.x_scales->options());
+  if (!overlap) {
+    allocate_and_launch();
+    stages.mark("alloc+launch");
   }
-  out.recv_topk_idx = at::empty({rows, topk}, a.topk_idx.options());
-  if (has_weights) {
-    out.recv_topk_weights = at::empty({rows, topk}, a.topk_weights->options());
-  }
-  at::Tensor src_idx = at::empty({rows}, i32);
-  at::Tensor src_rank = at::empty({rows}, i32);
-
-  IntranodeDispatchArgs args;
-  args.x = a.x.data_ptr();
-  args.num_tokens = static_cast<int>(num_tokens);
-  args.hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
-  args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;
-  args.num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
-  args.topk_idx = a.topk_idx.data_ptr();
-  args.idx_bytes = idx_bytes;
-  args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
-  args.num_topk = static_cast<int>(topk);
-  args.num_experts = static_cast<int>(a.num_experts);
-  args.send_pos = send_pos.data_ptr<int>();
-  args.recv_prefix = recv_prefix.data_ptr<int>();
-  args.recv_x = out.recv_x.data_ptr();
-  args.recv_x_scales = has_scales ? static_cast<float*>(out.recv_x_scales->data_ptr()) : nullptr;
-  args.recv_topk_idx = out.recv_topk_idx.data_ptr();
-  args.recv_topk_weights = has_weights ? out.recv_topk_weights->data_ptr<float>() : nullptr;
-  args.recv_src_idx = src_idx.data_ptr<int>();
-  args.recv_src_rank = src_rank.data_ptr<int>();
-  args.num_worst_tokens = static_cast<int>(a.num_worst_tokens);
-  rt.dispatch(args, stream);
-  stages.mark("alloc+launch");
 
   out.num_recv_tokens_per_expert = recv_per_expert;
   out.num_recv_tokens_per_expert_host = host_per_expert;

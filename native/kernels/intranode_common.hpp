@@ -38,7 +38,9 @@ struct ControlBlock {
   int abort;                  // set on timeout: every later spin-wait gives up at once
   int error_lock;             // first-error-wins lock of the ErrorRecord
   unsigned int work_claimed;  // dispatch tokens claimed by sender warps; finish_block zeroes it
-  int pad[26];
+  int rejected_ranks;  // set by notify in normal mode: bit s = rank s's topk_idx was invalid; the
+                       // dispatch kernel that follows it then moves nothing
+  int pad[25];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
 

@@ -377,12 +377,19 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     intranode_dispatch_kernel(DispatchParams p) {
   static_assert(kWarps <= device::kMaxSenderWarps, "publish queue too small");
   __shared__ uint64_t s_seq;
+  __shared__ int s_rejected;
   __shared__ device::PublishQueue s_queue;  // sender warps -> publisher warp
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
-  if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
+  if (threadIdx.x == 0) {
+    s_seq = device::read_sequence(ctrl);
+    // A normal dispatch follows its notify, which found every rank's routing valid or not (the
+    // same verdict on every rank); a cached dispatch reuses a routing that was valid.
+    s_rejected =
+        p.topk_idx != nullptr ? *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) : 0;
+  }
   if (threadIdx.x < device::kMaxSenderWarps) {
     s_queue.progress[threadIdx.x] = 0;
     s_queue.published[threadIdx.x] = 0;
@@ -398,7 +405,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
         reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
         seq);
 
-  if (!device::aborted(ctx)) {
+  if (!device::aborted(ctx) && s_rejected == 0) {
     if (warp < p.num_send_warps)
       dispatch_send(p, ctx, seq, warp, lane, s_queue);
     else if (warp == p.num_send_warps)

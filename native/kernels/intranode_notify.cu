@@ -6,8 +6,9 @@
 //
 // A rank whose layout kernel found an invalid topk_idx value (its error record says so) sets bit
 // 31 of every token count it announces; receivers report those ranks to the host, which then
-// raises on every rank without launching the dispatch (normal mode only: worst-case mode has no
-// host step, and its layout treated the values as -1).
+// raises on every rank, and to the control block, where the dispatch kernel (launched before the
+// host looked, when the host wait overlaps it) finds them and moves nothing. Normal mode only:
+// worst-case mode has no host step, and its layout treated the values as -1.
 //
 // Protocol: each value travels as one 64-bit word (sequence << 32 | value) written with a relaxed
 // system-scope store, so every word is self-validating and no fence or flag is needed. The slots
@@ -89,6 +90,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
       total += n;
     }
     p.recv_prefix[R] = total;
+    ctrl->rejected_ranks = p.host != nullptr ? rejected : 0;
     if (write_host) {
       p.host->num_recv_tokens = total;
       p.host->rejected_ranks = rejected;
