@@ -300,6 +300,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         out = ep.dispatch(x, idx, weights, num_experts)
         t_cached = timer(lambda: ep.dispatch(x, handle=out.handle))
         add("ep layout", t_layout, 0, 0, 0)
+        if use_cuda:  # what this timer gives the smallest op: one launch of a 1-element kernel
+            tiny = torch.zeros(1, device=device)
+            add("floor: one tiny torch kernel", timer(tiny.zero_), 0, 0, 0,
+                "launch latency + host overhead of this timer")  # fmt: skip
         add("ep dispatch BF16", t_dispatch, row_bf16, remote_rows, recv_rows)
         if use_cuda:  # the same dispatch with the kernel launched after the host wait
             options = ep.get_backend(group).options

@@ -11,6 +11,7 @@ EP_PROFILE_HOST=1 the C++ side also prints its stage times per call on stderr.
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -58,7 +59,8 @@ def _timeline(path: str) -> str:
             k = kernels.get(launch["args"].get("correlation"))
             if k is None:
                 continue
-            name = k["name"].split("(")[0].split("::")[-1].replace("intranode_", "")
+            ours = re.search(r"intranode_(\w+?)_kernel", k["name"])
+            name = ours.group(1) if ours else k["name"][:40]
             cells.append(f"{name}: launch {launch['ts'] - t0:.0f}+{launch['dur']:.0f} "
                          f"run {k['ts'] - t0:.0f}..{k['ts'] + k['dur'] - t0:.0f}")  # fmt: skip
         lines.append("  " + " | ".join(cells))

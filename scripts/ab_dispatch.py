@@ -1,0 +1,78 @@
+"""A/B of dispatch modes, interleaved call by call (2 ranks, one GPU each), timed as the bench.
+
+Usage: [EP_AB_PIN=N] python scripts/ab_dispatch.py [T] [iters]   (N: pin each rank to N cores)
+
+Each round times one BF16 dispatch per mode (overlapped: the default; host-first:
+Options.overlap_dispatch_host_wait=False; late layout: EP_DISPATCH_EARLY_LAYOUT=0, the layout
+launched after the agreement), in rotating order, with the bench's L2 flush and start-time
+barrier before each call; the medians (max over ranks) come out side by side, so drift of the
+machine hits every mode alike.
+"""
+
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank: int, tokens: int, iters: int, port: int) -> None:
+    import ep_backend as ep
+    from ep_backend.bench import _host_barrier
+
+    torch.cuda.set_device(rank)
+    pin = int(os.environ.get("EP_AB_PIN", "0"))  # > 0: this many cores per rank, disjoint
+    if pin > 0:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cores[1 + rank * pin : 1 + (rank + 1) * pin])
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group("ep", store=store, rank=rank, world_size=2)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(tokens, 7168, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(tokens, 256, device="cuda", generator=g).topk(8).indices
+    w = torch.rand(tokens, 8, device="cuda", generator=g)
+    options = ep.get_backend().options
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    # mode: (Options.overlap_dispatch_host_wait, EP_DISPATCH_EARLY_LAYOUT)
+    modes = {"overlapped": (True, "1"), "host-first": (False, "1"), "late layout": (True, "0")}
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    host: dict[str, list[float]] = {m: [] for m in modes}
+    for i in range(iters + 3):
+        order = list(modes)[i % len(modes) :] + list(modes)[: i % len(modes)]  # rotate
+        for mode in order:
+            options.overlap_dispatch_host_wait, os.environ["EP_DISPATCH_EARLY_LAYOUT"] = modes[mode]
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _host_barrier()
+            start.record()
+            h0 = time.perf_counter()
+            ep.dispatch(x, idx, w, 256)
+            h1 = time.perf_counter()
+            end.record()
+            end.synchronize()
+            if i >= 3:  # warm-up rounds
+                samples[mode].append(start.elapsed_time(end) * 1e3)
+                host[mode].append((h1 - h0) * 1e6)
+    med = torch.tensor([statistics.median(samples[m]) for m in modes]
+                       + [statistics.median(host[m]) for m in modes], dtype=torch.float64)  # fmt: skip
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        for j, mode in enumerate(modes):
+            print(f"ab dispatch BF16 T={tokens} pin={pin} {mode:10s}: {med[j]:7.1f} us "
+                  f"(host {med[j + len(modes)]:6.1f} us), median of {iters}, max over ranks",
+                  flush=True)  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    iters = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+    mp.spawn(worker, args=(tokens, iters, 29579), nprocs=2)
