@@ -3,10 +3,9 @@
 Usage: [EP_AB_PIN=N] python scripts/ab_dispatch.py [T] [iters]   (N: pin each rank to N cores)
 
 Each round times one BF16 dispatch per mode (overlapped: the default; host-first:
-Options.overlap_dispatch_host_wait=False; late layout: EP_DISPATCH_EARLY_LAYOUT=0, the layout
-launched after the agreement), in rotating order, with the bench's L2 flush and start-time
-barrier before each call; the medians (max over ranks) come out side by side, so drift of the
-machine hits every mode alike.
+Options.overlap_dispatch_host_wait=False), in rotating order, with the bench's L2 flush and
+start-time barrier before each call; the medians (max over ranks) come out side by side, so
+drift of the machine hits every mode alike.
 """
 
 import datetime
@@ -38,14 +37,13 @@ def worker(rank: int, tokens: int, iters: int, port: int) -> None:
     w = torch.rand(tokens, 8, device="cuda", generator=g)
     options = ep.get_backend().options
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    # mode: (Options.overlap_dispatch_host_wait, EP_DISPATCH_EARLY_LAYOUT)
-    modes = {"overlapped": (True, "1"), "host-first": (False, "1"), "late layout": (True, "0")}
+    modes = {"overlapped": True, "host-first": False}  # Options.overlap_dispatch_host_wait
     samples: dict[str, list[float]] = {m: [] for m in modes}
     host: dict[str, list[float]] = {m: [] for m in modes}
     for i in range(iters + 3):
         order = list(modes)[i % len(modes) :] + list(modes)[: i % len(modes)]  # rotate
         for mode in order:
-            options.overlap_dispatch_host_wait, os.environ["EP_DISPATCH_EARLY_LAYOUT"] = modes[mode]
+            options.overlap_dispatch_host_wait = modes[mode]
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             _host_barrier()

@@ -115,8 +115,7 @@ HostExchange::Slot* HostExchange::slot(int rank, int parity) const {
 }
 
 std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const char* op,
-                                          std::chrono::milliseconds timeout,
-                                          const std::function<void()>& while_waiting) {
+                                          std::chrono::milliseconds timeout) {
   const int64_t width = static_cast<int64_t>(row.size());
   TORCH_INTERNAL_ASSERT(fits(width));
   const uint64_t call = ++calls_;  // stored as call number + 1: a zeroed slot means "never"
@@ -124,9 +123,6 @@ std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const
   Slot* mine = slot(rank_, parity);
   std::memcpy(mine->row, row.data(), row.size() * sizeof(int64_t));
   __atomic_store_n(&mine->call, call, __ATOMIC_RELEASE);
-  if (while_waiting) {
-    while_waiting();
-  }
 
   std::vector<int64_t> all(static_cast<size_t>(num_ranks_ * width));
   const auto start = std::chrono::steady_clock::now();

@@ -15,7 +15,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,11 +40,9 @@ class HostExchange {
   static bool fits(int64_t width) { return width <= kCapacityWords; }
 
   // All ranks' rows, rank-major ([R * width]). Throws c10::Error naming the ranks that did not
-  // arrive within `timeout`. `while_waiting` (optional, must not throw) runs once between
-  // posting this rank's row and waiting for the others'.
+  // arrive within `timeout`.
   std::vector<int64_t> gather(const std::vector<int64_t>& row, const char* op,
-                              std::chrono::milliseconds timeout,
-                              const std::function<void()>& while_waiting = {});
+                              std::chrono::milliseconds timeout);
 
   struct Slot;  // one rank's row for one call parity (public for the layout's static_assert)
 

@@ -514,72 +514,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   std::vector<int64_t> payload{
       ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
-
-  // The layout needs no peer: when the group's transport already fits this rank's call, it is
-  // launched while the host waits for the peers in the agreement (the GPU would idle there).
-  const int64_t num_tokens = ok ? a.x.size(0) : 0;
-  const int64_t topk = ok ? a.topk_idx.size(1) : 0;
-  at::Tensor per_rank, per_expert, in_rank, send_pos, recv_prefix;
-  int laid_out_generation = 0;  // the transport generation the launched layout used; 0: none
-  const auto launch_layout = [&](IntranodeRuntime& rt, cudaStream_t stream) {
-    const auto i32 = a.x.options().dtype(at::kInt);
-    per_rank = at::empty({num_ranks}, i32);
-    per_expert = at::empty({a.num_experts}, i32);
-    in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
-    // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive
-    // prefix [R + 1] and the layout kernel's scratch, each 16-byte aligned.
-    const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
-    const int64_t prefix_at = align4(num_tokens * num_ranks);
-    const int64_t scratch_at = prefix_at + align4(num_ranks + 1);
-    const size_t ws_bytes = intranode_layout_workspace_bytes(static_cast<int>(num_tokens),
-                                                             static_cast<int>(a.num_experts));
-    at::Tensor internal =
-        at::empty({scratch_at + align4(static_cast<int64_t>((ws_bytes + 3) / 4))}, i32);
-    send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
-    recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
-    rt.layout(a.topk_idx.data_ptr(), static_cast<int>(a.topk_idx.element_size()),
-              static_cast<int>(num_tokens), static_cast<int>(topk), static_cast<int>(a.num_experts),
-              per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), in_rank.data_ptr<bool>(),
-              send_pos.data_ptr<int>(), stream,
-              ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr);
-    laid_out_generation = st->generation;
-  };
-  const auto while_waiting = [&]() noexcept {
-    Needs mine;
-    mine.tokens = payload[0];
-    mine.hidden_bytes = payload[1];
-    mine.topk = payload[2];
-    mine.scales = payload[3];
-    mine.local_experts = payload[4];
-    // EP_DISPATCH_EARLY_LAYOUT=0 launches it after the agreement (for A/B runs).
-    const char* early = std::getenv("EP_DISPATCH_EARLY_LAYOUT");
-    if (!ok || !st->runtime || st->runtime->failed() || !fits(st->runtime->config(), mine) ||
-        (early != nullptr && std::strcmp(early, "0") == 0)) {
-      return;
-    }
-    try {
-      const c10::cuda::CUDAGuard early_guard(a.x.device());
-      launch_layout(*st->runtime, c10::cuda::getCurrentCUDAStream(a.x.device().index()).stream());
-    } catch (const std::exception&) {
-      laid_out_generation = 0;  // launched again below, where an error surfaces
-    }
-  };
-  at::Tensor gathered;
-  try {
-    gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload, while_waiting);
-  } catch (...) {
-    if (laid_out_generation != 0) {
-      // The call ends here, on every rank: an invalid topk_idx the early layout recorded must
-      // not reject the next dispatch.
-      C10_CUDA_CHECK(
-          cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(a.x.device().index()).stream()));
-      const ErrorRecord record = st->runtime->error_record();
-      if (record.code == kErrorInvalidTopkIdx && record.op == kOpLayout) {
-        st->runtime->clear_error();
-      }
-    }
-    throw;
-  }
+  at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload);
   stages.mark("agree");
 
   const at::Device device = a.x.device();
@@ -590,12 +525,32 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, needs);
   stages.mark("runtime");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+
+  const int64_t num_tokens = a.x.size(0);
+  const int64_t topk = a.topk_idx.size(1);
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const auto i32 = a.x.options().dtype(at::kInt);
-  if (laid_out_generation != st->generation) {  // not launched early, or on a replaced transport
-    launch_layout(rt, stream);
-  }
-  stages.mark("layout");
+  // Order matters for latency: the GPU idles until the layout launch, so only the layout's
+  // tensors come first; the rest is allocated while the layout and notify kernels run.
+  at::Tensor per_rank = at::empty({num_ranks}, i32);
+  at::Tensor per_expert = at::empty({a.num_experts}, i32);
+  at::Tensor in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
+  // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive prefix
+  // [R + 1] and the layout kernel's scratch, each 16-byte aligned.
+  const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
+  const int64_t prefix_at = align4(num_tokens * num_ranks);
+  const int64_t scratch_at = prefix_at + align4(num_ranks + 1);
+  const size_t layout_ws_bytes = intranode_layout_workspace_bytes(static_cast<int>(num_tokens),
+                                                                  static_cast<int>(a.num_experts));
+  at::Tensor internal =
+      at::empty({scratch_at + align4(static_cast<int64_t>((layout_ws_bytes + 3) / 4))}, i32);
+  at::Tensor send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
+  at::Tensor recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
+  void* layout_ws = layout_ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr;
+  const int idx_bytes = static_cast<int>(a.topk_idx.element_size());
+  rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens), static_cast<int>(topk),
+            static_cast<int>(a.num_experts), per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
+            in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(), stream, layout_ws);
   at::Tensor recv_counts = at::empty({num_ranks}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
   const bool host_counts = a.num_worst_tokens == 0;
@@ -604,7 +559,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                 static_cast<int>(a.num_experts), static_cast<int>(a.expert_alignment),
                 static_cast<int>(a.num_worst_tokens), recv_counts.data_ptr<int>(),
                 recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(), host_counts, stream);
-  stages.mark("notify");
+  stages.mark("layout+notify");
 
   // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for
   // the most any rank can receive (every token of every rank), narrowed once the counts are in.
@@ -634,7 +589,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;
     args.num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
     args.topk_idx = a.topk_idx.data_ptr();
-    args.idx_bytes = static_cast<int>(a.topk_idx.element_size());
+    args.idx_bytes = idx_bytes;
     args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
     args.num_topk = static_cast<int>(topk);
     args.num_experts = static_cast<int>(a.num_experts);

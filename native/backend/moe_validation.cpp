@@ -373,8 +373,7 @@ std::shared_ptr<ExchangeState> exchangeOf(EPProcessGroup& pg) {
   return states->of(pg);
 }
 
-at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row,
-                         const std::function<void()>& while_waiting = {}) {
+at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
   const int64_t num_ranks = pg.getSize();
   const int64_t width = static_cast<int64_t>(row.size());
   auto state = exchangeOf(pg);
@@ -384,8 +383,7 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<i
   }
   if (state->exchange && HostExchange::fits(width)) {
     pg.nextMoeCall();
-    std::vector<int64_t> all =
-        state->exchange->gather(row, op, pg.options()->timeout, while_waiting);
+    std::vector<int64_t> all = state->exchange->gather(row, op, pg.options()->timeout);
     return at::tensor(all, at::kLong).view({num_ranks, width});
   }
   at::Tensor mine = at::tensor(row, at::kLong);
@@ -393,9 +391,6 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<i
   c10d::AllgatherOptions opts;
   opts.timeout = pg.options()->timeout;
   const uint64_t call = pg.nextMoeCall();
-  if (while_waiting) {
-    while_waiting();
-  }
   try {
     pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
   } catch (const std::exception& e) {
@@ -419,8 +414,7 @@ std::string moeAgreementTransport(EPProcessGroup& pg) {
 
 at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                             const std::vector<AgreedField>& fields,
-                            const std::vector<int64_t>& payload,
-                            const std::function<void()>& while_waiting) {
+                            const std::vector<int64_t>& payload) {
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
@@ -443,7 +437,7 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
   if (inline_payload) {
     std::copy(payload.begin(), payload.end(), header.begin() + kHeaderWidth);
   }
-  at::Tensor all = allGatherRows(pg, op, header, while_waiting);
+  at::Tensor all = allGatherRows(pg, op, header);
   auto acc = all.accessor<int64_t, 2>();
 
   std::vector<int64_t> bad_ranks;

@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,13 +34,10 @@ struct AgreedField {
 // [error flag, id of `op`, #fields, #payload, 16 field slots, 2R + 8 payload slots]; throws on
 // every rank if any rank had an error, the ranks are in different collectives, or the fields or
 // payload sizes differ. Returns the payloads as int64 [R, payload.size()] (a payload longer than
-// 2R + 8 entries takes a second all-gather). At most 16 fields. `while_waiting`, if given, runs
-// once after this rank's row is posted and before the peers' rows are awaited (local work that
-// overlaps the wait); it must not throw.
+// 2R + 8 entries takes a second all-gather). At most 16 fields.
 at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                             const std::vector<AgreedField>& fields,
-                            const std::vector<int64_t>& payload,
-                            const std::function<void()>& while_waiting = {});
+                            const std::vector<int64_t>& payload);
 
 // How this group's MoE calls agree across ranks: "shared memory" (every rank on one host),
 // "gloo", or "undecided" before the group's first MoE call.
