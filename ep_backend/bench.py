@@ -262,6 +262,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         remote_rows = int(layout.num_tokens_per_rank.sum() - layout.num_tokens_per_rank[rank])
         out = ep.dispatch(x, idx, weights, num_experts)
         recv_rows = out.recv_x.shape[0]
+        # Warm-up beyond the timer's own: the first op timed in a process measured ~15-60 µs
+        # slower than the same op timed later in the run (clocks, allocator, page mappings).
+        for _ in range(10 * args.warmup if use_cuda else 0):
+            warm = ep.dispatch(x, idx, weights, num_experts)
+            ep.combine(warm.recv_x, warm.handle)
         # the baseline moves one row per (token, expert) instead of one per (token, rank)
         remote_entries = int((idx // (num_experts // world) != rank).sum())
         counts = torch.tensor([remote_rows, recv_rows, remote_entries], dtype=torch.float64)
