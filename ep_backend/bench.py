@@ -262,8 +262,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         remote_rows = int(layout.num_tokens_per_rank.sum() - layout.num_tokens_per_rank[rank])
         out = ep.dispatch(x, idx, weights, num_experts)
         recv_rows = out.recv_x.shape[0]
-        # Warm-up beyond the timer's own: the first op timed in a process measured ~15-60 µs
-        # slower than the same op timed later in the run (clocks, allocator, page mappings).
+        # Warm-up beyond the timer's own, before the first op a process times (clocks,
+        # allocator, page mappings): a precaution; see docs/performance.md, 2026-11-23.
         for _ in range(10 * args.warmup if use_cuda else 0):
             warm = ep.dispatch(x, idx, weights, num_experts)
             ep.combine(warm.recv_x, warm.handle)
