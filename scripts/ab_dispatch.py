@@ -8,33 +8,26 @@ start-time barrier before each call; the medians (max over ranks) come out side 
 drift of the machine hits every mode alike.
 """
 
-import datetime
 import os
 import statistics
 import sys
 import time
 
+import local_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def worker(rank: int, tokens: int, iters: int, port: int) -> None:
     import ep_backend as ep
     from ep_backend.bench import _host_barrier
 
-    torch.cuda.set_device(rank)
     pin = int(os.environ.get("EP_AB_PIN", "0"))  # > 0: this many cores per rank, disjoint
     if pin > 0:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, cores[1 + rank * pin : 1 + (rank + 1) * pin])
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    dist.init_process_group("ep", store=store, rank=rank, world_size=2)
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randn(tokens, 7168, device="cuda", generator=g).bfloat16()
-    idx = torch.rand(tokens, 256, device="cuda", generator=g).topk(8).indices
-    w = torch.rand(tokens, 8, device="cuda", generator=g)
+    local_ranks.join_group(rank, 2, port)
+    x, idx, w = local_ranks.standard_inputs(tokens, rank)
     options = ep.get_backend().options
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     modes = {"overlapped": True, "host-first": False}  # Options.overlap_dispatch_host_wait
@@ -68,9 +61,6 @@ def worker(rank: int, tokens: int, iters: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 60
-    mp.spawn(worker, args=(tokens, iters, 29579), nprocs=2)
+    local_ranks.spawn(worker, (tokens, iters, 29579))

@@ -4,26 +4,19 @@ Usage: EP_PROFILE_HOST=1 python scripts/profile_host.py [T] [fp8]   (fp8: FP8 x 
 Each call prints "ep <op> host us: stage=µs ... total=µs" on stderr (see moe_intranode.cpp).
 """
 
-import datetime
-import os
 import sys
 import time
 
+import local_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def worker(rank: int, tokens: int, port: int, fp8: bool) -> None:
     import ep_backend as ep
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    dist.init_process_group("ep", store=store, rank=rank, world_size=2)
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randn(tokens, 7168, device="cuda", generator=g).bfloat16()
-    idx = torch.rand(tokens, 256, device="cuda", generator=g).topk(8).indices
+    local_ranks.join_group(rank, 2, port)
+    x, idx, _ = local_ranks.standard_inputs(tokens, rank)
     scales = None
     if fp8:
         x, scales = ep.reference.quantize_fp8_per128(x)
@@ -43,9 +36,6 @@ def worker(rank: int, tokens: int, port: int, fp8: bool) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     fp8 = len(sys.argv) > 2 and sys.argv[2] == "fp8"
-    mp.spawn(worker, args=(tokens, 29577, fp8), nprocs=2)
+    local_ranks.spawn(worker, (tokens, 29577, fp8))

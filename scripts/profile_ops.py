@@ -8,7 +8,6 @@ torch.profiler summary (CUDA runtime calls and kernels) of a few calls on rank 0
 EP_PROFILE_HOST=1 the C++ side also prints its stage times per call on stderr.
 """
 
-import datetime
 import json
 import os
 import re
@@ -16,9 +15,9 @@ import statistics
 import sys
 import time
 
+import local_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def _median_host(fn, iters: int = 30) -> float:
@@ -71,14 +70,8 @@ def worker(rank: int, tokens: int, port: int) -> None:
     import ep_backend as ep
     from ep_backend import moe
 
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    dist.init_process_group("ep", store=store, rank=rank, world_size=2)
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randn(tokens, 7168, device="cuda", generator=g).bfloat16()
-    idx = torch.rand(tokens, 256, device="cuda", generator=g).topk(8).indices
-    w = torch.rand(tokens, 8, device="cuda", generator=g)
+    local_ranks.join_group(rank, 2, port)
+    x, idx, w = local_ranks.standard_inputs(tokens, rank)
     pg = dist.group.WORLD
     out = ep.dispatch(x, idx, w, 256)
     y = out.recv_x
@@ -132,8 +125,5 @@ def worker(rank: int, tokens: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-    mp.spawn(worker, args=(tokens, 29578), nprocs=2)
+    local_ranks.spawn(worker, (tokens, 29578))

@@ -15,14 +15,13 @@ EP_COMBINE_SEND_WARPS, EP_ROW_ALIGN, EP_PUBLISH_BATCH), e.g. ``--sweep 24:10:4 2
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 
+import local_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 OPS = ("dispatch", "dispatch_fp8", "cached", "combine")
 
@@ -106,10 +105,7 @@ def _profile(args, group, data, label: str, rank: int) -> None:
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     import ep_backend as ep
 
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=120))  # fmt: skip
-    dist.init_process_group("ep", store=store, rank=rank, world_size=world)
+    local_ranks.join_group(rank, world, port, timeout_s=120)
     g = torch.Generator(device="cuda").manual_seed(rank)
     T, H, E, K = args.tokens, 7168, 256, 8
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
@@ -132,9 +128,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
-                 ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):  # fmt: skip
-        os.environ.setdefault(k, v)
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=5)
@@ -144,4 +137,4 @@ if __name__ == "__main__":
     n = torch.cuda.device_count()
     if n < 2:
         sys.exit("needs 2 or more GPUs")
-    mp.spawn(worker, args=(n, 29581, a), nprocs=n)
+    local_ranks.spawn(worker, (n, 29581, a), nprocs=n)
