@@ -12,6 +12,13 @@ replay of 16 calls when the NVSHMEM kernels are in use (timed after a host barri
 the GPUs in step: one untimed replay right before), and two ``all_to_all_single`` of the same rows
 as the baseline; with ``--sweep`` also T = 1..256 (eager and graph rows, without hook mode).
 Results go to ``--out`` as JSON.
+
+Standard-shape columns on GPUs: "time" is the op's GPU span with its launches queued ahead (the
+host issues it while the GPU still runs a 1 ms busy kernel, the L2 flush and a one-element
+all-reduce that puts the GPUs in step), as inside a model whose host runs ahead; it includes every
+idle gap the op causes itself (a host wait before a launch, ranks waiting for each other). "call"
+is the same op called on an idle GPU: it adds the host's work before the launches. "host" is the
+host time of that call. GB/s use "time".
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Row:
     remote_gbps: float
     logical_gbps: float
     note: str = ""
+    call_us: float = 0.0  # HT rows: the same op called with the GPU idle (0: not timed so)
 
 
 def _free_port() -> int:
@@ -65,46 +73,110 @@ def _routing(num_tokens: int, num_experts: int, topk: int, device: torch.device,
 
 
 class _Timer:
-    """Median wall time of a callable: CUDA events (L2 flushed) on GPU, perf_counter on CPU."""
+    """Median times of a callable: CUDA events (L2 flushed) on GPU, perf_counter on CPU."""
 
-    def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
+    # GPU busy time queued ahead of a "queued" sample: longer than the host needs to issue an op
+    # (a dispatch issues its last kernel ~100-250 µs after it is called on this VM).
+    _LEAD_US = 1000.0
+
+    def __init__(
+        self,
+        device: torch.device,
+        iters: int,
+        warmup: int,
+        gpu_sync: Callable[[], object] | None = None,
+    ) -> None:
         self.device, self.iters, self.warmup = device, iters, warmup
+        self.gpu_sync = gpu_sync
         self.flush = (
             torch.empty(256 << 20, dtype=torch.uint8, device=device)
             if device.type == "cuda"
             else None
         )
+        self.lead_cycles = self._calibrate_sleep() if device.type == "cuda" else 0
+
+    def _calibrate_sleep(self) -> int:
+        """Cycles of ``torch.cuda._sleep`` that keep this GPU busy for ``_LEAD_US``."""
+        cycles = 1_000_000
+        torch.cuda._sleep(cycles)  # first call: module load
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        us = max(start.elapsed_time(end) * 1e3, 1.0)
+        return int(cycles * self._LEAD_US / us)
 
     def __call__(self, fn: Callable[[], object]) -> tuple[float, float]:
-        """(median time, median host time of the call alone), both µs, max over ranks."""
+        """(median time, median host time of the call alone), both µs, max over ranks.
+
+        The GPU is idle when ``fn`` is called, so the time includes the host's work up to the
+        op's last launch: what one call costs end to end on an otherwise idle GPU.
+        """
         for _ in range(self.warmup):
             fn()
         samples, host = [], []
         for _ in range(self.iters):
-            if self.flush is not None:
-                self.flush.zero_()
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                _host_barrier()
-                start.record()
-                h0 = time.perf_counter()
-                fn()
-                host.append((time.perf_counter() - h0) * 1e6)
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
-            else:
-                _host_barrier()
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e6)
-                host.append(samples[-1])
+            us, host_us = self._sample(fn, queued=False)
+            samples.append(us)
+            host.append(host_us)
         mine = torch.tensor([statistics.median(samples), statistics.median(host)],
                             dtype=torch.float64)  # fmt: skip
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # CPU tensor: Gloo, works on shared GPUs too
         return float(mine[0]), float(mine[1])
+
+    def both(self, fn: Callable[[], object]) -> tuple[float, float, float]:
+        """(queued time, host time, call time), µs, medians, max over ranks; samples interleaved.
+
+        Queued: the op is issued while the GPU still runs ``_LEAD_US`` of queued work, then the
+        L2 flush, then (``gpu_sync``) a one-element all-reduce that puts the GPUs in step; the
+        events time the op's own GPU span, including every GPU idle gap it causes itself (a host
+        wait before a launch, the ranks waiting for each other) but not the host's work ahead of
+        its first launch, which in a model overlaps the preceding GPU work. Call: as
+        ``__call__``. On CPU both are wall time.
+        """
+        if self.flush is None:
+            us, host_us = self(fn)
+            return us, host_us, us
+        for _ in range(self.warmup):
+            fn()
+        queued, host, call = [], [], []
+        for _ in range(self.iters):
+            queued.append(self._sample(fn, queued=True)[0])
+            # Host time from the idle-GPU call: a queued call's host also waits out the lead.
+            us, host_us = self._sample(fn, queued=False)
+            call.append(us)
+            host.append(host_us)
+        mine = torch.tensor([statistics.median(v) for v in (queued, host, call)],
+                            dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return float(mine[0]), float(mine[1]), float(mine[2])
+
+    def _sample(self, fn: Callable[[], object], queued: bool) -> tuple[float, float]:
+        """One timed call: (time, host time of the call), µs."""
+        if self.flush is None:
+            _host_barrier()
+            t0 = time.perf_counter()
+            fn()
+            us = (time.perf_counter() - t0) * 1e6
+            return us, us
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            _host_barrier()
+            torch.cuda._sleep(self.lead_cycles)
+            self.flush.zero_()
+            if self.gpu_sync is not None:
+                self.gpu_sync()
+        else:
+            self.flush.zero_()
+            _host_barrier()
+        start.record()
+        h0 = time.perf_counter()
+        fn()
+        host_us = (time.perf_counter() - h0) * 1e6
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3, host_us
 
     def aligned(self, replay: Callable[[], object]) -> float:
         """Median time of ``replay()`` when it starts with the GPUs in step (µs, max over ranks).
@@ -249,7 +321,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
     dist.init_process_group("ep", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
     group = dist.group.WORLD
-    timer = _Timer(device, args.iters, args.warmup)
+    # A one-element all-reduce (NCCL) lines the GPUs up before a queued sample; not where ranks
+    # share a GPU (NCCL needs one per rank).
+    sync_token = torch.zeros(1, device=device) if use_cuda and not shared_gpus else None
+    gpu_sync = (lambda: dist.all_reduce(sync_token)) if sync_token is not None else None
+    timer = _Timer(device, args.iters, args.warmup, gpu_sync)
     # low latency: the median of >= 200 calls on GPUs (they are short)
     ll_timer = _Timer(device, max(args.iters, 200) if use_cuda else args.iters, args.warmup)
     hidden, topk, num_experts = args.hidden, args.topk, args.experts
@@ -275,45 +351,47 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         row_bf16 = hidden * 2
         row_fp8 = hidden + hidden // 128 * 4
 
-        def add(op: str, t: tuple[float, float], row_bytes: int, remote: int, logical: int,
-                note: str = "") -> None:  # fmt: skip
-            us, host_us = t
+        def add(op: str, t: tuple[float, float, float], row_bytes: int, remote: int,
+                logical: int, note: str = "") -> None:  # fmt: skip
+            us, host_us, call_us = t
             rows.append(Row(op, num_tokens, us, host_us,
                             remote * row_bytes / us / 1e3 if us else 0.0,
-                            logical * row_bytes / us / 1e3 if us else 0.0, note))  # fmt: skip
+                            logical * row_bytes / us / 1e3 if us else 0.0, note,
+                            call_us))  # fmt: skip
 
-        t_dispatch = timer(lambda: ep.dispatch(x, idx, weights, num_experts))
+        t_dispatch = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts))
         # Combine (and cached dispatch below) follow their own dispatch, as in a model: the group
         # keeps the routing of its last few dispatches, which they then reuse.
         out = ep.dispatch(x, idx, weights, num_experts)
         y = out.recv_x
-        t_combine = timer(lambda: ep.combine(y, out.handle))
-        t_both = (t_dispatch[0] + t_combine[0], t_dispatch[1] + t_combine[1])
+        t_combine = timer.both(lambda: ep.combine(y, out.handle))
+        t_both = tuple(a + b for a, b in zip(t_dispatch, t_combine, strict=True))
         add("ep dispatch+combine BF16", t_both, row_bf16, 2 * remote_rows, 2 * recv_rows)
         if shared_gpus:
             rows.append(Row("baseline a2a pipeline (both ways)", num_tokens, 0.0, 0.0, 0.0, 0.0,
                             "not run: ranks share a GPU (NCCL needs one per rank)"))  # fmt: skip
         else:
-            t_base = timer(_nccl_pipeline(x, idx, weights, num_experts, group))
+            t_base = timer.both(_nccl_pipeline(x, idx, weights, num_experts, group))
             add("baseline a2a pipeline (both ways)", t_base, row_bf16, 2 * remote_entries, 0,
-                f"ep is {t_base[0] / t_both[0]:.2f}x faster")  # fmt: skip
+                f"ep is {t_base[0] / t_both[0]:.2f}x faster "
+                f"({t_base[2] / t_both[2]:.2f}x called on an idle GPU)")  # fmt: skip
         if not full:
             return
         x8, s8 = ep.reference.quantize_fp8_per128(x)
-        t_layout = timer(lambda: ep.get_dispatch_layout(idx, num_experts))
-        t_fp8 = timer(lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8))
+        t_layout = timer.both(lambda: ep.get_dispatch_layout(idx, num_experts))
+        t_fp8 = timer.both(lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8))
         out = ep.dispatch(x, idx, weights, num_experts)
-        t_cached = timer(lambda: ep.dispatch(x, handle=out.handle))
+        t_cached = timer.both(lambda: ep.dispatch(x, handle=out.handle))
         add("ep layout", t_layout, 0, 0, 0)
         if use_cuda:  # what this timer gives the smallest op: one launch of a 1-element kernel
             tiny = torch.zeros(1, device=device)
-            add("floor: one tiny torch kernel", timer(tiny.zero_), 0, 0, 0,
+            add("floor: one tiny torch kernel", timer.both(tiny.zero_), 0, 0, 0,
                 "launch latency + host overhead of this timer")  # fmt: skip
         add("ep dispatch BF16", t_dispatch, row_bf16, remote_rows, recv_rows)
         if use_cuda:  # the same dispatch with the kernel launched after the host wait
             options = ep.get_backend(group).options
             options.overlap_dispatch_host_wait = False
-            t_host_first = timer(lambda: ep.dispatch(x, idx, weights, num_experts))
+            t_host_first = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts))
             options.overlap_dispatch_host_wait = True
             add("ep dispatch BF16, host-first", t_host_first, row_bf16, remote_rows, recv_rows,
                 "Options(overlap_dispatch_host_wait=False)")  # fmt: skip
@@ -454,10 +532,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
 
 def _print_table(rows: list[dict], header: str) -> None:
     print(header)
-    print(f"{'op':38s} {'T':>6s} {'time µs':>10s} {'host µs':>9s} {'remote GB/s':>12s} "
-          f"{'logical GB/s':>13s}  note")  # fmt: skip
+    print(f"{'op':38s} {'T':>6s} {'time µs':>10s} {'call µs':>9s} {'host µs':>9s} "
+          f"{'remote GB/s':>12s} {'logical GB/s':>13s}  note")  # fmt: skip
     for r in rows:
-        print(f"{r['op']:38s} {r['tokens']:6d} {r['us']:10.1f} {r['host_us']:9.1f} "
+        call = f"{r['call_us']:9.1f}" if r.get("call_us") else f"{'-':>9s}"
+        print(f"{r['op']:38s} {r['tokens']:6d} {r['us']:10.1f} {call} {r['host_us']:9.1f} "
               f"{r['remote_gbps']:12.3f} {r['logical_gbps']:13.3f}  {r['note']}")  # fmt: skip
 
 
