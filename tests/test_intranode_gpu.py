@@ -204,6 +204,82 @@ def test_overlapped_dispatch_outputs_are_exact_views_of_worst_case_storage() -> 
         assert "ranks disagree on Options.overlap_dispatch_host_wait" in r["mismatch"], (rank, r)
 
 
+def _copy_engine_against_kernel_path(rank: int, world: int) -> dict:
+    """Dispatch with the copy engines carrying x (forced, any rank count) and without, against
+    the spec: BF16 with weights, FP8 with scales, worst-case rows; then combine and cached
+    dispatch on the handle. 64 KB chunks: one to 32 chunk flags per call."""
+    import os
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    os.environ["EP_CE_CHUNK_KB"] = "64"  # read when the transport is made (first dispatch)
+    failures: list[str] = []
+    calls = 0
+    sizes = ((700 + 50 * rank), (0 if rank == 1 else 300), (3000 - 100 * rank), 1)
+    for step, num_tokens in enumerate(sizes):
+        x, idx, w = _inputs(rank, num_tokens, seed=40 + step)
+        x8, s8 = ref.quantize_fp8_per128(x)
+        exp16 = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+        exp8 = ref.dispatch(x8.cpu(), idx.cpu(), w.cpu(), E, x_scales=s8.cpu())
+        cap = 3000 * world
+        exp_worst = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E, num_worst_tokens=cap)
+        want_comb = ref.combine(exp16.recv_x, exp16.handle, exp16.recv_topk_weights)
+        for ce in ("1", "0"):
+            os.environ["EP_DISPATCH_COPY_ENGINE"] = ce
+            tag = f"T={num_tokens} copy_engine={ce}"
+            out = ep.dispatch(x, idx, w, E)
+            calls += 1
+            if not (
+                torch.equal(out.recv_x.cpu(), exp16.recv_x)
+                and torch.equal(out.recv_topk_idx.cpu(), exp16.recv_topk_idx)
+                and torch.equal(out.recv_topk_weights.cpu(), exp16.recv_topk_weights)
+                and torch.equal(out.handle.recv_src_idx.cpu(), exp16.handle.recv_src_idx)
+            ):
+                failures.append(f"{tag}: BF16 dispatch")
+            comb = ep.combine(out.recv_x, out.handle, out.recv_topk_weights)
+            if not torch.equal(comb.combined_x.cpu(), want_comb.combined_x):
+                failures.append(f"{tag}: combine")
+            again = ep.dispatch(x * 2, handle=out.handle)
+            if not torch.equal(again.recv_x.cpu(), exp16.recv_x * 2):
+                failures.append(f"{tag}: cached dispatch")
+            out8 = ep.dispatch(x8, idx, w, E, x_scales=s8)
+            if not (
+                torch.equal(out8.recv_x.view(torch.uint8).cpu(), exp8.recv_x.view(torch.uint8))
+                and torch.equal(out8.recv_x_scales.cpu(), exp8.recv_x_scales)
+            ):
+                failures.append(f"{tag}: FP8 dispatch")
+            worst = ep.dispatch(x, idx, w, E, num_worst_tokens=cap)
+            if not (
+                torch.equal(worst.recv_x.cpu(), exp_worst.recv_x)
+                and torch.equal(worst.recv_topk_idx.cpu(), exp_worst.recv_topk_idx)
+            ):
+                failures.append(f"{tag}: worst-case dispatch")
+    # The choice is agreed: ranks that differ get an error on every rank, not a hang.
+    os.environ["EP_DISPATCH_COPY_ENGINE"] = "1" if rank == 0 else "0"
+    x, idx, w = _inputs(rank, 64, seed=99)
+    try:
+        ep.dispatch(x, idx, w, E)
+        mismatch = ""
+    except RuntimeError as exc:
+        mismatch = str(exc)
+    del os.environ["EP_DISPATCH_COPY_ENGINE"]
+    out = ep.dispatch(x, idx, w, E)  # the group still works
+    next_ok = torch.equal(out.recv_x.cpu(), ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E).recv_x)
+    return {"failures": failures, "calls": calls, "mismatch": mismatch, "next_ok": next_ok}
+
+
+def test_copy_engine_dispatch_equals_the_spec_and_the_kernel_path() -> None:
+    res = run_distributed(
+        _copy_engine_against_kernel_path, gpu_world_size(), backend="ep", timeout=300
+    )
+    for rank, r in enumerate(res):
+        assert r["failures"] == [], (rank, r["failures"])
+        assert r["calls"] == 8, (rank, r)
+        assert "ranks disagree on the copy-engine path" in r["mismatch"], (rank, r)
+        assert r["next_ok"], rank
+
+
 def _absent_peer(rank: int, world: int) -> str:
     import ep_backend as ep
 
