@@ -59,40 +59,49 @@ def pitched(reps: int, rows: int = 4096, width: int = 14336, pitch: int = 14464)
     cudart = ctypes.CDLL(libs[0] if libs else "libcudart.so")
     src = [torch.empty(rows * width, dtype=torch.uint8, device=f"cuda:{d}") for d in (0, 1)]
     dst = [torch.empty(rows * pitch, dtype=torch.uint8, device=f"cuda:{d}") for d in (0, 1)]
-    streams = [torch.cuda.Stream(device=d) for d in (0, 1)]
+    side = [[torch.cuda.Stream(device=d) for _ in range(2)] for d in (0, 1)]
     for d in (0, 1):  # peer access for the raw copies
         with torch.cuda.device(d):
             cudart.cudaDeviceEnablePeerAccess(1 - d, 0)
-    for chunks, dpitch in ((1, width), (1, pitch), (8, pitch), (32, pitch)):
+    cases = ((1, width, 1), (1, pitch, 1), (8, pitch, 1), (32, pitch, 1), (4, pitch, 2),
+             (8, pitch, 2), (16, pitch, 2))  # fmt: skip
+    for chunks, dpitch, nstreams in cases:
         times = []
         for _ in range(reps + 3):
             for d in (0, 1):
                 torch.cuda.synchronize(d)
             ev = {}
             for d in (0, 1):
-                with torch.cuda.device(d), torch.cuda.stream(streams[d]):
+                with torch.cuda.device(d):
+                    main = torch.cuda.current_stream(d)
                     s, e = (
                         torch.cuda.Event(enable_timing=True),
                         torch.cuda.Event(enable_timing=True),
                     )
-                    s.record()
+                    s.record(main)
+                    for st in side[d][:nstreams]:
+                        st.wait_event(s)
                     per = (rows + chunks - 1) // chunks
-                    for r0 in range(0, rows, per):
+                    for i, r0 in enumerate(range(0, rows, per)):
                         n = min(per, rows - r0)
                         err = cudart.cudaMemcpy2DAsync(
                             ctypes.c_void_p(dst[1 - d].data_ptr() + r0 * dpitch),
                             ctypes.c_size_t(dpitch),
                             ctypes.c_void_p(src[d].data_ptr() + r0 * width),
                             ctypes.c_size_t(width), ctypes.c_size_t(width), ctypes.c_size_t(n),
-                            ctypes.c_int(3), ctypes.c_void_p(streams[d].cuda_stream))  # fmt: skip
+                            ctypes.c_int(3),
+                            ctypes.c_void_p(side[d][i % nstreams].cuda_stream))  # fmt: skip
                         assert err == 0, err
-                    e.record()
+                    for st in side[d][:nstreams]:
+                        main.wait_stream(st)
+                    e.record(main)
                     ev[d] = (s, e)
             for d in (0, 1):
                 ev[d][1].synchronize()
             times.append(max(s.elapsed_time(e) for s, e in ev.values()) * 1e3)
         us = statistics.median(times[3:])
-        print(f"CE 2D both ways, {rows} rows x {width} B, pitch {dpitch}, {chunks:2d} chunk(s): "
+        print(f"CE 2D both ways, {rows} rows x {width} B, pitch {dpitch}, {chunks:2d} chunk(s), "
+              f"{nstreams} stream(s): "
               f"{us:8.1f} us  {rows * width / us / 1e3:6.1f} GB/s per direction")  # fmt: skip
 
 

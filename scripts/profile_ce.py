@@ -37,8 +37,9 @@ def _timeline(trace: str) -> list[list[tuple[str, float, float]]]:
 
 
 def worker(rank: int, world: int, port: int, tokens: int, fp8: bool) -> None:
+    import ep_backend as ep  # registers the "ep" backend
+
     local_ranks.join_group(rank, world, port)
-    import ep_backend as ep
 
     x, idx, w = local_ranks.standard_inputs(tokens, rank)
     scales = None

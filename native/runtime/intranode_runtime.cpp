@@ -179,11 +179,14 @@ void IntranodeRuntime::destroy() {
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
-  if (ce_stream_ != nullptr) cudaStreamDestroy(ce_stream_);
+  for (int i = 0; i < kCeStreams; ++i) {
+    if (ce_streams_[i] != nullptr) cudaStreamDestroy(ce_streams_[i]);
+    if (ce_done_[i] != nullptr) cudaEventDestroy(ce_done_[i]);
+    ce_streams_[i] = nullptr;
+    ce_done_[i] = nullptr;
+  }
   if (ce_start_ != nullptr) cudaEventDestroy(ce_start_);
-  if (ce_done_ != nullptr) cudaEventDestroy(ce_done_);
-  ce_stream_ = nullptr;
-  ce_start_ = ce_done_ = nullptr;
+  ce_start_ = nullptr;
   for (int r = 0; r < static_cast<int>(peers_.size()); ++r)
     if (peer_opened_[r]) cudaIpcCloseMemHandle(peers_[r]);
   peers_.clear();
@@ -439,10 +442,14 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.ce_tag = ++ce_tag_;
   const int stride =
       DispatchRow::make(a.hidden_bytes, a.num_scales, p.num_topk, layout_.row_align).stride;
-  if (ce_stream_ == nullptr) {
-    cuda_check(cudaStreamCreateWithFlags(&ce_stream_, cudaStreamNonBlocking), "copy-engine stream");
+  if (ce_start_ == nullptr) {
     cuda_check(cudaEventCreateWithFlags(&ce_start_, cudaEventDisableTiming), "copy-engine event");
-    cuda_check(cudaEventCreateWithFlags(&ce_done_, cudaEventDisableTiming), "copy-engine event");
+    for (int i = 0; i < kCeStreams; ++i) {
+      cuda_check(cudaStreamCreateWithFlags(&ce_streams_[i], cudaStreamNonBlocking),
+                 "copy-engine stream");
+      cuda_check(cudaEventCreateWithFlags(&ce_done_[i], cudaEventDisableTiming),
+                 "copy-engine event");
+    }
   }
   // The copies follow the work issued so far (this call's notify), not the kernel: both run
   // at once, and the stream resumes after both.
@@ -454,28 +461,32 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
 void IntranodeRuntime::copy_engine_push(const IntranodeDispatchArgs& a, int row_stride,
                                         int rows_per_chunk, unsigned long long tag,
                                         cudaStream_t stream) {
-  cuda_check(cudaStreamWaitEvent(ce_stream_, ce_start_, 0), "copy-engine stream wait");
+  for (cudaStream_t ce : ce_streams_)
+    cuda_check(cudaStreamWaitEvent(ce, ce_start_, 0), "copy-engine stream wait");
   const StreamWriteValue64 write_value = stream_write_value64();
   const char* x = static_cast<const char*>(a.x);
   for (int row0 = 0, chunk = 0; row0 < a.num_tokens; row0 += rows_per_chunk, ++chunk) {
     const int rows = std::min(rows_per_chunk, a.num_tokens - row0);
+    cudaStream_t ce = ce_streams_[chunk % kCeStreams];
     for (int i = 1; i < num_ranks_; ++i) {
       const int d = (rank_ + i) % num_ranks_;
       char* region = peers_[d] + layout_.dispatch_offset +
                      layout_.region_index(rank_, d) * layout_.dispatch_region_bytes;
       cuda_check(cudaMemcpy2DAsync(region + size_t(row0) * row_stride, row_stride,
                                    x + size_t(row0) * a.hidden_bytes, a.hidden_bytes,
-                                   a.hidden_bytes, rows, cudaMemcpyDeviceToDevice, ce_stream_),
+                                   a.hidden_bytes, rows, cudaMemcpyDeviceToDevice, ce),
                  "copy-engine x copy");
       const auto flag =
           reinterpret_cast<unsigned long long>(peers_[d] + layout_.ce_flag_offset(rank_, d, chunk));
-      if (write_value(ce_stream_, flag, tag, 0) != 0)
+      if (write_value(ce, flag, tag, 0) != 0)
         throw std::runtime_error(
             "ep intranode: cuStreamWriteValue64 (copy-engine chunk flag) failed");
     }
   }
-  cuda_check(cudaEventRecord(ce_done_, ce_stream_), "copy-engine event record");
-  cuda_check(cudaStreamWaitEvent(stream, ce_done_, 0), "copy-engine join");
+  for (int i = 0; i < kCeStreams; ++i) {
+    cuda_check(cudaEventRecord(ce_done_[i], ce_streams_[i]), "copy-engine event record");
+    cuda_check(cudaStreamWaitEvent(stream, ce_done_[i], 0), "copy-engine join");
+  }
 }
 
 void IntranodeRuntime::dispatch(const IntranodeDispatchArgs& args, cudaStream_t stream) {

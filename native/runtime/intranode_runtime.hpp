@@ -254,10 +254,12 @@ class IntranodeRuntime {
   int next_ticket_ = 0;
   int host_num_local_experts_ = 0;  // E_loc of the last notify with host counters
   long long timeout_cycles_ = 0;
-  // Copy-engine dispatch: its own stream and events (created on first use), the last tag.
-  cudaStream_t ce_stream_ = nullptr;
+  // Copy-engine dispatch: its streams (chunks alternate between them, so one copy's setup
+  // hides behind the other's transfer) and events, created on first use; the last tag.
+  static constexpr int kCeStreams = 2;
+  cudaStream_t ce_streams_[kCeStreams] = {};
   cudaEvent_t ce_start_ = nullptr;
-  cudaEvent_t ce_done_ = nullptr;
+  cudaEvent_t ce_done_[kCeStreams] = {};
   unsigned long long ce_tag_ = 0;
 };
 
