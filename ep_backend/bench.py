@@ -396,15 +396,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             add("ep dispatch BF16, host-first", t_host_first, row_bf16, remote_rows, recv_rows,
                 "Options(overlap_dispatch_host_wait=False)")  # fmt: skip
         add("ep dispatch FP8", t_fp8, row_fp8, remote_rows, recv_rows)
-        if use_cuda:  # the same dispatches with the kernel moving every byte
-            options = ep.get_backend(group).options
-            options.dispatch_copy_engine = False
-            t_sm16 = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts))
-            t_sm8 = timer.both(lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8))
-            options.dispatch_copy_engine = True
-            note = "Options(dispatch_copy_engine=False)"
-            add("ep dispatch BF16, kernel only", t_sm16, row_bf16, remote_rows, recv_rows, note)
-            add("ep dispatch FP8, kernel only", t_sm8, row_fp8, remote_rows, recv_rows, note)
         add("ep cached dispatch BF16", t_cached, row_bf16, remote_rows, recv_rows)
         add("ep combine BF16", t_combine, row_bf16, remote_rows, recv_rows)
 

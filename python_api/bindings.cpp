@@ -26,13 +26,9 @@ Args:
     overlap_dispatch_host_wait: a dispatch without ``num_worst_tokens`` launches its kernel
         before the host waits for the receive counts (default True), so the wait overlaps the
         transfer; its outputs are then views of storage sized for the worst case (the sum of
-        all ranks' tokens rows). False: storage of the exact size, kernel after the host wait.
-    dispatch_copy_engine: a dispatch may let the copy engines carry x to the peer, every row
-        whether routed there or not, while the kernel moves the rest (default True). Used
-        where it pays off: 2 ranks, routing expected to send >= 90% of the tokens to the peer,
-        no CUDA-graph capture. Ranks must agree.)")
+        all ranks' tokens rows). False: storage of the exact size, kernel after the host wait.)")
       .def(py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
-                       bool overlap_dispatch_host_wait, bool dispatch_copy_engine) {
+                       bool overlap_dispatch_host_wait) {
              TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
              TORCH_CHECK(kernel_timeout_s > 0,
                          "ep.Options: kernel_timeout_s must be positive, got ", kernel_timeout_s);
@@ -40,16 +36,13 @@ Args:
              opts->num_sms = num_sms;
              opts->kernel_timeout_s = kernel_timeout_s;
              opts->overlap_dispatch_host_wait = overlap_dispatch_host_wait;
-             opts->dispatch_copy_engine = dispatch_copy_engine;
              return opts;
            }),
            py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
-           py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true,
-           py::arg("dispatch_copy_engine") = true)
+           py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true)
       .def_readwrite("num_sms", &ep::EPOptions::num_sms)
       .def_readwrite("kernel_timeout_s", &ep::EPOptions::kernel_timeout_s)
       .def_readwrite("overlap_dispatch_host_wait", &ep::EPOptions::overlap_dispatch_host_wait)
-      .def_readwrite("dispatch_copy_engine", &ep::EPOptions::dispatch_copy_engine)
       .def_readwrite("group_name", &c10d::Backend::Options::group_name)
       .def_readwrite("global_ranks_in_group", &c10d::Backend::Options::global_ranks_in_group)
       .def_property(
@@ -63,7 +56,7 @@ Args:
                "ms, num_sms=" + std::to_string(o.num_sms) +
                ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) +
                ", overlap_dispatch_host_wait=" + (o.overlap_dispatch_host_wait ? "True" : "False") +
-               ", dispatch_copy_engine=" + (o.dispatch_copy_engine ? "True" : "False") + ")";
+               ")";
       });
 }
 

@@ -56,10 +56,6 @@ def test_options_validate_and_copy() -> None:
     exact = ep_backend.Options(overlap_dispatch_host_wait=False)
     assert copy.deepcopy(exact).overlap_dispatch_host_wait is False
     assert "overlap_dispatch_host_wait=False" in repr(exact)
-    assert opts.dispatch_copy_engine is True  # the default
-    no_ce = ep_backend.Options(dispatch_copy_engine=False)
-    assert copy.deepcopy(no_ce).dispatch_copy_engine is False
-    assert "dispatch_copy_engine=False" in repr(no_ce)
 
 
 def _basic(rank: int, world_size: int) -> dict:

@@ -34,10 +34,6 @@ struct EPOptions : c10d::Backend::Options {
   // sized for the worst case (every token of every rank). False: exact storage, and the kernel
   // starts only after the host has the counts.
   bool overlap_dispatch_host_wait = true;
-  // A dispatch may let the GPUs' copy engines carry x to the peer (every token's row, routed
-  // there or not) while the kernel moves the rest; used where that pays off: 2 ranks, routing
-  // expected to send >= 90% of the tokens to the peer (uniform top-K of E), no graph capture.
-  bool dispatch_copy_engine = true;
 };
 
 class EPProcessGroup : public c10d::Backend {

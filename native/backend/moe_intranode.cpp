@@ -216,10 +216,6 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
       std::getenv("EP_DISPATCH_SEND_WARPS_SMALL_ROWS") == nullptr)
     cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
   if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
-  if (const char* env = std::getenv("EP_DISPATCH_SEND_WARPS_CE"))
-    cfg.copy_engine_dispatch_send_warps = std::atoi(env);
-  if (const char* env = std::getenv("EP_CE_CHUNK_KB"))
-    cfg.copy_engine_chunk_bytes = std::atoi(env) << 10;
   st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
   const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";
   auto handle = st.runtime->ipc_handle();
@@ -403,30 +399,6 @@ bool capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
-// Whether a (valid) dispatch lets the copy engines carry x to the peer. They send every row, so
-// they pay off when nearly every token goes to the peer anyway: they move ~386 GB/s each way
-// here against ~343 for 24 SMs (docs/performance.md). 2 ranks only: one stream copies to one
-// peer at a time. EP_DISPATCH_COPY_ENGINE=0/1 overrides the choice (1: any rank count).
-bool useCopyEngine(EPProcessGroup& pg, const DispatchArgs& a) {
-  if (capturing()) {
-    return false;  // the chunk flags carry a host-side tag a replay would repeat
-  }
-  const int64_t num_ranks = pg.getSize();
-  if (const char* env = std::getenv("EP_DISPATCH_COPY_ENGINE")) {
-    return std::atoi(env) != 0 && num_ranks > 1;
-  }
-  if (!pg.options()->dispatch_copy_engine || num_ranks != 2) {
-    return false;
-  }
-  // Chance that a token picks none of the peer's experts, uniform top-K of E.
-  const int64_t e = a.num_experts, others = e - e / num_ranks;
-  double miss = 1.0;
-  for (int64_t i = 0; i < a.topk_idx.size(1); ++i) {
-    miss *= others > i ? double(others - i) / double(e - i) : 0.0;
-  }
-  return 1.0 - miss >= 0.9;
-}
-
 }  // namespace
 
 bool usable(EPProcessGroup& pg, const at::Device& device) {
@@ -539,10 +511,6 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // Ranks that disagree would diverge on a rejected routing (one launches the kernel, one not).
   fields.push_back(
       {"Options.overlap_dispatch_host_wait", pg.options()->overlap_dispatch_host_wait});
-  // The peers' copy engines must write what this rank's kernel waits for, and the reverse.
-  const bool copy_engine = ok && useCopyEngine(pg, a);
-  fields.push_back(
-      {"the copy-engine path (Options.dispatch_copy_engine, graph capture)", copy_engine ? 1 : 0});
   std::vector<int64_t> payload{
       ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
@@ -635,8 +603,6 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     args.recv_src_rank = src_rank.data_ptr<int>();
     // Only worst-case mode pads; the overlapped launch leaves the rows past the count unwritten.
     args.num_worst_tokens = overlap ? 0 : static_cast<int>(a.num_worst_tokens);
-    args.copy_engine = copy_engine;
-    args.copy_engine_max_tokens = static_cast<int>(needs.tokens);
     rt.dispatch(args, stream);
   };
   if (overlap) {

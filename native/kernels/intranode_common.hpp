@@ -19,9 +19,6 @@ namespace ep {
 constexpr int kMaxRanks = 8;  // intranode: at most 8 GPUs of one host
 constexpr int kMaxTopk = 32;  // top-k entries per token the kernels handle
 constexpr int kDefaultNumSms = 24;
-// Copy-engine dispatch: a source's x rows reach a receiver in at most this many chunks, each
-// announced by its own flag (see DispatchParams::ce_tag).
-constexpr int kMaxCeChunks = 32;
 
 // Op codes in error records and messages.
 enum IntranodeOp : int {
@@ -104,7 +101,6 @@ struct CombineRow {
 //   [control 128 B][entered u64 x R][notify u64 x 2 parity x R src x (1 + max_local_experts)]
 //   [dispatch area: source regions][combine area: source regions]
 //   [dispatch flags: x max_tokens u64][combine flags: x max_tokens u64]
-//   [copy-engine chunk flags: x kMaxCeChunks u64]
 // A flag is only ever written with a sequence number, which grows with every kernel, so a stale
 // flag never equals the sequence a receiver waits for.
 // Source regions are indexed relative to the receiver: source s lands in region
@@ -122,7 +118,6 @@ struct BufferLayout {
   size_t combine_region_bytes;
   size_t dispatch_flags_offset;
   size_t combine_flags_offset;
-  size_t ce_flags_offset;
   size_t total_bytes;
 
   EP_HOST_DEVICE int region_index(int src, int receiver) const {
@@ -136,12 +131,6 @@ struct BufferLayout {
   EP_HOST_DEVICE size_t combine_flag_offset(int src, int receiver, int slot) const {
     return combine_flags_offset +
            (size_t(region_index(src, receiver)) * max_tokens + size_t(slot)) * sizeof(uint64_t);
-  }
-  // Flag of chunk `chunk` of the x rows `src` copies into `receiver`'s dispatch area with a copy
-  // engine (written by the source's stream with the call's tag once the chunk has landed).
-  EP_HOST_DEVICE size_t ce_flag_offset(int src, int receiver, int chunk) const {
-    return ce_flags_offset +
-           (size_t(region_index(src, receiver)) * kMaxCeChunks + size_t(chunk)) * sizeof(uint64_t);
   }
   EP_HOST_DEVICE size_t notify_slot_words() const { return 1 + size_t(max_local_experts); }
   // Slot (parity, src) of the notify area, in u64 words from the area's start.
@@ -225,14 +214,6 @@ struct DispatchParams {
   int num_send_warps;
   int publish_batch;  // tokens a sender warp reports before the publisher fences (>= 1)
   int claim_items;    // 1: senders claim tokens from a shared counter; 0: static round-robin
-  // Copy-engine mode (ce_tag > 0): every source's copy engine writes x row t of all its tokens
-  // into row t of its region in each receiver (x bytes only), chunk c = rows [c *
-  // ce_rows_per_chunk,
-  // ...) followed by flag c = ce_tag. Senders then write only the scales and metadata (with the
-  // source token index) of row send_pos and its flag; a receiver copies x from row t once the flag
-  // of t's chunk reads >= ce_tag. ce_tag grows by one per such call on every rank alike.
-  unsigned long long ce_tag;
-  int ce_rows_per_chunk;
 };
 
 struct CombineParams {

@@ -19,9 +19,6 @@
 // Before a sender first writes into a peer's buffer it waits for the peer's "entered" flag of this
 // sequence: the peer has finished every earlier kernel, so the region is no longer being read.
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
-// Copy-engine mode (p.ce_tag > 0, see DispatchParams): the source's copy engine moves the x rows
-// to its peers, so senders copy x only to this rank and write scales and metadata (with the
-// source token t) to peers; receivers take x from row t of the region once t's chunk flag is set.
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
@@ -102,7 +99,6 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const bool with_meta = p.topk_idx != nullptr;
-  const bool ce = p.ce_tag != 0;
   const int local_base = p.recv_prefix[me];
   const uint64_t* entered =
       reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
@@ -145,14 +141,12 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       ready |= need;
     }
     if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
-    char* dst[kMaxRanks];   // row start in every destination (scales, metadata)
-    char* xdst[kMaxRanks];  // where this warp copies x (copy-engine mode: this rank only)
+    char* dst[kMaxRanks];
     int local_row = -1;
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       const int slot = __shfl_sync(kFull, pos, d);
       dst[d] = nullptr;
-      xdst[d] = nullptr;
       if (d < R && slot >= 0) {
         if (d == me) {
           const int r = local_base + slot;
@@ -163,7 +157,6 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
         } else {
           dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
         }
-        xdst[d] = ce && d != me ? nullptr : dst[d];
       }
     }
 
@@ -174,11 +167,11 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
         if (lane + 32 * u < n16) {
 #pragma unroll
           for (int d = 0; d < kMaxRanks; ++d)
-            if (xdst[d] != nullptr)
-              device::st_v4(reinterpret_cast<int4*>(xdst[d]) + lane + 32 * u, v[u]);
+            if (dst[d] != nullptr)
+              device::st_v4(reinterpret_cast<int4*>(dst[d]) + lane + 32 * u, v[u]);
         }
       }
-      if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, xdst, lane, 32 * kSendEarly);
+      if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
         if (dst[d] == nullptr) continue;
@@ -187,8 +180,6 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
         if (lane < S) sc_out[lane] = sc0;
         if (lane + 32 < S) sc_out[lane + 32] = sc1;
         for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
-        // Copy-engine mode: the receiver finds x in row t (a cached dispatch has no metadata).
-        if (ce && d != me && lane == 0) reinterpret_cast<int*>(dst[d] + row.meta_offset + 8)[0] = t;
       }
       if (with_meta) {
 #pragma unroll
@@ -286,7 +277,6 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
 
   char* const own = c.buffers.ptr[me];
-  const bool ce = p.ce_tag != 0;
   bool first_copy = true;  // timeline builds stamp the first arrival
   // Batches of 32 rows per source: this lane polls row first + (k0 + lane) * stride.
   for (int k0 = 0; first + k0 * stride < max_count; k0 += 32) {
@@ -305,18 +295,10 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
         uint32_t pending = __shfl_sync(kFull, my_pending, s);
         if (pending == 0) continue;
         bool arrived = false;
-        int my_t = 0;  // copy-engine mode: the row's source token (its x is in row my_t)
         if ((pending >> lane) & 1u) {
           const uint64_t* flag = reinterpret_cast<const uint64_t*>(
               own + c.layout.dispatch_flag_offset(s, me, my_slot));
           arrived = device::flag_arrived(flag, seq);
-          if (arrived && ce) {  // the metadata is in (acquired above); now the x chunk
-            my_t = reinterpret_cast<const int*>(dispatch_row(c, own, s, me, my_slot, row.stride) +
-                                                row.meta_offset + 8)[0];
-            const uint64_t* chunk_flag = reinterpret_cast<const uint64_t*>(
-                own + c.layout.ce_flag_offset(s, me, my_t / p.ce_rows_per_chunk));
-            arrived = device::ld_acquire_sys(chunk_flag) >= p.ce_tag;
-          }
         }
         uint32_t ready = __ballot_sync(kFull, arrived);
         __syncwarp();  // the polling lanes' acquires order every lane's payload reads below
@@ -336,9 +318,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           const int r = base + slot;
           if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
           const char* in = dispatch_row(c, own, s, me, slot, row.stride);
-          const int t_row = __shfl_sync(kFull, my_t, j);
-          const int4* in16 = reinterpret_cast<const int4*>(
-              ce ? dispatch_row(c, own, s, me, t_row, row.stride) : in);
+          const int4* in16 = reinterpret_cast<const int4*>(in);
           int4* out16 =
               reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
           const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);

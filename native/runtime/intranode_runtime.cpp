@@ -28,25 +28,6 @@ void require(bool ok, const std::string& message) {
 using runtime::aligned16;
 using runtime::DeviceGuard;
 
-// cuStreamWriteValue64 (driver API, reached through the runtime: no link against libcuda). Its
-// default flags put a system-scope memory barrier before the write, so a receiver that reads the
-// value also sees every earlier copy of the stream.
-using StreamWriteValue64 = int (*)(cudaStream_t, unsigned long long, unsigned long long,
-                                   unsigned int);
-
-StreamWriteValue64 stream_write_value64() {
-  static StreamWriteValue64 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &p, 12000,
-                                                           cudaEnableDefault, &found);
-    return e == cudaSuccess && found == cudaDriverEntryPointSuccess
-               ? reinterpret_cast<StreamWriteValue64>(p)
-               : nullptr;
-  }();
-  return fn;
-}
-
 const char* op_name(int op) {
   switch (op) {
     case kOpLayout:
@@ -91,8 +72,6 @@ BufferLayout make_layout(const IntranodeConfig& c, int num_ranks) {
   off = align_up(off + sizeof(uint64_t) * regions * size_t(c.max_tokens_per_rank), 128);
   l.combine_flags_offset = off;
   off = align_up(off + sizeof(uint64_t) * regions * size_t(c.max_tokens_per_rank), 128);
-  l.ce_flags_offset = off;
-  off = align_up(off + sizeof(uint64_t) * regions * size_t(kMaxCeChunks), 128);
   l.total_bytes = align_up(off, 4096);
   return l;
 }
@@ -120,9 +99,6 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
               (config.row_align & (config.row_align - 1)) == 0,
           "row_align must be a power of two in [16, 4096]");
   require(config.publish_batch >= 1, "publish_batch must be >= 1");
-  require(config.copy_engine_dispatch_send_warps >= 1 &&
-              config.copy_engine_dispatch_send_warps <= kIntranodeMaxSendWarps,
-          "copy_engine_dispatch_send_warps out of range");
   set_send_warps(config.dispatch_send_warps, config.combine_send_warps,
                  config.small_row_dispatch_send_warps);
 
@@ -179,14 +155,6 @@ void IntranodeRuntime::destroy() {
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
-  for (int i = 0; i < kCeStreams; ++i) {
-    if (ce_streams_[i] != nullptr) cudaStreamDestroy(ce_streams_[i]);
-    if (ce_done_[i] != nullptr) cudaEventDestroy(ce_done_[i]);
-    ce_streams_[i] = nullptr;
-    ce_done_[i] = nullptr;
-  }
-  if (ce_start_ != nullptr) cudaEventDestroy(ce_start_);
-  ce_start_ = nullptr;
   for (int r = 0; r < static_cast<int>(peers_.size()); ++r)
     if (peer_opened_[r]) cudaIpcCloseMemHandle(peers_[r]);
   peers_.clear();
@@ -398,8 +366,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.recv_x = a.recv_x;
   p.recv_scales = a.num_scales > 0 ? a.recv_x_scales : nullptr;
   p.num_worst_tokens = a.num_worst_tokens;
-  const bool ce = a.copy_engine && !cached && num_ranks_ > 1;
-  p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales, ce);
+  p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales);
   p.publish_batch = config_.publish_batch;
   p.claim_items = config_.dispatch_claim ? 1 : 0;
   if (!cached) {
@@ -424,69 +391,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   }
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
-  if (!ce) {
-    cuda_check(launch_intranode_dispatch(p, num_sms, stream), "dispatch launch");
-    return;
-  }
-  require(stream_write_value64() != nullptr, pre + "cuStreamWriteValue64 is not available");
-  const long long chunk_bytes = std::max(config_.copy_engine_chunk_bytes, 1);
-  require(a.copy_engine_max_tokens >= a.num_tokens &&
-              a.copy_engine_max_tokens <= config_.max_tokens_per_rank,
-          pre + "copy_engine_max_tokens must be in [num_tokens, config.max_tokens_per_rank]");
-  const int max_tokens = a.copy_engine_max_tokens;
-  const long long x_bytes = static_cast<long long>(max_tokens) * a.hidden_bytes;
-  const int chunks = static_cast<int>(
-      std::clamp<long long>((x_bytes + chunk_bytes - 1) / chunk_bytes, 1, kMaxCeChunks));
-  // From values every rank shares: a receiver finds the chunk of any source's row t.
-  p.ce_rows_per_chunk = std::max((max_tokens + chunks - 1) / chunks, 1);
-  p.ce_tag = ++ce_tag_;
-  const int stride =
-      DispatchRow::make(a.hidden_bytes, a.num_scales, p.num_topk, layout_.row_align).stride;
-  if (ce_start_ == nullptr) {
-    cuda_check(cudaEventCreateWithFlags(&ce_start_, cudaEventDisableTiming), "copy-engine event");
-    for (int i = 0; i < kCeStreams; ++i) {
-      cuda_check(cudaStreamCreateWithFlags(&ce_streams_[i], cudaStreamNonBlocking),
-                 "copy-engine stream");
-      cuda_check(cudaEventCreateWithFlags(&ce_done_[i], cudaEventDisableTiming),
-                 "copy-engine event");
-    }
-  }
-  // The copies follow the work issued so far (this call's notify), not the kernel: both run
-  // at once, and the stream resumes after both.
-  cuda_check(cudaEventRecord(ce_start_, stream), "copy-engine event record");
   cuda_check(launch_intranode_dispatch(p, num_sms, stream), "dispatch launch");
-  copy_engine_push(a, stride, p.ce_rows_per_chunk, p.ce_tag, stream);
-}
-
-void IntranodeRuntime::copy_engine_push(const IntranodeDispatchArgs& a, int row_stride,
-                                        int rows_per_chunk, unsigned long long tag,
-                                        cudaStream_t stream) {
-  for (cudaStream_t ce : ce_streams_)
-    cuda_check(cudaStreamWaitEvent(ce, ce_start_, 0), "copy-engine stream wait");
-  const StreamWriteValue64 write_value = stream_write_value64();
-  const char* x = static_cast<const char*>(a.x);
-  for (int row0 = 0, chunk = 0; row0 < a.num_tokens; row0 += rows_per_chunk, ++chunk) {
-    const int rows = std::min(rows_per_chunk, a.num_tokens - row0);
-    cudaStream_t ce = ce_streams_[chunk % kCeStreams];
-    for (int i = 1; i < num_ranks_; ++i) {
-      const int d = (rank_ + i) % num_ranks_;
-      char* region = peers_[d] + layout_.dispatch_offset +
-                     layout_.region_index(rank_, d) * layout_.dispatch_region_bytes;
-      cuda_check(cudaMemcpy2DAsync(region + size_t(row0) * row_stride, row_stride,
-                                   x + size_t(row0) * a.hidden_bytes, a.hidden_bytes,
-                                   a.hidden_bytes, rows, cudaMemcpyDeviceToDevice, ce),
-                 "copy-engine x copy");
-      const auto flag =
-          reinterpret_cast<unsigned long long>(peers_[d] + layout_.ce_flag_offset(rank_, d, chunk));
-      if (write_value(ce, flag, tag, 0) != 0)
-        throw std::runtime_error(
-            "ep intranode: cuStreamWriteValue64 (copy-engine chunk flag) failed");
-    }
-  }
-  for (int i = 0; i < kCeStreams; ++i) {
-    cuda_check(cudaEventRecord(ce_done_[i], ce_streams_[i]), "copy-engine event record");
-    cuda_check(cudaStreamWaitEvent(stream, ce_done_[i], 0), "copy-engine join");
-  }
 }
 
 void IntranodeRuntime::dispatch(const IntranodeDispatchArgs& args, cudaStream_t stream) {
@@ -540,9 +445,7 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   cuda_check(launch_intranode_combine(p, num_sms, stream), "combine launch");
 }
 
-int IntranodeRuntime::dispatch_send_warps(int hidden_bytes, int num_scales,
-                                          bool copy_engine) const {
-  if (copy_engine) return config_.copy_engine_dispatch_send_warps;
+int IntranodeRuntime::dispatch_send_warps(int hidden_bytes, int num_scales) const {
   return hidden_bytes + 4 * num_scales <= kSmallDispatchRowBytes
              ? config_.small_row_dispatch_send_warps
              : config_.dispatch_send_warps;

@@ -73,10 +73,6 @@ struct IntranodeConfig {
   // Dispatch sender warps claim tokens from a shared counter instead of a static round-robin
   // split (faster SMs then take more of them).
   bool dispatch_claim = true;
-  // Copy-engine dispatch (IntranodeDispatchArgs::copy_engine): send warps per block (senders then
-  // copy only this rank's rows), and the bytes of x per chunk flag.
-  int copy_engine_dispatch_send_warps = 7;
-  int copy_engine_chunk_bytes = 8 << 20;
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
@@ -101,15 +97,6 @@ struct IntranodeDispatchArgs {
   int* recv_src_rank = nullptr;         // [rows]      (optional)
   int num_worst_tokens = 0;             // 0: rows = N exactly; > 0: rows = num_worst_tokens
   int num_sms = 0;                      // 0: config().num_sms
-  // dispatch() only: the copy engines move x to the peers (all T rows to every peer, whether
-  // routed there or not, in chunks; see DispatchParams::ce_tag) while the kernel moves the rest.
-  // Every rank must pass the same value, and it must follow this call's notify on `stream` (the
-  // notify proves the peers have finished reading their buffers). Not while capturing a graph
-  // (the chunk flags carry a host-side tag).
-  bool copy_engine = false;
-  // With copy_engine: the largest num_tokens of any rank (the same on every rank): it fixes the
-  // rows per chunk flag, which the receivers must know for every source.
-  int copy_engine_max_tokens = 0;
 };
 
 // What a combine call reads and writes.
@@ -205,7 +192,7 @@ class IntranodeRuntime {
   void combine(const IntranodeCombineArgs& args, cudaStream_t stream);
 
   // The dispatch's send warps for rows of this shape (the small-row rule of IntranodeConfig).
-  int dispatch_send_warps(int hidden_bytes, int num_scales, bool copy_engine = false) const;
+  int dispatch_send_warps(int hidden_bytes, int num_scales) const;
   // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
   // the rest receive). small_row_dispatch_send_warps < 0: dispatch_send_warps for every row.
   void set_send_warps(int dispatch_send_warps, int combine_send_warps,
@@ -233,10 +220,6 @@ class IntranodeRuntime {
   void check_ready(const char* op) const;
   CommContext comm_context() const;
   void launch_dispatch(const IntranodeDispatchArgs& args, bool cached, cudaStream_t stream);
-  // Issues the copy-engine part of a dispatch on ce_stream_ (after `stream`'s work so far) and
-  // makes `stream` wait for it after the kernel; returns the call's tag.
-  void copy_engine_push(const IntranodeDispatchArgs& args, int row_stride, int rows_per_chunk,
-                        unsigned long long tag, cudaStream_t stream);
 
   int rank_;
   int num_ranks_;
@@ -254,13 +237,6 @@ class IntranodeRuntime {
   int next_ticket_ = 0;
   int host_num_local_experts_ = 0;  // E_loc of the last notify with host counters
   long long timeout_cycles_ = 0;
-  // Copy-engine dispatch: its streams (chunks alternate between them, so one copy's setup
-  // hides behind the other's transfer) and events, created on first use; the last tag.
-  static constexpr int kCeStreams = 2;
-  cudaStream_t ce_streams_[kCeStreams] = {};
-  cudaEvent_t ce_start_ = nullptr;
-  cudaEvent_t ce_done_[kCeStreams] = {};
-  unsigned long long ce_tag_ = 0;
 };
 
 }  // namespace ep
