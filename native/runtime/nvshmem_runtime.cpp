@@ -181,6 +181,9 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int device,
       for (int b = 0; b < 2; ++b)
         table[size_t(b) * num_ranks_ + pe] = base != nullptr ? base + b * layout_.bytes : nullptr;
     }
+    // Known once here rather than on every launch (context() runs per kernel).
+    all_p2p_ = std::all_of(peer_base_.begin(), peer_base_.end(),
+                           [](char* base) { return base != nullptr; });
     cuda_check(cudaMalloc(reinterpret_cast<void**>(&peer_table_), sizeof(char*) * table.size()),
                "cudaMalloc(peer table)");
     cuda_check(
@@ -233,6 +236,7 @@ void LowLatencyRuntime::destroy() {
   peer_table_ = nullptr;
   error_host_ = error_dev_ = nullptr;
   peer_base_.clear();
+  all_p2p_ = false;
   initialized_ = false;
   g_runtime_alive.store(false);
   cudaSetDevice(previous);
@@ -265,9 +269,7 @@ ll::Context LowLatencyRuntime::context(int buffer) const {
   c.rank = rank_;
   c.num_ranks = num_ranks_;
   c.max_tokens = config_.max_tokens_per_rank;
-  c.all_p2p =
-      std::all_of(peer_base_.begin(), peer_base_.end(), [](char* b) { return b != nullptr; }) ? 1
-                                                                                              : 0;
+  c.all_p2p = all_p2p_ ? 1 : 0;
   return c;
 }
 

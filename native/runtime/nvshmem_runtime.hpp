@@ -198,6 +198,7 @@ class LowLatencyRuntime {
   char* private_ = nullptr;       // control block, send_route, recv_tokens (cudaMalloc)
   char** peer_table_ = nullptr;   // device [2][R] P2P bases (or null) per buffer
   std::vector<char*> peer_base_;  // host copy for buffer 0 (nvshmem_ptr of the region)
+  bool all_p2p_ = false;          // every peer_base_ entry is mapped (ll::Context::all_p2p)
   ll::ErrorRecord* error_host_ = nullptr;
   ll::ErrorRecord* error_dev_ = nullptr;
   int next_buffer_ = 0;
