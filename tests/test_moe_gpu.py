@@ -102,6 +102,27 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         b2 = ref.dispatch(xc * 3, handle=b.handle)
         n = int(b.handle.recv_src_idx.ge(0).sum())
         check(f"cached {kwargs}", a2.recv_x[:n], b2.recv_x[:n])
+    # Special values through the combine reduction (NaN, infinities, signed zeros, subnormals,
+    # overflow to infinity, rounding ties): the reference's bytes, NaN as PyTorch writes it.
+    a = ep.dispatch(x, idx, w, num_experts)
+    b = ref.dispatch(xc, idxc, wc, num_experts)
+    specials = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, -1e-39, 3.3895e38,
+         -3.3895e38, 1.0, 1.0078125, 2.0 ** -8, 3.0, -1e-3],
+    )  # fmt: skip
+    pick = torch.randint(
+        0, len(specials), tuple(a.recv_x.shape), generator=torch.Generator().manual_seed(77 + rank)
+    )
+    y = specials[pick].bfloat16()
+    got = ep.combine(y.to(dev), a.handle).combined_x.cpu()
+    want = ref.combine(y, b.handle).combined_x
+    nan = want.isnan()  # NaN where the reference has NaN; its payload is not specified
+    if not torch.equal(got.isnan(), nan):
+        failures.append("combined_x, special values: NaN in other places")
+    elif not torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]):
+        failures.append("combined_x, special values: values differ")
+    if want.numel() > 0 and not (nan.any() and want.isinf().any() and (want == 0).any()):
+        failures.append("combined_x, special values: the input produced no NaN, inf or zero")
     # async_op: the comm stream and a Work to wait on; the per-expert list needs no device read.
     a = ep.dispatch(x, idx, w, num_experts, async_op=True)
     a.work.wait()

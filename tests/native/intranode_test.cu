@@ -1322,7 +1322,16 @@ void bench(int iters) {
   };
 
   const int dispatch_warps[] = {10, 11, 12, 13};
-  const int combine_warps[] = {4, 5};
+  // HT_COMBINE_WARPS="3,4,6" sweeps other splits (default: 4 and 5).
+  std::vector<int> combine_warps = {4, 5};
+  if (const char* env = std::getenv("HT_COMBINE_WARPS")) {
+    combine_warps.clear();
+    for (const char* q = env; *q != '\0';) {
+      combine_warps.push_back(std::atoi(q));
+      while (*q != '\0' && *q != ',') ++q;
+      if (*q == ',') ++q;
+    }
+  }
   const int rounds = 2;  // each configuration twice, alternating: run-to-run spread is visible
   const int default_combine_warps = cfg.combine_send_warps;
   const IntranodeConfig defaults = cfg;
