@@ -103,7 +103,7 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         n = int(b.handle.recv_src_idx.ge(0).sum())
         check(f"cached {kwargs}", a2.recv_x[:n], b2.recv_x[:n])
     # Special values through the combine reduction (NaN, infinities, signed zeros, subnormals,
-    # overflow to infinity, rounding ties): the reference's bytes, NaN as PyTorch writes it.
+    # overflow to infinity, rounding ties): the reference's bytes wherever it is not NaN.
     a = ep.dispatch(x, idx, w, num_experts)
     b = ref.dispatch(xc, idxc, wc, num_experts)
     specials = torch.tensor(

@@ -285,8 +285,9 @@ __device__ __forceinline__ void finish_block(ControlBlock* ctrl, uint64_t seq) {
 
 // ---- element conversions used by combine ------------------------------------------------------
 
-// float -> bfloat16 bits, round to nearest even; NaN becomes the canonical quiet NaN 0x7FC0,
-// matching c10::BFloat16 so results are bitwise equal to PyTorch's CPU cast.
+// float -> bfloat16 bits, round to nearest even; NaN becomes the quiet NaN 0x7FC0 of
+// c10::BFloat16's scalar cast (PyTorch's vectorized CPU cast writes 0xFFFF: NaN bits are not part
+// of the spec, NaN positions are).
 __device__ __forceinline__ uint16_t float_to_bf16_rne(float f) {
   const uint32_t u = __float_as_uint(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
