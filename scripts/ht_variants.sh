@@ -4,6 +4,7 @@
 # defaults, combine), for comparing kernel changes in one GPU session.
 # Usage: bash scripts/ht_variants.sh "name=-DFLAG ..." ["name2=" ...]   ("base=": no extra flags;
 # "name@DIR=..." builds the sources under DIR instead, e.g. an exported older commit). Needs 2 GPUs.
+# HT_COMBINE_WARPS="3,4,6" sweeps those combine send-warp splits instead of 4 and 5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -81,8 +81,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// TMA: each warp (lane 0) streams rows through `stages` shared-memory slots of `chunk` bytes:
-// bulk load (local HBM -> smem, mbarrier), then bulk store (smem -> peer).
+// TMA: lane 0 of each warp streams chunks through `stages` shared-memory slots of `chunk` bytes:
+// bulk load (local HBM -> smem, mbarrier), then bulk store (smem -> peer). kPipelined: loads run
+// `stages - 1` chunks ahead of the stores; otherwise each chunk is loaded, then stored.
+template <bool kPipelined>
 __global__ void push_tma(const char* __restrict__ src, char* dst, size_t bytes, int chunk,
                          int stages) {
   extern __shared__ __align__(128) char smem[];
@@ -98,85 +100,45 @@ __global__ void push_tma(const char* __restrict__ src, char* dst, size_t bytes, 
   if (lane != 0) return;
   const size_t nchunks = bytes / chunk;
   const size_t gw = size_t(blockIdx.x) * nwarps + warp, W = size_t(gridDim.x) * nwarps;
-  uint32_t phase[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int k = 0;
-  for (size_t c = gw; c < nchunks; c += W, ++k) {
-    const int s = k % stages;
-    // Slot s is free once the store issued `stages` iterations ago has read it.
-    if (k >= stages) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(0) : "memory");
-    const uint32_t bar = smem_addr(mbar + s), buf = smem_addr(mine + size_t(s) * chunk);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(chunk)
-                 : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-            "r"(buf),
-        "l"(src + c * chunk), "r"(chunk), "r"(bar)
-        : "memory");
-    // wait for the load
-    asm volatile(
-        "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        " @!p bra W;\n}" ::"r"(bar),
-        "r"(phase[s])
-        : "memory");
-    phase[s] ^= 1;
-    asm volatile(
-        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + c * chunk),
-        "r"(buf), "r"(chunk)
-        : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-  }
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(0) : "memory");
-}
-
-// TMA pipelined properly: loads run `stages - 1` chunks ahead of the stores.
-__global__ void push_tma_pipe(const char* __restrict__ src, char* dst, size_t bytes, int chunk,
-                              int stages) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ __align__(8) uint64_t bars[32 * 8];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-  char* mine = smem + size_t(warp) * stages * chunk;
-  uint64_t* mbar = bars + warp * 8;
-  if (lane == 0)
-    for (int s = 0; s < stages; ++s)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(mbar + s)));
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncwarp();
-  if (lane != 0) return;
-  const size_t nchunks = bytes / chunk;
-  const size_t gw = size_t(blockIdx.x) * nwarps + warp, W = size_t(gridDim.x) * nwarps;
   const size_t mycount = gw < nchunks ? (nchunks - gw + W - 1) / W : 0;
-  uint32_t phase = 0;  // bit s: parity of slot s
-  auto issue_load = [&](size_t j) {
-    const int s = int(j % stages);
-    const uint32_t bar = smem_addr(mbar + s), buf = smem_addr(mine + size_t(s) * chunk);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(chunk)
+  auto bar_of = [&](size_t j) { return smem_addr(mbar + j % stages); };
+  auto buf_of = [&](size_t j) { return smem_addr(mine + (j % stages) * chunk); };
+  auto load = [&](size_t j) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_of(j)),
+                 "r"(chunk)
                  : "memory");
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-            "r"(buf),
-        "l"(src + (gw + j * W) * chunk), "r"(chunk), "r"(bar)
+            "r"(buf_of(j)),
+        "l"(src + (gw + j * W) * chunk), "r"(chunk), "r"(bar_of(j))
         : "memory");
   };
-  for (size_t j = 0; j < mycount && j < size_t(stages - 1); ++j) issue_load(j);
+  if (kPipelined)
+    for (size_t j = 0; j < mycount && j < size_t(stages - 1); ++j) load(j);
+  uint32_t phase = 0;  // bit s: parity of slot s
   for (size_t j = 0; j < mycount; ++j) {
     const int s = int(j % stages);
-    const uint32_t bar = smem_addr(mbar + s), buf = smem_addr(mine + size_t(s) * chunk);
+    if (!kPipelined) {
+      // The slot is free once the store issued `stages` chunks ago has read it.
+      if (j >= size_t(stages))
+        asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(0) : "memory");
+      load(j);
+    }
     asm volatile(
         "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        " @!p bra W;\n}" ::"r"(bar),
+        " @!p bra W;\n}" ::"r"(bar_of(j)),
         "r"((phase >> s) & 1u)
         : "memory");
     phase ^= 1u << s;
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
                      dst + (gw + j * W) * chunk),
-                 "r"(buf), "r"(chunk)
+                 "r"(buf_of(j)), "r"(chunk)
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    // Before loading into slot (j + stages - 1) % stages, the store that used it must have read it:
-    // at most stages - 2 groups may still be reading... keep it simple: allow stages-1 pending.
-    if (j + stages - 1 < mycount) {
+    // Pipelined: the slot of chunk j + stages - 1 was read by store j - 1 (one group may pend).
+    if (kPipelined && j + stages - 1 < mycount) {
       asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(1) : "memory");
-      issue_load(j + stages - 1);
+      load(j + stages - 1);
     }
   }
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(0) : "memory");
@@ -321,8 +283,9 @@ int main(int argc, char** argv) {
   if (argc > 2) return 0;  // sends-per-SM sweep only
   for (int dev = 0; dev < 2; ++dev) {
     CHECK(cudaSetDevice(dev));
-    CHECK(cudaFuncSetAttribute(push_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CHECK(cudaFuncSetAttribute(push_tma_pipe, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CHECK(cudaFuncSetAttribute(push_tma<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               200 * 1024));
+    CHECK(cudaFuncSetAttribute(push_tma<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                200 * 1024));
   }
   struct Cfg {
@@ -341,12 +304,9 @@ int main(int argc, char** argv) {
         report(name, run_both(
                          g,
                          [&](int, char* s, char* d, cudaStream_t st) {
-                           if (pipe)
-                             push_tma_pipe<<<blocks, c.warps * 32, smem, st>>>(s, d, bytes, c.chunk,
-                                                                               c.stages);
-                           else
-                             push_tma<<<blocks, c.warps * 32, smem, st>>>(s, d, bytes, c.chunk,
-                                                                          c.stages);
+                           auto kernel = pipe ? push_tma<true> : push_tma<false>;
+                           kernel<<<blocks, c.warps * 32, smem, st>>>(s, d, bytes, c.chunk,
+                                                                      c.stages);
                          },
                          bytes, iters));
       }
