@@ -67,8 +67,8 @@ struct IntranodeConfig {
   // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B):
   // receivers copy such a row in one batch of loads, so one more warp can send.
   int small_row_dispatch_send_warps = 12;
-  // Combine: 5 since the BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers): 208 vs 216 us at
-  // 4, 266 at 6 (harness); bench 211 vs 215.
+  // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers). Harness: 208-212
+  // us; 4 and 6 slower by 7 to 55 us depending on the machine (docs/performance.md).
   int combine_send_warps = 5;
   int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
   int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
