@@ -3,12 +3,14 @@
 // (global -> shared by cp.async.bulk, shared -> peer global by cp.async.bulk), both GPUs
 // pushing to each other at the same time, as dispatch and combine do.
 // Build: nvcc -O3 -arch=sm_90a -o build/nvlink_push_probe scripts/nvlink_push_probe.cu
-// Run:   build/nvlink_push_probe [MiB=64]   (needs 2 GPUs with peer access)
+// Run:   build/nvlink_push_probe [MiB=64] [pull]   (needs 2 GPUs with peer access; "pull": loads
+//        over NVLink and push + pull mixes only)
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CHECK(x)                                                                              \
@@ -74,6 +76,38 @@ __global__ void local_rw(const int4* __restrict__ a, const int4* __restrict__ b,
         if (b != nullptr) v[u].x += w[u].x, v[u].y += w[u].y, v[u].z += w[u].z, v[u].w += w[u].w;
         dst[i + u * stride] = v[u];
       }
+  }
+}
+
+// Blocks [0, push_blocks) push rows [0, push_rows) (local -> peer, stores over NVLink); the other
+// blocks pull rows [push_rows, rows) (peer -> local, loads over NVLink). push_blocks = 0 is a pure
+// pull, push_rows = rows a pure push. Each warp moves whole rows, as the HT kernels do.
+__global__ void push_pull_rows(const char* __restrict__ local_src, char* peer_dst,
+                               const char* peer_src, char* local_dst, int rows, int row_bytes,
+                               int push_rows, int push_blocks) {
+  const bool push = int(blockIdx.x) < push_blocks;
+  const int nblocks = push ? push_blocks : int(gridDim.x) - push_blocks;
+  const int block = push ? int(blockIdx.x) : int(blockIdx.x) - push_blocks;
+  const int wpb = blockDim.x / 32;
+  const int warp = block * wpb + int(threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int warps = nblocks * wpb;
+  const int first = push ? 0 : push_rows, last = push ? push_rows : rows;
+  const char* src = push ? local_src : peer_src;
+  char* dst = push ? peer_dst : local_dst;
+  const int n16 = row_bytes / 16;
+  constexpr int U = 8;
+  for (int r = first + warp; r < last; r += warps) {
+    const int4* s = reinterpret_cast<const int4*>(src + size_t(r) * row_bytes);
+    int4* d = reinterpret_cast<int4*>(dst + size_t(r) * row_bytes);
+    for (int i = lane; i < n16; i += 32 * U) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i + 32 * u < n16) v[u] = s[i + 32 * u];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i + 32 * u < n16) d[i + 32 * u] = v[u];
+    }
   }
 }
 
@@ -197,6 +231,79 @@ int main(int argc, char** argv) {
   auto report = [&](const char* name, double us) {
     std::printf("%-44s %8.1f us  %6.1f GB/s per direction\n", name, us, bytes / us / 1e3);
   };
+  if (argc > 2 && std::string(argv[2]) == "pull") {
+    // Loads over NVLink (each GPU reads the peer's src into its own dst), and push + pull mixed.
+    const int row = 14336, rows = int(bytes / row);
+    for (int blocks : {24, 132})
+      for (int warps : {8, 16, 32}) {
+        char name[96];
+        std::snprintf(name, sizeof name, "pull rows %dB %d x %d warps", row, blocks, warps);
+        report(name, run_both(
+                         g,
+                         [&](int dev, char*, char*, cudaStream_t st) {
+                           push_pull_rows<<<blocks, warps * 32, 0, st>>>(g[dev].src, g[1 - dev].dst,
+                                                                         g[1 - dev].src, g[dev].dst,
+                                                                         rows, row, 0, 0);
+                         },
+                         bytes, iters));
+      }
+    for (double f : {0.25, 0.4, 0.5, 0.6}) {
+      for (int pull_blocks : {6, 8, 10, 12}) {
+        char name[96];
+        std::snprintf(name, sizeof name, "push %.0f%% + pull 24 SMs (%d pull)", (1 - f) * 100,
+                      pull_blocks);
+        const int push_rows = int((1 - f) * rows);
+        report(name, run_both(
+                         g,
+                         [&](int dev, char*, char*, cudaStream_t st) {
+                           push_pull_rows<<<24, 512, 0, st>>>(g[dev].src, g[1 - dev].dst,
+                                                              g[1 - dev].src, g[dev].dst, rows, row,
+                                                              push_rows, 24 - pull_blocks);
+                         },
+                         bytes, iters));
+      }
+    }
+    for (int blocks : {24, 132}) {
+      char name[96];
+      std::snprintf(name, sizeof name, "push rows (same kernel) %d x 16 warps", blocks);
+      report(name, run_both(
+                       g,
+                       [&](int dev, char*, char*, cudaStream_t st) {
+                         push_pull_rows<<<blocks, 512, 0, st>>>(g[dev].src, g[1 - dev].dst,
+                                                                g[1 - dev].src, g[dev].dst, rows,
+                                                                row, rows, blocks);
+                       },
+                       bytes, iters));
+    }
+    // TMA pull: bulk loads from the peer into shared memory, bulk stores to local memory.
+    for (int dev = 0; dev < 2; ++dev) {
+      CHECK(cudaSetDevice(dev));
+      CHECK(cudaFuncSetAttribute(push_tma<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 200 * 1024));
+    }
+    for (int warps : {4, 8, 16}) {
+      const int chunk = 8192, stages = 3;
+      char name[96];
+      std::snprintf(name, sizeof name, "tma pull 24 x %dw chunk %d stages %d", warps, chunk,
+                    stages);
+      report(name, run_both(
+                       g,
+                       [&](int dev, char*, char*, cudaStream_t st) {
+                         push_tma<true><<<24, warps * 32, size_t(warps) * chunk * stages, st>>>(
+                             g[1 - dev].src, g[dev].dst, bytes, chunk, stages);
+                       },
+                       bytes, iters));
+    }
+    std::vector<char> h(4096);
+    for (int d = 0; d < 2; ++d) {
+      CHECK(cudaSetDevice(d));
+      CHECK(cudaMemcpy(h.data(), g[d].dst + bytes - 4096, 4096, cudaMemcpyDeviceToHost));
+      int bad = 0;
+      for (char v : h) bad += v != char(2 - d);
+      std::printf("gpu %d pulled tail %s\n", d, bad ? "WRONG" : "ok");
+    }
+    return 0;
+  }
   for (int blocks : {24, 132}) {
     for (int threads : {512, 1024}) {
       char name[96];
