@@ -11,7 +11,7 @@
 //    in float32 (float64 for float64 rows) with round-to-nearest adds (no contraction), and
 //    stores acc rounded to nearest-even in the element type. Weights are summed the same way.
 //    BF16 tokens with at most two rows and no bias take add.rn.bf16x2, which gives the same bits
-//    (see bf16_pair_sum) with a fifth of the instructions: on 2 ranks the reduction's
+//    (see device::bf16_pair_sum) with a fifth of the instructions: on 2 ranks the reduction's
 //    instructions bound the owner side (combine kernel 210.7 -> 193.8 us).
 // Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
 // token order and the reduction overlaps the transfer.
@@ -64,31 +64,6 @@ struct ElemOps<2> {  // bfloat16
     return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
   }
 };
-
-// BF16 rows from at most two ranks, no bias: add.rn.bf16x2 gives the spec's bits. For two terms,
-// rounding the float32 sum to BF16 equals rounding the exact sum once (both terms have 8-bit
-// significands: their exact sum fits in float32 unless their exponents differ by more than 15,
-// and then the smaller one is far below half a BF16 ulp of the larger). Starting from +0 as the
-// spec does turns -0 into +0. Two instructions per element pair instead of ~10 in float32;
-// returns false when a result is NaN (the caller then takes the float32 path for its bits).
-__device__ __forceinline__ bool bf16_pair_sum(const int4& a, const int4& b, int4& out) {
-  const uint32_t x[4] = {uint32_t(a.x), uint32_t(a.y), uint32_t(a.z), uint32_t(a.w)};
-  const uint32_t y[4] = {uint32_t(b.x), uint32_t(b.y), uint32_t(b.z), uint32_t(b.w)};
-  uint32_t w[4], nan = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    uint32_t t, n;
-    asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(t) : "r"(0u), "r"(x[i]));
-    asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(w[i]) : "r"(t), "r"(y[i]));
-    asm("{\n .reg .pred p, q;\n setp.nan.bf16x2 p|q, %1, %1;\n or.pred p, p, q;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(n)
-        : "r"(w[i]));
-    nan |= n;
-  }
-  out = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
-  return nan == 0;
-}
 
 template <>
 struct ElemOps<4> {  // float32
@@ -289,7 +264,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
 #ifndef EP_COMBINE_FLOAT32_ONLY
       if constexpr (kElemBytes == 2 && kRanks == 2) {
         int4 sum;
-        if (pair_path && bf16_pair_sum(v[0][u], v[1][u], sum)) {
+        if (pair_path && device::bf16_pair_sum(v[0][u], v[1][u], sum)) {
           device::st_v4(out + i + 32 * u, sum);
           continue;
         }

@@ -298,5 +298,31 @@ __device__ __forceinline__ float bf16_to_float(uint32_t bits16) {
   return __uint_as_float(bits16 << 16);
 }
 
+// Sums of BF16 rows from at most two ranks, 8 elements (int4) at once: (+0 + a) + b, each add
+// add.rn.bf16x2, gives the bits of the spec's float32 reduction rounded to BF16. For two terms,
+// rounding the float32 sum to BF16 equals rounding the exact sum once (both terms have 8-bit
+// significands: their exact sum fits in float32 unless their exponents differ by more than 15,
+// and then the smaller one is far below half a BF16 ulp of the larger). Starting from +0 as the
+// spec does turns -0 into +0. Two instructions per element pair instead of ~10 in float32;
+// returns false when a result is NaN (the caller then takes the float32 path for its bits).
+__device__ __forceinline__ bool bf16_pair_sum(const int4& a, const int4& b, int4& out) {
+  const uint32_t x[4] = {uint32_t(a.x), uint32_t(a.y), uint32_t(a.z), uint32_t(a.w)};
+  const uint32_t y[4] = {uint32_t(b.x), uint32_t(b.y), uint32_t(b.z), uint32_t(b.w)};
+  uint32_t w[4], nan = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t t, n;
+    asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(t) : "r"(0u), "r"(x[i]));
+    asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(w[i]) : "r"(t), "r"(y[i]));
+    asm("{\n .reg .pred p, q;\n setp.nan.bf16x2 p|q, %1, %1;\n or.pred p, p, q;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(n)
+        : "r"(w[i]));
+    nan |= n;
+  }
+  out = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+  return nan == 0;
+}
+
 }  // namespace device
 }  // namespace ep

@@ -29,6 +29,7 @@
 
 #include "intranode_runtime.hpp"
 #include "intranode_timeline.hpp"
+#include "ptx_utils.cuh"
 
 using ep::IntranodeCombineArgs;
 using ep::IntranodeConfig;
@@ -1037,6 +1038,53 @@ void invalid_idx_test(Team& team) {
   rt.clear_error();
 }
 
+// Every pair of BF16 bit patterns (a, b) through device::bf16_pair_sum, the combine's fast path,
+// against the spec's float32 reduction (+0 + a) + b rounded to nearest even: equal bits whenever
+// the fast path reports no NaN, and a NaN in the spec's result whenever it does.
+__global__ void bf16_pair_sum_kernel(unsigned long long* mismatches, unsigned long long* nans) {
+  const uint32_t a = blockIdx.x;  // 65,536 blocks x 256 threads x 32 int4 = every b, 8 at a time
+  unsigned long long bad = 0, nan_vectors = 0;
+  for (int v = 0; v < 32; ++v) {
+    const uint32_t b0 = (threadIdx.x * 32 + v) * 8;
+    uint32_t bw[4], aw = a | (a << 16);
+    for (int i = 0; i < 4; ++i) bw[i] = (b0 + 2 * i) | ((b0 + 2 * i + 1) << 16);
+    int4 got;
+    const bool ok =
+        ep::device::bf16_pair_sum(make_int4(int(aw), int(aw), int(aw), int(aw)),
+                                  make_int4(int(bw[0]), int(bw[1]), int(bw[2]), int(bw[3])), got);
+    const uint32_t gw[4] = {uint32_t(got.x), uint32_t(got.y), uint32_t(got.z), uint32_t(got.w)};
+    bool any_nan = false;
+    for (int e = 0; e < 8; ++e) {
+      const float sum = __fadd_rn(__fadd_rn(0.0f, ep::device::bf16_to_float(a)),
+                                  ep::device::bf16_to_float(b0 + e));
+      const uint16_t want = ep::device::float_to_bf16_rne(sum);
+      any_nan |= sum != sum;
+      if (ok && uint16_t(gw[e / 2] >> (16 * (e % 2))) != want) ++bad;
+    }
+    if (!ok) ++nan_vectors;
+    if (!ok && !any_nan) ++bad;  // NaN reported where the spec has none
+  }
+  if (bad) atomicAdd(mismatches, bad);
+  if (nan_vectors) atomicAdd(nans, nan_vectors);
+}
+
+void bf16_pair_sum_test() {
+  CUDA_CHECK(cudaSetDevice(0));
+  unsigned long long* d = nullptr;
+  CUDA_CHECK(cudaMalloc(&d, 2 * sizeof(unsigned long long)));
+  CUDA_CHECK(cudaMemset(d, 0, 2 * sizeof(unsigned long long)));
+  bf16_pair_sum_kernel<<<65536, 256>>>(d, d + 1);
+  CUDA_CHECK(cudaGetLastError());
+  unsigned long long h[2];
+  CUDA_CHECK(cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(d));
+  check_true(h[0] == 0, "bf16 pair sum: " + std::to_string(h[0]) + " of 2^32 pairs differ");
+  // NaN inputs exist in every a row: the fallback must have been exercised.
+  check_true(h[1] > 0, "bf16 pair sum: no NaN result was ever reported");
+  std::printf("  %-34s %s (%llu mismatches, %llu vectors with a NaN)\n",
+              "bf16 pair sum, all 2^32 pairs", h[0] == 0 ? "ok" : "FAILED", h[0], h[1]);
+}
+
 // ------------------------------------------------------------------------------------------
 // Multi-process (real CUDA IPC) test: fork one child per rank before CUDA is initialised.
 // ------------------------------------------------------------------------------------------
@@ -1670,6 +1718,7 @@ int main(int argc, char** argv) {
     }
   };
   if (do_tests) {
+    phase("bf16 pair sum", [&] { bf16_pair_sum_test(); });
     for (int R : {2, 4, 8})
       phase("suite", [&] { correctness_suite(R, R == 2 ? soak : soak / (R == 4 ? 3 : 6)); });
     phase("timeout test", [&] { timeout_test(); });
