@@ -233,7 +233,13 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
                        : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
                                                        size_t(t) * hidden_bytes);
   int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
-  const bool pair_path = b0 == nullptr && b1 == nullptr;  // at most two terms (kRanks == 2)
+  // BF16 on 2 ranks: at most two rows per token, summed by device::bf16_pair_sum when no bias.
+#ifdef EP_COMBINE_FLOAT32_ONLY  // A/B switch: the float32 reduction everywhere
+  constexpr bool kPairSum = false;
+#else
+  constexpr bool kPairSum = kElemBytes == 2 && kRanks == 2;
+#endif
+  const bool pair_path = b0 == nullptr && b1 == nullptr;
 
   // Weights first: their loads overlap the row loads below.
   float acc_w = 0.0f;
@@ -253,7 +259,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
     for (int r = 0; r < kRanks; ++r) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        v[r][u] = make_int4(0, 0, 0, 0);  // a missing row adds +0 (the BF16 pair path below)
+        if constexpr (kPairSum) v[r][u] = make_int4(0, 0, 0, 0);  // a missing row adds +0
         if (src[r] != nullptr && i + 32 * u < n16)
           v[r][u] = device::ld_v4(reinterpret_cast<const int4*>(src[r]) + i + 32 * u);
       }
@@ -261,15 +267,13 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (i + 32 * u >= n16) continue;
-#ifndef EP_COMBINE_FLOAT32_ONLY
-      if constexpr (kElemBytes == 2 && kRanks == 2) {
+      if constexpr (kPairSum) {
         int4 sum;
         if (pair_path && device::bf16_pair_sum(v[0][u], v[1][u], sum)) {
           device::st_v4(out + i + 32 * u, sum);
           continue;
         }
       }
-#endif
       Acc acc[Ops::kPerVec];
 #pragma unroll
       for (int e = 0; e < Ops::kPerVec; ++e) acc[e] = Acc(0);  // +0: the spec's start value
