@@ -379,7 +379,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             return
         x8, s8 = ep.reference.quantize_fp8_per128(x)
         t_layout = timer.both(lambda: ep.get_dispatch_layout(idx, num_experts))
-        t_fp8 = timer.both(lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8))
+        # As DeepEP's dispatch, given the layout (its own row above); and computing it itself.
+        t_given = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts, layout=layout))
+        t_fp8 = timer.both(
+            lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8, layout=layout)
+        )
+        t_fp8_own = timer.both(lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8))
         out = ep.dispatch(x, idx, weights, num_experts)
         t_cached = timer.both(lambda: ep.dispatch(x, handle=out.handle))
         add("ep layout", t_layout, 0, 0, 0)
@@ -387,7 +392,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             tiny = torch.zeros(1, device=device)
             add("floor: one tiny torch kernel", timer.both(tiny.zero_), 0, 0, 0,
                 "launch latency + host overhead of this timer")  # fmt: skip
-        add("ep dispatch BF16", t_dispatch, row_bf16, remote_rows, recv_rows)
+        add("ep dispatch BF16", t_given, row_bf16, remote_rows, recv_rows,
+            "layout= from get_dispatch_layout (DeepEP's contract)")  # fmt: skip
+        add("ep dispatch BF16, own layout", t_dispatch, row_bf16, remote_rows, recv_rows,
+            "layout computed inside (as in dispatch+combine)")  # fmt: skip
         if use_cuda:  # the same dispatch with the kernel launched after the host wait
             options = ep.get_backend(group).options
             options.overlap_dispatch_host_wait = False
@@ -395,7 +403,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             options.overlap_dispatch_host_wait = True
             add("ep dispatch BF16, host-first", t_host_first, row_bf16, remote_rows, recv_rows,
                 "Options(overlap_dispatch_host_wait=False)")  # fmt: skip
-        add("ep dispatch FP8", t_fp8, row_fp8, remote_rows, recv_rows)
+        add("ep dispatch FP8", t_fp8, row_fp8, remote_rows, recv_rows,
+            "layout= from get_dispatch_layout (DeepEP's contract)")  # fmt: skip
+        add("ep dispatch FP8, own layout", t_fp8_own, row_fp8, remote_rows, recv_rows)
         add("ep cached dispatch BF16", t_cached, row_bf16, remote_rows, recv_rows)
         add("ep combine BF16", t_combine, row_bf16, remote_rows, recv_rows)
 

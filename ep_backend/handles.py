@@ -23,11 +23,21 @@ class DispatchLayout:
             once per rank however many of its experts live there).
         num_tokens_per_expert: int32 ``[E]``; (token, expert) selections per global expert.
         is_token_in_rank: bool ``[T, R]``; whether token ``t`` is sent to rank ``r``.
+        send_pos: int32 ``[T, R]``; position of token ``t`` among this rank's tokens sent to rank
+            ``r`` (the row's slot in what ``r`` receives from us), ``-1`` where it is not sent.
+
+    Passing the layout to ``dispatch(..., layout=...)`` skips computing it again there, as
+    DeepEP's dispatch takes ``get_dispatch_layout``'s results. Iterating yields the first three
+    fields (DeepEP's order).
     """
 
     num_tokens_per_rank: torch.Tensor
     num_tokens_per_expert: torch.Tensor
     is_token_in_rank: torch.Tensor
+    send_pos: torch.Tensor | None = None
+    # What it was computed from: (weak reference to topk_idx, its version, num_experts, R), so
+    # dispatch can refuse a layout of another (or since modified) topk_idx.
+    _source: tuple | None = field(default=None, repr=False, compare=False)
 
     def __iter__(self):  # allows ``a, b, c = layout``
         return iter((self.num_tokens_per_rank, self.num_tokens_per_expert, self.is_token_in_rank))

@@ -13,6 +13,7 @@ wait for it (the CPU does not block). On CPU tensors the op completes before the
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -166,11 +167,56 @@ def get_dispatch_layout(
 
     Returns:
         ``DispatchLayout``: ``num_tokens_per_rank`` int32 ``[R]`` (a token counts once per
-        rank), ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank`` bool ``[T, R]``.
+        rank), ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank`` bool ``[T, R]``,
+        ``send_pos`` int32 ``[T, R]``. Pass it to ``dispatch(..., layout=)`` with the same
+        ``topk_idx`` to skip the layout step there.
+
+    Raises:
+        RuntimeError: on a CUDA ``topk_idx``, if an earlier call on the device found a value
+            outside ``[-1, E)`` (that call counted it as ``-1``; checking at once would need a
+            stream sync). A dispatch given that earlier layout raises instead, on every rank.
     """
     pg = _group(group)
-    per_rank, per_expert, in_rank = _ops.dispatch_layout(topk_idx, num_experts, pg.size())
-    return DispatchLayout(per_rank, per_expert, in_rank)
+    per_rank, per_expert, in_rank, send_pos = _ops.dispatch_layout(topk_idx, num_experts, pg.size())
+    source = None
+    if not torch.compiler.is_compiling():
+        source = (weakref.ref(topk_idx), topk_idx._version, num_experts, pg.size())
+    return DispatchLayout(per_rank, per_expert, in_rank, send_pos, _source=source)
+
+
+def _check_layout(
+    layout: Any, topk_idx: torch.Tensor, num_experts: int, pg: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """The tensors dispatch takes from ``layout`` (made by ``get_dispatch_layout(topk_idx)``)."""
+    if not isinstance(layout, DispatchLayout):
+        raise TypeError(f"layout must be a DispatchLayout, got {type(layout).__name__}")
+    if layout.send_pos is None:
+        raise ValueError("layout has no send_pos: compute it with get_dispatch_layout")
+    if not torch.compiler.is_compiling():
+        if layout._source is None:
+            raise ValueError(
+                "layout must come from ep_backend.get_dispatch_layout (it records the topk_idx "
+                "it was computed from)"
+            )
+        ref, version, experts, ranks = layout._source
+        if ref() is not topk_idx:
+            raise ValueError(
+                "layout was computed from another topk_idx tensor; pass the same tensor to "
+                "get_dispatch_layout and dispatch"
+            )
+        if topk_idx._version != version:
+            raise ValueError("topk_idx was modified in place after get_dispatch_layout")
+        if experts != num_experts or ranks != pg.size():
+            raise ValueError(
+                f"layout was computed for num_experts={experts} on {ranks} ranks, this call has "
+                f"num_experts={num_experts} on {pg.size()}"
+            )
+    return [
+        layout.num_tokens_per_rank,
+        layout.num_tokens_per_expert,
+        layout.is_token_in_rank,
+        layout.send_pos,
+    ]
 
 
 def all_to_all_moe_dispatch(
@@ -183,6 +229,7 @@ def all_to_all_moe_dispatch(
     handle: DispatchHandle | None = None,
     expert_alignment: int = 1,
     num_worst_tokens: int = 0,
+    layout: DispatchLayout | None = None,
     group: Group = None,
     async_op: bool = False,
 ) -> DispatchOutput:
@@ -201,6 +248,9 @@ def all_to_all_moe_dispatch(
         expert_alignment: round each ``num_recv_tokens_per_expert`` up to a multiple of this.
         num_worst_tokens: if > 0, outputs have exactly this many rows and no host sync happens
             (padding rows: ``recv_topk_idx`` -1, weights 0); it must cover every rank's receive.
+        layout: ``get_dispatch_layout(topk_idx, num_experts)`` of this very ``topk_idx``
+            (unchanged since): dispatch then skips its own layout step, as DeepEP's does. The
+            handle's ``is_token_in_rank`` and ``num_tokens_per_rank`` are then these tensors.
         group: an ``"ep"`` process group (default: WORLD).
         async_op: return at once with ``out.work``; ``out.work.wait()`` before using outputs.
 
@@ -219,10 +269,15 @@ def all_to_all_moe_dispatch(
         _require_tensor(x, "x")
         _require_tensor(x_scales, "x_scales", optional=True)
         if handle is not None:
-            if topk_idx is not None or topk_weights is not None or num_experts is not None:
+            if (
+                topk_idx is not None
+                or topk_weights is not None
+                or num_experts is not None
+                or layout is not None
+            ):
                 raise ValueError(
-                    "with handle= (cached dispatch), topk_idx, topk_weights and num_experts "
-                    "must be None"
+                    "with handle= (cached dispatch), topk_idx, topk_weights, num_experts and "
+                    "layout must be None"
                 )
             _check_handle(handle)
         else:
@@ -233,6 +288,9 @@ def all_to_all_moe_dispatch(
             _require_int(num_experts, "num_experts")
             _require_int(expert_alignment, "expert_alignment")
             _require_int(num_worst_tokens, "num_worst_tokens")
+            layout_tensors = (
+                [] if layout is None else _check_layout(layout, topk_idx, num_experts, pg)
+            )
     except (TypeError, ValueError) as exc:
         _reject(pg, op, type(exc)(f"ep {op}: {exc}"))
     if handle is not None:
@@ -240,12 +298,14 @@ def all_to_all_moe_dispatch(
 
     def run() -> tuple[torch.Tensor, ...]:
         args = (x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                num_worst_tokens, pg.group_name)  # fmt: skip
+                num_worst_tokens, pg.group_name, layout_tensors)  # fmt: skip
         return _DispatchFn.apply(*args) if _needs_grad(x, topk_weights) else _ops.dispatch(*args)
 
     result, work = _run(run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list)
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
      per_rank, recv_per_rank, src_idx, src_rank, per_expert_host) = result  # fmt: skip
+    if layout is not None:  # the op returns these inputs empty (no aliasing outputs)
+        in_rank, per_rank = layout.is_token_in_rank, layout.num_tokens_per_rank
     handle = DispatchHandle(
         num_ranks=pg.size(),
         num_experts=num_experts,
@@ -564,13 +624,15 @@ def get_low_latency_combine_buffer(handle: LowLatencyHandle, group: Group = None
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name
+        ctx, x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
     ):  # type: ignore[override]
         outs = _ops.dispatch(
-            x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name
+            x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
         )
         recv_topk_idx = outs[2]
         routing = outs[5:10]  # (outs[10]: the per-expert counts on the host)
+        if layout:  # is_token_in_rank and num_tokens_per_rank are the layout's (see dispatch)
+            routing = (layout[2], layout[0], *routing[2:])
         ctx.save_for_backward(recv_topk_idx, *routing)
         ctx.group_name = group_name
         ctx.has_weights = topk_weights is not None
@@ -589,7 +651,7 @@ class _DispatchFn(torch.autograd.Function):
             # Weights of other ranks' experts were constants (0): no gradient flows to them.
             weights = torch.where(recv_topk_idx >= 0, grad_w, 0.0).contiguous()
         gx, gw = _ops.combine(grad_x.contiguous(), weights, None, None, *routing, ctx.group_name)
-        return gx, None, None, (gw if ctx.has_weights else None), None, None, None, None
+        return gx, None, None, (gw if ctx.has_weights else None), None, None, None, None, None
 
 
 class _CachedDispatchFn(torch.autograd.Function):
@@ -674,8 +736,21 @@ def _group_size(group_name: str) -> int:
     return torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
 
 
+@torch.library.register_fake("ep::dispatch_layout")
+def _dispatch_layout_fake(topk_idx, num_experts, num_ranks):
+    num_tokens = topk_idx.shape[0]
+    return (
+        topk_idx.new_empty((num_ranks,), dtype=torch.int32),
+        topk_idx.new_empty((num_experts,), dtype=torch.int32),
+        topk_idx.new_empty((num_tokens, num_ranks), dtype=torch.bool),
+        topk_idx.new_empty((num_tokens, num_ranks), dtype=torch.int32),
+    )
+
+
 @torch.library.register_fake("ep::dispatch")
-def _dispatch_fake(x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name):
+def _dispatch_fake(
+    x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
+):
     num_ranks = _group_size(group_name)
     rows = worst if worst > 0 else torch.library.get_ctx().new_dynamic_size()
     num_tokens, topk = topk_idx.shape
@@ -686,8 +761,8 @@ def _dispatch_fake(x, x_scales, topk_idx, topk_weights, num_experts, alignment, 
         topk_idx.new_empty((rows, topk)),
         x.new_empty((rows, topk), dtype=torch.float32) if topk_weights is not None else empty,
         x.new_empty((num_experts // num_ranks,), dtype=torch.int32),
-        x.new_empty((num_tokens, num_ranks), dtype=torch.bool),
-        x.new_empty((num_ranks,), dtype=torch.int32),
+        x.new_empty((0 if layout else num_tokens, num_ranks), dtype=torch.bool),
+        x.new_empty((0 if layout else num_ranks,), dtype=torch.int32),
         x.new_empty((num_ranks,), dtype=torch.int32),
         x.new_empty((rows,), dtype=torch.int32),
         x.new_empty((rows,), dtype=torch.int32),

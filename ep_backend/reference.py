@@ -159,7 +159,8 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
         ``DispatchLayout`` on ``topk_idx.device``:
         ``num_tokens_per_rank`` int32 ``[R]`` (tokens with at least one expert on rank ``r``,
         counted once per rank), ``num_tokens_per_expert`` int32 ``[E]`` (``(t, k)`` entries equal
-        to ``e``), ``is_token_in_rank`` bool ``[T, R]``.
+        to ``e``), ``is_token_in_rank`` bool ``[T, R]``, ``send_pos`` int32 ``[T, R]``
+        (position of ``t`` among the tokens sent to ``r``, ``-1`` where not sent).
     """
     _check_topk_idx(topk_idx, num_experts)
     assert num_experts % num_ranks == 0, "num_experts must be a multiple of the number of ranks"
@@ -175,7 +176,9 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     for r in range(num_ranks):
         is_token_in_rank[:, r] = (valid & (dest_rank == r)).any(dim=1)
     num_tokens_per_rank = is_token_in_rank.sum(dim=0).to(torch.int32)
-    return DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+    sent = is_token_in_rank.to(torch.int32)
+    send_pos = torch.where(is_token_in_rank, sent.cumsum(dim=0) - 1, -1).to(torch.int32)
+    return DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, send_pos)
 
 
 def _send_plan(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -23,8 +23,9 @@ def _inputs(rank: int, num_tokens: int, seed: int, hidden: int = H, topk: int = 
     return cuda_routing(num_tokens, hidden, E, topk, seed=seed * 131 + rank)
 
 
-def _graph_replay(rank: int, world: int) -> list[str]:
-    """Worst-case dispatch + combine captured once, replayed with new data: equal to the spec."""
+def _graph_replay(rank: int, world: int, given_layout: bool, steps: int) -> list[str]:
+    """Worst-case dispatch + combine captured once, replayed with new data: equal to the spec.
+    With ``given_layout`` the graph holds get_dispatch_layout and a dispatch taking its result."""
     import ep_backend as ep
     from ep_backend import reference as ref
 
@@ -37,11 +38,12 @@ def _graph_replay(rank: int, world: int) -> list[str]:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ep.dispatch(static_x, static_idx, static_w, E, num_worst_tokens=cap)
+        layout = {"layout": ep.get_dispatch_layout(static_idx, E)} if given_layout else {}
+        out = ep.dispatch(static_x, static_idx, static_w, E, num_worst_tokens=cap, **layout)
         y = out.recv_x * 2
         comb = ep.combine(y, out.handle, out.recv_topk_weights)
     failures = []
-    for step in range(100):
+    for step in range(steps):
         x, idx, w = _inputs(rank, 512, seed=step + 1)
         static_x.copy_(x)
         static_idx.copy_(idx)
@@ -59,9 +61,14 @@ def _graph_replay(rank: int, world: int) -> list[str]:
     return failures
 
 
-def test_cuda_graph_capture_and_replay_with_new_data() -> None:
+@pytest.mark.parametrize(
+    ("given_layout", "steps"), [(False, 100), (True, 30)], ids=["own-layout", "given-layout"]
+)
+def test_cuda_graph_capture_and_replay_with_new_data(given_layout: bool, steps: int) -> None:
     for rank, failures in enumerate(
-        run_distributed(_graph_replay, gpu_world_size(), backend="ep", timeout=400)
+        run_distributed(
+            _graph_replay, gpu_world_size(), given_layout, steps, backend="ep", timeout=400
+        )
     ):
         assert failures == [], (rank, failures[:5])
 
@@ -114,7 +121,7 @@ def test_soak_2000_iterations_without_memory_growth() -> None:
         assert out["growth"] <= 8 << 20, (rank, out["growth"])
 
 
-def _bad_input_then_valid(rank: int, world: int, overlap: bool) -> dict:
+def _bad_input_then_valid(rank: int, world: int, overlap: bool, given_layout: bool) -> dict:
     import ep_backend as ep
     from ep_backend import reference as ref
 
@@ -124,23 +131,33 @@ def _bad_input_then_valid(rank: int, world: int, overlap: bool) -> dict:
     if rank == 1:
         bad[0, 0] = E + 5  # out of range on one rank only
     try:
-        ep.dispatch(x, bad, w, E)
+        # With a layout passed in, get_dispatch_layout's kernel finds the id (it does not raise:
+        # that would need a stream sync) and the dispatch raises it on every rank.
+        layout = {"layout": ep.get_dispatch_layout(bad, E)} if given_layout else {}
+        ep.dispatch(x, bad, w, E, **layout)
         raised = ""
     except RuntimeError as exc:
         raised = str(exc)
-    out = ep.dispatch(x, idx, w, E)
+    torch.cuda.synchronize()
+    # The error was reported once: the next layout and dispatch are fine.
+    layout = {"layout": ep.get_dispatch_layout(idx, E)} if given_layout else {}
+    out = ep.dispatch(x, idx, w, E, **layout)
     expected = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
     return {"raised": raised, "next_ok": torch.equal(out.recv_x.cpu(), expected.recv_x)}
 
 
+@pytest.mark.parametrize("given_layout", [False, True], ids=["own-layout", "given-layout"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "host-first"])
-def test_bad_input_rejected_on_every_rank_before_any_data_moves(overlap: bool) -> None:
+def test_bad_input_rejected_on_every_rank_before_any_data_moves(
+    overlap: bool, given_layout: bool
+) -> None:
     """An out-of-range expert id on one rank: the layout kernel finds it, notify tells every rank,
     and all raise; no host read of topk_idx, no extra stream sync. Host-first, no dispatch kernel
     runs; overlapped, the dispatch kernel already launched reads notify's verdict and moves
-    nothing (the next dispatch is still right)."""
+    nothing (the next dispatch is still right). The same when the layout came from
+    get_dispatch_layout and was passed in."""
     res = run_distributed(
-        _bad_input_then_valid, gpu_world_size(), overlap, backend="ep", timeout=120
+        _bad_input_then_valid, gpu_world_size(), overlap, given_layout, backend="ep", timeout=120
     )
     assert "topk_idx values must be in [-1" in res[1]["raised"], res[1]
     assert f"got {E + 5} at token 0, slot 0" in res[1]["raised"], res[1]

@@ -60,6 +60,7 @@ HT_DEFAULTS: dict[str, Any] = {
     "cached": True,  # re-send other rows along the handle (another dtype and H)
     "async": False,
     "methods": False,  # call the methods of the backend object instead of the functions
+    "layout": False,  # pass get_dispatch_layout's result to dispatch (layout=)
 }
 
 HT_CONFIGS: list[dict[str, Any]] = [
@@ -84,6 +85,10 @@ HT_CONFIGS: list[dict[str, Any]] = [
     {"async": True, "worst": "exact", "dtype": FP8, "hidden": 128},
     {"methods": True, "bias": "two"},
     {"methods": True, "worst": "slack", "dtype": torch.float32, "hidden": 36},
+    {"layout": True, "bias": "one"},
+    {"layout": True, "worst": "exact", "dtype": FP8, "hidden": 256, "alignment": 4},
+    {"layout": True, "topk": 8, "unique": False, "idx_dtype": torch.int32, "async": True},
+    {"layout": True, "methods": True, "worst": "slack", "tokens": (0, 0), "zero_rank": None},
 ]
 
 
@@ -137,7 +142,8 @@ def run_ht_config(ep, ref, rank: int, world: int, seed: int, cfg: dict, m: Misma
     api = ep.get_backend() if cfg["methods"] else ep
     is_async = cfg["async"]
     extra = {"async_op": True} if is_async else {}
-    a = api.all_to_all_moe_dispatch(x, idx, weights, num_experts, **kwargs, **extra)
+    given = {"layout": api.get_dispatch_layout(idx, num_experts)} if cfg["layout"] else {}
+    a = api.all_to_all_moe_dispatch(x, idx, weights, num_experts, **kwargs, **extra, **given)
     if is_async:
         m.check(a.work is not None, "async dispatch returns a Work")
         a.work.wait()
@@ -422,6 +428,7 @@ def _layout_worker(rank: int, world: int) -> list[str]:
         want = ref.get_dispatch_layout(idx, per_rank * world, world)
         for g, w, name in zip(got, want, ("per_rank", "per_expert", "in_rank"), strict=True):
             m.bitwise(g, w, f"{name} (T={num_tokens} K={topk} E_loc={per_rank} {dtype})")
+        m.bitwise(got.send_pos, want.send_pos, f"send_pos (T={num_tokens} K={topk} {dtype})")
     return m.items
 
 

@@ -56,6 +56,7 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
             f"layout per_expert {ids.dtype}", got.num_tokens_per_expert, want.num_tokens_per_expert
         )
         check(f"layout in_rank {ids.dtype}", got.is_token_in_rank, want.is_token_in_rank)
+        check(f"layout send_pos {ids.dtype}", got.send_pos, want.send_pos)
     # More than 1,024 tokens: one layout block per 1,024, each adding up the counts before it.
     _, big, _ = cuda_routing([2500, 1025, 4096, 3000][rank % 4], 16, num_experts, topk, 4000 + rank)
     got_big, want_big = (
@@ -69,6 +70,7 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         want_big.num_tokens_per_expert,
     )
     check("layout in_rank, many blocks", got_big.is_token_in_rank, want_big.is_token_in_rank)
+    check("layout send_pos, many blocks", got_big.send_pos, want_big.send_pos)
     bad = idx.clone()
     if num_tokens > 0:  # an id out of range: counted as -1, the next call on the device raises
         bad[0, 0] = num_experts
@@ -82,9 +84,17 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
                 failures.append(f"layout error message: {exc}")
         again = ep.get_dispatch_layout(idx, num_experts)  # reported once; then fine again
         check("layout after the error", again.is_token_in_rank, want.is_token_in_rank)
-    for kwargs in ({}, {"expert_alignment": 4}, {"num_worst_tokens": 2048}):
+    for kwargs in ({}, {"expert_alignment": 4}, {"num_worst_tokens": 2048}, {"layout": 1},
+                   {"layout": 1, "num_worst_tokens": 2048, "expert_alignment": 8}):  # fmt: skip
+        b = ref.dispatch(xc, idxc, wc, num_experts,
+                         **{k: v for k, v in kwargs.items() if k != "layout"})  # fmt: skip
+        if "layout" in kwargs:  # the layout from get_dispatch_layout, passed in
+            kwargs = {**kwargs, "layout": ep.get_dispatch_layout(idx, num_experts)}
         a = ep.dispatch(x, idx, w, num_experts, **kwargs)
-        b = ref.dispatch(xc, idxc, wc, num_experts, **kwargs)
+        kwargs = {k: ("given" if k == "layout" else v) for k, v in kwargs.items()}
+        check(f"is_token_in_rank {kwargs}", a.handle.is_token_in_rank, b.handle.is_token_in_rank)
+        check(f"num_tokens_per_rank {kwargs}", a.handle.num_tokens_per_rank,
+              b.handle.num_tokens_per_rank)  # fmt: skip
         check(f"recv_x {kwargs}", a.recv_x[: b.handle.recv_src_idx.ge(0).sum()],
               b.recv_x[: b.handle.recv_src_idx.ge(0).sum()])  # fmt: skip
         check(f"recv_topk_idx {kwargs}", a.recv_topk_idx, b.recv_topk_idx)
@@ -134,10 +144,15 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
     c.work.wait()
     check("async combined_x", c.combined_x, ref.combine(b.recv_x, b.handle).combined_x)
     x8, s8 = ref.quantize_fp8_per128(torch.randn(num_tokens, 256, device=dev, generator=g))
-    a = ep.dispatch(x8, idx, None, num_experts, x_scales=s8)
     b = ref.dispatch(x8.cpu(), idxc, None, num_experts, x_scales=s8.cpu())
+    a = ep.dispatch(x8, idx, None, num_experts, x_scales=s8)
     check("fp8 recv_x", a.recv_x, b.recv_x)
     check("fp8 scales", a.recv_x_scales, b.recv_x_scales)
+    idx32 = idx.int()
+    a = ep.dispatch(x8, idx32, None, num_experts, x_scales=s8,
+                    layout=ep.get_dispatch_layout(idx32, num_experts))  # fmt: skip
+    check("fp8 recv_x, int32 ids, given layout", a.recv_x, b.recv_x)
+    check("fp8 scales, int32 ids, given layout", a.recv_x_scales, b.recv_x_scales)
     torch.cuda.synchronize()
     return failures
 

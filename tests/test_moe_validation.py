@@ -140,6 +140,19 @@ def _ll_idx(c: Ctx, value: int) -> torch.Tensor:
     return _with_id(c, value)
 
 
+def _layout(c: Ctx, idx: torch.Tensor | None = None) -> Any:
+    return c.ep.get_dispatch_layout(c.idx if idx is None else idx, c.num_experts)
+
+
+def _dispatch_modified_since_layout(c: Ctx) -> Any:
+    if not c.bad:
+        return c.dispatch(layout=_layout(c))
+    idx = c.idx.clone()
+    layout = _layout(c, idx)
+    idx.add_(0)  # same values, new version
+    return c.dispatch(topk_idx=idx, layout=layout)
+
+
 def _inconsistent_handle(c: Ctx) -> Any:
     h = c.out.handle
     return dataclasses.replace(h, num_tokens_per_rank=h.num_tokens_per_rank.flip(0) + 1)
@@ -247,6 +260,58 @@ CASES: dict[str, Case] = {
             c.x, c.idx, c.weights, c.num_experts, num_worst_tokens=c.pick(0, -1)
         ),
         "num_worst_tokens must be >= 0",
+    ),
+    "layout_not_a_layout": Case(
+        lambda c: c.dispatch(layout=c.pick(_layout(c), tuple(_layout(c)))),
+        "layout must be a DispatchLayout",
+        TypeError,
+    ),
+    "layout_of_another_topk_idx": Case(
+        lambda c: c.dispatch(layout=c.pick(_layout(c), _layout(c, c.idx.clone()))),
+        "layout was computed from another topk_idx",
+        ValueError,
+    ),
+    "layout_topk_idx_modified_since": Case(
+        _dispatch_modified_since_layout,
+        "topk_idx was modified in place after get_dispatch_layout",
+        ValueError,
+    ),
+    "layout_built_by_hand": Case(
+        lambda c: c.dispatch(
+            layout=c.pick(_layout(c), c.ep.DispatchLayout(*_layout(c), _layout(c).send_pos))
+        ),
+        "layout must come from ep_backend.get_dispatch_layout",
+        ValueError,
+    ),
+    "layout_other_num_experts": Case(
+        lambda c: c.dispatch(
+            num_experts=2 * c.num_experts,
+            layout=c.pick(c.ep.get_dispatch_layout(c.idx, 2 * c.num_experts), _layout(c)),
+        ),
+        r"layout was computed for num_experts=\d+ on \d+ ranks, this call has",
+        ValueError,
+    ),
+    "layout_send_pos_int64": Case(
+        lambda c: c.dispatch(
+            layout=c.pick(
+                _layout(c), dataclasses.replace(_layout(c), send_pos=_layout(c).send_pos.long())
+            )
+        ),
+        "layout.send_pos must be Int",
+    ),
+    "layout_values_not_of_topk_idx": Case(
+        lambda c: c.dispatch(
+            layout=c.pick(
+                _layout(c),
+                dataclasses.replace(_layout(c), is_token_in_rank=~_layout(c).is_token_in_rank),
+            )
+        ),
+        "layout is not the layout of this topk_idx",
+    ),
+    "handle_with_layout": Case(
+        lambda c: c.ep.dispatch(c.x, handle=c.out.handle, layout=c.pick(None, _layout(c))),
+        "with handle= .*must be None",
+        ValueError,
     ),
     "handle_with_topk_idx": Case(
         lambda c: c.ep.dispatch(c.x, c.pick(None, c.idx), handle=c.out.handle),

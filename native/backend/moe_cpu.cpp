@@ -142,9 +142,7 @@ std::pair<at::Tensor, std::vector<int64_t>> sendPlan(const at::Tensor& is_token_
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
-                                                              int64_t num_experts,
-                                                              int64_t num_ranks) {
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
   checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
   const int64_t experts_per_rank = num_experts / num_ranks;
   at::Tensor idx = topk_idx.to(at::kLong);
@@ -158,7 +156,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
   at::Tensor experts = at::where(valid, idx, num_experts).reshape(-1);
   at::Tensor per_expert = at::zeros({num_experts + 1}, idx.options());
   per_expert.scatter_add_(0, experts, at::ones_like(experts));
-  return {per_rank, per_expert.narrow(0, 0, num_experts).to(at::kInt), is_token_in_rank};
+  // Exclusive scan over tokens of each rank's column; -1 where the token is not sent.
+  at::Tensor sent = is_token_in_rank.to(at::kInt);
+  at::Tensor send_pos =
+      at::where(is_token_in_rank, sent.cumsum(0, at::kInt) - 1, -1).to(at::kInt).contiguous();
+  return {per_rank, per_expert.narrow(0, 0, num_experts).to(at::kInt), is_token_in_rank, send_pos};
 }
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {

@@ -18,11 +18,8 @@ class EPProcessGroup;
 
 namespace cpu {
 
-// Local layout: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
-// is_token_in_rank bool [T, R]). Works on any device (plain tensor ops).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
-                                                              int64_t num_experts,
-                                                              int64_t num_ranks);
+// Local layout (LayoutTensors). Works on any device (plain tensor ops).
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
 

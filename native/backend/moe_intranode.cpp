@@ -355,11 +355,12 @@ const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
 // Some rank's layout found a topk_idx value outside [-1, E) and notify told every rank: all raise
 // here, before the dispatch kernel, so nothing moves and the transport stays in step. Worst-case
 // mode has no such host step: there the layout treats the values as -1 and the next call raises.
-[[noreturn]] void raiseRejectedTopk(IntranodeRuntime& rt, int rejected_ranks, int64_t rank,
+// `take_record` returns (and clears) the error record of the layout that found the value.
+template <typename TakeRecord>
+[[noreturn]] void raiseRejectedTopk(TakeRecord take_record, int rejected_ranks, int64_t rank,
                                     int64_t num_experts, int64_t topk) {
   if ((rejected_ranks >> rank) & 1) {
-    const ErrorRecord record = rt.error_record();
-    rt.clear_error();
+    const ErrorRecord record = take_record();
     TORCH_CHECK(false, "ep dispatch: topk_idx values must be in [-1, num_experts=", num_experts,
                 "), got ", record.value_a, " at token ", record.value_b / topk, ", slot ",
                 record.value_b % topk, " (rank ", rank, "; nothing was exchanged)");
@@ -437,11 +438,19 @@ LayoutErrorState& layoutErrorState(int device) {
   return st;
 }
 
+// Returns and clears the error a standalone layout kernel recorded on `device` (a dispatch that
+// took that layout is raising it).
+ErrorRecord takeLayoutError(int device, cudaStream_t stream) {
+  LayoutErrorState& err = layoutErrorState(device);
+  const ErrorRecord record = *const_cast<const ErrorRecord*>(err.host);
+  std::memset(static_cast<void*>(err.host), 0, sizeof(ErrorRecord));
+  C10_CUDA_CHECK(cudaMemsetAsync(&err.ctrl->error_lock, 0, sizeof(int), stream));
+  return record;
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
-                                                              int64_t num_experts,
-                                                              int64_t num_ranks) {
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
   HostStages stages("layout");
   const char* op = "ep get_dispatch_layout: ";
   checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
@@ -473,6 +482,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
   at::Tensor per_rank = at::empty({num_ranks}, i32);
   at::Tensor per_expert = at::empty({num_experts}, i32);
   at::Tensor in_rank = at::empty({idx.size(0), num_ranks}, idx.options().dtype(at::kBool));
+  at::Tensor send_pos = at::empty({idx.size(0), num_ranks}, i32);
   LayoutParams p{};
   p.topk_idx = idx.data_ptr();
   p.idx_bytes = static_cast<int>(idx.element_size());
@@ -483,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
   p.num_tokens_per_rank = per_rank.data_ptr<int>();
   p.num_tokens_per_expert = per_expert.data_ptr<int>();
   p.is_token_in_rank = in_rank.data_ptr<bool>();
-  p.send_pos = nullptr;
+  p.send_pos = send_pos.data_ptr<int>();
   p.ctrl = err.ctrl;
   p.error = err.dev;
   p.rank = -1;
@@ -492,7 +502,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& 
   stages.mark("alloc");
   C10_CUDA_CHECK(launch_intranode_layout(p, stream));
   stages.mark("launch");
-  return {per_rank, per_expert, in_rank};
+  return {per_rank, per_expert, in_rank, send_pos};
 }
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
@@ -530,35 +540,50 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t topk = a.topk_idx.size(1);
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const auto i32 = a.x.options().dtype(at::kInt);
-  // Order matters for latency: the GPU idles until the layout launch, so only the layout's
-  // tensors come first; the rest is allocated while the layout and notify kernels run.
-  at::Tensor per_rank = at::empty({num_ranks}, i32);
-  at::Tensor per_expert = at::empty({a.num_experts}, i32);
-  at::Tensor in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
-  // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive prefix
-  // [R + 1] and the layout kernel's scratch, each 16-byte aligned.
-  const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
-  const int64_t prefix_at = align4(num_tokens * num_ranks);
-  const int64_t scratch_at = prefix_at + align4(num_ranks + 1);
-  const size_t layout_ws_bytes = intranode_layout_workspace_bytes(static_cast<int>(num_tokens),
-                                                                  static_cast<int>(a.num_experts));
-  at::Tensor internal =
-      at::empty({scratch_at + align4(static_cast<int64_t>((layout_ws_bytes + 3) / 4))}, i32);
-  at::Tensor send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
-  at::Tensor recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
-  void* layout_ws = layout_ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr;
   const int idx_bytes = static_cast<int>(a.topk_idx.element_size());
-  rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens), static_cast<int>(topk),
-            static_cast<int>(a.num_experts), per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
-            in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(), stream, layout_ws);
+  const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
+  // A layout computed earlier (get_dispatch_layout) replaces the layout kernel; its error record
+  // tells notify whether it found an invalid topk_idx value.
+  const bool given_layout = !a.layout.empty();
+  const ErrorRecord* layout_error = nullptr;
+  at::Tensor per_rank, per_expert, in_rank, send_pos, recv_prefix;
+  if (given_layout) {
+    per_rank = a.layout[0];
+    per_expert = a.layout[1];
+    in_rank = a.layout[2];
+    send_pos = a.layout[3];
+    recv_prefix = at::empty({num_ranks + 1}, i32);
+    layout_error = layoutErrorState(device.index()).dev;
+  } else {
+    // Order matters for latency: the GPU idles until the layout launch, so only the layout's
+    // tensors come first; the rest is allocated while the layout and notify kernels run.
+    per_rank = at::empty({num_ranks}, i32);
+    per_expert = at::empty({a.num_experts}, i32);
+    in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
+    // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive
+    // prefix [R + 1] and the layout kernel's scratch, each 16-byte aligned.
+    const int64_t prefix_at = align4(num_tokens * num_ranks);
+    const int64_t scratch_at = prefix_at + align4(num_ranks + 1);
+    const size_t layout_ws_bytes = intranode_layout_workspace_bytes(
+        static_cast<int>(num_tokens), static_cast<int>(a.num_experts));
+    at::Tensor internal =
+        at::empty({scratch_at + align4(static_cast<int64_t>((layout_ws_bytes + 3) / 4))}, i32);
+    send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
+    recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
+    void* layout_ws = layout_ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr;
+    rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens),
+              static_cast<int>(topk), static_cast<int>(a.num_experts), per_rank.data_ptr<int>(),
+              per_expert.data_ptr<int>(), in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
+              stream, layout_ws);
+  }
   at::Tensor recv_counts = at::empty({num_ranks}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
   const bool host_counts = a.num_worst_tokens == 0;
-  const int ticket =
-      rt.notify(per_rank.data_ptr<int>(), per_expert.data_ptr<int>(),
-                static_cast<int>(a.num_experts), static_cast<int>(a.expert_alignment),
-                static_cast<int>(a.num_worst_tokens), recv_counts.data_ptr<int>(),
-                recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(), host_counts, stream);
+  const int ticket = rt.notify(
+      per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
+      static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
+      recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(),
+      host_counts, stream, layout_error);
   stages.mark("layout+notify");
 
   // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for
@@ -616,7 +641,15 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   if (host_counts) {
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
     if (counts.rejected_ranks != 0) {
-      raiseRejectedTopk(rt, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
+      const auto take_record = [&]() -> ErrorRecord {
+        if (given_layout) {
+          return takeLayoutError(device.index(), stream);
+        }
+        const ErrorRecord record = rt.error_record();
+        rt.clear_error();
+        return record;
+      };
+      raiseRejectedTopk(take_record, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
     }
     TORCH_INTERNAL_ASSERT(!overlap || counts.num_recv_tokens <= rows,
                           "ep dispatch: ", counts.num_recv_tokens, " rows received, more than the ",

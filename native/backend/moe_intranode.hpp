@@ -23,9 +23,7 @@ bool usable(EPProcessGroup& pg, const at::Device& device);
 // get_dispatch_layout on a CUDA topk_idx: the layout kernel (one launch, no host sync). Ids
 // outside [-1, E) count as -1; the first call on the device after that kernel ran raises. num_ranks
 // <= 8.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayout(const at::Tensor& topk_idx,
-                                                              int64_t num_experts,
-                                                              int64_t num_ranks);
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
 

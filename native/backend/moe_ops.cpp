@@ -44,9 +44,7 @@ DispatchRouting routingOf(const at::Tensor& is_token_in_rank, const at::Tensor& 
                          recv_src_idx, recv_src_rank};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(const at::Tensor& topk_idx,
-                                                                int64_t num_experts,
-                                                                int64_t num_ranks) {
+LayoutTensors dispatchLayoutOp(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
 #ifdef EP_WITH_CUDA
   // The layout kernel serves up to 8 ranks (intranode); larger groups use the ATen version.
   if (topk_idx.is_cuda() && num_ranks <= 8) {
@@ -56,14 +54,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatchLayoutOp(const at::Tensor
   return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
 }
 
-DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x) {
+// With a layout passed in, is_token_in_rank and num_tokens_per_rank are those inputs: they come
+// back empty (an op output may not alias an input) and the Python layer uses the layout's.
+DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x, bool given_layout) {
+  const at::Tensor& in_rank = r.routing.is_token_in_rank;
   return {r.recv_x,
           orEmpty(r.recv_x_scales, x),
           r.recv_topk_idx,
           orEmpty(r.recv_topk_weights, x),
           r.num_recv_tokens_per_expert,
-          r.routing.is_token_in_rank,
-          r.routing.num_tokens_per_rank,
+          given_layout ? at::empty({0, in_rank.size(1)}, in_rank.options()) : in_rank,
+          given_layout ? at::empty({0}, r.routing.num_tokens_per_rank.options())
+                       : r.routing.num_tokens_per_rank,
           r.routing.num_recv_tokens_per_rank,
           r.routing.recv_src_idx,
           r.routing.recv_src_rank,
@@ -74,11 +76,11 @@ DispatchOutputs dispatchAtenOp(const at::Tensor& x, const std::optional<at::Tens
                                const at::Tensor& topk_idx,
                                const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
                                int64_t expert_alignment, int64_t num_worst_tokens,
-                               const std::string& group_name) {
+                               const std::string& group_name, at::TensorList layout) {
   auto pg = resolveGroup(group_name, "dispatch");
-  DispatchArgs args{x,           x_scales,         topk_idx,        topk_weights,
-                    num_experts, expert_alignment, num_worst_tokens};
-  return packDispatch(cpu::dispatch(*pg, args), x);
+  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
+                    num_experts, expert_alignment, num_worst_tokens, layout.vec()};
+  return packDispatch(cpu::dispatch(*pg, args), x, !layout.empty());
 }
 
 Tensors2 cachedDispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
@@ -160,16 +162,16 @@ DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tens
                                const at::Tensor& topk_idx,
                                const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
                                int64_t expert_alignment, int64_t num_worst_tokens,
-                               const std::string& group_name) {
+                               const std::string& group_name, at::TensorList layout) {
   auto pg = resolveGroup(group_name, "dispatch");
   if (!useIntranode(*pg, x)) {
     return dispatchAtenOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                          num_worst_tokens, group_name);
+                          num_worst_tokens, group_name, layout);
   }
 #ifdef EP_WITH_CUDA
-  DispatchArgs args{x,           x_scales,         topk_idx,        topk_weights,
-                    num_experts, expert_alignment, num_worst_tokens};
-  return packDispatch(intranode::dispatch(*pg, args), x);
+  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
+                    num_experts, expert_alignment, num_worst_tokens, layout.vec()};
+  return packDispatch(intranode::dispatch(*pg, args), x, !layout.empty());
 #else
   TORCH_CHECK(false, "unreachable");
 #endif
@@ -265,12 +267,13 @@ TORCH_LIBRARY(ep, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
   m.def(
       "dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> (Tensor, Tensor, "
-      "Tensor)",
+      "Tensor, Tensor)",
       tags);
   m.def(
       "dispatch(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, int "
       "num_experts, "
-      "int expert_alignment, int num_worst_tokens, str group_name) -> (Tensor recv_x, "
+      "int expert_alignment, int num_worst_tokens, str group_name, Tensor[] layout) -> "
+      "(Tensor recv_x, "
       "Tensor recv_x_scales, Tensor recv_topk_idx, Tensor recv_topk_weights, "
       "Tensor num_recv_tokens_per_expert, Tensor is_token_in_rank, Tensor num_tokens_per_rank, "
       "Tensor num_recv_tokens_per_rank, Tensor recv_src_idx, Tensor recv_src_rank, "

@@ -6,10 +6,16 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace ep {
 
 class EPProcessGroup;
+
+// get_dispatch_layout's results: num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
+// is_token_in_rank bool [T, R], send_pos int32 [T, R] (position of token t among the tokens sent
+// to rank r, -1 where it is not sent). Dispatch may take them instead of computing its own.
+using LayoutTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The routing of one high-throughput dispatch (see ep_backend/handles.py: DispatchHandle).
 struct DispatchRouting {
@@ -28,6 +34,8 @@ struct DispatchArgs {
   int64_t num_experts = 0;
   int64_t expert_alignment = 1;
   int64_t num_worst_tokens = 0;
+  // Empty, or a layout of topk_idx computed earlier (get_dispatch_layout, LayoutTensors order).
+  std::vector<at::Tensor> layout;
 };
 
 struct DispatchResult {

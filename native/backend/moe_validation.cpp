@@ -12,6 +12,7 @@
 #include "ep_process_group.hpp"
 #include "group_state.hpp"
 #include "host_exchange.hpp"
+#include "moe_cpu.hpp"
 
 namespace ep {
 namespace {
@@ -130,6 +131,51 @@ void checkScales(Checker& c, const at::Tensor& x, const std::optional<at::Tensor
       .require(scales->size(1) >= 1, "x_scales needs at least one column");
 }
 
+// Checks a layout passed to dispatch (LayoutTensors order) against the call's shapes; with
+// `check_values` (CPU) also that it is the layout of topk_idx.
+void checkLayout(Checker& c, const std::vector<at::Tensor>& layout, const DispatchArgs& a,
+                 int64_t num_ranks, bool check_values) {
+  if (layout.empty()) {
+    return;
+  }
+  c.require(layout.size() == 4,
+            "layout must be get_dispatch_layout's (num_tokens_per_rank, num_tokens_per_expert, "
+            "is_token_in_rank, send_pos), got ",
+            layout.size(), " tensors");
+  if (c.failed()) {
+    return;
+  }
+  const int64_t T = a.x.size(0);
+  const char* names[4] = {"num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
+                          "send_pos"};
+  const std::vector<int64_t> shapes[4] = {
+      {num_ranks}, {a.num_experts}, {T, num_ranks}, {T, num_ranks}};
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& t = layout[i];
+    const at::ScalarType want = i == 2 ? at::kBool : at::kInt;
+    c.require(t.defined(), "layout.", names[i], " is missing");
+    if (c.failed()) {
+      return;
+    }
+    c.require(t.scalar_type() == want, "layout.", names[i], " must be ", want, ", got ",
+              t.scalar_type())
+        .require(t.sizes() == at::IntArrayRef(shapes[i]), "layout.", names[i], " must have shape ",
+                 at::IntArrayRef(shapes[i]), " for this call, got ", shapeOf(t),
+                 " (was it computed for another topk_idx, num_experts or group?)")
+        .require(t.device() == a.x.device(), "layout.", names[i], " is on ", t.device(), ", x on ",
+                 a.x.device())
+        .require(t.is_contiguous(), "layout.", names[i], " must be contiguous");
+  }
+  if (c.failed() || !check_values) {
+    return;
+  }
+  const LayoutTensors own = cpu::dispatchLayout(a.topk_idx, a.num_experts, num_ranks);
+  c.require(at::equal(layout[0], std::get<0>(own)) && at::equal(layout[1], std::get<1>(own)) &&
+                at::equal(layout[2], std::get<2>(own)) && at::equal(layout[3], std::get<3>(own)),
+            "layout is not the layout of this topk_idx (compute it with "
+            "get_dispatch_layout(topk_idx, num_experts))");
+}
+
 }  // namespace
 
 std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks,
@@ -157,6 +203,9 @@ std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks,
             check_values.value_or(a.x.device().is_cpu()));
   if (!c.failed()) {
     checkWeights(c, a.topk_weights, a.topk_idx, a.x.device());
+  }
+  if (!c.failed()) {
+    checkLayout(c, a.layout, a, num_ranks, check_values.value_or(a.x.device().is_cpu()));
   }
   return c.message();
 }

@@ -188,6 +188,9 @@ struct NotifyParams {
   HostCounters* host;               // device pointer of the host-mapped counters, or null
   int* host_per_expert;             // device pointer of the host-mapped per-expert counters
   int host_ticket;
+  // Error record of the layout the counts come from when the caller computed it earlier
+  // (get_dispatch_layout); null: comm.error, which the runtime's own layout kernel writes.
+  const ErrorRecord* layout_error;
 };
 
 struct DispatchParams {

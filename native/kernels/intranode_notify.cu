@@ -4,7 +4,8 @@
 // per-local-expert counts. In normal mode the totals also go to host-mapped memory, tagged with a
 // ticket, so the host can size the outputs without a stream synchronisation.
 //
-// A rank whose layout kernel found an invalid topk_idx value (its error record says so) sets bit
+// A rank whose layout kernel found an invalid topk_idx value (its error record says so: the
+// runtime's own, or p.layout_error for a layout the caller computed earlier) sets bit
 // 31 of every token count it announces; receivers report those ranks to the host, which then
 // raises on every rank, and to the control block, where the dispatch kernel (launched before the
 // host looked, when the host wait overlaps it) finds them and moves nothing. Normal mode only:
@@ -35,7 +36,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   if (tid == 0) {
     s_seq = device::read_sequence(ctrl);
     s_failed = 0;
-    const volatile ErrorRecord* err = c.error;
+    const volatile ErrorRecord* err = p.layout_error != nullptr ? p.layout_error : c.error;
     s_rejected = err->code == kErrorInvalidTopkIdx && err->op == kOpLayout ? kRejected : 0u;
   }
   __syncthreads();

@@ -259,7 +259,8 @@ void IntranodeRuntime::layout(const void* topk_idx, int idx_bytes, int num_token
 int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_tokens_per_expert,
                              int num_experts, int expert_alignment, int num_worst_tokens,
                              int* recv_counts, int* recv_prefix, int* num_recv_tokens_per_expert,
-                             bool host_counters, cudaStream_t stream) {
+                             bool host_counters, cudaStream_t stream,
+                             const ErrorRecord* layout_error) {
   check_ready("notify");
   require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
           "notify: num_experts must be a positive multiple of the number of ranks");
@@ -280,6 +281,7 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
   p.recv_counts = recv_counts;
   p.recv_prefix = recv_prefix;
   p.num_recv_tokens_per_expert = num_recv_tokens_per_expert;
+  p.layout_error = layout_error;
   int ticket = 0;
   if (host_counters) {
     ticket = ++next_ticket_;

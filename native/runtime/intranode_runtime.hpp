@@ -170,9 +170,13 @@ class IntranodeRuntime {
   // host_counters: also publish N, per-rank and per-expert counts to host-mapped memory;
   // returns the ticket to pass to wait_recv_counts() (0 when host_counters is false).
   // num_worst_tokens > 0 only checks capacity (error record on overflow).
+  // layout_error: the error record (device-readable) of the layout kernel that produced the
+  // counts when it was not this runtime's layout(); an invalid topk_idx recorded there rejects
+  // the routing on every rank, as one found by layout() does.
   int notify(const int* num_tokens_per_rank, const int* num_tokens_per_expert, int num_experts,
              int expert_alignment, int num_worst_tokens, int* recv_counts, int* recv_prefix,
-             int* num_recv_tokens_per_expert, bool host_counters, cudaStream_t stream);
+             int* num_recv_tokens_per_expert, bool host_counters, cudaStream_t stream,
+             const ErrorRecord* layout_error = nullptr);
 
   // Polls the host-mapped counters until notify(ticket) has published them (no stream sync).
   // Throws std::runtime_error on a kernel error or after timeout_seconds.
