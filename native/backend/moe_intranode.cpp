@@ -422,18 +422,24 @@ struct LayoutErrorState {
   ErrorRecord* dev = nullptr;
 };
 
-LayoutErrorState& layoutErrorState(int device) {
+LayoutErrorState& layoutErrorState(int device, cudaStream_t stream) {
   static std::mutex mutex;
   static auto* states = new std::map<int, LayoutErrorState>();
   std::lock_guard<std::mutex> lock(mutex);
   LayoutErrorState& st = (*states)[device];
   if (st.ctrl == nullptr) {
+    // The first use may come while a CUDA graph is being captured: allocations are refused in
+    // the default capture mode, so they run in relaxed mode, and the control block is zeroed on
+    // the stream (in a graph, at each replay: harmless, it only resets the error lock).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.ctrl), sizeof(ControlBlock)));
-    C10_CUDA_CHECK(cudaMemset(st.ctrl, 0, sizeof(ControlBlock)));
     C10_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st.host), sizeof(ErrorRecord),
                                  cudaHostAllocMapped));
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     std::memset(static_cast<void*>(st.host), 0, sizeof(ErrorRecord));
     C10_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.dev), st.host, 0));
+    C10_CUDA_CHECK(cudaMemsetAsync(st.ctrl, 0, sizeof(ControlBlock), stream));
   }
   return st;
 }
@@ -441,7 +447,7 @@ LayoutErrorState& layoutErrorState(int device) {
 // Returns and clears the error a standalone layout kernel recorded on `device` (a dispatch that
 // took that layout is raising it).
 ErrorRecord takeLayoutError(int device, cudaStream_t stream) {
-  LayoutErrorState& err = layoutErrorState(device);
+  LayoutErrorState& err = layoutErrorState(device, stream);
   const ErrorRecord record = *const_cast<const ErrorRecord*>(err.host);
   std::memset(static_cast<void*>(err.host), 0, sizeof(ErrorRecord));
   C10_CUDA_CHECK(cudaMemsetAsync(&err.ctrl->error_lock, 0, sizeof(int), stream));
@@ -462,7 +468,7 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   const at::Device device = topk_idx.device();
   c10::cuda::CUDAGuard guard(device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  LayoutErrorState& err = layoutErrorState(device.index());
+  LayoutErrorState& err = layoutErrorState(device.index(), stream);
   if (const volatile ErrorRecord* e = err.host; e->code != kErrorNone) {
     const long long value = e->value_a, flat = e->value_b;
     const int code = e->code;
@@ -553,7 +559,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     in_rank = a.layout[2];
     send_pos = a.layout[3];
     recv_prefix = at::empty({num_ranks + 1}, i32);
-    layout_error = layoutErrorState(device.index()).dev;
+    layout_error = layoutErrorState(device.index(), stream).dev;
   } else {
     // Order matters for latency: the GPU idles until the layout launch, so only the layout's
     // tensors come first; the rest is allocated while the layout and notify kernels run.
