@@ -1691,6 +1691,11 @@ int main(int argc, char** argv) {
     if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
   }
   setvbuf(stdout, nullptr, _IOLBF, 0);
+  // Ranks that share a GPU run as streams of this process. With the default 8 hardware queues,
+  // streams beyond 8 share queues, so a rank's spinning kernel can sit in front of the kernel of
+  // the rank it waits for (R=8 on one GPU timed out in notify). 32 queues keep every rank's
+  // stream on its own (before the first CUDA call; a value set by the caller wins).
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   int ipc_bad = 0;
   if (do_ipc) {  // before this process touches CUDA (fork + CUDA do not mix)
     ipc_bad = ipc_test(2);
