@@ -180,8 +180,15 @@ def get_dispatch_layout(
     per_rank, per_expert, in_rank, send_pos = _ops.dispatch_layout(topk_idx, num_experts, pg.size())
     source = None
     if not torch.compiler.is_compiling():
-        source = (weakref.ref(topk_idx), topk_idx._version, num_experts, pg.size())
+        source = (weakref.ref(topk_idx), _version_of(topk_idx), num_experts, pg.size())
     return DispatchLayout(per_rank, per_expert, in_rank, send_pos, _source=source)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for inference tensors, which have none."""
+    if t.is_inference():
+        return None
+    return t._version
 
 
 def _check_layout(
@@ -204,7 +211,7 @@ def _check_layout(
                 "layout was computed from another topk_idx tensor; pass the same tensor to "
                 "get_dispatch_layout and dispatch"
             )
-        if topk_idx._version != version:
+        if _version_of(topk_idx) != version:
             raise ValueError("topk_idx was modified in place after get_dispatch_layout")
         if experts != num_experts or ranks != pg.size():
             raise ValueError(

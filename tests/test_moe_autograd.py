@@ -166,7 +166,7 @@ def test_gradcheck_combine_x_and_bias() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _weights_grad_worker(rank: int, world: int, worst: int) -> list[str]:
+def _weights_grad_worker(rank: int, world: int, worst: int, given_layout: bool) -> list[str]:
     import ep_backend as ep
 
     single_thread()
@@ -182,8 +182,11 @@ def _weights_grad_worker(rank: int, world: int, worst: int) -> list[str]:
     g_x = torch.randn((sizes[rank], hidden), generator=gen, dtype=torch.float64)
     g_w = torch.randn((sizes[rank], topk), generator=gen, dtype=torch.float64)
 
+    # dispatch(layout=) keeps the same gradients (its handle holds the layout's tensors).
+    given = {"layout": ep.get_dispatch_layout(idx, num_experts)} if given_layout else {}
+
     def local_loss(x_in, w_in):
-        out = ep.dispatch(x_in, idx, w_in, num_experts, num_worst_tokens=worst)
+        out = ep.dispatch(x_in, idx, w_in, num_experts, num_worst_tokens=worst, **given)
         y = run_experts(out.recv_x, out.recv_topk_idx, out.recv_topk_weights, local)
         c = ep.combine(y, out.handle, topk_weights=out.recv_topk_weights)
         return (c.combined_x * g_x).sum() + (c.combined_topk_weights.double() * g_w).sum()
@@ -232,9 +235,11 @@ def _weights_grad_worker(rank: int, world: int, worst: int) -> list[str]:
     return m.items
 
 
-@pytest.mark.parametrize("worst", [0, 16])
-def test_topk_weights_gradient(worst: int) -> None:
-    results = run_distributed(_weights_grad_worker, WORLD, worst, backend="ep", timeout=TIMEOUT)
+@pytest.mark.parametrize(("worst", "given_layout"), [(0, False), (16, False), (0, True)])
+def test_topk_weights_gradient(worst: int, given_layout: bool) -> None:
+    results = run_distributed(
+        _weights_grad_worker, WORLD, worst, given_layout, backend="ep", timeout=TIMEOUT
+    )
     assert not any(results), format_failures(results)
 
 

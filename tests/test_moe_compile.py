@@ -85,6 +85,27 @@ def _compile_worker(rank: int, world: int) -> list[str]:
             limit = 1 + any(t in (0, 1) for t in token_counts)
             m.check(len(forward) <= limit, f"{len(forward)} forward graphs for T {token_counts}")
 
+    # get_dispatch_layout's result handed to dispatch (layout=), inside one graph.
+    def moe_with_layout(x, idx, weights):
+        layout = ep.get_dispatch_layout(idx, num_experts)
+        out = ep.dispatch(x, idx, weights, num_experts, num_worst_tokens=64, layout=layout)
+        return ep.combine(out.recv_x * 2.0, out.handle).combined_x, layout.send_pos
+
+    graphs = []
+    compiled_layout = torch.compile(
+        moe_with_layout, fullgraph=True, backend=_recording_backend(graphs)
+    )
+    for step in range(2):
+        m.context = f"compile layout= step {step}"
+        gen = make_generator(70 + step, rank)
+        x = torch.randn((6, hidden), generator=gen, dtype=torch.float64)
+        idx = random_topk(gen, 6, topk, num_experts)
+        weights = torch.rand((6, topk), generator=gen)
+        got, want = compiled_layout(x, idx, weights), moe_with_layout(x, idx, weights)
+        m.bitwise(got[0], want[0], "combined_x")
+        m.bitwise(got[1], want[1], "send_pos")
+    m.check(any("ep.dispatch_layout" in g for g in graphs), "layout op in the graph")
+
     # Low-latency dispatch + combine (static shapes by construction).
     max_tokens = 4
 

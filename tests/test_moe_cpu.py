@@ -429,6 +429,15 @@ def _layout_worker(rank: int, world: int) -> list[str]:
         for g, w, name in zip(got, want, ("per_rank", "per_expert", "in_rank"), strict=True):
             m.bitwise(g, w, f"{name} (T={num_tokens} K={topk} E_loc={per_rank} {dtype})")
         m.bitwise(got.send_pos, want.send_pos, f"send_pos (T={num_tokens} K={topk} {dtype})")
+    # Inference tensors have no version counter: a layout of one still passes to dispatch.
+    with torch.inference_mode():
+        gen = make_generator(99, rank)
+        idx = random_topk(gen, 7, 4, 2 * world)
+        x = torch.randn((7, 32), generator=gen).to(torch.bfloat16)
+        got = ep.dispatch(x, idx, None, 2 * world, layout=ep.get_dispatch_layout(idx, 2 * world))
+        want = ref.dispatch(x, idx, None, 2 * world)
+        m.bitwise(got.recv_x, want.recv_x, "inference mode, layout given: recv_x")
+        m.bitwise(got.recv_topk_idx, want.recv_topk_idx, "inference mode: recv_topk_idx")
     return m.items
 
 
