@@ -91,6 +91,10 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         if "layout" in kwargs:  # the layout from get_dispatch_layout, passed in
             kwargs = {**kwargs, "layout": ep.get_dispatch_layout(idx, num_experts)}
         a = ep.dispatch(x, idx, w, num_experts, **kwargs)
+        if "layout" in kwargs and "num_worst_tokens" not in kwargs:
+            # Editing the layout afterwards must not reach combine or cached dispatch (they
+            # recompute the routing from the handle then).
+            kwargs["layout"].send_pos.fill_(12345)
         kwargs = {k: ("given" if k == "layout" else v) for k, v in kwargs.items()}
         check(f"is_token_in_rank {kwargs}", a.handle.is_token_in_rank, b.handle.is_token_in_rank)
         check(f"num_tokens_per_rank {kwargs}", a.handle.num_tokens_per_rank,

@@ -42,7 +42,8 @@ struct KernelRouting {
   at::Tensor num_tokens_per_rank;
   at::Tensor num_recv_tokens_per_rank;
   std::array<uint32_t, 3> versions{};  // their version counters then: in-place edits invalidate
-  at::Tensor send_pos;                 // [T, R] int32
+  at::Tensor send_pos;                 // [T, R] int32 (the caller's, when dispatch took a layout)
+  uint32_t send_pos_version = 0;       // its version counter then
   at::Tensor recv_prefix;              // [R + 1] int32
   std::vector<int64_t> host_counts;    // routingCounts() order (2R); empty when not known
 };
@@ -305,7 +306,7 @@ std::optional<std::array<uint32_t, 3>> versionsOf(const DispatchRouting& r) {
 void remember(GroupState& st, const DispatchRouting& r, at::Tensor send_pos, at::Tensor recv_prefix,
               std::vector<int64_t> host_counts) {
   const auto versions = versionsOf(r);
-  if (!versions) {
+  if (!versions || send_pos.is_inference()) {
     return;
   }
   KernelRouting k;
@@ -313,6 +314,7 @@ void remember(GroupState& st, const DispatchRouting& r, at::Tensor send_pos, at:
   k.num_tokens_per_rank = r.num_tokens_per_rank;
   k.num_recv_tokens_per_rank = r.num_recv_tokens_per_rank;
   k.versions = *versions;
+  k.send_pos_version = send_pos._version();
   k.send_pos = std::move(send_pos);
   k.recv_prefix = std::move(recv_prefix);
   k.host_counts = std::move(host_counts);
@@ -345,7 +347,8 @@ const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
   for (const auto& k : st.recent) {
     if (k.is_token_in_rank.is_same(r.is_token_in_rank) &&
         k.num_tokens_per_rank.is_same(r.num_tokens_per_rank) &&
-        k.num_recv_tokens_per_rank.is_same(r.num_recv_tokens_per_rank) && k.versions == *versions) {
+        k.num_recv_tokens_per_rank.is_same(r.num_recv_tokens_per_rank) && k.versions == *versions &&
+        k.send_pos._version() == k.send_pos_version) {  // a given layout's send_pos, unedited
       return &k;
     }
   }
