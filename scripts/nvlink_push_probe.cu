@@ -36,25 +36,29 @@ __global__ void push_st(const int4* __restrict__ src, int4* dst, size_t n16) {
   }
 }
 
+// One warp copies one row of n16 16-byte chunks, 8 loads in flight per lane, like the HT senders.
+// kReadOnly: the source is local and read-only (ld.global.nc); else plain loads (a peer's memory).
+template <bool kReadOnly>
+__device__ __forceinline__ void copy_row_warp(const int4* s, int4* d, int n16, int lane) {
+  constexpr int U = 8;
+  for (int i = lane; i < n16; i += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + 32 * u < n16) v[u] = kReadOnly ? __ldg(s + i + 32 * u) : s[i + 32 * u];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + 32 * u < n16) d[i + 32 * u] = v[u];
+  }
+}
+
 // Each warp copies whole rows (row_bytes), warp-contiguous, like the HT senders.
 __global__ void push_st_rows(const char* __restrict__ src, char* dst, int rows, int row_bytes) {
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
   const int warps = gridDim.x * blockDim.x / 32;
-  const int n16 = row_bytes / 16;
-  constexpr int U = 8;
-  for (int r = warp; r < rows; r += warps) {
-    const int4* s = reinterpret_cast<const int4*>(src + size_t(r) * row_bytes);
-    int4* d = reinterpret_cast<int4*>(dst + size_t(r) * row_bytes);
-    for (int i = lane; i < n16; i += 32 * U) {
-      int4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (i + 32 * u < n16) v[u] = __ldg(s + i + 32 * u);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (i + 32 * u < n16) d[i + 32 * u] = v[u];
-    }
-  }
+  for (int r = warp; r < rows; r += warps)
+    copy_row_warp<true>(reinterpret_cast<const int4*>(src + size_t(r) * row_bytes),
+                        reinterpret_cast<int4*>(dst + size_t(r) * row_bytes), row_bytes / 16, lane);
 }
 
 // Local: dst = a (copy) or dst = a + b as 16-byte words (integer adds stand in for the reduction).
@@ -94,21 +98,10 @@ __global__ void push_pull_rows(const char* __restrict__ local_src, char* peer_ds
   const int first = push ? 0 : push_rows, last = push ? push_rows : rows;
   const char* src = push ? local_src : peer_src;
   char* dst = push ? peer_dst : local_dst;
-  const int n16 = row_bytes / 16;
-  constexpr int U = 8;
-  for (int r = first + warp; r < last; r += warps) {
-    const int4* s = reinterpret_cast<const int4*>(src + size_t(r) * row_bytes);
-    int4* d = reinterpret_cast<int4*>(dst + size_t(r) * row_bytes);
-    for (int i = lane; i < n16; i += 32 * U) {
-      int4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (i + 32 * u < n16) v[u] = s[i + 32 * u];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (i + 32 * u < n16) d[i + 32 * u] = v[u];
-    }
-  }
+  for (int r = first + warp; r < last; r += warps)
+    copy_row_warp<false>(reinterpret_cast<const int4*>(src + size_t(r) * row_bytes),
+                         reinterpret_cast<int4*>(dst + size_t(r) * row_bytes), row_bytes / 16,
+                         lane);
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

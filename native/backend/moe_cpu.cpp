@@ -172,7 +172,11 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor is_token_in_rank, send_token;
   std::vector<int64_t> send_counts(num_ranks, 0);
   if (ok) {
-    is_token_in_rank = std::get<2>(dispatchLayout(a.topk_idx, a.num_experts, num_ranks));
+    // A given layout: on CPU validateDispatch compared it with topk_idx's; on CUDA it is trusted,
+    // as on the NVLink path (the caller's check ties it to this topk_idx).
+    is_token_in_rank = a.layout.empty()
+                           ? std::get<2>(dispatchLayout(a.topk_idx, a.num_experts, num_ranks))
+                           : a.layout[2];
     std::tie(send_token, send_counts) = sendPlan(is_token_in_rank);
   }
   const bool has_scales = a.x_scales.has_value();

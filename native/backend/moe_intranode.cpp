@@ -473,11 +473,9 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   LayoutErrorState& err = layoutErrorState(device.index(), stream);
   if (const volatile ErrorRecord* e = err.host; e->code != kErrorNone) {
-    const long long value = e->value_a, flat = e->value_b;
-    const int code = e->code;
-    std::memset(static_cast<void*>(err.host), 0, sizeof(ErrorRecord));
-    C10_CUDA_CHECK(cudaMemsetAsync(&err.ctrl->error_lock, 0, sizeof(int), stream));
-    TORCH_CHECK(code != kErrorTimeout, op, "an earlier call on ", device,
+    const ErrorRecord record = takeLayoutError(device.index(), stream);
+    const long long value = record.value_a, flat = record.value_b;
+    TORCH_CHECK(record.code != kErrorTimeout, op, "an earlier call on ", device,
                 " timed out: a block of the layout kernel waited for block ", value,
                 ", which never ran (its outputs are wrong; reported by the next call)");
     TORCH_CHECK(false, op, "an earlier call on ", device, " got topk_idx value ", value,
