@@ -586,16 +586,19 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor recv_counts = at::empty({num_ranks}, i32);
   at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
   const bool host_counts = a.num_worst_tokens == 0;
+  // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for
+  // the most any rank can receive (every token of every rank), narrowed once the counts are in.
+  const bool overlap = host_counts && pg.options()->overlap_dispatch_host_wait;
+  // Without a host wait between notify and the dispatch launch, the dispatch kernel starts
+  // behind notify while it runs (programmatic dependent launch).
+  const bool dispatch_follows = !host_counts || overlap;
   const int ticket = rt.notify(
       per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
       static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
       recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(),
-      host_counts, stream, layout_error);
+      host_counts, stream, layout_error, dispatch_follows);
   stages.mark("layout+notify");
 
-  // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for
-  // the most any rank can receive (every token of every rank), narrowed once the counts are in.
-  const bool overlap = host_counts && pg.options()->overlap_dispatch_host_wait;
   int64_t rows = a.num_worst_tokens;
   if (overlap) {
     rows = worstCaseRows(gathered);

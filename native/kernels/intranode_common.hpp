@@ -191,6 +191,9 @@ struct NotifyParams {
   // Error record of the layout the counts come from when the caller computed it earlier
   // (get_dispatch_layout); null: comm.error, which the runtime's own layout kernel writes.
   const ErrorRecord* layout_error;
+  // 1: the dispatch kernel is launched right behind this one (programmatic dependent launch)
+  // and takes this kernel's sequence number, so notify does not advance the epoch.
+  int dispatch_follows;
 };
 
 struct DispatchParams {
@@ -217,6 +220,9 @@ struct DispatchParams {
   int num_send_warps;
   int publish_batch;  // tokens a sender warp reports before the publisher fences (>= 1)
   int claim_items;    // 1: senders claim tokens from a shared counter; 0: static round-robin
+  // 1: launched behind its notify (NotifyParams::dispatch_follows), which may still be running:
+  // the receive prefix and the rejection verdict are read only after waiting for it.
+  int after_notify;
 };
 
 struct CombineParams {

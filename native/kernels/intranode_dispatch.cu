@@ -19,6 +19,11 @@
 // Before a sender first writes into a peer's buffer it waits for the peer's "entered" flag of this
 // sequence: the peer has finished every earlier kernel, so the region is no longer being read.
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
+// Behind its notify (p.after_notify, programmatic dependent launch) the kernel starts while notify
+// still runs: its launch, a sender's first loads and its wait for the peers overlap the count
+// exchange; a sender waits for notify before its first store (its own rows' position needs the
+// counts), receivers before they start; the kernel ends only after notify has, and advances the
+// epoch for both.
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
@@ -99,7 +104,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const bool with_meta = p.topk_idx != nullptr;
-  const int local_base = p.recv_prefix[me];
+  int local_base = p.after_notify ? 0 : p.recv_prefix[me];  // read after notify when behind it
+  bool notified = p.after_notify == 0;
   const uint64_t* entered =
       reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
   uint32_t ready = 1u << me;  // peers known to have entered this sequence
@@ -139,6 +145,15 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
                                [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
       if (!__all_sync(kFull, ok)) return;
       ready |= need;
+    }
+    if (!notified) {
+      device::wait_for_prerequisite_grid();
+      notified = true;
+      if (with_meta && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks) != 0) {
+        if (lane == 0) device::hand_over_done(queue, warp, k);  // a rejected routing moves nothing
+        return;
+      }
+      local_base = p.recv_prefix[me];
     }
     if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
     char* dst[kMaxRanks];
@@ -386,9 +401,11 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
   if (threadIdx.x == 0) {
     s_seq = device::read_sequence(ctrl);
     // A normal dispatch follows its notify, which found every rank's routing valid or not (the
-    // same verdict on every rank); a cached dispatch reuses a routing that was valid.
-    s_rejected =
-        p.topk_idx != nullptr ? *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) : 0;
+    // same verdict on every rank); a cached dispatch reuses a routing that was valid. Launched
+    // behind a notify still running, each role reads the verdict once it has waited for it.
+    s_rejected = p.topk_idx != nullptr && p.after_notify == 0
+                     ? *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks)
+                     : 0;
   }
   if (threadIdx.x < device::kMaxSenderWarps) {
     s_queue.progress[threadIdx.x] = 0;
@@ -410,8 +427,15 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
       dispatch_send(p, ctx, seq, warp, lane, s_queue);
     else if (warp == p.num_send_warps)
       dispatch_publish(p, ctx, seq, lane, s_queue);
-    else
-      dispatch_recv(p, ctx, seq, warp, lane);
+    else {
+      bool receive = true;
+      if (p.after_notify) {
+        device::wait_for_prerequisite_grid();  // receivers need notify's counts and verdict
+        receive =
+            p.topk_idx == nullptr || *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) == 0;
+      }
+      if (receive) dispatch_recv(p, ctx, seq, warp, lane);
+    }
   }
   if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
   // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
@@ -424,7 +448,11 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
-  if (threadIdx.x == 0) device::finish_block(ctrl, seq);
+  if (threadIdx.x == 0) {
+    // The epoch advances after the paired notify has finished (it shares our sequence number).
+    device::wait_for_prerequisite_grid();
+    device::finish_block(ctrl, seq);
+  }
 }
 
 }  // namespace
@@ -439,8 +467,21 @@ cudaError_t preload_intranode_dispatch() {
 }
 
 cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream) {
-  intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (!p.after_notify) {
+    intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  // Behind its notify: may start as soon as notify has started (it triggers at once).
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(num_sms);
+  config.blockDim = dim3(kIntranodeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, intranode_dispatch_kernel, p);
 }
 
 }  // namespace ep

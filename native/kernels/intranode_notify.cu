@@ -14,8 +14,15 @@
 // Protocol: each value travels as one 64-bit word (sequence << 32 | value) written with a relaxed
 // system-scope store, so every word is self-validating and no fence or flag is needed. The slots
 // alternate by sequence parity: a peer may already run the next notify while we still read this
-// one, but it cannot get two kernels ahead (each kernel waits on every peer), so it never
+// one, but it cannot get two sequence numbers ahead (each kernel waits on every peer), so it never
 // overwrites the parity we are reading.
+//
+// Paired with its dispatch (p.dispatch_follows, the worst-case and overlapped modes, where no host
+// step sits between them): the dispatch kernel is launched behind this one with programmatic
+// dependent launch and starts while this one runs, so its senders' first remote rows overlap the
+// count exchange. The two share one sequence number: this kernel leaves the epoch alone and the
+// dispatch, which waits for this kernel before it ends, advances it. A peer therefore still
+// cannot reach our next-but-one notify before this one has finished.
 #include "intranode_kernels.hpp"
 #include "ptx_utils.cuh"
 
@@ -30,6 +37,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   __shared__ uint64_t s_seq;
   __shared__ int s_failed;
   __shared__ uint32_t s_rejected;  // kRejected when this rank's layout found an invalid id
+  // A dispatch launched behind this kernel may start now: it needs our results only for its
+  // local rows and receivers, and waits for them there.
+  device::launch_dependents();
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x;
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
@@ -117,7 +127,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
       p.host->ready_ticket = p.host_ticket;
       __threadfence_system();
     }
-    device::finish_block(ctrl, seq);
+    // Paired with a dispatch: the pair shares one sequence number and the dispatch advances
+    // the epoch (it may already have read it: advancing it here would race with that read).
+    if (!p.dispatch_follows) device::finish_block(ctrl, seq);
   }
 }
 

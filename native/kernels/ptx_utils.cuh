@@ -79,6 +79,22 @@ __device__ __forceinline__ void st_v4(int4* p, const int4& v) {
                : "memory");
 }
 
+// Programmatic dependent launch (sm_90): lets the kernel launched behind this one on the
+// stream start now, while this one still runs (a no-op when nothing is launched behind it).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The calling thread waits until the kernel this one was launched behind (programmatic
+// dependent launch) has finished and its writes are visible; at once after a normal launch.
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ int lane_id() {
   return static_cast<int>(threadIdx.x & 31u);
 }

@@ -211,6 +211,13 @@ void IntranodeRuntime::check_ready(const char* op) const {
   if (failed()) throw std::runtime_error(check_error());
 }
 
+void IntranodeRuntime::check_no_dispatch_due(const char* op) const {
+  if (dispatch_due_)
+    throw std::logic_error(std::string(op) +
+                           ": the previous notify was told a dispatch follows it, and none was "
+                           "launched (the runtime's sequence numbers are now out of step)");
+}
+
 CommContext IntranodeRuntime::comm_context() const {
   CommContext c{};
   for (int r = 0; r < num_ranks_; ++r) c.buffers.ptr[r] = peers_[r];
@@ -260,8 +267,9 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
                              int num_experts, int expert_alignment, int num_worst_tokens,
                              int* recv_counts, int* recv_prefix, int* num_recv_tokens_per_expert,
                              bool host_counters, cudaStream_t stream,
-                             const ErrorRecord* layout_error) {
+                             const ErrorRecord* layout_error, bool dispatch_follows) {
   check_ready("notify");
+  check_no_dispatch_due("notify");
   require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
           "notify: num_experts must be a positive multiple of the number of ranks");
   require(num_experts / num_ranks_ <= config_.max_local_experts,
@@ -282,6 +290,7 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
   p.recv_prefix = recv_prefix;
   p.num_recv_tokens_per_expert = num_recv_tokens_per_expert;
   p.layout_error = layout_error;
+  p.dispatch_follows = dispatch_follows ? 1 : 0;
   int ticket = 0;
   if (host_counters) {
     ticket = ++next_ticket_;
@@ -293,6 +302,8 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
   }
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_notify(p, stream), "notify launch");
+  dispatch_due_ = dispatch_follows;
+  dispatch_due_stream_ = stream;
   return ticket;
 }
 
@@ -338,6 +349,9 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
                                        cudaStream_t stream) {
   const char* op = cached ? "cached_dispatch" : "dispatch";
   check_ready(op);
+  if (cached) check_no_dispatch_due(op);
+  require(!dispatch_due_ || stream == dispatch_due_stream_,
+          "dispatch: must run on the stream of the notify it follows");
   const std::string pre = std::string(op) + ": ";
   require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
           pre + "num_tokens exceeds config.max_tokens_per_rank");
@@ -391,9 +405,11 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
     p.recv_src_idx = a.recv_src_idx;
     p.recv_src_rank = a.recv_src_rank;
   }
+  p.after_notify = dispatch_due_ ? 1 : 0;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_dispatch(p, num_sms, stream), "dispatch launch");
+  dispatch_due_ = false;
 }
 
 void IntranodeRuntime::dispatch(const IntranodeDispatchArgs& args, cudaStream_t stream) {
@@ -406,6 +422,7 @@ void IntranodeRuntime::cached_dispatch(const IntranodeDispatchArgs& args, cudaSt
 
 void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t stream) {
   check_ready("combine");
+  check_no_dispatch_due("combine");
   require(a.elem_bytes == 2 || a.elem_bytes == 4 || a.elem_bytes == 8,
           "combine: elements must be bfloat16, float32 or float64");
   const long long hidden_bytes = static_cast<long long>(a.hidden) * a.elem_bytes;
@@ -472,6 +489,7 @@ void IntranodeRuntime::set_dispatch_claim(bool claim) {
 
 void IntranodeRuntime::barrier(cudaStream_t stream) {
   check_ready("barrier");
+  check_no_dispatch_due("barrier");
   BarrierParams p{};
   p.comm = comm_context();
   DeviceGuard guard(device_);

@@ -15,10 +15,11 @@
 //   rt.combine(args, stream);                            // communicating
 //   std::string err = rt.check_error();                  // "" when fine
 //
-// Worst-case (CUDA-graph capturable) mode: notify(host_counters=false, num_worst_tokens=cap)
-// followed by dispatch(num_worst_tokens=cap) on the same stream, with no host wait in between;
-// every count stays on the device. An overflow (a rank would receive more than cap rows) sets the
-// error record; check_error() reports it later.
+// Worst-case (CUDA-graph capturable) mode: notify(host_counters=false, num_worst_tokens=cap,
+// dispatch_follows=true) followed by dispatch(num_worst_tokens=cap) on the same stream, with no
+// host wait in between; every count stays on the device, and the dispatch kernel overlaps notify.
+// An overflow (a rank would receive more than cap rows) sets the error record; check_error()
+// reports it later.
 //
 // Rules:
 //  * Communicating calls (notify, dispatch, cached_dispatch, combine, barrier) must be issued by
@@ -173,10 +174,15 @@ class IntranodeRuntime {
   // layout_error: the error record (device-readable) of the layout kernel that produced the
   // counts when it was not this runtime's layout(); an invalid topk_idx recorded there rejects
   // the routing on every rank, as one found by layout() does.
+  // dispatch_follows: the caller's next communicating call is dispatch() on the same stream,
+  // with no host wait for these counts in between (worst-case mode, or a host wait that comes
+  // after the dispatch launch). The dispatch kernel is then launched behind notify with
+  // programmatic dependent launch and overlaps it. Any other communicating call before that
+  // dispatch throws std::logic_error.
   int notify(const int* num_tokens_per_rank, const int* num_tokens_per_expert, int num_experts,
              int expert_alignment, int num_worst_tokens, int* recv_counts, int* recv_prefix,
              int* num_recv_tokens_per_expert, bool host_counters, cudaStream_t stream,
-             const ErrorRecord* layout_error = nullptr);
+             const ErrorRecord* layout_error = nullptr, bool dispatch_follows = false);
 
   // Polls the host-mapped counters until notify(ticket) has published them (no stream sync).
   // Throws std::runtime_error on a kernel error or after timeout_seconds.
@@ -224,6 +230,8 @@ class IntranodeRuntime {
 
  private:
   void check_ready(const char* op) const;
+  // Throws std::logic_error when a notify(dispatch_follows) still waits for its dispatch.
+  void check_no_dispatch_due(const char* op) const;
   CommContext comm_context() const;
   void launch_dispatch(const IntranodeDispatchArgs& args, bool cached, cudaStream_t stream);
 
@@ -241,6 +249,10 @@ class IntranodeRuntime {
   HostCounters* counters_host_ = nullptr;
   HostCounters* counters_dev_ = nullptr;
   int next_ticket_ = 0;
+  // Set by notify(dispatch_follows): the next communicating call must be dispatch() on this
+  // stream (the pair shares one sequence number).
+  bool dispatch_due_ = false;
+  cudaStream_t dispatch_due_stream_ = nullptr;
   int host_num_local_experts_ = 0;  // E_loc of the last notify with host counters
   long long timeout_cycles_ = 0;
 };

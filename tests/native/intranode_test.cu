@@ -535,6 +535,7 @@ struct RankResult {
   std::vector<uint8_t> out, out_plain;
   std::vector<float> out_w;
   std::string error;
+  bool call_order_enforced = true;  // a call between notify(dispatch_follows) and dispatch threw
 };
 
 template <typename T>
@@ -737,8 +738,19 @@ void run_rank(const CaseData& c, int rank, IntranodeRuntime& rt, cudaStream_t s,
   rt.layout(b.idx, sp.idx_bytes, d.T, sp.K, sp.E, b.per_rank, b.per_expert, b.in_rank, b.send_pos,
             s);
   const bool normal = c.cap == 0;
+  // Worst-case mode: the dispatch kernel follows notify with no host step (launched behind it).
   const int ticket = rt.notify(b.per_rank, b.per_expert, sp.E, sp.alignment, c.cap, b.recv_counts,
-                               b.recv_prefix, b.recv_per_expert, normal, s);
+                               b.recv_prefix, b.recv_per_expert, normal, s, nullptr, !normal);
+  if (!normal) {
+    // The notify above shares its sequence number with the dispatch that must come next.
+    bool threw = false;
+    try {
+      rt.barrier(s);
+    } catch (const std::logic_error&) {
+      threw = true;
+    }
+    out.call_order_enforced = threw;
+  }
   int rows = c.cap;
   if (normal) {
     ep::IntranodeRecvCounts n = rt.wait_recv_counts(ticket);
@@ -759,6 +771,7 @@ void verify_rank(const CaseData& c, int rank, const RankResult& g, const std::st
   const RankData& d = c.r[rank];
   const std::string p = c.spec.name + tag + " rank " + std::to_string(rank) + ": ";
   check_true(g.error.empty(), p + "error record: " + g.error);
+  check_true(g.call_order_enforced, p + "a call between notify and its dispatch did not throw");
   check_equal(g.per_rank, d.per_rank, p + "num_tokens_per_rank");
   check_equal(g.per_expert, d.per_expert, p + "num_tokens_per_expert");
   check_equal(g.in_rank, d.in_rank, p + "is_token_in_rank");
@@ -841,7 +854,7 @@ void graph_test(Team& team) {
     rt.layout(b.idx, spec.idx_bytes, c0.r[r].T, spec.K, spec.E, b.per_rank, b.per_expert, b.in_rank,
               b.send_pos, s);
     rt.notify(b.per_rank, b.per_expert, spec.E, spec.alignment, c0.cap, b.recv_counts,
-              b.recv_prefix, b.recv_per_expert, false, s);
+              b.recv_prefix, b.recv_per_expert, false, s, nullptr, true);
     enqueue_ops(c0, c0.r[r], r, rt, b, c0.cap, s, 0);
     CUDA_CHECK(cudaStreamEndCapture(s, &graph));
     cudaGraphExec_t exec;
@@ -899,7 +912,7 @@ void overflow_test(Team& team) {
     rt.layout(b.idx, spec.idx_bytes, d.T, spec.K, spec.E, b.per_rank, b.per_expert, b.in_rank,
               b.send_pos, s);
     rt.notify(b.per_rank, b.per_expert, spec.E, 1, c.cap, b.recv_counts, b.recv_prefix,
-              b.recv_per_expert, false, s);
+              b.recv_per_expert, false, s, nullptr, true);
     enqueue_ops(c, d, r, rt, b, c.cap, s, 0);
     std::vector<uint8_t> g(guard);
     copy_d2h(g.data(), recv_x + c.cap * hb, guard, s);
@@ -1469,6 +1482,13 @@ void bench(int iters) {
     report("notify + dispatch, worst-case (no host sync)", time_op([&](int r, cudaStream_t s) {
              RankBuffers& b = rb[r].b;
              team->rt[r]->notify(b.per_rank, b.per_expert, E, 1, R * T, b.recv_counts,
+                                 b.recv_prefix, b.recv_per_expert, false, s, nullptr, true);
+             team->rt[r]->dispatch(dispatch_args(r, R * T), s);
+           }),
+           remote_bytes);
+    report("notify + dispatch, worst-case, not overlapped", time_op([&](int r, cudaStream_t s) {
+             RankBuffers& b = rb[r].b;
+             team->rt[r]->notify(b.per_rank, b.per_expert, E, 1, R * T, b.recv_counts,
                                  b.recv_prefix, b.recv_per_expert, false, s);
              team->rt[r]->dispatch(dispatch_args(r, R * T), s);
            }),
@@ -1479,6 +1499,18 @@ void bench(int iters) {
                                                b.recv_prefix, b.recv_per_expert, true, s);
              team->rt[r]->wait_recv_counts(t);
              team->rt[r]->dispatch(dispatch_args(r, 0), s);
+           }),
+           remote_bytes);
+    // What the backend does by default: launch first (outputs sized for every row any rank
+    // could send, R * T here), read the counts on the host afterwards.
+    report("notify + dispatch + host wait (normal, overlapped)",
+           time_op([&](int r, cudaStream_t s) {
+             RankBuffers& b = rb[r].b;
+             const int t =
+                 team->rt[r]->notify(b.per_rank, b.per_expert, E, 1, 0, b.recv_counts,
+                                     b.recv_prefix, b.recv_per_expert, true, s, nullptr, true);
+             team->rt[r]->dispatch(dispatch_args(r, 0), s);
+             team->rt[r]->wait_recv_counts(t);
            }),
            remote_bytes);
   }
