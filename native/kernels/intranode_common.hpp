@@ -40,7 +40,11 @@ struct ControlBlock {
   unsigned int work_claimed;  // dispatch tokens claimed by sender warps; finish_block zeroes it
   int rejected_ranks;  // set by notify in normal mode: bit s = rank s's topk_idx was invalid; the
                        // dispatch kernel that follows it then moves nothing
-  int pad[25];
+  int pad0;
+  // Sequence number of the last notify whose results (recv_counts, recv_prefix, rejected_ranks)
+  // are written: a dispatch launched behind its notify waits for this, not for the whole notify.
+  uint64_t notified;
+  int pad[22];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
 

@@ -21,9 +21,9 @@
 // No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
 // Behind its notify (p.after_notify, programmatic dependent launch) the kernel starts while notify
 // still runs: its launch, a sender's first loads and its wait for the peers overlap the count
-// exchange; a sender waits for notify before its first store (its own rows' position needs the
-// counts), receivers before they start; the kernel ends only after notify has, and advances the
-// epoch for both.
+// exchange; a sender waits for notify's results (ControlBlock::notified) before its first store
+// (its own rows' position needs the counts), receivers before they start; the kernel ends only
+// after notify has, and advances the epoch for both.
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
@@ -83,6 +83,13 @@ __device__ __forceinline__ void store_idx(void* base, size_t i, int idx_bytes, i
 __device__ __forceinline__ long long load_idx(const void* base, size_t i, int idx_bytes) {
   return idx_bytes == 8 ? static_cast<const long long*>(base)[i]
                         : static_cast<long long>(static_cast<const int*>(base)[i]);
+}
+
+// Behind a running notify (p.after_notify): waits until notify has written the receive counts,
+// prefix and verdict of this sequence (ControlBlock::notified); false on abort or timeout.
+__device__ __forceinline__ bool wait_notified(const device::WaitContext& ctx, uint64_t seq) {
+  return device::spin_wait(ctx, ctx.rank,
+                           [&] { return ptx::ld_acquire_gpu(&ctx.ctrl->notified) >= seq; });
 }
 
 // Start of the row `slot` that `src` writes into `receiver`'s buffer (mapped as `buffer`).
@@ -147,9 +154,9 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       ready |= need;
     }
     if (!notified) {
-      device::wait_for_prerequisite_grid();
       notified = true;
-      if (with_meta && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks) != 0) {
+      if (!wait_notified(ctx, seq) ||
+          (with_meta && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks) != 0)) {
         if (lane == 0) device::hand_over_done(queue, warp, k);  // a rejected routing moves nothing
         return;
       }
@@ -429,10 +436,10 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
       dispatch_publish(p, ctx, seq, lane, s_queue);
     else {
       bool receive = true;
-      if (p.after_notify) {
-        device::wait_for_prerequisite_grid();  // receivers need notify's counts and verdict
+      if (p.after_notify) {  // receivers need notify's counts and verdict
         receive =
-            p.topk_idx == nullptr || *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) == 0;
+            wait_notified(ctx, seq) &&
+            (p.topk_idx == nullptr || *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) == 0);
       }
       if (receive) dispatch_recv(p, ctx, seq, warp, lane);
     }

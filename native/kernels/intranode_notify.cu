@@ -102,6 +102,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     }
     p.recv_prefix[R] = total;
     ctrl->rejected_ranks = p.host != nullptr ? rejected : 0;
+    // The dispatch behind us needs only the prefix and the verdict: let it go before the
+    // per-expert counts and the host-mapped copies (whose system fences take microseconds).
+    if (p.dispatch_follows) ptx::st_release_gpu(&ctrl->notified, seq);
     if (write_host) {
       p.host->num_recv_tokens = total;
       p.host->rejected_ranks = rejected;

@@ -1,0 +1,333 @@
+// TORCH_LIBRARY(ep): the MoE collectives as custom ops taking a group name, so they compose with
+// torch.compile and autograd (fake kernels and autograd formulas live in ep_backend/moe.py).
+// Absent optional outputs come back as empty tensors; the Python layer maps them to None.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "ep_process_group.hpp"
+#include "moe_cpu.hpp"
+#include "moe_intranode.hpp"
+#include "moe_lowlatency.hpp"
+#include "moe_validation.hpp"
+
+namespace ep {
+namespace {
+
+using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
+using DispatchOutputs =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+               at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+c10::intrusive_ptr<EPProcessGroup> resolveGroup(const std::string& group_name, const char* op) {
+  if (auto registered = EPProcessGroup::byGroupName(group_name)) {
+    return registered;
+  }
+  auto pg = c10d::resolve_process_group(group_name);
+  auto backend = pg->getBackend(c10::DeviceType::CPU);
+  auto ep = c10::dynamic_intrusive_pointer_cast<EPProcessGroup>(backend);
+  TORCH_CHECK(ep != nullptr, "ep ", op, ": group '", group_name,
+              "' does not use the \"ep\" backend (it uses '", backend->getBackendName(),
+              "'); create it with backend=\"ep\"");
+  return ep;
+}
+
+at::Tensor orEmpty(const std::optional<at::Tensor>& t, const at::Tensor& like) {
+  return t.has_value() ? *t : at::empty({0}, like.options());
+}
+
+DispatchRouting routingOf(const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
+                          const at::Tensor& num_recv_tokens_per_rank,
+                          const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank) {
+  return DispatchRouting{is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                         recv_src_idx, recv_src_rank};
+}
+
+LayoutTensors dispatchLayoutOp(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+#ifdef EP_WITH_CUDA
+  // The layout kernel serves up to 8 ranks (intranode); larger groups use the ATen version.
+  if (topk_idx.is_cuda() && num_ranks <= 8) {
+    return intranode::dispatchLayout(topk_idx, num_experts, num_ranks);
+  }
+#endif
+  return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
+}
+
+// With a layout passed in, is_token_in_rank and num_tokens_per_rank are those inputs: they come
+// back empty (an op output may not alias an input) and the Python layer uses the layout's.
+DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x, bool given_layout) {
+  const at::Tensor& in_rank = r.routing.is_token_in_rank;
+  return {r.recv_x,
+          orEmpty(r.recv_x_scales, x),
+          r.recv_topk_idx,
+          orEmpty(r.recv_topk_weights, x),
+          r.num_recv_tokens_per_expert,
+          given_layout ? at::empty({0, in_rank.size(1)}, in_rank.options()) : in_rank,
+          given_layout ? at::empty({0}, r.routing.num_tokens_per_rank.options())
+                       : r.routing.num_tokens_per_rank,
+          r.routing.num_recv_tokens_per_rank,
+          r.routing.recv_src_idx,
+          r.routing.recv_src_rank,
+          r.num_recv_tokens_per_expert_host};
+}
+
+DispatchOutputs dispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                               const at::Tensor& topk_idx,
+                               const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
+                               int64_t expert_alignment, int64_t num_worst_tokens,
+                               const std::string& group_name, at::TensorList layout) {
+  auto pg = resolveGroup(group_name, "dispatch");
+  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
+                    num_experts, expert_alignment, num_worst_tokens, layout.vec()};
+  return packDispatch(cpu::dispatch(*pg, args), x, !layout.empty());
+}
+
+Tensors2 cachedDispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                              const at::Tensor& is_token_in_rank,
+                              const at::Tensor& num_tokens_per_rank,
+                              const at::Tensor& num_recv_tokens_per_rank,
+                              const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
+                              const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "cached dispatch");
+  auto [recv_x, recv_scales] =
+      cpu::cachedDispatch(*pg, x, x_scales,
+                          routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                                    recv_src_idx, recv_src_rank));
+  return {recv_x, orEmpty(recv_scales, x)};
+}
+
+Tensors2 combineAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
+                       const std::optional<at::Tensor>& bias0,
+                       const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
+                       const at::Tensor& num_tokens_per_rank,
+                       const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
+                       const at::Tensor& recv_src_rank, const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "combine");
+  CombineArgs args{x, topk_weights, bias0, bias1,
+                   routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                             recv_src_idx, recv_src_rank)};
+  auto [combined, weights] = cpu::combine(*pg, args);
+  return {combined, orEmpty(weights, x)};
+}
+
+// send_only (a recv hook follows) changes nothing here: the exchange is complete on return.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchAtenOp(
+    const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
+    int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
+    const std::string& group_name, bool /*send_only*/) {
+  auto pg = resolveGroup(group_name, "low_latency_dispatch");
+  LowLatencyDispatchInputs args{
+      x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0};
+  auto r = cpu::lowLatencyDispatch(*pg, args);
+  return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
+}
+
+at::Tensor lowLatencyCombineAtenOp(const at::Tensor& x, const at::Tensor& topk_idx,
+                                   const at::Tensor& topk_weights, const at::Tensor& src_info,
+                                   const at::Tensor& layout_range,
+                                   int64_t num_max_dispatch_tokens_per_rank,
+                                   const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "low_latency_combine");
+  LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
+                               src_info, layout_range, num_max_dispatch_tokens_per_rank};
+  return cpu::lowLatencyCombine(*pg, args);
+}
+
+void rejectOp(const std::string& op, const std::string& message, const std::string& group_name) {
+  auto pg = resolveGroup(group_name, op.c_str());
+  rejectCollectively(*pg, op.c_str(), message);
+}
+
+Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 128 == 0,
+              "ep quantize_fp8: H must be a multiple of 128");
+  TORCH_CHECK(!use_ue8m0 || (round_scale && x.size(-1) % 512 == 0),
+              "ep quantize_fp8: use_ue8m0 needs round_scale and H % 512 == 0");
+  auto [q, s] = cpu::quantizeFp8Per128(x, round_scale, use_ue8m0);
+  return {q, s};
+}
+
+bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
+#ifdef EP_WITH_CUDA
+  return x.is_cuda() && intranode::usable(pg, x.device());
+#else
+  (void)pg;
+  (void)x;
+  return false;
+#endif
+}
+
+DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                               const at::Tensor& topk_idx,
+                               const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
+                               int64_t expert_alignment, int64_t num_worst_tokens,
+                               const std::string& group_name, at::TensorList layout) {
+  auto pg = resolveGroup(group_name, "dispatch");
+  if (!useIntranode(*pg, x)) {
+    return dispatchAtenOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                          num_worst_tokens, group_name, layout);
+  }
+#ifdef EP_WITH_CUDA
+  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
+                    num_experts, expert_alignment, num_worst_tokens, layout.vec()};
+  return packDispatch(intranode::dispatch(*pg, args), x, !layout.empty());
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
+Tensors2 cachedDispatchCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                              const at::Tensor& is_token_in_rank,
+                              const at::Tensor& num_tokens_per_rank,
+                              const at::Tensor& num_recv_tokens_per_rank,
+                              const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
+                              const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "cached dispatch");
+  if (!useIntranode(*pg, x)) {
+    return cachedDispatchAtenOp(x, x_scales, is_token_in_rank, num_tokens_per_rank,
+                                num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
+  }
+#ifdef EP_WITH_CUDA
+  auto [recv_x, recv_scales] =
+      intranode::cachedDispatch(*pg, x, x_scales,
+                                routingOf(is_token_in_rank, num_tokens_per_rank,
+                                          num_recv_tokens_per_rank, recv_src_idx, recv_src_rank));
+  return {recv_x, orEmpty(recv_scales, x)};
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
+Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
+                       const std::optional<at::Tensor>& bias0,
+                       const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
+                       const at::Tensor& num_tokens_per_rank,
+                       const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
+                       const at::Tensor& recv_src_rank, const std::string& group_name) {
+  auto pg = resolveGroup(group_name, "combine");
+  // The kernels sum BF16, float32 and float64 rows; float16 takes the ATen path.
+  if (x.scalar_type() == at::kHalf || !useIntranode(*pg, x)) {
+    return combineAtenOp(x, topk_weights, bias0, bias1, is_token_in_rank, num_tokens_per_rank,
+                         num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
+  }
+#ifdef EP_WITH_CUDA
+  CombineArgs args{x, topk_weights, bias0, bias1,
+                   routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                             recv_src_idx, recv_src_rank)};
+  auto [combined, weights] = intranode::combine(*pg, args);
+  return {combined, orEmpty(weights, x)};
+#else
+  TORCH_CHECK(false, "unreachable");
+#endif
+}
+
+// Low-latency ops on CUDA: the NVSHMEM kernels where the group can use them (see
+// moe_lowlatency.hpp), else ATen + NCCL; results are identical either way.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCudaOp(
+    const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
+    int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
+    const std::string& group_name, bool send_only) {
+#ifdef EP_WITH_CUDA
+  auto pg = resolveGroup(group_name, "low_latency_dispatch");
+  if (x.is_cuda() && lowlatency::usable(*pg, x.device())) {
+    LowLatencyDispatchInputs args{x,           topk_idx, num_max_dispatch_tokens_per_rank,
+                                  num_experts, use_fp8,  round_scale,
+                                  use_ue8m0};
+    auto r = lowlatency::dispatch(*pg, args, send_only);
+    return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
+  }
+#endif
+  return lowLatencyDispatchAtenOp(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                  use_fp8, round_scale, use_ue8m0, group_name, send_only);
+}
+
+at::Tensor lowLatencyCombineCudaOp(const at::Tensor& x, const at::Tensor& topk_idx,
+                                   const at::Tensor& topk_weights, const at::Tensor& src_info,
+                                   const at::Tensor& layout_range,
+                                   int64_t num_max_dispatch_tokens_per_rank,
+                                   const std::string& group_name) {
+#ifdef EP_WITH_CUDA
+  auto pg = resolveGroup(group_name, "low_latency_combine");
+  if (x.is_cuda() && lowlatency::usable(*pg, x.device())) {
+    LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
+                                 src_info, layout_range, num_max_dispatch_tokens_per_rank};
+    if (auto out = lowlatency::combine(*pg, args)) {
+      return *out;
+    }
+  }
+#endif
+  return lowLatencyCombineAtenOp(x, topk_idx, topk_weights, src_info, layout_range,
+                                 num_max_dispatch_tokens_per_rank, group_name);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ep, m) {
+  const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  m.def(
+      "dispatch_layout(Tensor topk_idx, int num_experts, int num_ranks) -> (Tensor, Tensor, "
+      "Tensor, Tensor)",
+      tags);
+  m.def(
+      "dispatch(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, int "
+      "num_experts, "
+      "int expert_alignment, int num_worst_tokens, str group_name, Tensor[] layout) -> "
+      "(Tensor recv_x, "
+      "Tensor recv_x_scales, Tensor recv_topk_idx, Tensor recv_topk_weights, "
+      "Tensor num_recv_tokens_per_expert, Tensor is_token_in_rank, Tensor num_tokens_per_rank, "
+      "Tensor num_recv_tokens_per_rank, Tensor recv_src_idx, Tensor recv_src_rank, "
+      "Tensor num_recv_tokens_per_expert_host)",
+      tags);
+  m.def(
+      "cached_dispatch(Tensor x, Tensor? x_scales, Tensor is_token_in_rank, "
+      "Tensor num_tokens_per_rank, Tensor num_recv_tokens_per_rank, Tensor recv_src_idx, "
+      "Tensor recv_src_rank, str group_name) -> (Tensor recv_x, Tensor recv_x_scales)",
+      tags);
+  m.def(
+      "combine(Tensor x, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, "
+      "Tensor is_token_in_rank, Tensor num_tokens_per_rank, Tensor num_recv_tokens_per_rank, "
+      "Tensor recv_src_idx, Tensor recv_src_rank, str group_name) -> (Tensor combined_x, "
+      "Tensor combined_topk_weights)",
+      tags);
+  m.def(
+      "low_latency_dispatch(Tensor x, Tensor topk_idx, int num_max_dispatch_tokens_per_rank, "
+      "int num_experts, bool use_fp8, bool round_scale, bool use_ue8m0, str group_name, "
+      "bool send_only=False) -> "
+      "(Tensor recv_x, Tensor recv_x_scales, Tensor recv_count, Tensor src_info, "
+      "Tensor layout_range)",
+      tags);
+  m.def(
+      "low_latency_combine(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor src_info, "
+      "Tensor layout_range, int num_max_dispatch_tokens_per_rank, str group_name) -> Tensor",
+      tags);
+  m.def("quantize_fp8(Tensor x, bool round_scale, bool use_ue8m0) -> (Tensor, Tensor)", tags);
+  // The agreement step of a rank whose arguments the Python layer rejected: its peers raise
+  // instead of waiting for it (it always raises; see moe_validation.hpp, rejectCollectively).
+  m.def("reject(str op, str message, str group_name) -> ()", &rejectOp);
+}
+
+TORCH_LIBRARY_IMPL(ep, CompositeExplicitAutograd, m) {
+  m.impl("dispatch_layout", &dispatchLayoutOp);
+  m.impl("quantize_fp8", &quantizeFp8Op);
+}
+
+// CUDA tensors: the NVLink kernels where every rank is a GPU of this host (2-8 ranks), else the
+// ATen implementation with NCCL exchanges; every result is identical either way.
+TORCH_LIBRARY_IMPL(ep, CUDA, m) {
+  m.impl("dispatch", &dispatchCudaOp);
+  m.impl("cached_dispatch", &cachedDispatchCudaOp);
+  m.impl("combine", &combineCudaOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchCudaOp);
+  m.impl("low_latency_combine", &lowLatencyCombineCudaOp);
+}
+
+TORCH_LIBRARY_IMPL(ep, CPU, m) {
+  m.impl("dispatch", &dispatchAtenOp);
+  m.impl("cached_dispatch", &cachedDispatchAtenOp);
+  m.impl("combine", &combineAtenOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchAtenOp);
+  m.impl("low_latency_combine", &lowLatencyCombineAtenOp);
+}
+
+}  // namespace ep

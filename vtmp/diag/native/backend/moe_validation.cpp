@@ -1,0 +1,618 @@
+#include "moe_validation.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "ep_process_group.hpp"
+#include "group_state.hpp"
+#include "host_exchange.hpp"
+#include "moe_cpu.hpp"
+
+namespace ep {
+namespace {
+
+constexpr int64_t kMaxTopk = 32;
+
+// Collects the first failed check as a message.
+class Checker {
+ public:
+  explicit Checker(const char* op) : op_(op) {}
+
+  template <typename... Args>
+  Checker& require(bool ok, const Args&... parts) {
+    if (!ok && message_.empty()) {
+      std::ostringstream os;
+      os << "ep " << op_ << ": ";
+      (os << ... << parts);
+      message_ = os.str();
+    }
+    return *this;
+  }
+  bool failed() const { return !message_.empty(); }
+  std::string message() const { return message_; }
+
+ private:
+  const char* op_;
+  std::string message_;
+};
+
+std::string shapeOf(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+bool isPayloadDtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kFloat8_e4m3fn || t == at::kFloat || t == at::kDouble ||
+         t == at::kHalf;
+}
+
+bool isReducibleDtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kFloat || t == at::kDouble || t == at::kHalf;
+}
+
+// Checks topk_idx [T, K] (and its values when `check_values`: a host read on GPU tensors).
+void checkTopk(Checker& c, const at::Tensor& topk_idx, int64_t num_tokens, const at::Device& device,
+               int64_t num_experts, bool check_values) {
+  c.require(topk_idx.defined(), "topk_idx is required");
+  if (c.failed()) {
+    return;
+  }
+  c.require(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+            "topk_idx must be int64 or int32, got ", topk_idx.scalar_type())
+      .require(topk_idx.dim() == 2, "topk_idx must be 2-D [T, K], got shape ", shapeOf(topk_idx))
+      .require(topk_idx.device() == device, "topk_idx is on ", topk_idx.device(), ", x on ", device)
+      .require(topk_idx.is_contiguous(), "topk_idx must be contiguous");
+  if (c.failed()) {
+    return;
+  }
+  c.require(topk_idx.size(0) == num_tokens, "topk_idx has ", topk_idx.size(0), " rows but x has ",
+            num_tokens, " tokens")
+      .require(topk_idx.size(1) >= 1 && topk_idx.size(1) <= kMaxTopk, "top-k must be in [1, ",
+               kMaxTopk, "], got ", topk_idx.size(1));
+  if (c.failed() || !check_values || topk_idx.numel() == 0) {
+    return;
+  }
+  // One device-to-host read for both bounds (on CUDA each read is a stream sync).
+  at::Tensor bounds = at::stack({topk_idx.min(), topk_idx.max()}).to(at::kCPU, at::kLong);
+  const int64_t lo = bounds[0].item<int64_t>();
+  const int64_t hi = bounds[1].item<int64_t>();
+  c.require(lo >= -1 && hi < num_experts,
+            "topk_idx values must be in [-1, num_experts=", num_experts, "), got min ", lo, " max ",
+            hi);
+}
+
+void checkWeights(Checker& c, const std::optional<at::Tensor>& w, const at::Tensor& topk_idx,
+                  const at::Device& device) {
+  if (!w.has_value()) {
+    return;
+  }
+  c.require(w->scalar_type() == at::kFloat, "topk_weights must be float32, got ", w->scalar_type())
+      .require(w->sizes() == topk_idx.sizes(), "topk_weights must have the shape of topk_idx ",
+               shapeOf(topk_idx), ", got ", shapeOf(*w))
+      .require(w->device() == device, "topk_weights is on ", w->device(), ", x on ", device)
+      .require(w->is_contiguous(), "topk_weights must be contiguous");
+}
+
+void checkX(Checker& c, const at::Tensor& x, const char* name) {
+  c.require(x.defined(), name, " is required");
+  if (c.failed()) {
+    return;
+  }
+  c.require(x.dim() == 2, name, " must be 2-D [rows, H], got shape ", shapeOf(x))
+      .require(x.is_contiguous(), name, " must be contiguous")
+      .require(x.device().is_cpu() || x.device().is_cuda(), name, " must be on CPU or CUDA, got ",
+               x.device());
+}
+
+void checkScales(Checker& c, const at::Tensor& x, const std::optional<at::Tensor>& scales) {
+  const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
+  c.require(!fp8 || scales.has_value(), "FP8 x needs x_scales [T, H/128]")
+      .require(fp8 || !scales.has_value(), "x_scales are only accepted with FP8 x");
+  if (c.failed() || !scales.has_value()) {
+    return;
+  }
+  c.require(scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kInt,
+            "x_scales must be float32 or int32 (packed UE8M0), got ", scales->scalar_type())
+      .require(scales->dim() == 2, "x_scales must be 2-D [T, S], got shape ", shapeOf(*scales))
+      .require(scales->device() == x.device(), "x_scales is on ", scales->device(), ", x on ",
+               x.device());
+  if (c.failed()) {
+    return;
+  }
+  c.require(scales->size(0) == x.size(0), "x_scales has ", scales->size(0), " rows but x has ",
+            x.size(0))
+      .require(scales->size(1) >= 1, "x_scales needs at least one column");
+}
+
+// Checks a layout passed to dispatch (LayoutTensors order) against the call's shapes; with
+// `check_values` (CPU) also that it is the layout of topk_idx.
+void checkLayout(Checker& c, const std::vector<at::Tensor>& layout, const DispatchArgs& a,
+                 int64_t num_ranks, bool check_values) {
+  if (layout.empty()) {
+    return;
+  }
+  c.require(layout.size() == 4,
+            "layout must be get_dispatch_layout's (num_tokens_per_rank, num_tokens_per_expert, "
+            "is_token_in_rank, send_pos), got ",
+            layout.size(), " tensors");
+  if (c.failed()) {
+    return;
+  }
+  const int64_t T = a.x.size(0);
+  const char* names[4] = {"num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
+                          "send_pos"};
+  const std::vector<int64_t> shapes[4] = {
+      {num_ranks}, {a.num_experts}, {T, num_ranks}, {T, num_ranks}};
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& t = layout[i];
+    const at::ScalarType want = i == 2 ? at::kBool : at::kInt;
+    c.require(t.defined(), "layout.", names[i], " is missing");
+    if (c.failed()) {
+      return;
+    }
+    c.require(t.scalar_type() == want, "layout.", names[i], " must be ", want, ", got ",
+              t.scalar_type())
+        .require(t.sizes() == at::IntArrayRef(shapes[i]), "layout.", names[i], " must have shape ",
+                 at::IntArrayRef(shapes[i]), " for this call, got ", shapeOf(t),
+                 " (was it computed for another topk_idx, num_experts or group?)")
+        .require(t.device() == a.x.device(), "layout.", names[i], " is on ", t.device(), ", x on ",
+                 a.x.device())
+        .require(t.is_contiguous(), "layout.", names[i], " must be contiguous");
+  }
+  if (c.failed() || !check_values) {
+    return;
+  }
+  const LayoutTensors own = cpu::dispatchLayout(a.topk_idx, a.num_experts, num_ranks);
+  c.require(at::equal(layout[0], std::get<0>(own)) && at::equal(layout[1], std::get<1>(own)) &&
+                at::equal(layout[2], std::get<2>(own)) && at::equal(layout[3], std::get<3>(own)),
+            "layout is not the layout of this topk_idx (compute it with "
+            "get_dispatch_layout(topk_idx, num_experts))");
+}
+
+}  // namespace
+
+std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks,
+                             std::optional<bool> check_values) {
+  Checker c("dispatch");
+  checkX(c, a.x, "x");
+  if (c.failed()) {
+    return c.message();
+  }
+  c.require(isPayloadDtype(a.x.scalar_type()),
+            "x must be bfloat16, float8_e4m3fn, float16, float32 or float64, got ",
+            a.x.scalar_type())
+      .require((a.x.size(1) * a.x.element_size()) % 16 == 0,
+               "a row of x must be a multiple of 16 bytes (H * element size), got H=", a.x.size(1),
+               " of ", a.x.element_size(), "-byte elements")
+      .require(a.x.size(1) > 0, "hidden size must be positive")
+      .require(a.num_experts > 0, "num_experts must be positive, got ", a.num_experts)
+      .require(a.num_experts % num_ranks == 0, "num_experts=", a.num_experts,
+               " is not a multiple of the group size ", num_ranks)
+      .require(a.expert_alignment >= 1, "expert_alignment must be >= 1, got ", a.expert_alignment)
+      .require(a.num_worst_tokens >= 0, "num_worst_tokens must be >= 0, got ", a.num_worst_tokens);
+  checkScales(c, a.x, a.x_scales);
+  // Values of topk_idx are checked here on CPU; the CUDA kernels check them on the device.
+  checkTopk(c, a.topk_idx, a.x.size(0), a.x.device(), a.num_experts,
+            check_values.value_or(a.x.device().is_cpu()));
+  if (!c.failed()) {
+    checkWeights(c, a.topk_weights, a.topk_idx, a.x.device());
+  }
+  if (!c.failed()) {
+    checkLayout(c, a.layout, a, num_ranks, check_values.value_or(a.x.device().is_cpu()));
+  }
+  return c.message();
+}
+
+namespace {
+
+// Checks a handle's routing tensors into `c` (so messages carry the calling op's name).
+void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
+  c.require(r.is_token_in_rank.defined() && r.is_token_in_rank.dim() == 2 &&
+                r.is_token_in_rank.scalar_type() == at::kBool,
+            "is_token_in_rank must be bool [T, R]")
+      .require(r.num_tokens_per_rank.defined() && r.num_recv_tokens_per_rank.defined() &&
+                   r.recv_src_idx.defined() && r.recv_src_rank.defined(),
+               "the handle is incomplete");
+  if (c.failed()) {
+    return;
+  }
+  c.require(r.is_token_in_rank.size(1) == num_ranks, "the handle was made on a group of ",
+            r.is_token_in_rank.size(1), " ranks, this group has ", num_ranks)
+      .require(r.is_token_in_rank.size(0) == num_tokens, "the handle was made for ",
+               r.is_token_in_rank.size(0), " tokens, this call has ", num_tokens)
+      .require(r.num_tokens_per_rank.numel() == num_ranks &&
+                   r.num_recv_tokens_per_rank.numel() == num_ranks,
+               "the handle's per-rank counts do not have R entries")
+      .require(r.recv_src_idx.dim() == 1 && r.recv_src_rank.sizes() == r.recv_src_idx.sizes(),
+               "the handle's recv_src_idx/recv_src_rank do not match");
+  if (c.failed() || !r.is_token_in_rank.device().is_cpu()) {
+    return;
+  }
+  // Host-side consistency of the counts (free on CPU; on CUDA the kernels trust the handle).
+  // A handle whose send map and counts disagree would post mismatched exchanges.
+  const at::Tensor sent = r.is_token_in_rank.sum(0).to(at::kLong);
+  const at::Tensor per_rank = r.num_tokens_per_rank.to(at::kCPU).to(at::kLong);
+  const at::Tensor recv = r.num_recv_tokens_per_rank.to(at::kCPU).to(at::kLong);
+  c.require(at::equal(sent, per_rank),
+            "the handle's num_tokens_per_rank does not match its is_token_in_rank")
+      .require(
+          recv.min().item<int64_t>() >= 0 && recv.sum().item<int64_t>() <= r.recv_src_idx.size(0),
+          "the handle's num_recv_tokens_per_rank does not fit its ", r.recv_src_idx.size(0),
+          " received rows");
+}
+
+}  // namespace
+
+std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
+  Checker c("handle");
+  checkRouting(c, r, num_ranks, num_tokens);
+  return c.message();
+}
+
+std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                                   const DispatchRouting& routing, int64_t num_ranks) {
+  Checker c("cached dispatch");
+  checkX(c, x, "x");
+  if (c.failed()) {
+    return c.message();
+  }
+  c.require(isPayloadDtype(x.scalar_type()), "unsupported dtype ", x.scalar_type())
+      .require((x.size(1) * x.element_size()) % 16 == 0,
+               "a row of x must be a multiple of 16 bytes, got H=", x.size(1));
+  checkScales(c, x, x_scales);
+  if (c.failed()) {
+    return c.message();
+  }
+  checkRouting(c, routing, num_ranks, x.size(0));
+  return c.message();
+}
+
+std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
+  Checker c("combine");
+  checkX(c, a.x, "x");
+  if (c.failed()) {
+    return c.message();
+  }
+  c.require(isReducibleDtype(a.x.scalar_type()),
+            "x must be bfloat16, float16, float32 or float64 (combine sums rows), got ",
+            a.x.scalar_type());
+  const auto& r = a.routing;
+  checkRouting(c, r, num_ranks, r.is_token_in_rank.defined() ? r.is_token_in_rank.size(0) : 0);
+  if (c.failed()) {
+    return c.message();
+  }
+  c.require(a.x.size(0) == r.recv_src_idx.size(0), "x has ", a.x.size(0),
+            " rows but the dispatch that made the handle returned ", r.recv_src_idx.size(0));
+  if (a.topk_weights.has_value()) {
+    const auto& w = *a.topk_weights;
+    c.require(w.scalar_type() == at::kFloat, "topk_weights must be float32")
+        .require(w.dim() == 2 && w.size(0) == a.x.size(0), "topk_weights must be [N, K]")
+        .require(w.device() == a.x.device(), "topk_weights must be on the device of x")
+        .require(w.is_contiguous(), "topk_weights must be contiguous");
+  }
+  for (const auto* b : {&a.bias0, &a.bias1}) {
+    if (!b->has_value()) {
+      continue;
+    }
+    c.require((*b)->sizes() == at::IntArrayRef({r.is_token_in_rank.size(0), a.x.size(1)}),
+              "bias must be [T, H] = [", r.is_token_in_rank.size(0), ", ", a.x.size(1), "], got ",
+              shapeOf(**b))
+        .require(isReducibleDtype((*b)->scalar_type()),
+                 "bias must be bfloat16, float16, float32 or float64, got ", (*b)->scalar_type())
+        .require((*b)->device() == a.x.device(), "bias must be on the device of x");
+  }
+  return c.message();
+}
+
+std::string validateLowLatencyDispatch(const LowLatencyDispatchInputs& a, int64_t num_ranks) {
+  Checker c("low_latency_dispatch");
+  checkX(c, a.x, "x");
+  if (c.failed()) {
+    return c.message();
+  }
+  const int64_t hidden = a.x.size(1);
+  c.require(a.x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", a.x.scalar_type())
+      .require(a.num_max_dispatch_tokens_per_rank > 0,
+               "num_max_dispatch_tokens_per_rank must be positive")
+      .require(
+          a.x.size(0) <= a.num_max_dispatch_tokens_per_rank, "T=", a.x.size(0),
+          " tokens exceed num_max_dispatch_tokens_per_rank=", a.num_max_dispatch_tokens_per_rank)
+      .require(hidden > 0 && hidden % 128 == 0, "H must be a positive multiple of 128, got ",
+               hidden)
+      .require(a.num_experts > 0 && a.num_experts % num_ranks == 0, "num_experts=", a.num_experts,
+               " must be a positive multiple of the group size ", num_ranks)
+      .require(!a.use_ue8m0 || a.use_fp8, "use_ue8m0 requires use_fp8")
+      .require(!a.use_ue8m0 || a.round_scale, "use_ue8m0 requires round_scale")
+      .require(!a.use_ue8m0 || hidden % 512 == 0, "use_ue8m0 needs H % 512 == 0, got ", hidden);
+  checkTopk(c, a.topk_idx, a.x.size(0), a.x.device(), a.num_experts, a.x.device().is_cpu());
+  return c.message();
+}
+
+std::string validateLowLatencyCombine(const LowLatencyCombineInputs& a, int64_t num_ranks) {
+  Checker c("low_latency_combine");
+  c.require(a.x.defined() && a.x.dim() == 3, "x must be [E_loc, R*M, H]");
+  if (c.failed()) {
+    return c.message();
+  }
+  const int64_t slots = num_ranks * a.num_max_dispatch_tokens_per_rank;
+  c.require(a.x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", a.x.scalar_type())
+      .require(a.x.is_contiguous(), "x must be contiguous")
+      .require(a.src_info.defined() && a.src_info.dim() == 2 && a.layout_range.defined() &&
+                   a.layout_range.dim() == 2,
+               "the handle is incomplete")
+      .require(a.x.size(1) == slots, "x has ", a.x.size(1),
+               " slots per expert, the handle expects R*M=", slots);
+  if (c.failed()) {
+    return c.message();
+  }
+  c.require(a.src_info.sizes() == at::IntArrayRef({a.x.size(0), slots}) &&
+                a.layout_range.sizes() == at::IntArrayRef({a.x.size(0), num_ranks}),
+            "the handle does not match x of shape ", shapeOf(a.x))
+      .require(a.topk_idx.defined() && a.topk_idx.dim() == 2, "topk_idx must be [T, K]")
+      .require(a.topk_weights.defined() && a.topk_weights.sizes() == a.topk_idx.sizes() &&
+                   a.topk_weights.scalar_type() == at::kFloat,
+               "topk_weights must be float32 with the shape of topk_idx")
+      .require(a.topk_idx.device() == a.x.device() && a.topk_weights.device() == a.x.device(),
+               "topk_idx and topk_weights must be on the device of x");
+  if (c.failed()) {
+    return c.message();
+  }
+  // The ids must be those given to the dispatch: at least their range is checked (on CPU).
+  checkTopk(c, a.topk_idx, a.topk_idx.size(0), a.x.device(), a.x.size(0) * num_ranks,
+            a.x.device().is_cpu());
+  return c.message();
+}
+
+namespace {
+
+// Fields of the fixed-width header row: error flag, op id, field count, payload size, fields.
+constexpr int64_t kHeaderFixed = 4;
+constexpr int64_t kMaxAgreedFields = 16;
+constexpr int64_t kHeaderWidth = kHeaderFixed + kMaxAgreedFields;
+// Payload slots in the header row beyond 2R (per-rank counts both ways plus a few scalars).
+constexpr int64_t kInlineExtra = 8;
+
+// A stable id of the collective's name (FNV-1a), so that ranks in different collectives notice.
+int64_t opId(const char* op) {
+  uint64_t h = 1469598103934665603ULL;
+  for (const char* p = op; *p != '\0'; ++p) {
+    h ^= static_cast<unsigned char>(*p);
+    h *= 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h >> 2);
+}
+
+// After a timed-out agreement: every rank that was there marks call `call` in the store, waits a
+// moment for the others that timed out too, and names the ranks that never marked it.
+std::string stalledRanks(EPProcessGroup& pg, uint64_t call) {
+  try {
+    const std::string prefix =
+        "ep_stall/" + pg.options()->group_name + "/" + std::to_string(call) + "/";
+    pg.store()->set(prefix + std::to_string(pg.getRank()), std::vector<uint8_t>{1});
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::string missing;
+    for (int r = 0; r < pg.getSize(); ++r) {
+      if (!pg.store()->check({prefix + std::to_string(r)})) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    return missing.empty() ? "every rank arrived, but the exchange failed"
+                           : "rank(s) " + missing + " never joined it";
+  } catch (const std::exception&) {
+    return "the stalled rank could not be determined";
+  }
+}
+
+// Per group: the shared-memory exchange when every rank is on one host (decided collectively at
+// the group's first MoE call), else null and the agreement goes through Gloo.
+struct ExchangeState {
+  bool decided = false;
+  std::unique_ptr<HostExchange> exchange;
+};
+
+std::shared_ptr<ExchangeState> exchangeOf(EPProcessGroup& pg) {
+  static auto* states = new GroupStates<ExchangeState>();
+  return states->of(pg);
+}
+
+at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
+  const int64_t num_ranks = pg.getSize();
+  const int64_t width = static_cast<int64_t>(row.size());
+  auto state = exchangeOf(pg);
+  if (!state->decided) {
+    state->exchange = HostExchange::connect(pg, std::string("ep ") + op);
+    state->decided = true;
+  }
+  if (state->exchange && HostExchange::fits(width)) {
+    pg.nextMoeCall();
+    std::vector<int64_t> all = state->exchange->gather(row, op, pg.options()->timeout);
+    return at::tensor(all, at::kLong).view({num_ranks, width});
+  }
+  at::Tensor mine = at::tensor(row, at::kLong);
+  at::Tensor all = at::empty({num_ranks * width}, at::kLong);
+  c10d::AllgatherOptions opts;
+  opts.timeout = pg.options()->timeout;
+  const uint64_t call = pg.nextMoeCall();
+  try {
+    pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ep ", op, ": rank ", pg.getRank(), " waited ",
+                std::chrono::duration_cast<std::chrono::seconds>(opts.timeout).count(),
+                " s for the other ranks of the group to join this call; ", stalledRanks(pg, call),
+                " (", e.what(), ")");
+  }
+  return all.view({num_ranks, width});
+}
+
+}  // namespace
+
+std::string moeAgreementTransport(EPProcessGroup& pg) {
+  auto state = exchangeOf(pg);
+  if (!state->decided) {
+    return "undecided";
+  }
+  return state->exchange ? "shared memory" : "gloo";
+}
+
+at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                            const std::vector<AgreedField>& fields,
+                            const std::vector<int64_t>& payload) {
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
+  const int64_t num_ranks = pg.getSize();
+  const int64_t rank = pg.getRank();
+  // Phase 1: a row of the same width on every rank and in every collective of this group
+  // (header + 2R + 8 payload slots), so that ranks whose inputs, collectives or payload sizes
+  // differ never post mismatched exchanges. A payload of up to 2R + 8 entries (every collective
+  // but a low-latency dispatch with many experts per rank) travels in it, so the agreement is
+  // one all-gather; a longer one follows in phase 2, once its size is agreed.
+  const int64_t inline_width = 2 * num_ranks + kInlineExtra;
+  const int64_t payload_size = static_cast<int64_t>(payload.size());
+  const bool inline_payload = payload_size <= inline_width;
+  std::vector<int64_t> header(kHeaderWidth + inline_width, 0);
+  header[0] = local_error.empty() ? 0 : 1;
+  header[1] = opId(op);
+  header[2] = static_cast<int64_t>(fields.size());
+  header[3] = payload_size;
+  for (size_t f = 0; f < fields.size(); ++f) {
+    header[kHeaderFixed + f] = fields[f].value;
+  }
+  if (inline_payload) {
+    std::copy(payload.begin(), payload.end(), header.begin() + kHeaderWidth);
+  }
+  at::Tensor all = allGatherRows(pg, op, header);
+  auto acc = all.accessor<int64_t, 2>();
+
+  std::vector<int64_t> bad_ranks;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    if (acc[r][0] != 0) {
+      bad_ranks.push_back(r);
+    }
+  }
+  if (!local_error.empty()) {
+    TORCH_CHECK(false, local_error, " (rank ", rank, "; nothing was exchanged)");
+  }
+  if (!bad_ranks.empty()) {
+    raiseRejectedBy(op, bad_ranks);
+  }
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    TORCH_CHECK(
+        acc[r][1] == header[1] && acc[r][2] == header[2], "ep ", op, ": rank ", r,
+        " is in a different MoE collective than rank ", rank,
+        " (the ranks must call the same collectives in the same order); nothing was exchanged");
+  }
+  for (size_t f = 0; f < fields.size(); ++f) {
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      if (acc[r][kHeaderFixed + f] != fields[f].value) {
+        TORCH_CHECK(false, "ep ", op, ": ranks disagree on ", fields[f].name, " (rank ", rank,
+                    " has ", fields[f].value, ", rank ", r, " has ", acc[r][kHeaderFixed + f],
+                    "); nothing was exchanged");
+      }
+    }
+  }
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    TORCH_CHECK(acc[r][3] == header[3], "ep ", op,
+                ": ranks disagree on the size of the routing metadata (rank ", rank, " has ",
+                header[3], ", rank ", r, " has ", acc[r][3], "); nothing was exchanged");
+  }
+  if (inline_payload) {
+    return all.narrow(1, kHeaderWidth, payload_size);
+  }
+  // Phase 2: a longer payload, now known to have the same size everywhere.
+  return allGatherRows(pg, op, payload);
+}
+
+void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message) {
+  agreeAcrossRanks(pg, op, message.empty() ? std::string("invalid arguments") : message, {}, {});
+}
+
+std::vector<AgreedField> dispatchFields(const DispatchArgs& a, bool ok) {
+  const bool has_scales = a.x_scales.has_value();
+  return {
+      {"num_experts", a.num_experts},
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
+      {"top-k", ok ? a.topk_idx.size(1) : -1},
+      {"topk_idx dtype", ok ? static_cast<int64_t>(a.topk_idx.scalar_type()) : -1},
+      {"x_scales columns", ok && has_scales ? a.x_scales->size(1) : 0},
+      {"x_scales dtype", ok && has_scales ? static_cast<int64_t>(a.x_scales->scalar_type()) : -1},
+      {"presence of topk_weights", a.topk_weights.has_value() ? 1 : 0},
+      {"expert_alignment", a.expert_alignment},
+      {"num_worst_tokens", a.num_worst_tokens},
+  };
+}
+
+std::vector<AgreedField> cachedDispatchFields(const at::Tensor& x,
+                                              const std::optional<at::Tensor>& x_scales, bool ok) {
+  return {
+      {"hidden size H", ok ? x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(x.scalar_type()) : -1},
+      {"x_scales columns", ok && x_scales ? x_scales->size(1) : 0},
+  };
+}
+
+std::vector<AgreedField> combineFields(const CombineArgs& a, bool ok) {
+  const bool has_weights = a.topk_weights.has_value();
+  return {
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"x dtype", ok ? static_cast<int64_t>(a.x.scalar_type()) : -1},
+      {"presence of topk_weights", has_weights ? 1 : 0},
+      {"top-k of topk_weights", ok && has_weights ? a.topk_weights->size(1) : 0},
+  };
+}
+
+std::vector<int64_t> routingCounts(const DispatchRouting& r, int64_t num_ranks) {
+  auto counts = [num_ranks](const at::Tensor& t) {
+    if (!t.defined() || t.numel() != num_ranks) {
+      return std::vector<int64_t>(num_ranks, 0);
+    }
+    at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
+    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + num_ranks);
+  };
+  std::vector<int64_t> out = counts(r.num_tokens_per_rank);
+  std::vector<int64_t> recv = counts(r.num_recv_tokens_per_rank);
+  out.insert(out.end(), recv.begin(), recv.end());
+  return out;
+}
+
+void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank) {
+  const int64_t num_ranks = gathered.size(0);
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    for (int64_t d = 0; d < num_ranks; ++d) {
+      const int64_t sent = g[s][offset + d];
+      const int64_t expected = g[d][offset + num_ranks + s];
+      TORCH_CHECK(
+          sent == expected, "ep ", op, ": the handle does not match across ranks (rank ", s,
+          " sent ", sent, " rows to rank ", d, ", which expects ", expected,
+          "); was it made by another dispatch or group? Nothing was exchanged (seen on rank ", rank,
+          ")");
+    }
+  }
+}
+
+void raiseRejectedBy(const char* op, const std::vector<int64_t>& bad_ranks) {
+  std::ostringstream os;
+  for (size_t i = 0; i < bad_ranks.size(); ++i) {
+    os << (i ? ", " : "") << bad_ranks[i];
+  }
+  TORCH_CHECK(false, "ep ", op, ": rank(s) ", os.str(),
+              " rejected their inputs (see their error); nothing was exchanged");
+}
+
+void checkDispatchLayoutArgs(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  TORCH_CHECK(topk_idx.dim() == 2, "ep get_dispatch_layout: topk_idx must be [T, K]");
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+              "ep get_dispatch_layout: topk_idx must be int64 or int32");
+  TORCH_CHECK(num_experts > 0 && num_ranks > 0 && num_experts % num_ranks == 0,
+              "ep get_dispatch_layout: num_experts=", num_experts,
+              " must be a positive multiple of num_ranks=", num_ranks);
+}
+
+}  // namespace ep

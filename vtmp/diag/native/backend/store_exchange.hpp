@@ -1,0 +1,26 @@
+// Small collective exchanges through the group's store, for one-time setup decisions (which
+// transport a group uses, IPC handles, shared-memory names): every rank posts a string under
+// `prefix + rank` and reads everyone's.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ep {
+
+class EPProcessGroup;
+
+// All ranks' strings, in rank order (ours included). Collective. A rank that never posts makes
+// the others raise, after the group timeout, "<what>: rank r waited N s ...; rank(s) X never
+// joined it".
+std::vector<std::string> allGatherStrings(EPProcessGroup& pg, const std::string& prefix,
+                                          const std::string& mine, const std::string& what);
+
+// Reads the strings of every rank under `prefix` (posted by allGatherStrings or by hand),
+// waiting as allGatherStrings does.
+std::vector<std::string> readAllStrings(EPProcessGroup& pg, const std::string& prefix,
+                                        const std::string& what);
+
+std::string hostName();
+
+}  // namespace ep

@@ -1,0 +1,810 @@
+#ifdef EP_WITH_CUDA
+
+#include "moe_intranode.hpp"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include "ep_process_group.hpp"
+#include "group_state.hpp"
+#include "intranode_kernels.hpp"
+#include "intranode_runtime.hpp"
+#include "moe_validation.hpp"
+#include "store_exchange.hpp"
+
+namespace ep::intranode {
+namespace {
+
+// The kernels' view of a recent dispatch handle, kept so that its combine and cached dispatches
+// need neither to recompute it (several small kernels) nor to read the handle's counts back to
+// the host (a stream sync) for the cross-rank check.
+struct KernelRouting {
+  at::Tensor is_token_in_rank;  // the handle's tensors, held so their addresses stay theirs
+  at::Tensor num_tokens_per_rank;
+  at::Tensor num_recv_tokens_per_rank;
+  std::array<uint32_t, 3> versions{};  // their version counters then: in-place edits invalidate
+  at::Tensor send_pos;                 // [T, R] int32 (the caller's, when dispatch took a layout)
+  uint32_t send_pos_version = 0;       // its version counter then
+  at::Tensor recv_prefix;              // [R + 1] int32
+  std::vector<int64_t> host_counts;    // routingCounts() order (2R); empty when not known
+};
+
+// Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
+struct GroupState {
+  bool decided = false;
+  bool usable = false;
+  int generation = 0;
+  std::unique_ptr<IntranodeRuntime> runtime;
+  std::deque<KernelRouting> recent;  // most recent first, a few handles
+};
+
+constexpr size_t kRecentHandles = 4;
+
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+  static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
+    if (state.runtime) {
+      cudaDeviceSynchronize();
+      state.runtime->destroy();
+    }
+  });
+  return states->of(pg);
+}
+
+std::string keyPrefix(EPProcessGroup& pg) {
+  return "ep_intranode/" + pg.options()->group_name + "/";
+}
+
+bool profilingHost() {
+  static const bool on = std::getenv("EP_PROFILE_HOST") != nullptr;
+  return on;
+}
+
+// EP_PROFILE_HOST=1: one line per call on stderr with the host time of each stage (µs), to find
+// where a call's host time goes.
+class HostStages {
+ public:
+  explicit HostStages(const char* op) : op_(op), on_(enabled()), last_(now()), first_(last_) {}
+  void mark(const char* stage) {
+    if (!on_) {
+      return;
+    }
+    const auto t = now();
+    line_ += std::string(" ") + stage + "=" +
+             std::to_string(std::chrono::duration<double, std::micro>(t - last_).count());
+    last_ = t;
+  }
+  ~HostStages() {
+    if (on_) {
+      const double total = std::chrono::duration<double, std::micro>(now() - first_).count();
+      std::fprintf(stderr, "ep %s host us:%s total=%.1f\n", op_, line_.c_str(), total);
+    }
+  }
+
+ private:
+  static bool enabled() { return profilingHost(); }
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  const char* op_;
+  bool on_;
+  std::chrono::steady_clock::time_point last_, first_;
+  std::string line_;
+};
+
+// Every rank decides with the same inputs (all ranks' host names and peer-access verdicts).
+bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
+  const int num_ranks = pg.getSize();
+  const int rank = pg.getRank();
+  if (num_ranks < 2 || num_ranks > kMaxRanks) {
+    return false;
+  }
+  const std::string prefix = keyPrefix(pg) + "topology/";
+  const std::vector<std::string> posted =
+      allGatherStrings(pg, prefix, hostName() + "|" + std::to_string(int(device.index())),
+                       "ep dispatch (transport setup)");
+  std::vector<std::string> hosts(num_ranks);
+  std::vector<int> devices(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) {
+    const auto bar = posted[r].rfind('|');
+    hosts[r] = posted[r].substr(0, bar);
+    devices[r] = std::stoi(posted[r].substr(bar + 1));
+  }
+  bool ok = true;
+  for (int r = 0; r < num_ranks; ++r) {
+    ok = ok && hosts[r] == hosts[0];
+    if (ok && r != rank && devices[r] != device.index()) {
+      int can = 0;
+      cudaDeviceCanAccessPeer(&can, device.index(), devices[r]);
+      ok = ok && can;
+    }
+  }
+  bool all = true;
+  for (const auto& verdict :
+       allGatherStrings(pg, prefix + "ok/", ok ? "1" : "0", "ep dispatch (transport setup)")) {
+    all = all && verdict == "1";
+  }
+  return all;
+}
+
+int roundUpPow2(int v, int floor) {
+  int p = floor;
+  while (p < v) {
+    p *= 2;
+  }
+  return p;
+}
+
+struct Needs {
+  int64_t tokens = 0;
+  int64_t hidden_bytes = 0;
+  int64_t topk = 0;
+  int64_t scales = 0;
+  int64_t local_experts = 0;
+};
+
+bool fits(const IntranodeConfig& c, const Needs& n) {
+  return n.tokens <= c.max_tokens_per_rank && n.hidden_bytes <= c.max_hidden_bytes &&
+         n.topk <= c.max_topk && n.scales <= c.max_scales && n.local_experts <= c.max_local_experts;
+}
+
+// Makes sure a connected runtime big enough for `needs` (the max over ranks) exists. Collective:
+// every rank calls it with the same `needs`.
+IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
+                                Needs needs) {
+  if (st.runtime && fits(st.runtime->config(), needs)) {
+    return *st.runtime;
+  }
+  IntranodeConfig cfg;
+  if (st.runtime) {
+    const auto& old = st.runtime->config();
+    needs.tokens = std::max<int64_t>(needs.tokens, old.max_tokens_per_rank);
+    needs.hidden_bytes = std::max<int64_t>(needs.hidden_bytes, old.max_hidden_bytes);
+    needs.topk = std::max<int64_t>(needs.topk, old.max_topk);
+    needs.scales = std::max<int64_t>(needs.scales, old.max_scales);
+    needs.local_experts = std::max<int64_t>(needs.local_experts, old.max_local_experts);
+    if (profilingHost()) {
+      std::fprintf(stderr,
+                   "ep intranode: rebuilding the transport (needs %lld tokens, %lld "
+                   "hidden bytes, top-%lld, %lld scales, %lld local experts)\n",
+                   static_cast<long long>(needs.tokens), static_cast<long long>(needs.hidden_bytes),
+                   static_cast<long long>(needs.topk), static_cast<long long>(needs.scales),
+                   static_cast<long long>(needs.local_experts));
+    }
+    // Peers may still run kernels on the old buffers: drain, then agree, then free.
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    pg.innerBackend(c10::DeviceType::CPU, "intranode rebuild")->barrier()->wait();
+    st.runtime->destroy();
+    st.runtime.reset();
+  }
+  cfg.max_tokens_per_rank = roundUpPow2(static_cast<int>(needs.tokens), 1024);
+  cfg.max_hidden_bytes = static_cast<int>(std::max<int64_t>(needs.hidden_bytes, 16));
+  cfg.max_topk = static_cast<int>(std::max<int64_t>(needs.topk, 8));
+  cfg.max_scales = static_cast<int>(std::max<int64_t>(needs.scales, 1));
+  cfg.max_local_experts = static_cast<int>(std::max<int64_t>(needs.local_experts, 1));
+  cfg.timeout_seconds = pg.options()->kernel_timeout_s;
+  cfg.num_sms = static_cast<int>(pg.options()->num_sms);
+  // Tuning knobs for sweeps (docs/api.md): send warps per block, row alignment, publish batch,
+  // claimed (1) or round-robin (0) dispatch token split.
+  for (auto [name, field] :
+       {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
+        std::pair{"EP_DISPATCH_SEND_WARPS_SMALL_ROWS", &cfg.small_row_dispatch_send_warps},
+        std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
+        std::pair{"EP_ROW_ALIGN", &cfg.row_align},
+        std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
+    if (const char* env = std::getenv(name)) {
+      *field = std::atoi(env);
+    }
+  }
+  // EP_DISPATCH_SEND_WARPS alone sets the dispatch's warps for every row size.
+  if (std::getenv("EP_DISPATCH_SEND_WARPS") != nullptr &&
+      std::getenv("EP_DISPATCH_SEND_WARPS_SMALL_ROWS") == nullptr)
+    cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
+  if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
+  st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
+  const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";
+  auto handle = st.runtime->ipc_handle();
+  pg.store()->set(prefix + std::to_string(pg.getRank()),
+                  std::vector<uint8_t>(handle.begin(), handle.end()));
+  std::vector<std::vector<char>> all(pg.getSize());
+  for (int r = 0; r < pg.getSize(); ++r) {
+    auto v = pg.store()->get(prefix + std::to_string(r));
+    all[r] = std::vector<char>(v.begin(), v.end());
+  }
+  st.runtime->connect(all);
+  return *st.runtime;
+}
+
+// A kernel error of an earlier call (a timeout naming the stalled peer, a capacity overflow)
+// surfaces at the next call on this group.
+void raisePendingError(GroupState& st, const char* op) {
+  if (!st.runtime) {
+    return;
+  }
+  std::string error = st.runtime->check_error();
+  if (error.empty()) {
+    return;
+  }
+  if (!st.runtime->failed()) {
+    st.runtime->clear_error();
+  }
+  TORCH_CHECK(false, error, " (reported by the next call, ", op, ")");
+}
+
+Needs maxNeeds(const at::Tensor& gathered) {
+  // gathered [R, >=5]: tokens, hidden bytes, top-k, scales, local experts. A plain loop: an ATen
+  // reduction here woke the intra-op thread pool and cost milliseconds per call on the GPU host.
+  auto g = gathered.accessor<int64_t, 2>();
+  int64_t m[5] = {0, 0, 0, 0, 0};
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    for (int c = 0; c < 5; ++c) {
+      m[c] = std::max(m[c], g[r][c]);
+    }
+  }
+  Needs n;
+  n.tokens = m[0];
+  n.hidden_bytes = m[1];
+  n.topk = m[2];
+  n.scales = m[3];
+  n.local_experts = m[4];
+  return n;
+}
+
+// The most rows a dispatch can deliver to one rank: every token of every rank (column 0 of the
+// agreed payload), each received at most once.
+int64_t worstCaseRows(const at::Tensor& gathered) {
+  auto g = gathered.accessor<int64_t, 2>();
+  int64_t rows = 0;
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    rows += g[r][0];
+  }
+  return rows;
+}
+
+// Per-token send positions and receive prefix of a handle (the kernels' view of the routing).
+std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
+  at::Tensor in_rank = r.is_token_in_rank.to(at::kInt);
+  at::Tensor send_pos =
+      at::where(r.is_token_in_rank, in_rank.cumsum(0, at::kInt) - 1, -1).to(at::kInt).contiguous();
+  at::Tensor prefix = at::zeros({r.num_recv_tokens_per_rank.numel() + 1},
+                                r.num_recv_tokens_per_rank.options().dtype(at::kInt));
+  prefix.narrow(0, 1, r.num_recv_tokens_per_rank.numel())
+      .copy_(r.num_recv_tokens_per_rank.cumsum(0, at::kInt));
+  return {send_pos, prefix};
+}
+
+// Version counters of the handle's tensors, or nullopt when one has none (inference tensors).
+std::optional<std::array<uint32_t, 3>> versionsOf(const DispatchRouting& r) {
+  std::array<uint32_t, 3> v{};
+  const at::Tensor* ts[3] = {&r.is_token_in_rank, &r.num_tokens_per_rank,
+                             &r.num_recv_tokens_per_rank};
+  for (int i = 0; i < 3; ++i) {
+    if (!ts[i]->defined() || ts[i]->is_inference()) {
+      return std::nullopt;
+    }
+    v[i] = ts[i]->_version();
+  }
+  return v;
+}
+
+void remember(GroupState& st, const DispatchRouting& r, at::Tensor send_pos, at::Tensor recv_prefix,
+              std::vector<int64_t> host_counts) {
+  const auto versions = versionsOf(r);
+  if (!versions || send_pos.is_inference()) {
+    return;
+  }
+  KernelRouting k;
+  k.is_token_in_rank = r.is_token_in_rank;
+  k.num_tokens_per_rank = r.num_tokens_per_rank;
+  k.num_recv_tokens_per_rank = r.num_recv_tokens_per_rank;
+  k.versions = *versions;
+  k.send_pos_version = send_pos._version();
+  k.send_pos = std::move(send_pos);
+  k.recv_prefix = std::move(recv_prefix);
+  k.host_counts = std::move(host_counts);
+  st.recent.push_front(std::move(k));
+  if (st.recent.size() > kRecentHandles) {
+    st.recent.pop_back();
+  }
+}
+
+// The send positions and receive prefix of a handle for kernels on `stream`: the remembered
+// ones (marked as used on `stream`, so the allocator never hands their memory to another stream
+// while these kernels read it) or freshly computed ones.
+std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const DispatchRouting& r,
+                                             const c10::cuda::CUDAStream& stream) {
+  if (known == nullptr) {
+    return kernelRouting(r);
+  }
+  for (const at::Tensor* t : {&known->send_pos, &known->recv_prefix}) {
+    c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
+  }
+  return {known->send_pos, known->recv_prefix};
+}
+
+// The remembered routing of this handle: the very same tensors, unmodified since.
+const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
+  const auto versions = versionsOf(r);
+  if (!versions) {
+    return nullptr;
+  }
+  for (const auto& k : st.recent) {
+    if (k.is_token_in_rank.is_same(r.is_token_in_rank) &&
+        k.num_tokens_per_rank.is_same(r.num_tokens_per_rank) &&
+        k.num_recv_tokens_per_rank.is_same(r.num_recv_tokens_per_rank) && k.versions == *versions &&
+        k.send_pos._version() == k.send_pos_version) {  // a given layout's send_pos, unedited
+      return &k;
+    }
+  }
+  return nullptr;
+}
+
+// Some rank's layout found a topk_idx value outside [-1, E) and notify told every rank: all raise
+// here, before the dispatch kernel, so nothing moves and the transport stays in step. Worst-case
+// mode has no such host step: there the layout treats the values as -1 and the next call raises.
+// `take_record` returns (and clears) the error record of the layout that found the value.
+template <typename TakeRecord>
+[[noreturn]] void raiseRejectedTopk(TakeRecord take_record, int rejected_ranks, int64_t rank,
+                                    int64_t num_experts, int64_t topk) {
+  if ((rejected_ranks >> rank) & 1) {
+    const ErrorRecord record = take_record();
+    TORCH_CHECK(false, "ep dispatch: topk_idx values must be in [-1, num_experts=", num_experts,
+                "), got ", record.value_a, " at token ", record.value_b / topk, ", slot ",
+                record.value_b % topk, " (rank ", rank, "; nothing was exchanged)");
+  }
+  std::vector<int64_t> bad_ranks;
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if ((rejected_ranks >> r) & 1) {
+      bad_ranks.push_back(r);
+    }
+  }
+  raiseRejectedBy("dispatch", bad_ranks);
+}
+
+// Scratch of the layout kernel's blocks (undefined when one block does it all). Stream-ordered
+// like any tensor; its contents do not matter.
+at::Tensor layoutWorkspace(int64_t num_tokens, int64_t num_experts, const at::Device& device) {
+  const size_t bytes =
+      intranode_layout_workspace_bytes(static_cast<int>(num_tokens), static_cast<int>(num_experts));
+  if (bytes == 0) {
+    return at::Tensor();
+  }
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+// The notify kernel's per-expert counts as a CPU int64 tensor (no device read).
+at::Tensor hostCounts(const std::vector<int>& counts) {
+  at::Tensor t =
+      at::empty({static_cast<int64_t>(counts.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(counts.begin(), counts.end(), t.data_ptr<int64_t>());
+  return t;
+}
+
+// While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
+// check (which reads the handle's counts) is skipped then; it ran when the handle was made.
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+}  // namespace
+
+bool usable(EPProcessGroup& pg, const at::Device& device) {
+  auto st = stateOf(pg);
+  if (!st->decided) {
+    c10::cuda::CUDAGuard guard(device);
+    st->usable = decideUsable(pg, device);
+    st->decided = true;
+  }
+  return st->usable;
+}
+
+namespace {
+
+// Error state of the standalone layout kernel, one per device, kept for the process: the
+// kernel's error lock (device memory) and its error record (host-mapped, read by the next call).
+struct LayoutErrorState {
+  ControlBlock* ctrl = nullptr;
+  ErrorRecord* host = nullptr;
+  ErrorRecord* dev = nullptr;
+};
+
+LayoutErrorState& layoutErrorState(int device, cudaStream_t stream) {
+  static std::mutex mutex;
+  static auto* states = new std::map<int, LayoutErrorState>();
+  std::lock_guard<std::mutex> lock(mutex);
+  LayoutErrorState& st = (*states)[device];
+  if (st.ctrl == nullptr) {
+    // The first use may come while a CUDA graph is being captured: allocations are refused in
+    // the default capture mode, so they run in relaxed mode, and the control block is zeroed on
+    // the stream (in a graph, at each replay: harmless, it only resets the error lock).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st.ctrl), sizeof(ControlBlock)));
+    C10_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&st.host), sizeof(ErrorRecord),
+                                 cudaHostAllocMapped));
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    std::memset(static_cast<void*>(st.host), 0, sizeof(ErrorRecord));
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.dev), st.host, 0));
+    C10_CUDA_CHECK(cudaMemsetAsync(st.ctrl, 0, sizeof(ControlBlock), stream));
+  }
+  return st;
+}
+
+// Returns and clears the error a standalone layout kernel recorded on `device` (a dispatch that
+// took that layout is raising it).
+ErrorRecord takeLayoutError(int device, cudaStream_t stream) {
+  LayoutErrorState& err = layoutErrorState(device, stream);
+  const ErrorRecord record = *const_cast<const ErrorRecord*>(err.host);
+  std::memset(static_cast<void*>(err.host), 0, sizeof(ErrorRecord));
+  C10_CUDA_CHECK(cudaMemsetAsync(&err.ctrl->error_lock, 0, sizeof(int), stream));
+  return record;
+}
+
+}  // namespace
+
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  HostStages stages("layout");
+  const char* op = "ep get_dispatch_layout: ";
+  checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
+  TORCH_CHECK(num_ranks <= kMaxRanks, op, "the CUDA layout kernel serves 1..", kMaxRanks,
+              " ranks, got ", num_ranks);
+  TORCH_CHECK(num_experts <= (1 << 14), op, "num_experts=", num_experts, " exceeds 16384");
+  TORCH_CHECK(topk_idx.size(0) <= std::numeric_limits<int>::max() / num_ranks, op,
+              "too many tokens");
+  const at::Device device = topk_idx.device();
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  LayoutErrorState& err = layoutErrorState(device.index(), stream);
+  if (const volatile ErrorRecord* e = err.host; e->code != kErrorNone) {
+    const ErrorRecord record = takeLayoutError(device.index(), stream);
+    const long long value = record.value_a, flat = record.value_b;
+    TORCH_CHECK(record.code != kErrorTimeout, op, "an earlier call on ", device,
+                " timed out: a block of the layout kernel waited for block ", value,
+                ", which never ran (its outputs are wrong; reported by the next call)");
+    TORCH_CHECK(false, op, "an earlier call on ", device, " got topk_idx value ", value,
+                " at flat position ", flat,
+                ", outside [-1, num_experts) (counted as -1 there; "
+                "reported by the next call)");
+  }
+  stages.mark("checks");
+  const at::Tensor idx = topk_idx.contiguous();
+  const auto i32 = idx.options().dtype(at::kInt);
+  at::Tensor per_rank = at::empty({num_ranks}, i32);
+  at::Tensor per_expert = at::empty({num_experts}, i32);
+  at::Tensor in_rank = at::empty({idx.size(0), num_ranks}, idx.options().dtype(at::kBool));
+  at::Tensor send_pos = at::empty({idx.size(0), num_ranks}, i32);
+  LayoutParams p{};
+  p.topk_idx = idx.data_ptr();
+  p.idx_bytes = static_cast<int>(idx.element_size());
+  p.num_tokens = static_cast<int>(idx.size(0));
+  p.num_topk = static_cast<int>(idx.size(1));
+  p.num_experts = static_cast<int>(num_experts);
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.num_tokens_per_rank = per_rank.data_ptr<int>();
+  p.num_tokens_per_expert = per_expert.data_ptr<int>();
+  p.is_token_in_rank = in_rank.data_ptr<bool>();
+  p.send_pos = send_pos.data_ptr<int>();
+  p.ctrl = err.ctrl;
+  p.error = err.dev;
+  p.rank = -1;
+  const at::Tensor ws = layoutWorkspace(idx.size(0), num_experts, device);
+  p.workspace = ws.defined() ? ws.data_ptr() : nullptr;
+  stages.mark("alloc");
+  C10_CUDA_CHECK(launch_intranode_layout(p, stream));
+  stages.mark("launch");
+  return {per_rank, per_expert, in_rank, send_pos};
+}
+
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
+  HostStages stages("dispatch");
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "dispatch");
+  // Values of topk_idx are never read on the host (a stream sync): the layout kernel checks them
+  // and notify tells every rank, which all raise before the dispatch kernel (see below).
+  const std::string error = validateDispatch(a, num_ranks, false);
+  stages.mark("validate");
+  const bool ok = error.empty();
+  const bool has_scales = a.x_scales.has_value();
+  const bool has_weights = a.topk_weights.has_value();
+  std::vector<AgreedField> fields = dispatchFields(a, ok);
+  // Ranks that disagree would diverge on a rejected routing (one launches the kernel, one not).
+  fields.push_back(
+      {"Options.overlap_dispatch_host_wait", pg.options()->overlap_dispatch_host_wait});
+  std::vector<int64_t> payload{
+      ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
+      ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
+  at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload);
+  stages.mark("agree");
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  stages.mark("guard");
+  const Needs needs = maxNeeds(gathered);
+  stages.mark("needs");
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, needs);
+  stages.mark("runtime");
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+
+  const int64_t num_tokens = a.x.size(0);
+  const int64_t topk = a.topk_idx.size(1);
+  const int64_t experts_per_rank = a.num_experts / num_ranks;
+  const auto i32 = a.x.options().dtype(at::kInt);
+  const int idx_bytes = static_cast<int>(a.topk_idx.element_size());
+  const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
+  // A layout computed earlier (get_dispatch_layout) replaces the layout kernel; its error record
+  // tells notify whether it found an invalid topk_idx value.
+  const bool given_layout = !a.layout.empty();
+  const ErrorRecord* layout_error = nullptr;
+  at::Tensor per_rank, per_expert, in_rank, send_pos, recv_prefix;
+  if (given_layout) {
+    per_rank = a.layout[0];
+    per_expert = a.layout[1];
+    in_rank = a.layout[2];
+    send_pos = a.layout[3];
+    recv_prefix = at::empty({num_ranks + 1}, i32);
+    layout_error = layoutErrorState(device.index(), stream).dev;
+  } else {
+    // Order matters for latency: the GPU idles until the layout launch, so only the layout's
+    // tensors come first; the rest is allocated while the layout and notify kernels run.
+    per_rank = at::empty({num_ranks}, i32);
+    per_expert = at::empty({a.num_experts}, i32);
+    in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
+    // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive
+    // prefix [R + 1] and the layout kernel's scratch, each 16-byte aligned.
+    const int64_t prefix_at = align4(num_tokens * num_ranks);
+    const int64_t scratch_at = prefix_at + align4(num_ranks + 1);
+    const size_t layout_ws_bytes = intranode_layout_workspace_bytes(
+        static_cast<int>(num_tokens), static_cast<int>(a.num_experts));
+    at::Tensor internal =
+        at::empty({scratch_at + align4(static_cast<int64_t>((layout_ws_bytes + 3) / 4))}, i32);
+    send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
+    recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
+    void* layout_ws = layout_ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr;
+    rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens),
+              static_cast<int>(topk), static_cast<int>(a.num_experts), per_rank.data_ptr<int>(),
+              per_expert.data_ptr<int>(), in_rank.data_ptr<bool>(), send_pos.data_ptr<int>(),
+              stream, layout_ws);
+  }
+  at::Tensor recv_counts = at::empty({num_ranks}, i32);
+  at::Tensor recv_per_expert = at::empty({experts_per_rank}, i32);
+  const bool host_counts = a.num_worst_tokens == 0;
+  // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for
+  // the most any rank can receive (every token of every rank), narrowed once the counts are in.
+  const bool overlap = host_counts && pg.options()->overlap_dispatch_host_wait;
+  // Without a host wait between notify and the dispatch launch, the dispatch kernel starts
+  // behind notify while it runs (programmatic dependent launch).
+  const bool dispatch_follows = !host_counts || overlap;
+  const int ticket = rt.notify(
+      per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
+      static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
+      recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(),
+      host_counts, stream, layout_error, dispatch_follows);
+  stages.mark("layout+notify");
+
+  int64_t rows = a.num_worst_tokens;
+  if (overlap) {
+    rows = worstCaseRows(gathered);
+  }
+  DispatchResult out;
+  at::Tensor src_idx, src_rank;
+  const auto allocate_and_launch = [&] {
+    out.recv_x = at::empty({rows, a.x.size(1)}, a.x.options());
+    if (has_scales) {
+      out.recv_x_scales = at::empty({rows, a.x_scales->size(1)}, a.x_scales->options());
+    }
+    out.recv_topk_idx = at::empty({rows, topk}, a.topk_idx.options());
+    if (has_weights) {
+      out.recv_topk_weights = at::empty({rows, topk}, a.topk_weights->options());
+    }
+    src_idx = at::empty({rows}, i32);
+    src_rank = at::empty({rows}, i32);
+
+    IntranodeDispatchArgs args;
+    args.x = a.x.data_ptr();
+    args.num_tokens = static_cast<int>(num_tokens);
+    args.hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
+    args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;
+    args.num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
+    args.topk_idx = a.topk_idx.data_ptr();
+    args.idx_bytes = idx_bytes;
+    args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+    args.num_topk = static_cast<int>(topk);
+    args.num_experts = static_cast<int>(a.num_experts);
+    args.send_pos = send_pos.data_ptr<int>();
+    args.recv_prefix = recv_prefix.data_ptr<int>();
+    args.recv_x = out.recv_x.data_ptr();
+    args.recv_x_scales = has_scales ? static_cast<float*>(out.recv_x_scales->data_ptr()) : nullptr;
+    args.recv_topk_idx = out.recv_topk_idx.data_ptr();
+    args.recv_topk_weights = has_weights ? out.recv_topk_weights->data_ptr<float>() : nullptr;
+    args.recv_src_idx = src_idx.data_ptr<int>();
+    args.recv_src_rank = src_rank.data_ptr<int>();
+    // Only worst-case mode pads; the overlapped launch leaves the rows past the count unwritten.
+    args.num_worst_tokens = overlap ? 0 : static_cast<int>(a.num_worst_tokens);
+    rt.dispatch(args, stream);
+  };
+  if (overlap) {
+    // The kernel reads the receive prefix notify leaves on the device; a rejected routing
+    // (an invalid topk_idx on some rank) makes it move nothing, on every rank alike.
+    allocate_and_launch();
+    stages.mark("alloc+launch");
+  }
+  std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
+  at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
+  if (host_counts) {
+    const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
+    if (counts.rejected_ranks != 0) {
+      const auto take_record = [&]() -> ErrorRecord {
+        if (given_layout) {
+          return takeLayoutError(device.index(), stream);
+        }
+        const ErrorRecord record = rt.error_record();
+        rt.clear_error();
+        return record;
+      };
+      raiseRejectedTopk(take_record, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
+    }
+    TORCH_INTERNAL_ASSERT(!overlap || counts.num_recv_tokens <= rows,
+                          "ep dispatch: ", counts.num_recv_tokens, " rows received, more than the ",
+                          rows, " every rank's tokens add up to");
+    host_routing_counts.assign(counts.sent_per_rank.begin(), counts.sent_per_rank.end());
+    host_routing_counts.insert(host_routing_counts.end(), counts.per_rank.begin(),
+                               counts.per_rank.end());
+    host_per_expert = hostCounts(counts.per_expert);
+    if (overlap) {
+      const int64_t n = counts.num_recv_tokens;
+      out.recv_x = out.recv_x.narrow(0, 0, n);
+      if (has_scales) {
+        out.recv_x_scales = out.recv_x_scales->narrow(0, 0, n);
+      }
+      out.recv_topk_idx = out.recv_topk_idx.narrow(0, 0, n);
+      if (has_weights) {
+        out.recv_topk_weights = out.recv_topk_weights->narrow(0, 0, n);
+      }
+      src_idx = src_idx.narrow(0, 0, n);
+      src_rank = src_rank.narrow(0, 0, n);
+    } else {
+      rows = counts.num_recv_tokens;
+    }
+  }
+  stages.mark("wait_counts");
+  if (!overlap) {
+    allocate_and_launch();
+    stages.mark("alloc+launch");
+  }
+
+  out.num_recv_tokens_per_expert = recv_per_expert;
+  out.num_recv_tokens_per_expert_host = host_per_expert;
+  out.routing.is_token_in_rank = in_rank;
+  out.routing.num_tokens_per_rank = per_rank;
+  out.routing.num_recv_tokens_per_rank = recv_counts;
+  out.routing.recv_src_idx = src_idx;
+  out.routing.recv_src_rank = src_rank;
+  remember(*st, out.routing, send_pos, recv_prefix, std::move(host_routing_counts));
+  stages.mark("remember");
+  return out;
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+    const DispatchRouting& routing) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "cached dispatch");
+  const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
+  const bool ok = error.empty();
+  const std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
+  std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
+                               ok && x_scales ? x_scales->size(1) : 0, 0};
+  const KernelRouting* known = recall(*st, routing);
+  const auto counts = capturing() ? std::vector<int64_t>(2 * num_ranks, 0)
+                      : known && !known->host_counts.empty() ? known->host_counts
+                                                             : routingCounts(routing, num_ranks);
+  payload.insert(payload.end(), counts.begin(), counts.end());
+  at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
+  checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank());
+
+  const at::Device device = x.device();
+  c10::cuda::CUDAGuard guard(device);
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  auto [send_pos, recv_prefix] =
+      routingFor(known, routing, c10::cuda::getCurrentCUDAStream(device.index()));
+  const int64_t rows = routing.recv_src_idx.size(0);
+  at::Tensor recv_x = at::empty({rows, x.size(1)}, x.options());
+  std::optional<at::Tensor> recv_scales;
+  if (x_scales) {
+    recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
+  }
+  IntranodeDispatchArgs args;
+  args.x = x.data_ptr();
+  args.num_tokens = static_cast<int>(x.size(0));
+  args.hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
+  args.x_scales = x_scales ? static_cast<const float*>(x_scales->data_ptr()) : nullptr;
+  args.num_scales = x_scales ? static_cast<int>(x_scales->size(1)) : 0;
+  args.send_pos = send_pos.data_ptr<int>();
+  args.recv_prefix = recv_prefix.data_ptr<int>();
+  args.recv_x = recv_x.data_ptr();
+  args.recv_x_scales = recv_scales ? static_cast<float*>(recv_scales->data_ptr()) : nullptr;
+  // Rows past the valid count (a num_worst_tokens handle) are written as padding.
+  args.num_worst_tokens = static_cast<int>(rows);
+  rt.cached_dispatch(args, stream);
+  return {recv_x, recv_scales};
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
+  HostStages stages("combine");
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "combine");
+  const std::string error = validateCombine(a, num_ranks);
+  stages.mark("validate");
+  const bool ok = error.empty();
+  const bool has_weights = a.topk_weights.has_value();
+  const std::vector<AgreedField> fields = combineFields(a, ok);
+  const auto& r = a.routing;
+  std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
+                               ok ? a.x.size(1) * a.x.element_size() : 0,
+                               ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
+  const KernelRouting* known = recall(*st, r);
+  const auto counts = capturing() ? std::vector<int64_t>(2 * num_ranks, 0)
+                      : known && !known->host_counts.empty() ? known->host_counts
+                                                             : routingCounts(r, num_ranks);
+  stages.mark("handle_counts");
+  payload.insert(payload.end(), counts.begin(), counts.end());
+  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
+  checkRoutingAgrees("combine", gathered, 5, pg.getRank());
+  stages.mark("agree");
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  auto [send_pos, recv_prefix] =
+      routingFor(known, r, c10::cuda::getCurrentCUDAStream(device.index()));
+  stages.mark("routing");
+  const int64_t num_tokens = r.is_token_in_rank.size(0);
+  at::Tensor out = at::empty({num_tokens, a.x.size(1)}, a.x.options());
+  std::optional<at::Tensor> out_w;
+  if (has_weights) {
+    out_w = at::empty({num_tokens, a.topk_weights->size(1)}, a.topk_weights->options());
+  }
+  IntranodeCombineArgs args;
+  args.x = a.x.data_ptr();
+  args.elem_bytes = static_cast<int>(a.x.element_size());
+  args.hidden = static_cast<int>(a.x.size(1));
+  args.num_recv_rows = static_cast<int>(a.x.size(0));
+  args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+  args.num_topk = has_weights ? static_cast<int>(a.topk_weights->size(1)) : 0;
+  args.recv_prefix = recv_prefix.data_ptr<int>();
+  args.send_pos = send_pos.data_ptr<int>();
+  args.num_tokens = static_cast<int>(num_tokens);
+  args.bias0 = a.bias0 ? a.bias0->data_ptr() : nullptr;
+  args.bias1 = a.bias1 ? a.bias1->data_ptr() : nullptr;
+  args.out = out.data_ptr();
+  args.out_topk_weights = out_w ? out_w->data_ptr<float>() : nullptr;
+  rt.combine(args, stream);
+  stages.mark("alloc+launch");
+  return {out, out_w};
+}
+
+}  // namespace ep::intranode
+
+#endif  // EP_WITH_CUDA

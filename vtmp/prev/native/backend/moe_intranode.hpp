@@ -1,0 +1,38 @@
+// The high-throughput MoE collectives on CUDA tensors over NVLink (one host, 2-8 GPUs), through
+// the torch-free IntranodeRuntime of native/runtime. Only built with EP_WITH_CUDA.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+
+#include "moe_types.hpp"
+
+namespace ep {
+
+class EPProcessGroup;
+
+namespace intranode {
+
+// Whether the NVLink kernels can serve this group (CUDA build, every rank a GPU of this host with
+// peer access, 2..8 ranks). Decided once per group, identically on every rank.
+bool usable(EPProcessGroup& pg, const at::Device& device);
+
+// get_dispatch_layout on a CUDA topk_idx: the layout kernel (one launch, no host sync). Ids
+// outside [-1, E) count as -1; the first call on the device after that kernel ran raises. num_ranks
+// <= 8.
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
+
+std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+    const DispatchRouting& routing);
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                         const CombineArgs& args);
+
+}  // namespace intranode
+}  // namespace ep

@@ -1,0 +1,72 @@
+// Input validation of the MoE collectives, and the agreement step that makes every rank raise
+// together: a rank that rejects its input must not leave its peers waiting in an exchange.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moe_types.hpp"
+
+namespace ep {
+
+// Each returns "" when the call is valid on this rank, else a message for the user.
+// `check_values` reads topk_idx on the host (default: only for CPU tensors).
+std::string validateDispatch(const DispatchArgs& args, int64_t num_ranks,
+                             std::optional<bool> check_values = std::nullopt);
+std::string validateRouting(const DispatchRouting& routing, int64_t num_ranks, int64_t num_tokens);
+std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                                   const DispatchRouting& routing, int64_t num_ranks);
+std::string validateCombine(const CombineArgs& args, int64_t num_ranks);
+std::string validateLowLatencyDispatch(const LowLatencyDispatchInputs& args, int64_t num_ranks);
+std::string validateLowLatencyCombine(const LowLatencyCombineInputs& args, int64_t num_ranks);
+
+// One named integer every rank must agree on (e.g. the hidden size).
+struct AgreedField {
+  const char* name;
+  int64_t value;
+};
+
+// The agreement step, over the group's CPU backend. All-gathers a row of a fixed width (the
+// same in every collective of the group, so ranks never post exchanges of different sizes):
+// [error flag, id of `op`, #fields, #payload, 16 field slots, 2R + 8 payload slots]; throws on
+// every rank if any rank had an error, the ranks are in different collectives, or the fields or
+// payload sizes differ. Returns the payloads as int64 [R, payload.size()] (a payload longer than
+// 2R + 8 entries takes a second all-gather). At most 16 fields.
+at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                            const std::vector<AgreedField>& fields,
+                            const std::vector<int64_t>& payload);
+
+// How this group's MoE calls agree across ranks: "shared memory" (every rank on one host),
+// "gloo", or "undecided" before the group's first MoE call.
+std::string moeAgreementTransport(EPProcessGroup& pg);
+
+// The agreement step of a rank whose inputs were rejected before it reached the C++ op (by
+// the Python layer): its peers in `op` (or any other MoE collective) raise "rank(s) ...
+// rejected their inputs"; this rank raises RuntimeError with `message`.
+void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message);
+
+// Raises on a rank whose own input was fine: "ep <op>: rank(s) <bad_ranks> rejected their inputs".
+[[noreturn]] void raiseRejectedBy(const char* op, const std::vector<int64_t>& bad_ranks);
+
+// Arguments of get_dispatch_layout: topk_idx 2-D int64/int32, E a positive multiple of R.
+void checkDispatchLayoutArgs(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+
+// The fields every rank must agree on for each collective (`ok`: this rank's input is valid, so
+// its shapes may be read).
+std::vector<AgreedField> dispatchFields(const DispatchArgs& args, bool ok);
+std::vector<AgreedField> cachedDispatchFields(const at::Tensor& x,
+                                              const std::optional<at::Tensor>& x_scales, bool ok);
+std::vector<AgreedField> combineFields(const CombineArgs& args, bool ok);
+
+// (rows sent to each rank, rows received from each rank) of a handle, 2R values (zeros when the
+// handle is malformed: validation reports that).
+std::vector<int64_t> routingCounts(const DispatchRouting& routing, int64_t num_ranks);
+
+// Throws on every rank unless what each rank sent (gathered[s, offset + d]) is what its peer
+// expects to receive (gathered[d, offset + R + s]): a handle from another dispatch or group.
+void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank);
+
+}  // namespace ep

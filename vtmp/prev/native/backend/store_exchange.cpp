@@ -1,0 +1,55 @@
+#include "store_exchange.hpp"
+
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <chrono>
+
+#include "ep_process_group.hpp"
+
+namespace ep {
+
+std::vector<std::string> readAllStrings(EPProcessGroup& pg, const std::string& prefix,
+                                        const std::string& what) {
+  const int n = pg.getSize();
+  std::vector<std::string> keys;
+  for (int r = 0; r < n; ++r) {
+    keys.push_back(prefix + std::to_string(r));
+  }
+  const auto timeout = pg.options()->timeout;
+  try {
+    pg.store()->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::string missing;
+    for (int r = 0; r < n; ++r) {
+      if (!pg.store()->check({keys[r]})) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    TORCH_CHECK(false, what, ": rank ", pg.getRank(), " waited ",
+                std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
+                " s for the other ranks of the group to join this call; rank(s) ",
+                missing.empty() ? std::string("?") : missing, " never joined it (", e.what(), ")");
+  }
+  std::vector<std::string> values;
+  for (const auto& k : keys) {
+    const std::vector<uint8_t> v = pg.store()->get(k);
+    values.emplace_back(v.begin(), v.end());
+  }
+  return values;
+}
+
+std::vector<std::string> allGatherStrings(EPProcessGroup& pg, const std::string& prefix,
+                                          const std::string& mine, const std::string& what) {
+  pg.store()->set(prefix + std::to_string(pg.getRank()),
+                  std::vector<uint8_t>(mine.begin(), mine.end()));
+  return readAllStrings(pg, prefix, what);
+}
+
+std::string hostName() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+}  // namespace ep

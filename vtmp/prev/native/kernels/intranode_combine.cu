@@ -1,0 +1,446 @@
+// High-throughput intranode combine: the reverse of dispatch, with a fixed-order reduction.
+//
+//  * Senders (expert side): the rows held from source s, x[recv_prefix[s] + i], go back to rank s,
+//    into slot i of the region this rank owns in s's combine area (i is the row's position in s's
+//    send list, i.e. s's send_pos), with its top-k weights and a per-row flag = sequence number
+//    published with a system-scope release. Rows this rank holds from itself are not sent: the
+//    owner side reads them straight from x.
+//  * Receivers (owner side): token t waits for the flags of its rows from every rank r with
+//    send_pos[t, r] >= 0, then computes, element by element,
+//      acc = +0; for r = 0..R-1 ascending: acc += row_r; acc += bias0; acc += bias1
+//    in float32 (float64 for float64 rows) with round-to-nearest adds (no contraction), and
+//    stores acc rounded to nearest-even in the element type. Weights are summed the same way.
+//    BF16 tokens with at most two rows and no bias take add.rn.bf16x2, which gives the same bits
+//    (see device::bf16_pair_sum) with a fifth of the instructions: on 2 ranks the reduction's
+//    instructions bound the owner side (combine kernel 210.7 -> 193.8 us).
+// Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
+// token order and the reduction overlaps the transfer.
+#include "intranode_kernels.hpp"
+#include "intranode_timeline.cuh"
+#include "ptx_utils.cuh"
+
+namespace ep {
+namespace {
+
+#ifdef EP_HT_TIMELINE
+__device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
+#endif
+
+constexpr uint32_t kFull = 0xffffffffu;
+constexpr int kWarps = kIntranodeThreads / 32;
+
+template <int kElemBytes>
+struct ElemOps;
+
+template <>
+struct ElemOps<2> {  // bfloat16
+  using Acc = float;
+  static constexpr int kPerVec = 8;
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
+    const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] = __fadd_rn(acc[2 * i], device::bf16_to_float(w[i] & 0xFFFFu));
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], device::bf16_to_float(w[i] >> 16));
+    }
+  }
+  // One cvt.rn.bf16x2 per two elements (round to nearest even, like float_to_bf16_rne, subnormals
+  // kept). A NaN takes the slow path so it keeps float_to_bf16_rne's bits (0x7FC0; the hardware
+  // writes 0x7FFF). The reduction's instructions bound the owner side on 2 ranks (-10.6 us).
+  static __device__ __forceinline__ int4 pack(const Acc* acc) {
+    uint32_t w[4];
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
+      nan |= acc[2 * i] != acc[2 * i] || acc[2 * i + 1] != acc[2 * i + 1];
+    }
+    if (nan) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = uint32_t(device::float_to_bf16_rne(acc[2 * i])) |
+               (uint32_t(device::float_to_bf16_rne(acc[2 * i + 1])) << 16);
+    }
+    return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+  }
+};
+
+template <>
+struct ElemOps<4> {  // float32
+  using Acc = float;
+  static constexpr int kPerVec = 4;
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
+    acc[0] = __fadd_rn(acc[0], __int_as_float(v.x));
+    acc[1] = __fadd_rn(acc[1], __int_as_float(v.y));
+    acc[2] = __fadd_rn(acc[2], __int_as_float(v.z));
+    acc[3] = __fadd_rn(acc[3], __int_as_float(v.w));
+  }
+  static __device__ __forceinline__ int4 pack(const Acc* acc) {
+    return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]),
+                     __float_as_int(acc[3]));
+  }
+};
+
+template <>
+struct ElemOps<8> {  // float64
+  using Acc = double;
+  static constexpr int kPerVec = 2;
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
+    const long long lo = (static_cast<long long>(uint32_t(v.y)) << 32) | uint32_t(v.x);
+    const long long hi = (static_cast<long long>(uint32_t(v.w)) << 32) | uint32_t(v.z);
+    acc[0] = __dadd_rn(acc[0], __longlong_as_double(lo));
+    acc[1] = __dadd_rn(acc[1], __longlong_as_double(hi));
+  }
+  static __device__ __forceinline__ int4 pack(const Acc* acc) {
+    const long long lo = __double_as_longlong(acc[0]);
+    const long long hi = __double_as_longlong(acc[1]);
+    return make_int4(int(lo & 0xffffffff), int(lo >> 32), int(hi & 0xffffffff), int(hi >> 32));
+  }
+};
+
+// Start of the combine row `slot` that `src` writes into `owner`'s buffer (mapped as `buffer`).
+__device__ __forceinline__ char* combine_row(const CommContext& c, char* buffer, int src, int owner,
+                                             int slot, int stride) {
+  return buffer + c.layout.combine_offset +
+         c.layout.region_index(src, owner) * c.layout.combine_region_bytes + size_t(slot) * stride;
+}
+
+// Expert side: rows held from source s go back into s's combine area; progress to the publisher.
+__device__ void combine_send(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
+                             int warp, int lane, int* progress) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk;
+  const int hidden_bytes = p.hidden * p.elem_bytes;
+  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
+  const int n16 = hidden_bytes / 16;
+  const int first = blockIdx.x * p.num_send_warps + warp;
+  const int stride = gridDim.x * p.num_send_warps;
+  const int prefix = lane <= R ? p.recv_prefix[lane] : 0;
+  const uint64_t* entered =
+      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+  uint32_t ready = 1u << me;
+
+  int max_count = 0;
+  for (int s = 0; s < R; ++s) {
+    const int n = __shfl_sync(kFull, prefix, s + 1) - __shfl_sync(kFull, prefix, s);
+    if (s != me) max_count = max(max_count, n);
+  }
+  int k = 0;
+  for (int i = first; i < max_count; i += stride, ++k) {
+    for (int step = 1; step < R; ++step) {
+      const int dst = (me + step) % R;
+      const int base = __shfl_sync(kFull, prefix, dst);
+      const int count = __shfl_sync(kFull, prefix, dst + 1) - base;
+      if (i >= count) continue;
+      if (!((ready >> dst) & 1u)) {
+        bool ok = true;
+        if (lane == 0)
+          ok = device::spin_wait(ctx, dst,
+                                 [&] { return device::ld_acquire_sys(entered + dst) >= seq; });
+        if (!__shfl_sync(kFull, ok, 0)) return;
+        ready |= 1u << dst;
+      }
+      if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+      char* out = combine_row(c, c.buffers.ptr[dst], me, dst, i, row.stride);
+      const int r = base + i;
+      if (r < p.num_recv_capacity) {  // rows past the capacity never existed (overflow)
+        const int4* src =
+            reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(r) * hidden_bytes);
+        int4* o = reinterpret_cast<int4*>(out);
+        constexpr int kUnroll = 16;
+        for (int j = lane; j < n16; j += 32 * kUnroll) {
+          int4 v[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (j + 32 * u < n16) v[u] = device::ld_nc_v4(src + j + 32 * u);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (j + 32 * u < n16) device::st_v4(o + j + 32 * u, v[u]);
+        }
+        if (p.topk_weights != nullptr && lane < K)
+          reinterpret_cast<float*>(out + row.weights_offset)[lane] =
+              p.topk_weights[size_t(r) * K + lane];
+      }
+    }
+    __syncwarp();
+    if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
+  }
+}
+
+// Lane l publishes the rows of sender warp l of this block (see the dispatch publisher).
+__device__ void combine_publish(const CombineParams& p, const device::WaitContext& ctx,
+                                uint64_t seq, int lane, const int* progress) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  const int S = p.num_send_warps;
+  const int stride = gridDim.x * S;
+  const int first = blockIdx.x * S + lane;
+  int count[kMaxRanks];
+  int max_count = 0;
+#pragma unroll
+  for (int d = 0; d < kMaxRanks; ++d) {
+    count[d] = (d < R && d != me) ? p.recv_prefix[d + 1] - p.recv_prefix[d] : 0;
+    max_count = max(max_count, count[d]);
+  }
+  const int total = (lane < S && first < max_count) ? (max_count - 1 - first) / stride + 1 : 0;
+  device::publish_loop_counted(ctx, lane, S, total, p.publish_batch, progress, [&](int k) {
+    const int i = first + k * stride;
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d)
+      if (i < count[d])
+        device::st_relaxed_sys(
+            reinterpret_cast<uint64_t*>(c.buffers.ptr[d] + c.layout.combine_flag_offset(me, d, i)),
+            seq);
+  });
+}
+
+// Owner side: reduce token t whose rows from rank r sit at pos[r] (-1: none).
+template <int kElemBytes, int kRanks>
+__device__ __forceinline__ void combine_token(const CombineParams& p, int t,
+                                              const int (&pos)[kRanks], int local_base, int lane) {
+  using Ops = ElemOps<kElemBytes>;
+  using Acc = typename Ops::Acc;
+  // 16-byte loads in flight per lane: kRanks * kUnroll, all issued before any add.
+  constexpr int kUnroll = kRanks <= 2 ? 8 : (kRanks <= 4 ? 2 : 1);  // no register spills
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk;
+  const int hidden_bytes = p.hidden * kElemBytes;
+  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
+  const int n16 = hidden_bytes / 16;
+  char* const own = c.buffers.ptr[me];
+
+  int local_row = -1;  // row of x this rank holds from itself for token t
+  const char* src[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) {
+    src[r] = nullptr;
+    if (r < R && pos[r] >= 0) {
+      if (r == me) {
+        local_row = local_base + pos[r];
+        if (local_row < p.num_recv_capacity)
+          src[r] = static_cast<const char*>(p.x) + size_t(local_row) * hidden_bytes;
+      } else {
+        src[r] = combine_row(c, own, r, me, pos[r], row.stride);
+      }
+    }
+  }
+  const int4* b0 = p.bias0 == nullptr
+                       ? nullptr
+                       : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) +
+                                                       size_t(t) * hidden_bytes);
+  const int4* b1 = p.bias1 == nullptr
+                       ? nullptr
+                       : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
+                                                       size_t(t) * hidden_bytes);
+  int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
+  // BF16 on 2 ranks: at most two rows per token, summed by device::bf16_pair_sum when no bias.
+#ifdef EP_COMBINE_FLOAT32_ONLY  // A/B switch: the float32 reduction everywhere
+  constexpr bool kPairSum = false;
+#else
+  constexpr bool kPairSum = kElemBytes == 2 && kRanks == 2;
+#endif
+  const bool pair_path = b0 == nullptr && b1 == nullptr;
+
+  // Weights first: their loads overlap the row loads below.
+  float acc_w = 0.0f;
+  if (p.out_topk_weights != nullptr && lane < K) {
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (src[r] == nullptr) continue;
+      const float* w = r == me ? p.topk_weights + size_t(local_row) * K
+                               : reinterpret_cast<const float*>(src[r] + row.weights_offset);
+      acc_w = __fadd_rn(acc_w, w[lane]);
+    }
+  }
+
+  for (int i = lane; i < n16; i += 32 * kUnroll) {
+    int4 v[kRanks][kUnroll];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if constexpr (kPairSum) v[r][u] = make_int4(0, 0, 0, 0);  // a missing row adds +0
+        if (src[r] != nullptr && i + 32 * u < n16)
+          v[r][u] = device::ld_v4(reinterpret_cast<const int4*>(src[r]) + i + 32 * u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i + 32 * u >= n16) continue;
+      if constexpr (kPairSum) {
+        int4 sum;
+        if (pair_path && device::bf16_pair_sum(v[0][u], v[1][u], sum)) {
+          device::st_v4(out + i + 32 * u, sum);
+          continue;
+        }
+      }
+      Acc acc[Ops::kPerVec];
+#pragma unroll
+      for (int e = 0; e < Ops::kPerVec; ++e) acc[e] = Acc(0);  // +0: the spec's start value
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r)
+        if (src[r] != nullptr) Ops::add(acc, v[r][u]);
+      if (b0 != nullptr) Ops::add(acc, device::ld_nc_v4(b0 + i + 32 * u));
+      if (b1 != nullptr) Ops::add(acc, device::ld_nc_v4(b1 + i + 32 * u));
+      device::st_v4(out + i + 32 * u, Ops::pack(acc));
+    }
+  }
+
+  if (p.out_topk_weights != nullptr && lane < K) p.out_topk_weights[size_t(t) * K + lane] = acc_w;
+}
+
+// Owner side: 32 tokens per batch, lane j polls the flags of token first + (k0 + j) * stride and
+// the warp reduces every token whose rows have all arrived.
+template <int kElemBytes, int kRanks>
+__device__ void combine_recv(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
+                             int warp, int lane) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  const CombineRow row = CombineRow::make(p.hidden * kElemBytes, p.num_topk, c.layout.row_align);
+  const int num_recv_warps = kWarps - p.num_send_warps - 1;
+  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
+  const int stride = gridDim.x * num_recv_warps;
+  char* const own = c.buffers.ptr[me];
+  const int local_base = p.recv_prefix[me];
+  bool first_reduce = true;  // timeline builds stamp the first reduction
+
+  for (int k0 = 0; first + k0 * stride < p.num_tokens; k0 += 32) {
+    const int my_t = first + (k0 + lane) * stride;
+    const bool valid = my_t < p.num_tokens;
+    int my_pos[kRanks];
+    uint32_t waiting = 0;  // remote ranks whose row of my_t has not been seen yet
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      my_pos[r] = (valid && r < R) ? p.send_pos[size_t(my_t) * R + r] : -1;
+      if (r != me && my_pos[r] >= 0) waiting |= 1u << r;
+    }
+    uint32_t pending = __ballot_sync(kFull, valid);
+    long long idle_since = 0;
+    for (uint32_t idle = 0; pending != 0;) {
+      if (((pending >> lane) & 1u) && waiting != 0) {
+#pragma unroll
+        for (int r = 0; r < kRanks; ++r) {
+          if (!((waiting >> r) & 1u)) continue;
+          const uint64_t* flag = reinterpret_cast<const uint64_t*>(
+              own + c.layout.combine_flag_offset(r, me, my_pos[r]));
+          if (device::flag_arrived(flag, seq)) waiting &= ~(1u << r);
+        }
+      }
+      uint32_t ready = __ballot_sync(kFull, ((pending >> lane) & 1u) && waiting == 0);
+      __syncwarp();  // the polling lanes' acquires order every lane's reads below
+      pending &= ~ready;
+      if (ready != 0) {
+        idle = 0;
+        if (first_reduce && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+        first_reduce = false;
+      } else {
+        if (idle++ == 0) idle_since = clock64();
+        __nanosleep(64);  // leave the issue slots to the working warps of this SM
+        if ((idle & 63u) == 0) {
+          if (device::aborted(ctx)) return;
+          if (clock64() - idle_since > ctx.timeout_cycles) {
+            const uint32_t w = __reduce_or_sync(kFull, waiting);
+            if (lane == 0) device::raise_timeout(ctx, __ffs(w) - 1);
+            return;
+          }
+        }
+      }
+      while (ready != 0) {
+        const int j = __ffs(ready) - 1;
+        ready &= ready - 1;
+        int pos[kRanks];
+#pragma unroll
+        for (int r = 0; r < kRanks; ++r) pos[r] = __shfl_sync(kFull, my_pos[r], j);
+        combine_token<kElemBytes, kRanks>(p, first + (k0 + j) * stride, pos, local_base, lane);
+      }
+    }
+  }
+}
+
+template <int kElemBytes, int kRanks>
+__global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel(CombineParams p) {
+  __shared__ uint64_t s_seq;
+  __shared__ int s_progress[kWarps];
+  const CommContext& c = p.comm;
+  const int me = c.rank, R = c.num_ranks;
+  const int warp = threadIdx.x / 32, lane = device::lane_id();
+  ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
+  if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
+  if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
+  __syncthreads();
+  const uint64_t seq = s_seq;
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockStart);
+  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpCombine, me};
+  if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
+    device::st_release_sys(
+        reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
+        seq);
+
+  if (!device::aborted(ctx)) {
+    if (warp < p.num_send_warps)
+      combine_send(p, ctx, seq, warp, lane, s_progress);
+    else if (warp == p.num_send_warps)
+      combine_publish(p, ctx, seq, lane, s_progress);
+    else
+      combine_recv<kElemBytes, kRanks>(p, ctx, seq, warp, lane);
+  }
+  if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
+  // Block 0 sees every peer enter (see the dispatch kernel for why).
+  if (blockIdx.x == 0 && warp == 0 && lane < R && lane != me && !device::aborted(ctx)) {
+    const uint64_t* entered =
+        reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+    device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
+  if (threadIdx.x == 0) device::finish_block(ctrl, seq);
+}
+
+template <int kElemBytes>
+cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t stream) {
+  const int R = p.comm.num_ranks;
+  if (R <= 2)
+    intranode_combine_kernel<kElemBytes, 2><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+  else if (R <= 4)
+    intranode_combine_kernel<kElemBytes, 4><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+  else
+    intranode_combine_kernel<kElemBytes, 8><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int kElemBytes>
+cudaError_t preload_for_elem() {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 2>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 4>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 8>);
+  return e;
+}
+
+}  // namespace
+
+cudaError_t read_intranode_combine_timeline(uint64_t* out) {
+  return EP_HT_READ_TIMELINE(g_timeline, out);
+}
+
+cudaError_t preload_intranode_combine() {
+  cudaError_t e = preload_for_elem<2>();
+  if (e == cudaSuccess) e = preload_for_elem<4>();
+  if (e == cudaSuccess) e = preload_for_elem<8>();
+  return e;
+}
+
+cudaError_t launch_intranode_combine(const CombineParams& p, int num_sms, cudaStream_t stream) {
+  switch (p.elem_bytes) {
+    case 2:
+      return launch_for_elem<2>(p, num_sms, stream);
+    case 4:
+      return launch_for_elem<4>(p, num_sms, stream);
+    case 8:
+      return launch_for_elem<8>(p, num_sms, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace ep

@@ -1,0 +1,487 @@
+// High-throughput intranode dispatch (normal, worst-case and cached), push model over NVLink.
+//
+// Block = 16 warps: `num_send_warps` senders, one publisher, the rest receivers.
+//  * Senders: each sender warp claims tokens one at a time from the kernel's counter (tokens go
+//    out in roughly increasing order, and fast SMs take more of them, so all senders finish
+//    together). Per token it reads the x row once (ld.global.nc, 16 B per lane, many loads in
+//    flight) and writes it to every destination: straight into recv_x for this rank (HBM to HBM,
+//    never through the buffer), and for a peer into slot send_pos[t, peer] of the region this
+//    rank owns in the peer's buffer, followed by scales and metadata (source index, local expert
+//    ids, weights). Senders never wait for their remote stores: after each token they hand it to
+//    the publisher through shared memory (release/acquire at CTA scope).
+//  * Publisher: one warp; lane l follows sender warp l. When a sender hands over new tokens, the
+//    lane issues one fence.acq_rel.sys (cumulative: it covers the sender's stores it observed)
+//    and writes the per-row flags (= sequence number) of those tokens' remote rows.
+//  * Receivers: global receiver warp v owns slots v, v + V, ... of every remote source. It polls
+//    32 of its rows at once (one per lane: relaxed load of the row flag, acquire once it matches)
+//    and copies every row that has arrived to recv_prefix[src] + slot, so rows leave the buffer
+//    while later rows are still in flight.
+// Before a sender first writes into a peer's buffer it waits for the peer's "entered" flag of this
+// sequence: the peer has finished every earlier kernel, so the region is no longer being read.
+// No ring buffer and no flow control: each source owns max_tokens rows in every receiver.
+// Behind its notify (p.after_notify, programmatic dependent launch) the kernel starts while notify
+// still runs: its launch, a sender's first loads and its wait for the peers overlap the count
+// exchange; a sender waits for notify before its first store (its own rows' position needs the
+// counts), receivers before they start; the kernel ends only after notify has, and advances the
+// epoch for both.
+#include "intranode_kernels.hpp"
+#include "intranode_timeline.cuh"
+#include "ptx_utils.cuh"
+
+namespace ep {
+namespace {
+
+#ifdef EP_HT_TIMELINE
+__device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
+#endif
+
+constexpr uint32_t kFull = 0xffffffffu;
+constexpr int kWarps = kIntranodeThreads / 32;
+constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more would spill registers)
+constexpr int kRecvUnroll = 16;
+constexpr int kSendEarly = 4;  // x chunks per lane loaded together with the token's other inputs
+
+// Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
+__device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
+                                               char* const (&dst)[kMaxRanks], int lane, int begin) {
+  for (int i = begin + lane; i < n16; i += 32 * kSendUnroll) {
+    int4 v[kSendUnroll];
+#pragma unroll
+    for (int u = 0; u < kSendUnroll; ++u)
+      if (i + 32 * u < n16) v[u] = device::ld_nc_v4(src + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kSendUnroll; ++u) {
+      if (i + 32 * u < n16) {
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (dst[d] != nullptr) device::st_v4(reinterpret_cast<int4*>(dst[d]) + i + 32 * u, v[u]);
+      }
+    }
+  }
+}
+
+// Copies chunks [begin, n16) of a row a peer wrote into our buffer (coherent loads).
+__device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane, int begin) {
+  for (int i = begin + lane; i < n16; i += 32 * kRecvUnroll) {
+    int4 v[kRecvUnroll];
+#pragma unroll
+    for (int u = 0; u < kRecvUnroll; ++u)
+      if (i + 32 * u < n16) v[u] = device::ld_v4(src + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kRecvUnroll; ++u)
+      if (i + 32 * u < n16) device::st_v4(dst + i + 32 * u, v[u]);
+  }
+}
+
+__device__ __forceinline__ void store_idx(void* base, size_t i, int idx_bytes, int v) {
+  if (idx_bytes == 8)
+    static_cast<long long*>(base)[i] = v;
+  else
+    static_cast<int*>(base)[i] = v;
+}
+
+__device__ __forceinline__ long long load_idx(const void* base, size_t i, int idx_bytes) {
+  return idx_bytes == 8 ? static_cast<const long long*>(base)[i]
+                        : static_cast<long long>(static_cast<const int*>(base)[i]);
+}
+
+// Start of the row `slot` that `src` writes into `receiver`'s buffer (mapped as `buffer`).
+__device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer, int src,
+                                              int receiver, int slot, int stride) {
+  return buffer + c.layout.dispatch_offset +
+         c.layout.region_index(src, receiver) * c.layout.dispatch_region_bytes +
+         size_t(slot) * stride;
+}
+
+// Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
+// loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
+// of x) are issued together, so they cost one memory latency instead of one each.
+__device__ void dispatch_send(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
+                              int warp, int lane, device::PublishQueue& queue) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
+  const int n16 = p.hidden_bytes / 16;
+  const int cap = p.num_worst_tokens;
+  const bool with_meta = p.topk_idx != nullptr;
+  int local_base = p.after_notify ? 0 : p.recv_prefix[me];  // read after notify when behind it
+  bool notified = p.after_notify == 0;
+  const uint64_t* entered =
+      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+  uint32_t ready = 1u << me;  // peers known to have entered this sequence
+  const bool claim = p.claim_items != 0;
+  const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
+  int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride) : 0;
+  int t = __shfl_sync(kFull, claimed, 0);
+  int k = 0;
+  for (; t < p.num_tokens; ++k) {
+    // The next token's claim travels while this one is copied.
+    if (lane == 0) claimed = device::next_item(claim, ctx.ctrl, t, first, stride);
+    // 1. Independent loads.
+    const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
+    long long idx = -1;
+    float w = 0.0f;
+    if (with_meta && lane < K) {
+      idx = load_idx(p.topk_idx, size_t(t) * K + lane, p.idx_bytes);
+      if (p.topk_weights != nullptr) w = p.topk_weights[size_t(t) * K + lane];
+    }
+    float sc0 = 0.0f, sc1 = 0.0f;
+    if (lane < S) sc0 = p.scales[size_t(t) * S + lane];
+    if (lane + 32 < S) sc1 = p.scales[size_t(t) * S + lane + 32];
+    const int4* src =
+        reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(t) * p.hidden_bytes);
+    int4 v[kSendEarly];
+#pragma unroll
+    for (int u = 0; u < kSendEarly; ++u)
+      if (lane + 32 * u < n16) v[u] = device::ld_nc_v4(src + lane + 32 * u);
+
+    // 2. Destinations.
+    const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
+    const uint32_t need = dest_mask & ~ready;
+    if (need != 0) {
+      bool ok = true;
+      if ((need >> lane) & 1u)
+        ok = device::spin_wait(ctx, lane,
+                               [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
+      if (!__all_sync(kFull, ok)) return;
+      ready |= need;
+    }
+    if (!notified) {
+      device::wait_for_prerequisite_grid();
+      notified = true;
+      if (with_meta && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks) != 0) {
+        if (lane == 0) device::hand_over_done(queue, warp, k);  // a rejected routing moves nothing
+        return;
+      }
+      local_base = p.recv_prefix[me];
+    }
+    if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+    char* dst[kMaxRanks];
+    int local_row = -1;
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      const int slot = __shfl_sync(kFull, pos, d);
+      dst[d] = nullptr;
+      if (d < R && slot >= 0) {
+        if (d == me) {
+          const int r = local_base + slot;
+          if (cap == 0 || r < cap) {
+            local_row = r;
+            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
+          }
+        } else {
+          dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
+        }
+      }
+    }
+
+    // 3. Stores: first batch of x, the rest of x, scales, metadata.
+    if (dest_mask != 0) {
+#pragma unroll
+      for (int u = 0; u < kSendEarly; ++u) {
+        if (lane + 32 * u < n16) {
+#pragma unroll
+          for (int d = 0; d < kMaxRanks; ++d)
+            if (dst[d] != nullptr)
+              device::st_v4(reinterpret_cast<int4*>(dst[d]) + lane + 32 * u, v[u]);
+        }
+      }
+      if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        if (dst[d] == nullptr) continue;
+        float* sc_out = d == me ? p.recv_scales + size_t(local_row) * S
+                                : reinterpret_cast<float*>(dst[d] + row.scales_offset);
+        if (lane < S) sc_out[lane] = sc0;
+        if (lane + 32 < S) sc_out[lane + 32] = sc1;
+        for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
+      }
+      if (with_meta) {
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (dst[d] == nullptr) continue;
+          const long long lo = static_cast<long long>(d) * p.experts_per_rank;
+          const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
+          const float local_w = local_idx >= 0 ? w : 0.0f;
+          if (d == me) {
+            if (lane < K && p.recv_topk_idx != nullptr) {
+              store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
+              if (p.recv_topk_weights != nullptr)
+                p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
+            }
+            if (lane == 0) {
+              if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
+              if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
+            }
+          } else {
+            char* meta = dst[d] + row.meta_offset;
+            if (lane < K) {
+              reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
+              reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
+            }
+            if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
+          }
+        }
+      }
+    }
+    // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
+    __syncwarp();
+    bool ok = true;
+    if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, t);
+    if (!__shfl_sync(kFull, ok, 0)) return;
+    t = __shfl_sync(kFull, claimed, 0);
+  }
+  if (lane == 0) device::hand_over_done(queue, warp, k);
+}
+
+// Lane l publishes the rows of the tokens sender warp l of this block hands over.
+__device__ void dispatch_publish(const DispatchParams& p, const device::WaitContext& ctx,
+                                 uint64_t seq, int lane, device::PublishQueue& queue) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  // One fence per publish_batch tokens: a system-scope fence costs about an NVLink round trip.
+  device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int t) {
+    for (int d = 0; d < R; ++d) {
+      if (d == me) continue;
+      const int pos = p.send_pos[size_t(t) * R + d];
+      if (pos >= 0)
+        device::st_relaxed_sys(reinterpret_cast<uint64_t*>(
+                                   c.buffers.ptr[d] + c.layout.dispatch_flag_offset(me, d, pos)),
+                               seq);
+    }
+  });
+}
+
+__device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
+                              int warp, int lane) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
+  const int n16 = p.hidden_bytes / 16;
+  const int cap = p.num_worst_tokens;
+  const int num_recv_warps = kWarps - p.num_send_warps - 1;
+  const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
+  const int stride = gridDim.x * num_recv_warps;
+  const int prefix = lane <= R ? p.recv_prefix[lane] : 0;  // lane s: first row of source s
+  const int total = __shfl_sync(kFull, prefix, R);
+  // Lane s (a remote source) also keeps that source's row count.
+  const int next_prefix = __shfl_down_sync(kFull, prefix, 1);
+  const int count = lane < R && lane != me ? next_prefix - prefix : 0;
+
+  // Worst-case mode: fill the padding rows first (their values are known before any arrival).
+  if (cap > 0) {
+    for (int r = total + first; r < cap; r += stride) {
+      int4* out =
+          reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
+      for (int i = lane; i < n16; i += 32) device::st_v4(out + i, make_int4(0, 0, 0, 0));
+      if (p.recv_scales != nullptr)
+        for (int j = lane; j < S; j += 32) p.recv_scales[size_t(r) * S + j] = 0.0f;
+      if (p.recv_topk_idx != nullptr && lane < K) {
+        store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, -1);
+        if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = 0.0f;
+      }
+      if (lane == 0) {
+        if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = -1;
+        if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = -1;
+      }
+    }
+  }
+
+  int max_count = count;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
+
+  char* const own = c.buffers.ptr[me];
+  bool first_copy = true;  // timeline builds stamp the first arrival
+  // Batches of 32 rows per source: this lane polls row first + (k0 + lane) * stride.
+  for (int k0 = 0; first + k0 * stride < max_count; k0 += 32) {
+    const int my_slot = first + (k0 + lane) * stride;
+    // Lane s keeps the mask of rows of source s still to copy (bit j: row of lane j).
+    uint32_t my_pending = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint32_t m = __ballot_sync(kFull, my_slot < __shfl_sync(kFull, count, s));
+      if (lane == s) my_pending = m;
+    }
+    long long idle_since = 0;
+    for (uint32_t idle = 0;;) {
+      bool progressed = false;
+      uint32_t left = 0;
+      for (int s = 0; s < R; ++s) {
+        uint32_t pending = __shfl_sync(kFull, my_pending, s);
+        if (pending == 0) continue;
+        bool arrived = false;
+        if ((pending >> lane) & 1u) {
+          const uint64_t* flag = reinterpret_cast<const uint64_t*>(
+              own + c.layout.dispatch_flag_offset(s, me, my_slot));
+          arrived = device::flag_arrived(flag, seq);
+        }
+        uint32_t ready = __ballot_sync(kFull, arrived);
+        __syncwarp();  // the polling lanes' acquires order every lane's payload reads below
+        pending &= ~ready;
+        if (lane == s) my_pending = pending;
+        left |= pending;
+        progressed |= ready != 0;
+        const int base = __shfl_sync(kFull, prefix, s);
+        if (ready != 0 && first_copy) {
+          first_copy = false;
+          if (lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+        }
+        while (ready != 0) {
+          const int j = __ffs(ready) - 1;
+          ready &= ready - 1;
+          const int slot = first + (k0 + j) * stride;
+          const int r = base + slot;
+          if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
+          const char* in = dispatch_row(c, own, s, me, slot, row.stride);
+          const int4* in16 = reinterpret_cast<const int4*>(in);
+          int4* out16 =
+              reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
+          const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
+          const char* meta = in + row.meta_offset;
+          const bool copy_scales = p.recv_scales != nullptr;
+          const bool copy_meta = p.recv_topk_idx != nullptr;
+          float sc0 = 0.0f, sc1 = 0.0f, mw = 0.0f;
+          int mi = -1, msrc = -1;
+          // Scales and metadata are loaded before the row copy, so their loads travel with the
+          // row's first loads (one latency per row, not one more after the copy).
+          if (copy_scales && lane < S) sc0 = sc[lane];
+          if (copy_scales && lane + 32 < S) sc1 = sc[lane + 32];
+          if (copy_meta && lane < K) {
+            mi = reinterpret_cast<const int*>(meta + 16)[lane];
+            mw = reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
+          }
+          if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
+          copy_row(in16, out16, n16, lane, 0);
+          if (copy_scales) {
+            float* sc_out = p.recv_scales + size_t(r) * S;
+            if (lane < S) sc_out[lane] = sc0;
+            if (lane + 32 < S) sc_out[lane + 32] = sc1;
+            for (int j2 = lane + 64; j2 < S; j2 += 32) sc_out[j2] = sc[j2];
+          }
+          if (copy_meta && lane < K) {
+            store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
+            if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = mw;
+          }
+          if (lane == 0) {
+            if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = msrc;
+            if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = s;
+          }
+        }
+      }
+      if (left == 0) break;
+      if (progressed) {
+        idle = 0;
+        continue;
+      }
+      if (idle++ == 0) idle_since = clock64();
+      __nanosleep(64);  // leave the issue slots to the working warps of this SM
+      if ((idle & 63u) == 0) {
+        if (device::aborted(ctx)) return;
+        if (clock64() - idle_since > ctx.timeout_cycles) {
+          // Name the first source still missing.
+          const int stalled = __ffs(__ballot_sync(kFull, my_pending != 0)) - 1;
+          if (lane == 0) device::raise_timeout(ctx, stalled);
+          return;
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kIntranodeThreads, 1)
+    intranode_dispatch_kernel(DispatchParams p) {
+  static_assert(kWarps <= device::kMaxSenderWarps, "publish queue too small");
+  __shared__ uint64_t s_seq;
+  __shared__ int s_rejected;
+  __shared__ device::PublishQueue s_queue;  // sender warps -> publisher warp
+  const CommContext& c = p.comm;
+  const int me = c.rank, R = c.num_ranks;
+  const int warp = threadIdx.x / 32, lane = device::lane_id();
+  ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
+  if (threadIdx.x == 0) {
+    s_seq = device::read_sequence(ctrl);
+    // A normal dispatch follows its notify, which found every rank's routing valid or not (the
+    // same verdict on every rank); a cached dispatch reuses a routing that was valid. Launched
+    // behind a notify still running, each role reads the verdict once it has waited for it.
+    s_rejected = p.topk_idx != nullptr && p.after_notify == 0
+                     ? *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks)
+                     : 0;
+  }
+  if (threadIdx.x < device::kMaxSenderWarps) {
+    s_queue.progress[threadIdx.x] = 0;
+    s_queue.published[threadIdx.x] = 0;
+  }
+  __syncthreads();
+  const uint64_t seq = s_seq;
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockStart);
+  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
+                                p.topk_idx != nullptr ? kOpDispatch : kOpCachedDispatch, me};
+  // Tell every peer we have entered this sequence (so finished all earlier kernels).
+  if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
+    device::st_release_sys(
+        reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
+        seq);
+
+  if (!device::aborted(ctx) && s_rejected == 0) {
+    if (warp < p.num_send_warps)
+      dispatch_send(p, ctx, seq, warp, lane, s_queue);
+    else if (warp == p.num_send_warps)
+      dispatch_publish(p, ctx, seq, lane, s_queue);
+    else {
+      bool receive = true;
+      if (p.after_notify) {
+        device::wait_for_prerequisite_grid();  // receivers need notify's counts and verdict
+        receive =
+            p.topk_idx == nullptr || *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) == 0;
+      }
+      if (receive) dispatch_recv(p, ctx, seq, warp, lane);
+    }
+  }
+  if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
+  // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
+  // every peer, which the notify slots' parity scheme relies on.
+  if (blockIdx.x == 0 && warp == 0) {
+    const uint64_t* entered =
+        reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+    if (lane < R && lane != me && !device::aborted(ctx))
+      device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
+  if (threadIdx.x == 0) {
+    // The epoch advances after the paired notify has finished (it shares our sequence number).
+    device::wait_for_prerequisite_grid();
+    device::finish_block(ctrl, seq);
+  }
+}
+
+}  // namespace
+
+cudaError_t read_intranode_dispatch_timeline(uint64_t* out) {
+  return EP_HT_READ_TIMELINE(g_timeline, out);
+}
+
+cudaError_t preload_intranode_dispatch() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, intranode_dispatch_kernel);
+}
+
+cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream) {
+  if (!p.after_notify) {
+    intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  // Behind its notify: may start as soon as notify has started (it triggers at once).
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(num_sms);
+  config.blockDim = dim3(kIntranodeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, intranode_dispatch_kernel, p);
+}
+
+}  // namespace ep

@@ -1,0 +1,155 @@
+// Notify: every rank tells every rank (itself included) how many tokens it will send there and
+// how many (t, k) entries target each of the receiver's local experts; each receiver then knows
+// its rows per source (recv_counts), where each source's rows start (recv_prefix) and its
+// per-local-expert counts. In normal mode the totals also go to host-mapped memory, tagged with a
+// ticket, so the host can size the outputs without a stream synchronisation.
+//
+// A rank whose layout kernel found an invalid topk_idx value (its error record says so: the
+// runtime's own, or p.layout_error for a layout the caller computed earlier) sets bit
+// 31 of every token count it announces; receivers report those ranks to the host, which then
+// raises on every rank, and to the control block, where the dispatch kernel (launched before the
+// host looked, when the host wait overlaps it) finds them and moves nothing. Normal mode only:
+// worst-case mode has no host step, and its layout treated the values as -1.
+//
+// Protocol: each value travels as one 64-bit word (sequence << 32 | value) written with a relaxed
+// system-scope store, so every word is self-validating and no fence or flag is needed. The slots
+// alternate by sequence parity: a peer may already run the next notify while we still read this
+// one, but it cannot get two sequence numbers ahead (each kernel waits on every peer), so it never
+// overwrites the parity we are reading.
+//
+// Paired with its dispatch (p.dispatch_follows, the worst-case and overlapped modes, where no host
+// step sits between them): the dispatch kernel is launched behind this one with programmatic
+// dependent launch and starts while this one runs, so its senders' first remote rows overlap the
+// count exchange. The two share one sequence number: this kernel leaves the epoch alone and the
+// dispatch, which waits for this kernel before it ends, advances it. A peer therefore still
+// cannot reach our next-but-one notify before this one has finished.
+#include "intranode_kernels.hpp"
+#include "ptx_utils.cuh"
+
+namespace ep {
+namespace {
+
+constexpr int kNotifyThreads = 512;
+constexpr uint32_t kRejected = 0x80000000u;  // in an announced token count: "my input was bad"
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(NotifyParams p) {
+  extern __shared__ int values[];  // [R][1 + E_loc]: what each source announced
+  __shared__ uint64_t s_seq;
+  __shared__ int s_failed;
+  __shared__ uint32_t s_rejected;  // kRejected when this rank's layout found an invalid id
+  // A dispatch launched behind this kernel may start now: it needs our results only for its
+  // local rows and receivers, and waits for them there.
+  device::launch_dependents();
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, tid = threadIdx.x;
+  ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
+  if (tid == 0) {
+    s_seq = device::read_sequence(ctrl);
+    s_failed = 0;
+    const volatile ErrorRecord* err = p.layout_error != nullptr ? p.layout_error : c.error;
+    s_rejected = err->code == kErrorInvalidTopkIdx && err->op == kOpLayout ? kRejected : 0u;
+  }
+  __syncthreads();
+  const uint64_t seq = s_seq;
+  const uint32_t seq32 = static_cast<uint32_t>(seq);
+  const uint64_t tag = static_cast<uint64_t>(seq32) << 32;
+  const int parity = static_cast<int>(seq & 1);
+  const int E_loc = p.experts_per_rank;
+  const int words = 1 + E_loc;
+  const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpNotify, me};
+
+  if (!device::aborted(ctx)) {
+    // Send: slot (parity, me) of every rank's buffer.
+    for (int i = tid; i < R * words; i += kNotifyThreads) {
+      const int dst = i / words, w = i % words;
+      const uint32_t v = w == 0 ? uint32_t(p.num_tokens_per_rank[dst]) | s_rejected
+                                : uint32_t(p.num_tokens_per_expert[dst * E_loc + w - 1]);
+      uint64_t* slot = reinterpret_cast<uint64_t*>(c.buffers.ptr[dst] + c.layout.notify_offset) +
+                       c.layout.notify_slot(parity, me) + w;
+      device::st_relaxed_sys(slot, tag | v);
+    }
+    // Receive: every source's slot in our buffer.
+    const uint64_t* area =
+        reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.notify_offset);
+    for (int i = tid; i < R * words; i += kNotifyThreads) {
+      const int src = i / words, w = i % words;
+      const uint64_t* slot = area + c.layout.notify_slot(parity, src) + w;
+      uint64_t v = 0;
+      const bool ok = device::spin_wait(ctx, src, [&] {
+        v = device::ld_relaxed_sys(slot);
+        return static_cast<uint32_t>(v >> 32) == seq32;
+      });
+      if (!ok) s_failed = 1;
+      values[i] = ok ? static_cast<int>(static_cast<uint32_t>(v)) : 0;
+    }
+  }
+  __syncthreads();
+
+  const bool write_host = p.host != nullptr && !s_failed;
+  if (tid == 0) {
+    int total = 0, rejected = 0;
+    for (int s = 0; s < R; ++s) {
+      const uint32_t word = static_cast<uint32_t>(values[s * words]);
+      if (word & kRejected) rejected |= 1 << s;
+      const int n = static_cast<int>(word & ~kRejected);
+      p.recv_counts[s] = n;
+      p.recv_prefix[s] = total;
+      if (write_host) {
+        p.host->num_recv_tokens_per_rank[s] = n;
+        p.host->num_send_tokens_per_rank[s] = p.num_tokens_per_rank[s];
+      }
+      total += n;
+    }
+    p.recv_prefix[R] = total;
+    ctrl->rejected_ranks = p.host != nullptr ? rejected : 0;
+    if (write_host) {
+      p.host->num_recv_tokens = total;
+      p.host->rejected_ranks = rejected;
+    }
+    if (p.num_worst_tokens > 0 && total > p.num_worst_tokens) {
+      device::WaitContext dispatch_ctx = ctx;  // the user-facing op is the dispatch
+      dispatch_ctx.op = kOpDispatch;
+      device::report_error(dispatch_ctx, kErrorCapacity, -1, total, p.num_worst_tokens);
+    }
+  }
+  for (int e = tid; e < E_loc; e += kNotifyThreads) {
+    int n = 0;
+    for (int s = 0; s < R; ++s) n += values[s * words + 1 + e];
+    const int a = p.expert_alignment;
+    n = (n + a - 1) / a * a;
+    p.num_recv_tokens_per_expert[e] = n;
+    if (write_host) p.host_per_expert[e] = n;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    if (write_host) {
+      __threadfence_system();  // counters before the ticket
+      p.host->ready_ticket = p.host_ticket;
+      __threadfence_system();
+    }
+    // Paired with a dispatch: the pair shares one sequence number and the dispatch advances
+    // the epoch (it may already have read it: advancing it here would race with that read).
+    if (!p.dispatch_follows) device::finish_block(ctrl, seq);
+  }
+}
+
+}  // namespace
+
+cudaError_t preload_intranode_notify() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, intranode_notify_kernel);
+}
+
+cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream) {
+  const size_t smem = size_t(p.comm.num_ranks) * (1 + p.experts_per_rank) * sizeof(int);
+  if (smem > 48 * 1024) {
+    cudaError_t e =
+        cudaFuncSetAttribute(intranode_notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  intranode_notify_kernel<<<1, kNotifyThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace ep

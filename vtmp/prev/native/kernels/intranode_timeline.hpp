@@ -1,0 +1,24 @@
+// Host side of the optional intranode kernel timeline (see intranode_timeline.cuh). Torch-free.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace ep {
+
+constexpr int kHtTimelineBlocks = 64;  // blocks stamped
+// Slots per block: [0, 16) warp w's first work, [16, 32) warp w's role ended, then block stamps.
+constexpr int kHtFirstSlot = 0;
+constexpr int kHtEndSlot = 16;
+constexpr int kHtBlockStart = 32;
+constexpr int kHtBlockEnd = 33;
+constexpr int kHtTimelineSlots = 34;
+
+// Copy the last call's stamps (kHtTimelineBlocks * kHtTimelineSlots words, %globaltimer ns) of
+// the dispatch (normal and cached) or the combine kernel. cudaErrorNotSupported unless the
+// kernels were built with -DEP_HT_TIMELINE.
+cudaError_t read_intranode_dispatch_timeline(uint64_t* out);
+cudaError_t read_intranode_combine_timeline(uint64_t* out);
+
+}  // namespace ep

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds the intranode (high-throughput) harness once per kernel variant (nvcc -D switches) and
+# prints each variant's kernel times (intranode_test --bench-only: dispatch send-warp sweep,
+# defaults, combine), for comparing kernel changes in one GPU session.
+# Usage: bash scripts/ht_variants.sh "name=-DFLAG ..." ["name2=" ...]   ("base=": no extra flags;
+# "name@DIR=..." builds the sources under DIR instead, e.g. an exported older commit). Needs 2 GPUs.
+# HT_COMBINE_WARPS="3,4,6" sweeps those combine send-warp splits instead of 4 and 5.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source scripts/variants_build.sh
+build_variants tests/native/build_and_run.sh HT_EXTRA_FLAGS ht_variant "$@"
+for v in "$@"; do
+  name=$(variant_name "$v")
+  echo "== variant $name: ${v#*=}"
+  timeout 300 "build/ht_variant_$name/intranode_test" --bench-only |
+    grep -E "kernel|dispatch|combine|FAIL" | grep -v "^[A-Z0-9]* dispatch (num_sms"
+done
