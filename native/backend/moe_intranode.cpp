@@ -217,6 +217,9 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
       std::getenv("EP_DISPATCH_SEND_WARPS_SMALL_ROWS") == nullptr)
     cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
   if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
+  if (const char* env = std::getenv("EP_DISPATCH_STAGE")) {
+    cfg.stage_small_dispatch_rows = std::atoi(env) != 0;
+  }
   st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
   const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";
   auto handle = st.runtime->ipc_handle();

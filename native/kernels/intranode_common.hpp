@@ -200,6 +200,10 @@ struct NotifyParams {
   int dispatch_follows;
 };
 
+// Rows of x of at most this many bytes may be staged (DispatchParams::staged): two stages per
+// send warp must fit the block's shared memory.
+constexpr int kStagedRowBytes = 8192;
+
 struct DispatchParams {
   CommContext comm;
   const void* x;  // [T, hidden_bytes] raw rows
@@ -227,6 +231,9 @@ struct DispatchParams {
   // 1: launched behind its notify (NotifyParams::dispatch_follows), which may still be running:
   // the receive prefix and the rejection verdict are read only after waiting for it.
   int after_notify;
+  // 1: senders stage x in shared memory (rows of at most kStagedRowBytes; launched with
+  // intranode_dispatch_stage_bytes of dynamic shared memory).
+  int staged;
 };
 
 struct CombineParams {

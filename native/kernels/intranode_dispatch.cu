@@ -24,6 +24,8 @@
 // exchange; a sender waits for notify's results (ControlBlock::notified) before its first store
 // (its own rows' position needs the counts), receivers before they start; the kernel ends only
 // after notify has, and advances the epoch for both.
+#include <atomic>
+
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
@@ -37,9 +39,18 @@ __device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
-constexpr int kSendUnroll = 8;  // 16-byte loads in flight per lane (more would spill registers)
+#ifndef EP_SEND_UNROLL
+#define EP_SEND_UNROLL 8
+#endif
+#ifndef EP_SEND_EARLY
+#define EP_SEND_EARLY 4
+#endif
+#ifndef EP_RECV_SLEEP_NS
+#define EP_RECV_SLEEP_NS 64
+#endif
+constexpr int kSendUnroll = EP_SEND_UNROLL;  // 16-byte loads in flight per lane
 constexpr int kRecvUnroll = 16;
-constexpr int kSendEarly = 4;  // x chunks per lane loaded together with the token's other inputs
+constexpr int kSendEarly = EP_SEND_EARLY;  // x chunks per lane loaded with the token's other inputs
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
@@ -242,6 +253,160 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 }
 
 // Lane l publishes the rows of the tokens sender warp l of this block hands over.
+// Shared-memory-staged sender for rows of at most kStagedRowBytes (FP8 rows): with short rows
+// the register path spends most of a token waiting for its loads (three batches of x loads, each
+// one memory latency), not storing. Here every lane copies the next token's x chunks into the
+// warp's other shared-memory stage with cp.async (no registers held) and loads its send_pos, ids,
+// weights and scales into registers while the current token is stored, so a token's stores start
+// without waiting for memory. Each lane reads back only the chunks it copied itself, so
+// cp.async.wait_group alone orders them (no warp barrier). Token claims run two ahead.
+struct TokenInputs {
+  int pos = -1;  // lane < R: send_pos[t, lane]
+  long long idx = -1;
+  float w = 0.0f, sc0 = 0.0f, sc1 = 0.0f;
+};
+
+__device__ void dispatch_send_staged(const DispatchParams& p, const device::WaitContext& ctx,
+                                     uint64_t seq, int warp, int lane, device::PublishQueue& queue,
+                                     int4* stage) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
+  const int n16 = p.hidden_bytes / 16;
+  const int cap = p.num_worst_tokens;
+  const int T = p.num_tokens;
+  const bool with_meta = p.topk_idx != nullptr;
+  int local_base = p.after_notify ? 0 : p.recv_prefix[me];
+  bool notified = p.after_notify == 0;
+  const uint64_t* entered =
+      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+  uint32_t ready = 1u << me;
+  const bool claim = p.claim_items != 0;
+  const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
+
+  auto prefetch = [&](int tt, int buf) {  // always commits a group (empty past the end)
+    if (tt < T) {
+      const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) +
+                                                      size_t(tt) * p.hidden_bytes);
+      for (int i = lane; i < n16; i += 32) device::cp_async_16(stage + buf * n16 + i, src + i);
+    }
+    device::cp_async_commit();
+  };
+  auto load_inputs = [&](int tt) {
+    TokenInputs in;
+    if (tt >= T) return in;
+    if (lane < R) in.pos = p.send_pos[size_t(tt) * R + lane];
+    if (with_meta && lane < K) {
+      in.idx = load_idx(p.topk_idx, size_t(tt) * K + lane, p.idx_bytes);
+      if (p.topk_weights != nullptr) in.w = p.topk_weights[size_t(tt) * K + lane];
+    }
+    if (lane < S) in.sc0 = p.scales[size_t(tt) * S + lane];
+    if (lane + 32 < S) in.sc1 = p.scales[size_t(tt) * S + lane + 32];
+    return in;
+  };
+
+  int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride) : 0;
+  int t = __shfl_sync(kFull, claimed, 0);
+  if (t < T) prefetch(t, 0);
+  TokenInputs cur = load_inputs(t);
+  claimed = lane == 0 && t < T ? device::next_item(claim, ctx.ctrl, t, first, stride) : T;
+  int t_next = __shfl_sync(kFull, claimed, 0);
+  int k = 0;
+  for (; t < T; ++k) {
+    // Token t + 2's claim, t_next's row and inputs travel while t is stored.
+    if (lane == 0 && t_next < T)
+      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride);
+    prefetch(t_next, (k + 1) & 1);
+    const TokenInputs nxt = load_inputs(t_next);
+
+    const uint32_t dest_mask = __ballot_sync(kFull, cur.pos >= 0);
+    const uint32_t need = dest_mask & ~ready;
+    if (need != 0) {
+      bool ok = true;
+      if ((need >> lane) & 1u)
+        ok = device::spin_wait(ctx, lane,
+                               [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
+      if (!__all_sync(kFull, ok)) break;
+      ready |= need;
+    }
+    if (!notified) {
+      notified = true;
+      if (!wait_notified(ctx, seq) ||
+          (with_meta && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks) != 0))
+        break;  // a rejected routing moves nothing
+      local_base = p.recv_prefix[me];
+    }
+    if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+    char* dst[kMaxRanks];
+    int local_row = -1;
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      const int slot = __shfl_sync(kFull, cur.pos, d);
+      dst[d] = nullptr;
+      if (d < R && slot >= 0) {
+        if (d == me) {
+          const int r = local_base + slot;
+          if (cap == 0 || r < cap) {
+            local_row = r;
+            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
+          }
+        } else {
+          dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
+        }
+      }
+    }
+    device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (t_next's may still travel)
+    const int4* in = stage + (k & 1) * n16;
+    for (int i = lane; i < n16; i += 32) {
+      const int4 v = in[i];
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d)
+        if (dst[d] != nullptr) device::st_v4(reinterpret_cast<int4*>(dst[d]) + i, v);
+    }
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (dst[d] == nullptr) continue;
+      float* sc_out = d == me ? p.recv_scales + size_t(local_row) * S
+                              : reinterpret_cast<float*>(dst[d] + row.scales_offset);
+      if (lane < S) sc_out[lane] = cur.sc0;
+      if (lane + 32 < S) sc_out[lane + 32] = cur.sc1;
+      for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
+      if (!with_meta) continue;
+      const long long lo = static_cast<long long>(d) * p.experts_per_rank;
+      const int local_idx =
+          (cur.idx >= lo && cur.idx < lo + p.experts_per_rank) ? int(cur.idx - lo) : -1;
+      const float local_w = local_idx >= 0 ? cur.w : 0.0f;
+      if (d == me) {
+        if (lane < K && p.recv_topk_idx != nullptr) {
+          store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
+          if (p.recv_topk_weights != nullptr)
+            p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
+        }
+        if (lane == 0) {
+          if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
+          if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
+        }
+      } else {
+        char* meta = dst[d] + row.meta_offset;
+        if (lane < K) {
+          reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
+          reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
+        }
+        if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
+      }
+    }
+    __syncwarp();
+    bool ok = true;
+    if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, t);
+    if (!__shfl_sync(kFull, ok, 0)) break;
+    t = t_next;
+    cur = nxt;
+    t_next = __shfl_sync(kFull, claimed, 0);
+  }
+  device::cp_async_wait<0>();  // no copy into shared memory outlives the warp's work
+  if (lane == 0) device::hand_over_done(queue, warp, k);
+}
+
 __device__ void dispatch_publish(const DispatchParams& p, const device::WaitContext& ctx,
                                  uint64_t seq, int lane, device::PublishQueue& queue) {
   const CommContext& c = p.comm;
@@ -381,7 +546,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
         continue;
       }
       if (idle++ == 0) idle_since = clock64();
-      __nanosleep(64);  // leave the issue slots to the working warps of this SM
+      __nanosleep(EP_RECV_SLEEP_NS);  // leave the issue slots to the working warps of this SM
       if ((idle & 63u) == 0) {
         if (device::aborted(ctx)) return;
         if (clock64() - idle_since > ctx.timeout_cycles) {
@@ -401,6 +566,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
   __shared__ uint64_t s_seq;
   __shared__ int s_rejected;
   __shared__ device::PublishQueue s_queue;  // sender warps -> publisher warp
+  extern __shared__ int4 s_stage[];         // staged senders: [send warps][2][hidden_bytes / 16]
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
@@ -430,7 +596,10 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
         seq);
 
   if (!device::aborted(ctx) && s_rejected == 0) {
-    if (warp < p.num_send_warps)
+    if (warp < p.num_send_warps && p.staged)
+      dispatch_send_staged(p, ctx, seq, warp, lane, s_queue,
+                           s_stage + size_t(warp) * 2 * (p.hidden_bytes / 16));
+    else if (warp < p.num_send_warps)
       dispatch_send(p, ctx, seq, warp, lane, s_queue);
     else if (warp == p.num_send_warps)
       dispatch_publish(p, ctx, seq, lane, s_queue);
@@ -473,15 +642,34 @@ cudaError_t preload_intranode_dispatch() {
   return cudaFuncGetAttributes(&attr, intranode_dispatch_kernel);
 }
 
+size_t intranode_dispatch_stage_bytes(int hidden_bytes, int num_send_warps) {
+  return size_t(num_send_warps) * 2 * size_t(hidden_bytes);
+}
+
 cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream) {
+  const size_t smem =
+      p.staged ? intranode_dispatch_stage_bytes(p.hidden_bytes, p.num_send_warps) : 0;
+  if (smem > 48 * 1024) {  // opt in to more dynamic shared memory (per device, on demand)
+    static std::atomic<size_t> allowed[64];
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) return e;
+    if (device >= 64 || allowed[device].load() < smem) {
+      e = cudaFuncSetAttribute(intranode_dispatch_kernel,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (e != cudaSuccess) return e;
+      if (device < 64) allowed[device].store(smem);
+    }
+  }
   if (!p.after_notify) {
-    intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+    intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);
     return cudaGetLastError();
   }
   // Behind its notify: may start as soon as notify has started (it triggers at once).
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(num_sms);
   config.blockDim = dim3(kIntranodeThreads);
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -25,6 +25,7 @@ cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream);
 
 // intranode_dispatch.cu: pushes rows to peers and copies received rows out; num_sms blocks.
 cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream);
+size_t intranode_dispatch_stage_bytes(int hidden_bytes, int num_send_warps);
 
 // intranode_combine.cu: returns rows to their owners and reduces them; num_sms blocks.
 cudaError_t launch_intranode_combine(const CombineParams& p, int num_sms, cudaStream_t stream);

@@ -79,6 +79,21 @@ __device__ __forceinline__ void st_v4(int4* p, const int4& v) {
                : "memory");
 }
 
+// 16 bytes global -> shared without passing through registers (cp.async, L2 only); visible to
+// the issuing thread after cp_async_wait. Groups: one commit per batch, waited for in order.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // Programmatic dependent launch (sm_90): lets the kernel launched behind this one on the
 // stream start now, while this one still runs (a no-op when nothing is launched behind it).
 __device__ __forceinline__ void launch_dependents() {

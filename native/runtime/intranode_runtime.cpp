@@ -406,6 +406,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
     p.recv_src_rank = a.recv_src_rank;
   }
   p.after_notify = dispatch_due_ ? 1 : 0;
+  p.staged = config_.stage_small_dispatch_rows && a.hidden_bytes <= kStagedRowBytes ? 1 : 0;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
   cuda_check(launch_intranode_dispatch(p, num_sms, stream), "dispatch launch");
@@ -485,6 +486,10 @@ void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_
 
 void IntranodeRuntime::set_dispatch_claim(bool claim) {
   config_.dispatch_claim = claim;
+}
+
+void IntranodeRuntime::set_dispatch_staging(bool stage) {
+  config_.stage_small_dispatch_rows = stage;
 }
 
 void IntranodeRuntime::barrier(cudaStream_t stream) {

@@ -65,9 +65,10 @@ struct IntranodeConfig {
   // Warps of the 16 of a block that send (one more publishes, the rest receive); at most 14.
   // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench.
   int dispatch_send_warps = 11;
-  // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B):
-  // receivers copy such a row in one batch of loads, so one more warp can send.
-  int small_row_dispatch_send_warps = 12;
+  // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B).
+  // Staged senders (stage_small_dispatch_rows) outrun 4 receivers at 12 warps: FP8 kernel 114.5
+  // us at 11, 130 at 12 (harness, 2 x H200). Without staging 12 was best (127.6 vs 131.5).
+  int small_row_dispatch_send_warps = 11;
   // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers). Harness: 208-212
   // us; 4 and 6 slower by 7 to 55 us depending on the machine (docs/performance.md).
   int combine_send_warps = 5;
@@ -76,6 +77,9 @@ struct IntranodeConfig {
   // Dispatch sender warps claim tokens from a shared counter instead of a static round-robin
   // split (faster SMs then take more of them).
   bool dispatch_claim = true;
+  // Dispatch senders stage rows of x of at most kStagedRowBytes (FP8 at H=7168) in shared
+  // memory, prefetching the next token's row while storing the current one.
+  bool stage_small_dispatch_rows = true;
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
@@ -211,6 +215,8 @@ class IntranodeRuntime {
                       int small_row_dispatch_send_warps = -1);
   // How dispatch sender warps split the tokens (IntranodeConfig::dispatch_claim); for sweeps.
   void set_dispatch_claim(bool claim);
+  // IntranodeConfig::stage_small_dispatch_rows; for A/B timings.
+  void set_dispatch_staging(bool stage);
 
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);

@@ -1475,6 +1475,16 @@ void bench(int iters) {
            time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
            remote_bytes);
     print_ht_timeline(*team, R, false, shape_warps);
+    if (sh.hidden_bytes <= ep::kStagedRowBytes) {
+      for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(false);
+      for (int round = 0; round < rounds; ++round)
+        report("dispatch kernel, register path (not staged)", time_op([&](int r, cudaStream_t s) {
+                 team->rt[r]->dispatch(dispatch_args(r, 0), s);
+               }),
+               remote_bytes);
+      for (int r = 0; r < R; ++r)
+        team->rt[r]->set_dispatch_staging(defaults.stage_small_dispatch_rows);
+    }
     report("cached dispatch", time_op([&](int r, cudaStream_t s) {
              team->rt[r]->cached_dispatch(dispatch_args(r, 0), s);
            }),
@@ -1701,8 +1711,11 @@ void correctness_suite(int R, int soak_iters) {
     s.bias0 = rng() % 2;
     s.bias1 = rng() % 3 == 0;
     s.seed = rng();
+    // Odd iterations: small rows take the register path instead of shared-memory staging.
+    for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(it % 2 == 0);
     run_case(*team, s, 1 + int(rng() % 24) % cfg.num_sms);
   }
+  for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(cfg.stage_small_dispatch_rows);
   std::printf("  R=%d%s %-28s %s (%d iterations)\n", R, mode, "soak",
               g_failures == before ? "ok" : "FAILED", soak_iters);
   std::printf("  R=%d%s suite took %.1f s\n", R, mode,
