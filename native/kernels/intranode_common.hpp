@@ -44,7 +44,9 @@ struct ControlBlock {
   // Sequence number of the last notify whose results (recv_counts, recv_prefix, rejected_ranks)
   // are written: a dispatch launched behind its notify waits for this, not for the whole notify.
   uint64_t notified;
-  int pad[22];
+  // Dispatch rows of each source claimed by receiving warps; finish_block zeroes them.
+  unsigned int recv_claimed[kMaxRanks];
+  int pad[14];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
 
@@ -232,7 +234,8 @@ struct DispatchParams {
   // the receive prefix and the rejection verdict are read only after waiting for it.
   int after_notify;
   // 1: senders stage x in shared memory (rows of at most kStagedRowBytes; launched with
-  // intranode_dispatch_stage_bytes of dynamic shared memory).
+  // intranode_dispatch_stage_bytes of dynamic shared memory), and receivers claim rows (finished
+  // senders join them).
   int staged;
 };
 

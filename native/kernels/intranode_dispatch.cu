@@ -39,6 +39,7 @@ __device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
+// Build-time tunables (-D...; scripts/ht_variants.sh compares builds).
 #ifndef EP_SEND_UNROLL
 #define EP_SEND_UNROLL 8
 #endif
@@ -50,7 +51,7 @@ constexpr int kWarps = kIntranodeThreads / 32;
 #endif
 constexpr int kSendUnroll = EP_SEND_UNROLL;  // 16-byte loads in flight per lane
 constexpr int kRecvUnroll = 16;
-constexpr int kSendEarly = EP_SEND_EARLY;  // x chunks per lane loaded with the token's other inputs
+constexpr int kSendEarly = EP_SEND_EARLY;  // x chunks per lane loaded with the token's inputs
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
@@ -424,6 +425,107 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
   });
 }
 
+// Copies a received row (x, scales, metadata; `in`: its start in our buffer) from source `src`
+// to output row r. Scales and metadata are loaded before the row copy, so their loads travel
+// with the row's first loads (one latency per row, not one more after the copy).
+__device__ __forceinline__ void copy_received_row(const DispatchParams& p, const DispatchRow& row,
+                                                  const char* in, int r, int src, int lane) {
+  const int K = p.num_topk, S = p.num_scales;
+  const int n16 = p.hidden_bytes / 16;
+  int4* out16 = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
+  const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
+  const char* meta = in + row.meta_offset;
+  const bool copy_scales = p.recv_scales != nullptr;
+  const bool copy_meta = p.recv_topk_idx != nullptr;
+  float sc0 = 0.0f, sc1 = 0.0f, mw = 0.0f;
+  int mi = -1, msrc = -1;
+  if (copy_scales && lane < S) sc0 = sc[lane];
+  if (copy_scales && lane + 32 < S) sc1 = sc[lane + 32];
+  if (copy_meta && lane < K) {
+    mi = reinterpret_cast<const int*>(meta + 16)[lane];
+    mw = reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
+  }
+  if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
+  copy_row(reinterpret_cast<const int4*>(in), out16, n16, lane, 0);
+  if (copy_scales) {
+    float* sc_out = p.recv_scales + size_t(r) * S;
+    if (lane < S) sc_out[lane] = sc0;
+    if (lane + 32 < S) sc_out[lane + 32] = sc1;
+    for (int j = lane + 64; j < S; j += 32) sc_out[j] = sc[j];
+  }
+  if (copy_meta && lane < K) {
+    store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
+    if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = mw;
+  }
+  if (lane == 0) {
+    if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = msrc;
+    if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = src;
+  }
+}
+
+// Claiming receivers (staged small rows): a warp takes the next row of a source from that
+// source's counter (ControlBlock::recv_claimed; sources in turn), waits for its flag and copies
+// it out, claiming its next row while it copies. Rows arrive roughly in slot order, so claimed
+// rows are the next to arrive. Sender warps that have finished join in, so the copies that trail
+// the last arrivals spread over more warps. Harness, FP8 (2 x H200): 111.5 us at 10 send warps
+// against 115.7 for the static receivers below; for BF16 rows the static ones were faster
+// (196.2 against 197.6), so those keep them.
+__device__ void dispatch_recv_claimed(const DispatchParams& p, const device::WaitContext& ctx,
+                                      uint64_t seq, int lane, int start_source) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  const DispatchRow row =
+      DispatchRow::make(p.hidden_bytes, p.num_scales, p.num_topk, c.layout.row_align);
+  const int cap = p.num_worst_tokens;
+  const int prefix = lane <= R ? p.recv_prefix[lane] : 0;  // lane s: first row of source s
+  const int next_prefix = __shfl_down_sync(kFull, prefix, 1);
+  const int count = lane < R && lane != me ? next_prefix - prefix : 0;
+  uint32_t open = __ballot_sync(kFull, count > 0);  // sources that may have unclaimed rows
+  char* const own = c.buffers.ptr[me];
+  int s = start_source % R;
+  int claimed = 0;  // lane 0: the row number its last atomicAdd returned
+  // Picks the next open source and claims a row of it (lane 0's atomic, not yet read).
+  auto issue = [&]() -> int {
+    if (open == 0) return -1;
+    while (!((open >> s) & 1u)) s = (s + 1) % R;
+    const int src = s;
+    s = (s + 1) % R;
+    if (lane == 0) claimed = static_cast<int>(atomicAdd(&ctx.ctrl->recv_claimed[src], 1u));
+    return src;
+  };
+  // Reads the claim of `src`: true with `slot` when the row exists, else closes the source.
+  auto resolve = [&](int src, int& slot) {
+    slot = __shfl_sync(kFull, claimed, 0);
+    if (slot < __shfl_sync(kFull, count, src)) return true;
+    open &= ~(1u << src);
+    return false;
+  };
+  int slot = 0;
+  int src = issue();
+  while (src >= 0 && !resolve(src, slot)) src = issue();
+  bool first_copy = true;
+  while (src >= 0) {
+    const int cur_src = src, cur_slot = slot;
+    const uint64_t* flag = reinterpret_cast<const uint64_t*>(
+        own + c.layout.dispatch_flag_offset(cur_src, me, cur_slot));
+    bool ok = true;
+    if (lane == 0)
+      ok = device::spin_wait(ctx, cur_src, [&] { return device::flag_arrived(flag, seq); });
+    if (!__shfl_sync(kFull, ok, 0)) return;
+    __syncwarp();  // lane 0's acquire orders every lane's payload reads below
+    if (first_copy && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + (threadIdx.x / 32));
+    first_copy = false;
+    src = issue();  // the next claim travels while this row is copied
+    // Past the capacity (worst-case overflow, which notify reports) nothing is written.
+    const int r = __shfl_sync(kFull, prefix, cur_src) + cur_slot;
+    if (cap == 0 || r < cap)
+      copy_received_row(p, row, dispatch_row(c, own, cur_src, me, cur_slot, row.stride), r, cur_src,
+                        lane);
+    while (src >= 0 && !resolve(src, slot)) src = issue();
+  }
+}
+
+template <bool kStaged>
 __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext& ctx, uint64_t seq,
                               int warp, int lane) {
   const CommContext& c = p.comm;
@@ -459,6 +561,10 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
     }
   }
 
+  if (kStaged) {  // small rows: claiming receivers, joined by the senders as they finish
+    dispatch_recv_claimed(p, ctx, seq, lane, warp);
+    return;
+  }
   int max_count = count;
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
@@ -560,6 +666,10 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   }
 }
 
+// kStaged (DispatchParams::staged): a separate instance, so the register-path kernel (BF16
+// rows) keeps its own register allocation: with both paths in one kernel it spilled more and
+// its BF16 dispatch ran ~4 us slower.
+template <bool kStaged>
 __global__ void __launch_bounds__(kIntranodeThreads, 1)
     intranode_dispatch_kernel(DispatchParams p) {
   static_assert(kWarps <= device::kMaxSenderWarps, "publish queue too small");
@@ -595,25 +705,30 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
         reinterpret_cast<uint64_t*>(c.buffers.ptr[threadIdx.x] + c.layout.entered_offset) + me,
         seq);
 
+  // Receiving needs notify's counts and verdict (behind a running notify: wait for them).
+  auto may_receive = [&] {
+    if (!p.after_notify) return true;
+    return wait_notified(ctx, seq) &&
+           (p.topk_idx == nullptr || *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) == 0);
+  };
   if (!device::aborted(ctx) && s_rejected == 0) {
-    if (warp < p.num_send_warps && p.staged)
-      dispatch_send_staged(p, ctx, seq, warp, lane, s_queue,
-                           s_stage + size_t(warp) * 2 * (p.hidden_bytes / 16));
-    else if (warp < p.num_send_warps)
-      dispatch_send(p, ctx, seq, warp, lane, s_queue);
-    else if (warp == p.num_send_warps)
+    if (warp < p.num_send_warps) {
+      if (kStaged)
+        dispatch_send_staged(p, ctx, seq, warp, lane, s_queue,
+                             s_stage + size_t(warp) * 2 * (p.hidden_bytes / 16));
+      else
+        dispatch_send(p, ctx, seq, warp, lane, s_queue);
+      if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
+      // Done sending: help copy out what has arrived.
+      if (kStaged && may_receive()) dispatch_recv_claimed(p, ctx, seq, lane, warp);
+    } else if (warp == p.num_send_warps) {
       dispatch_publish(p, ctx, seq, lane, s_queue);
-    else {
-      bool receive = true;
-      if (p.after_notify) {  // receivers need notify's counts and verdict
-        receive =
-            wait_notified(ctx, seq) &&
-            (p.topk_idx == nullptr || *reinterpret_cast<volatile int*>(&ctrl->rejected_ranks) == 0);
-      }
-      if (receive) dispatch_recv(p, ctx, seq, warp, lane);
+      if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
+    } else {
+      if (may_receive()) dispatch_recv<kStaged>(p, ctx, seq, warp, lane);
+      if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
     }
   }
-  if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
   // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
   // every peer, which the notify slots' parity scheme relies on.
   if (blockIdx.x == 0 && warp == 0) {
@@ -639,7 +754,8 @@ cudaError_t read_intranode_dispatch_timeline(uint64_t* out) {
 
 cudaError_t preload_intranode_dispatch() {
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, intranode_dispatch_kernel);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, intranode_dispatch_kernel<false>);
+  return e != cudaSuccess ? e : cudaFuncGetAttributes(&attr, intranode_dispatch_kernel<true>);
 }
 
 size_t intranode_dispatch_stage_bytes(int hidden_bytes, int num_send_warps) {
@@ -655,14 +771,15 @@ cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cuda
     cudaError_t e = cudaGetDevice(&device);
     if (e != cudaSuccess) return e;
     if (device >= 64 || allowed[device].load() < smem) {
-      e = cudaFuncSetAttribute(intranode_dispatch_kernel,
+      e = cudaFuncSetAttribute(intranode_dispatch_kernel<true>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       if (e != cudaSuccess) return e;
       if (device < 64) allowed[device].store(smem);
     }
   }
+  auto* kernel = p.staged ? intranode_dispatch_kernel<true> : intranode_dispatch_kernel<false>;
   if (!p.after_notify) {
-    intranode_dispatch_kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);
+    kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);
     return cudaGetLastError();
   }
   // Behind its notify: may start as soon as notify has started (it triggers at once).
@@ -676,7 +793,7 @@ cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cuda
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, intranode_dispatch_kernel, p);
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 }  // namespace ep

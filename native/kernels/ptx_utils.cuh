@@ -309,6 +309,7 @@ __device__ __forceinline__ void finish_block(ControlBlock* ctrl, uint64_t seq) {
   if (arrived == gridDim.x - 1) {
     ctrl->blocks_done = 0;
     ctrl->work_claimed = 0;  // every sender of every block has claimed past the end
+    for (int s = 0; s < kMaxRanks; ++s) ctrl->recv_claimed[s] = 0;  // likewise every receiver
     st_relaxed_sys(&ctrl->epoch, seq);
     __threadfence();
   }

@@ -66,9 +66,10 @@ struct IntranodeConfig {
   // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench.
   int dispatch_send_warps = 11;
   // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B).
-  // Staged senders (stage_small_dispatch_rows) outrun 4 receivers at 12 warps: FP8 kernel 114.5
-  // us at 11, 130 at 12 (harness, 2 x H200). Without staging 12 was best (127.6 vs 131.5).
-  int small_row_dispatch_send_warps = 11;
+  // Staged senders (stage_small_dispatch_rows) outrun 4 receivers at 12 warps (FP8 kernel 130
+  // us); with claiming receivers, which finished senders join, 10 is best: 111.5 us (11: 112.6;
+  // harness, 2 x H200). Without staging 12 was best (127.6 vs 131.5).
+  int small_row_dispatch_send_warps = 10;
   // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers). Harness: 208-212
   // us; 4 and 6 slower by 7 to 55 us depending on the machine (docs/performance.md).
   int combine_send_warps = 5;
