@@ -513,7 +513,9 @@ __device__ void dispatch_recv_claimed(const DispatchParams& p, const device::Wai
       ok = device::spin_wait(ctx, cur_src, [&] { return device::flag_arrived(flag, seq); });
     if (!__shfl_sync(kFull, ok, 0)) return;
     __syncwarp();  // lane 0's acquire orders every lane's payload reads below
-    if (first_copy && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + (threadIdx.x / 32));
+    // Timeline builds: a receiver's first copy (a sender's slot keeps its first send).
+    if (first_copy && lane == 0 && int(threadIdx.x / 32) > p.num_send_warps)
+      EP_HT_STAMP(g_timeline, kHtFirstSlot + (threadIdx.x / 32));
     first_copy = false;
     src = issue();  // the next claim travels while this row is copied
     // Past the capacity (worst-case overflow, which notify reports) nothing is written.
