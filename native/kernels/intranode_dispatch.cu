@@ -112,6 +112,46 @@ __device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer
          size_t(slot) * stride;
 }
 
+// A token's scales for destination d (`to`: its row there; lrow: its output row when d == me).
+__device__ __forceinline__ void store_token_scales(const DispatchParams& p, const DispatchRow& row,
+                                                   int me, int d, char* to, int lrow, int t,
+                                                   int lane, float sc0, float sc1) {
+  const int S = p.num_scales;
+  float* sc_out =
+      d == me ? p.recv_scales + size_t(lrow) * S : reinterpret_cast<float*>(to + row.scales_offset);
+  if (lane < S) sc_out[lane] = sc0;
+  if (lane + 32 < S) sc_out[lane + 32] = sc1;
+  for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
+}
+
+// A token's metadata for destination d: its top-k ids local to d (-1 elsewhere) and weights (0
+// where -1), source index and rank; into the output arrays for this rank, the row for a peer.
+__device__ __forceinline__ void store_token_meta(const DispatchParams& p, const DispatchRow& row,
+                                                 int me, int d, char* to, int lrow, int t, int lane,
+                                                 long long idx, float w) {
+  const int K = p.num_topk;
+  const long long lo = static_cast<long long>(d) * p.experts_per_rank;
+  const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
+  const float local_w = local_idx >= 0 ? w : 0.0f;
+  if (d == me) {
+    if (lane < K && p.recv_topk_idx != nullptr) {
+      store_idx(p.recv_topk_idx, size_t(lrow) * K + lane, p.idx_bytes, local_idx);
+      if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(lrow) * K + lane] = local_w;
+    }
+    if (lane == 0) {
+      if (p.recv_src_idx != nullptr) p.recv_src_idx[lrow] = t;
+      if (p.recv_src_rank != nullptr) p.recv_src_rank[lrow] = me;
+    }
+  } else {
+    char* meta = to + row.meta_offset;
+    if (lane < K) {
+      reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
+      reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
+    }
+    if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
+  }
+}
+
 // Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
 // loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
 // of x) are issued together, so they cost one memory latency instead of one each.
@@ -207,40 +247,14 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       }
       if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
 #pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr) continue;
-        float* sc_out = d == me ? p.recv_scales + size_t(local_row) * S
-                                : reinterpret_cast<float*>(dst[d] + row.scales_offset);
-        if (lane < S) sc_out[lane] = sc0;
-        if (lane + 32 < S) sc_out[lane + 32] = sc1;
-        for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
-      }
+      for (int d = 0; d < kMaxRanks; ++d)
+        if (dst[d] != nullptr)
+          store_token_scales(p, row, me, d, dst[d], local_row, t, lane, sc0, sc1);
       if (with_meta) {
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
-          if (dst[d] == nullptr) continue;
-          const long long lo = static_cast<long long>(d) * p.experts_per_rank;
-          const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
-          const float local_w = local_idx >= 0 ? w : 0.0f;
-          if (d == me) {
-            if (lane < K && p.recv_topk_idx != nullptr) {
-              store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
-              if (p.recv_topk_weights != nullptr)
-                p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
-            }
-            if (lane == 0) {
-              if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
-              if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
-            }
-          } else {
-            char* meta = dst[d] + row.meta_offset;
-            if (lane < K) {
-              reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
-              reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
-            }
-            if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
-          }
-        }
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (dst[d] != nullptr)
+            store_token_meta(p, row, me, d, dst[d], local_row, t, lane, idx, w);
       }
     }
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
@@ -367,34 +381,8 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       if (dst[d] == nullptr) continue;
-      float* sc_out = d == me ? p.recv_scales + size_t(local_row) * S
-                              : reinterpret_cast<float*>(dst[d] + row.scales_offset);
-      if (lane < S) sc_out[lane] = cur.sc0;
-      if (lane + 32 < S) sc_out[lane + 32] = cur.sc1;
-      for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
-      if (!with_meta) continue;
-      const long long lo = static_cast<long long>(d) * p.experts_per_rank;
-      const int local_idx =
-          (cur.idx >= lo && cur.idx < lo + p.experts_per_rank) ? int(cur.idx - lo) : -1;
-      const float local_w = local_idx >= 0 ? cur.w : 0.0f;
-      if (d == me) {
-        if (lane < K && p.recv_topk_idx != nullptr) {
-          store_idx(p.recv_topk_idx, size_t(local_row) * K + lane, p.idx_bytes, local_idx);
-          if (p.recv_topk_weights != nullptr)
-            p.recv_topk_weights[size_t(local_row) * K + lane] = local_w;
-        }
-        if (lane == 0) {
-          if (p.recv_src_idx != nullptr) p.recv_src_idx[local_row] = t;
-          if (p.recv_src_rank != nullptr) p.recv_src_rank[local_row] = me;
-        }
-      } else {
-        char* meta = dst[d] + row.meta_offset;
-        if (lane < K) {
-          reinterpret_cast<int*>(meta + 16)[lane] = local_idx;
-          reinterpret_cast<float*>(meta + 16 + 4 * K)[lane] = local_w;
-        }
-        if (lane == 0) reinterpret_cast<int*>(meta + 8)[0] = t;
-      }
+      store_token_scales(p, row, me, d, dst[d], local_row, t, lane, cur.sc0, cur.sc1);
+      if (with_meta) store_token_meta(p, row, me, d, dst[d], local_row, t, lane, cur.idx, cur.w);
     }
     __syncwarp();
     bool ok = true;
