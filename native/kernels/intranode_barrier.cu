@@ -2,10 +2,15 @@
 // every peer ("entered" flags, the same ones dispatch/combine use) and waits until every peer has
 // announced it too. Used to line up the ranks' streams (e.g. before timing) without the host.
 #include "intranode_kernels.hpp"
+#include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
 
 namespace ep {
 namespace {
+
+#ifdef EP_HT_TIMELINE
+__device__ uint64_t g_timeline[1];
+#endif
 
 __global__ void __launch_bounds__(32, 1) intranode_barrier_kernel(BarrierParams p) {
   const CommContext& c = p.comm;
@@ -22,10 +27,15 @@ __global__ void __launch_bounds__(32, 1) intranode_barrier_kernel(BarrierParams 
       device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered) >= seq; });
   }
   __syncwarp();
+  if (lane == 0) EP_HT_STAMP(g_timeline, 0);
   if (lane == 0) device::finish_block(ctrl, seq);
 }
 
 }  // namespace
+
+cudaError_t read_intranode_barrier_timeline(uint64_t* out) {
+  return EP_HT_READ_TIMELINE(g_timeline, out);
+}
 
 cudaError_t preload_intranode_barrier() {
   cudaFuncAttributes attr;

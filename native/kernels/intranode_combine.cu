@@ -365,7 +365,10 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
-  if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
+  if (threadIdx.x == 0) {
+    EP_HT_STAMP(g_timeline, kHtKernelEntry);
+    s_seq = device::read_sequence(ctrl);
+  }
   if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t seq = s_seq;
@@ -393,7 +396,10 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
   }
   __syncthreads();
   if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
-  if (threadIdx.x == 0) device::finish_block(ctrl, seq);
+  if (threadIdx.x == 0) {
+    device::finish_block(ctrl, seq);
+    EP_HT_STAMP(g_timeline, kHtBlockExit);
+  }
 }
 
 template <int kElemBytes>

@@ -672,6 +672,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
   if (threadIdx.x == 0) {
+    EP_HT_STAMP(g_timeline, kHtKernelEntry);
     s_seq = device::read_sequence(ctrl);
     // A normal dispatch follows its notify, which found every rank's routing valid or not (the
     // same verdict on every rank); a cached dispatch reuses a routing that was valid. Launched
@@ -733,6 +734,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     // The epoch advances after the paired notify has finished (it shares our sequence number).
     device::wait_for_prerequisite_grid();
     device::finish_block(ctrl, seq);
+    EP_HT_STAMP(g_timeline, kHtBlockExit);
   }
 }
 

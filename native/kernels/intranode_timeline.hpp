@@ -13,12 +13,16 @@ constexpr int kHtFirstSlot = 0;
 constexpr int kHtEndSlot = 16;
 constexpr int kHtBlockStart = 32;
 constexpr int kHtBlockEnd = 33;
-constexpr int kHtTimelineSlots = 34;
+constexpr int kHtKernelEntry = 34;  // thread 0's first instruction
+constexpr int kHtBlockExit = 35;    // thread 0 after the block's epoch bookkeeping
+constexpr int kHtTimelineSlots = 36;
 
 // Copy the last call's stamps (kHtTimelineBlocks * kHtTimelineSlots words, %globaltimer ns) of
 // the dispatch (normal and cached) or the combine kernel. cudaErrorNotSupported unless the
 // kernels were built with -DEP_HT_TIMELINE.
 cudaError_t read_intranode_dispatch_timeline(uint64_t* out);
 cudaError_t read_intranode_combine_timeline(uint64_t* out);
+// %globaltimer when the last barrier kernel finished waiting (one word).
+cudaError_t read_intranode_barrier_timeline(uint64_t* out);
 
 }  // namespace ep

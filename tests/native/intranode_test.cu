@@ -1222,8 +1222,9 @@ struct BenchShape {
 // -DEP_HT_TIMELINE builds: where the last call of a dispatch or combine kernel spent its time, per
 // rank. For each role (senders, publisher, receivers): when its warps began real work (senders:
 // first row after the peer's "entered" flag; receivers: first row arrived) and when they ended,
-// as first/median/last over (block, warp), in us after the rank's first block started. "skew" is
-// the rank's first block start minus rank 0's (%globaltimer; only as good as the clocks agree).
+// as first/median/last over (block, warp), in us after the barrier kernel before the call ended
+// (entry: a block's first instruction; exit: after its epoch bookkeeping). "skew" is the rank's
+// barrier end minus rank 0's (%globaltimer; only as good as the clocks agree).
 void print_ht_timeline(Team& team, int R, bool combine, int send_warps) {
   using namespace ep;
   std::vector<std::vector<uint64_t>> tl(R);
@@ -1237,11 +1238,13 @@ void print_ht_timeline(Team& team, int R, bool combine, int send_warps) {
     CUDA_CHECK(e);
   }
   const int blocks = 24;  // the bench's num_sms
+  // Times count from the end of the barrier kernel that precedes the timed call (its start event
+  // follows it on the stream): entry shows the launch gap, exit the epoch bookkeeping.
   auto start_of = [&](int r) {
-    uint64_t t0 = ~0ull;
-    for (int b = 0; b < blocks; ++b)
-      t0 = std::min(t0, tl[r][size_t(b) * kHtTimelineSlots + kHtBlockStart]);
-    return t0;
+    CUDA_CHECK(cudaSetDevice(team.device[r]));
+    uint64_t barrier_end = 0;
+    CUDA_CHECK(read_intranode_barrier_timeline(&barrier_end));
+    return barrier_end;
   };
   const uint64_t t00 = start_of(0);
   for (int r = 0; r < R; ++r) {
@@ -1260,10 +1263,11 @@ void print_ht_timeline(Team& team, int R, bool combine, int send_warps) {
       return std::string(buf);
     };
     std::printf(
-        "  timeline %s rank %d (skew %+.1f us): block start %s end %s | send first %s end %s"
-        " | publish end %s | recv first %s end %s\n",
+        "  timeline %s rank %d (skew %+.1f us, from barrier end): entry %s block start %s end %s"
+        " exit %s | send first %s end %s | publish end %s | recv first %s end %s\n",
         combine ? "combine" : "dispatch", r, (double(t0) - double(t00)) / 1e3,
-        stat(kHtBlockStart, 0, 1).c_str(), stat(kHtBlockEnd, 0, 1).c_str(),
+        stat(kHtKernelEntry, 0, 1).c_str(), stat(kHtBlockStart, 0, 1).c_str(),
+        stat(kHtBlockEnd, 0, 1).c_str(), stat(kHtBlockExit, 0, 1).c_str(),
         stat(kHtFirstSlot, 0, send_warps).c_str(), stat(kHtEndSlot, 0, send_warps).c_str(),
         stat(kHtEndSlot, send_warps, send_warps + 1).c_str(),
         stat(kHtFirstSlot, send_warps + 1, 16).c_str(),
