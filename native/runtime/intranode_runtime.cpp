@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -311,6 +312,16 @@ bool IntranodeRuntime::recv_counts_ready(int ticket) const {
   return counters_host_ != nullptr && counters_host_->ready_ticket == ticket;
 }
 
+namespace {
+std::chrono::microseconds host_wait_spin() {
+  static const std::chrono::microseconds spin{[] {
+    const char* env = std::getenv("EP_HOST_WAIT_SPIN_US");
+    return env != nullptr ? std::atoll(env) : 20000LL;
+  }()};
+  return spin;
+}
+}  // namespace
+
 IntranodeRecvCounts IntranodeRuntime::wait_recv_counts(int ticket) {
   require(ticket > 0, "wait_recv_counts: notify was not called with host_counters");
   const auto start = std::chrono::steady_clock::now();
@@ -326,7 +337,10 @@ IntranodeRecvCounts IntranodeRuntime::wait_recv_counts(int ticket) {
         if (!err.empty()) os << " (" << err << ")";
         throw std::runtime_error(os.str());
       }
-      if (iter > 100000) std::this_thread::yield();
+      // Spin for the first EP_HOST_WAIT_SPIN_US (default 20 ms): a yield on a busy host can
+      // keep this thread off its core for longer than the GPU needs to finish the dispatch
+      // behind the wait.
+      if (std::chrono::steady_clock::now() - start > host_wait_spin()) std::this_thread::yield();
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);
