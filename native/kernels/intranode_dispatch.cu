@@ -152,6 +152,35 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
   }
 }
 
+// Before a sender's first store to a destination: waits (once per peer) until the peers in
+// dest_mask have entered this sequence, and behind a running notify (once) until notify has
+// written the counts, then reads this rank's first output row. False when the warp must stop
+// (abort, timeout, or a routing notify rejected: that moves nothing).
+__device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
+                                                 const device::WaitContext& ctx, uint64_t seq,
+                                                 int lane, uint32_t dest_mask, uint32_t& ready,
+                                                 bool& notified, int& local_base) {
+  const uint32_t need = dest_mask & ~ready;
+  if (need != 0) {
+    const uint64_t* entered = reinterpret_cast<const uint64_t*>(p.comm.buffers.ptr[p.comm.rank] +
+                                                                p.comm.layout.entered_offset);
+    bool ok = true;
+    if ((need >> lane) & 1u)
+      ok = device::spin_wait(ctx, lane,
+                             [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
+    if (!__all_sync(kFull, ok)) return false;
+    ready |= need;
+  }
+  if (!notified) {
+    notified = true;
+    if (!wait_notified(ctx, seq) ||
+        (p.topk_idx != nullptr && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks)))
+      return false;
+    local_base = p.recv_prefix[p.comm.rank];
+  }
+  return true;
+}
+
 // Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
 // loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
 // of x) are issued together, so they cost one memory latency instead of one each.
@@ -161,12 +190,9 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
-  const int cap = p.num_worst_tokens;
   const bool with_meta = p.topk_idx != nullptr;
   int local_base = p.after_notify ? 0 : p.recv_prefix[me];  // read after notify when behind it
   bool notified = p.after_notify == 0;
-  const uint64_t* entered =
-      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
   uint32_t ready = 1u << me;  // peers known to have entered this sequence
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
@@ -196,23 +222,9 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 
     // 2. Destinations.
     const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
-    const uint32_t need = dest_mask & ~ready;
-    if (need != 0) {
-      bool ok = true;
-      if ((need >> lane) & 1u)
-        ok = device::spin_wait(ctx, lane,
-                               [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
-      if (!__all_sync(kFull, ok)) return;
-      ready |= need;
-    }
-    if (!notified) {
-      notified = true;
-      if (!wait_notified(ctx, seq) ||
-          (with_meta && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks) != 0)) {
-        if (lane == 0) device::hand_over_done(queue, warp, k);  // a rejected routing moves nothing
-        return;
-      }
-      local_base = p.recv_prefix[me];
+    if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base)) {
+      if (lane == 0) device::hand_over_done(queue, warp, k);
+      return;
     }
     if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
     char* dst[kMaxRanks];
@@ -224,7 +236,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       if (d < R && slot >= 0) {
         if (d == me) {
           const int r = local_base + slot;
-          if (cap == 0 || r < cap) {
+          if (p.num_worst_tokens == 0 || r < p.num_worst_tokens) {
             local_row = r;
             dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
           }
@@ -288,13 +300,10 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
   const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
   const int n16 = p.hidden_bytes / 16;
-  const int cap = p.num_worst_tokens;
   const int T = p.num_tokens;
   const bool with_meta = p.topk_idx != nullptr;
   int local_base = p.after_notify ? 0 : p.recv_prefix[me];
   bool notified = p.after_notify == 0;
-  const uint64_t* entered =
-      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
   uint32_t ready = 1u << me;
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
@@ -335,22 +344,7 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     const TokenInputs nxt = load_inputs(t_next);
 
     const uint32_t dest_mask = __ballot_sync(kFull, cur.pos >= 0);
-    const uint32_t need = dest_mask & ~ready;
-    if (need != 0) {
-      bool ok = true;
-      if ((need >> lane) & 1u)
-        ok = device::spin_wait(ctx, lane,
-                               [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
-      if (!__all_sync(kFull, ok)) break;
-      ready |= need;
-    }
-    if (!notified) {
-      notified = true;
-      if (!wait_notified(ctx, seq) ||
-          (with_meta && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks) != 0))
-        break;  // a rejected routing moves nothing
-      local_base = p.recv_prefix[me];
-    }
+    if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base)) break;
     if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
     char* dst[kMaxRanks];
     int local_row = -1;
@@ -361,7 +355,7 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
       if (d < R && slot >= 0) {
         if (d == me) {
           const int r = local_base + slot;
-          if (cap == 0 || r < cap) {
+          if (p.num_worst_tokens == 0 || r < p.num_worst_tokens) {
             local_row = r;
             dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
           }
@@ -600,40 +594,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
           const int slot = first + (k0 + j) * stride;
           const int r = base + slot;
           if (cap > 0 && r >= cap) continue;  // overflow: reported by notify, nothing written
-          const char* in = dispatch_row(c, own, s, me, slot, row.stride);
-          const int4* in16 = reinterpret_cast<const int4*>(in);
-          int4* out16 =
-              reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
-          const float* sc = reinterpret_cast<const float*>(in + row.scales_offset);
-          const char* meta = in + row.meta_offset;
-          const bool copy_scales = p.recv_scales != nullptr;
-          const bool copy_meta = p.recv_topk_idx != nullptr;
-          float sc0 = 0.0f, sc1 = 0.0f, mw = 0.0f;
-          int mi = -1, msrc = -1;
-          // Scales and metadata are loaded before the row copy, so their loads travel with the
-          // row's first loads (one latency per row, not one more after the copy).
-          if (copy_scales && lane < S) sc0 = sc[lane];
-          if (copy_scales && lane + 32 < S) sc1 = sc[lane + 32];
-          if (copy_meta && lane < K) {
-            mi = reinterpret_cast<const int*>(meta + 16)[lane];
-            mw = reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
-          }
-          if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
-          copy_row(in16, out16, n16, lane, 0);
-          if (copy_scales) {
-            float* sc_out = p.recv_scales + size_t(r) * S;
-            if (lane < S) sc_out[lane] = sc0;
-            if (lane + 32 < S) sc_out[lane + 32] = sc1;
-            for (int j2 = lane + 64; j2 < S; j2 += 32) sc_out[j2] = sc[j2];
-          }
-          if (copy_meta && lane < K) {
-            store_idx(p.recv_topk_idx, size_t(r) * K + lane, p.idx_bytes, mi);
-            if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(r) * K + lane] = mw;
-          }
-          if (lane == 0) {
-            if (p.recv_src_idx != nullptr) p.recv_src_idx[r] = msrc;
-            if (p.recv_src_rank != nullptr) p.recv_src_rank[r] = s;
-          }
+          copy_received_row(p, row, dispatch_row(c, own, s, me, slot, row.stride), r, s, lane);
         }
       }
       if (left == 0) break;
