@@ -11,6 +11,39 @@
 
 namespace py = pybind11;
 
+namespace ep {
+// Holder of Python-owned backends: drops its reference with the GIL released. Destroying a group
+// joins its Gloo worker threads, and a worker may need the GIL to finish (freeing a tensor whose
+// Python object it owns); with the GIL held that deadlocked. Same layout as c10::intrusive_ptr,
+// which pybind11 relies on when it adopts an intrusive_ptr<Backend> returned by torch.
+template <typename T>
+class NoGilReleasePtr {
+ public:
+  NoGilReleasePtr() = default;
+  NoGilReleasePtr(const NoGilReleasePtr&) = default;
+  NoGilReleasePtr(NoGilReleasePtr&&) noexcept = default;
+  NoGilReleasePtr& operator=(const NoGilReleasePtr&) = default;
+  NoGilReleasePtr& operator=(NoGilReleasePtr&&) noexcept = default;
+  explicit NoGilReleasePtr(c10::intrusive_ptr<T> ptr) : ptr_(std::move(ptr)) {}
+  explicit NoGilReleasePtr(T* raw) : ptr_(c10::intrusive_ptr<T>::unsafe_steal_from_new(raw)) {}
+  ~NoGilReleasePtr() {
+    if (ptr_ && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      ptr_.reset();
+    }
+  }
+  T* get() const noexcept { return ptr_.get(); }
+  T& operator*() const noexcept { return *ptr_; }
+  T* operator->() const noexcept { return ptr_.get(); }
+  operator c10::intrusive_ptr<T>() const { return ptr_; }  // NOLINT: pybind11 converts through it
+
+ private:
+  c10::intrusive_ptr<T> ptr_;
+};
+}  // namespace ep
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, ep::NoGilReleasePtr<T>, true);
+
 namespace {
 
 void bindOptions(py::module_& m) {
@@ -77,7 +110,7 @@ ep::EPProcessGroup::SplitFactory wrapSplitFactory(py::function factory) {
 }
 
 void bindProcessGroup(py::module_& m) {
-  py::class_<ep::EPProcessGroup, c10d::Backend, c10::intrusive_ptr<ep::EPProcessGroup>>(
+  py::class_<ep::EPProcessGroup, c10d::Backend, ep::NoGilReleasePtr<ep::EPProcessGroup>>(
       m, "EPProcessGroup", "The C++ backend behind a torch.distributed group of backend \"ep\".")
       .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int, c10::intrusive_ptr<ep::EPOptions>,
                     c10::intrusive_ptr<c10d::Backend>, c10::intrusive_ptr<c10d::Backend>>(),

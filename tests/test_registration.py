@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -244,6 +245,30 @@ def _abort_subgroup(rank: int, world_size: int) -> dict:
 def test_abort_subgroup_leaves_world_usable() -> None:
     for r in run_distributed(_abort_subgroup, 2, backend="ep"):
         assert r == {"sum": [2.0, 2.0], "aborted": True, "world": 2.0}
+
+
+def _drop_group_with_op_in_flight(rank: int, world_size: int) -> float:
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    g = dist.new_group([0, 1])
+    gb = ep_backend.get_backend(g)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)  # rank 1's all-reduce is still running when it drops the group
+    t = torch.ones(1 << 12)
+    work = dist.all_reduce(t, group=g, async_op=True)
+    # Only the Gloo worker now holds t: freeing it there needs the GIL, and our holder must not
+    # keep the GIL while the group's destructor joins that worker (this deadlocked once).
+    del t, work
+    _abort_process_group(g)
+    del g, gb
+    u = torch.ones(1)
+    dist.all_reduce(u)
+    return u.item()
+
+
+def test_dropping_a_group_with_an_op_in_flight_does_not_deadlock() -> None:
+    assert run_distributed(_drop_group_with_op_in_flight, 2, backend="ep", timeout=60) == [2.0, 2.0]
 
 
 def _debug_detail(rank: int, world_size: int) -> dict:
