@@ -57,7 +57,9 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -207,6 +209,20 @@ def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _dump_native_stacks(pid: int) -> None:
+    """Print every thread's C/C++ stack of a hung worker (gdb, when present): Python's dump
+    cannot show threads that hold or wait for the GIL outside Python code."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return
+    with suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 40"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        print(f"--- native stacks of pid {pid} ---\n{out.stdout[-20000:]}", file=sys.stderr)
+
+
 def _stop(procs: Sequence[multiprocessing.process.BaseProcess], dump_stacks: bool) -> None:
     """Terminate, then kill, every process still alive (optionally dumping its stacks first)."""
     alive = [p for p in procs if p.is_alive()]
@@ -216,6 +232,9 @@ def _stop(procs: Sequence[multiprocessing.process.BaseProcess], dump_stacks: boo
                 with suppress(OSError):
                     os.kill(p.pid, signal.SIGUSR1)
         time.sleep(1.0)
+        for p in alive:
+            if p.pid is not None:
+                _dump_native_stacks(p.pid)
     for p in alive:
         p.terminate()
     deadline = time.monotonic() + 3.0
