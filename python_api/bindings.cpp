@@ -59,23 +59,43 @@ Args:
     overlap_dispatch_host_wait: a dispatch without ``num_worst_tokens`` launches its kernel
         before the host waits for the receive counts (default True), so the wait overlaps the
         transfer; its outputs are then views of storage sized for the worst case (the sum of
-        all ranks' tokens rows). False: storage of the exact size, kernel after the host wait.)")
+        all ranks' tokens rows). False: storage of the exact size, kernel after the host wait.
+    recv_slabs: receive slabs per GPU (default 2; 0: none). The intranode dispatch (without
+        ``num_worst_tokens``, outside CUDA-graph capture) lends one to its peers, which write
+        its outputs there directly instead of into a buffer the GPU then copies them out of;
+        the outputs are views of the slab, which is lent again once all of them are freed
+        (a dispatch finding no free slab returns ordinary tensors). Each slab holds the
+        outputs of the largest shape seen (every token of every rank): about
+        ``R * T * (H * elem + 4 * S + 12 * K + 8)`` bytes. Reuse is ordered after the work
+        queued on the dispatch's stream when the last view was freed; ``record_stream`` is not
+        honoured for these views, so a consumer on another stream must be synchronised before
+        they are freed.)")
       .def(py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
-                       bool overlap_dispatch_host_wait) {
+                       bool overlap_dispatch_host_wait, int64_t recv_slabs) {
              TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
+             TORCH_CHECK(recv_slabs >= 0 && recv_slabs <= 64,
+                         "ep.Options: recv_slabs must be in [0, 64], got ", recv_slabs);
              TORCH_CHECK(kernel_timeout_s > 0,
                          "ep.Options: kernel_timeout_s must be positive, got ", kernel_timeout_s);
              auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
              opts->num_sms = num_sms;
              opts->kernel_timeout_s = kernel_timeout_s;
              opts->overlap_dispatch_host_wait = overlap_dispatch_host_wait;
+             opts->recv_slabs = recv_slabs;
              return opts;
            }),
            py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
-           py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true)
+           py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true,
+           py::arg("recv_slabs") = 2)
       .def_readwrite("num_sms", &ep::EPOptions::num_sms)
       .def_readwrite("kernel_timeout_s", &ep::EPOptions::kernel_timeout_s)
       .def_readwrite("overlap_dispatch_host_wait", &ep::EPOptions::overlap_dispatch_host_wait)
+      .def_property(
+          "recv_slabs", [](const ep::EPOptions& o) { return o.recv_slabs; },
+          [](ep::EPOptions& o, int64_t n) {
+            TORCH_CHECK(n >= 0 && n <= 64, "ep.Options: recv_slabs must be in [0, 64], got ", n);
+            o.recv_slabs = n;
+          })
       .def_readwrite("group_name", &c10d::Backend::Options::group_name)
       .def_readwrite("global_ranks_in_group", &c10d::Backend::Options::global_ranks_in_group)
       .def_property(
@@ -89,7 +109,7 @@ Args:
                "ms, num_sms=" + std::to_string(o.num_sms) +
                ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) +
                ", overlap_dispatch_host_wait=" + (o.overlap_dispatch_host_wait ? "True" : "False") +
-               ")";
+               ", recv_slabs=" + std::to_string(o.recv_slabs) + ")";
       });
 }
 

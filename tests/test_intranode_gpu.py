@@ -221,6 +221,75 @@ def test_overlapped_dispatch_outputs_are_exact_views_of_worst_case_storage() -> 
         assert "ranks disagree on Options.overlap_dispatch_host_wait" in r["mismatch"], (rank, r)
 
 
+def _slab_lifetimes(rank: int, world: int) -> dict:
+    """Outputs written straight into receive slabs (Options.recv_slabs, default 2): held past
+    the pool's size, reused once freed, kept alive past their group, equal to the spec and to a
+    group without slabs."""
+    import torch.distributed as dist
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    def call(step: int, group=None):
+        x, idx, w = _inputs(rank, 300 + 41 * rank + 7 * step, seed=100 + step)
+        x8, s8 = ref.quantize_fp8_per128(x) if step % 2 else (x, None)
+        out = ep.dispatch(x8, idx, w, E, x_scales=s8, group=group)
+        want = ref.dispatch(x8.cpu(), idx.cpu(), w.cpu(), E,
+                            x_scales=None if s8 is None else s8.cpu())  # fmt: skip
+        return out, want
+
+    def same(out, want, combine: bool = True) -> bool:
+        ok = (torch.equal(out.recv_x.view(torch.uint8).cpu(), want.recv_x.view(torch.uint8))
+              and torch.equal(out.recv_topk_idx.cpu(), want.recv_topk_idx)
+              and torch.equal(out.recv_topk_weights.cpu(), want.recv_topk_weights)
+              and torch.equal(out.handle.recv_src_idx.cpu(), want.handle.recv_src_idx))  # fmt: skip
+        if want.recv_x_scales is not None:
+            ok = ok and torch.equal(out.recv_x_scales.cpu(), want.recv_x_scales)
+        if not combine:
+            return ok
+        combined = ep.combine(out.recv_x.float().bfloat16(), out.handle).combined_x
+        expected = ref.combine(want.recv_x.float().bfloat16(), want.handle).combined_x
+        return ok and torch.equal(combined.cpu(), expected)
+
+    res: dict = {"default": ep.get_backend().options.recv_slabs}
+    held = [call(step) for step in range(3)]  # two slabs lent, the third dispatch gets tensors
+    torch.cuda.synchronize()
+    res["held"] = [same(o, w) for o, w in held]
+    del held[0]  # its slab is lent again to the next dispatch, which must not touch the others
+    held.append(call(3))
+    torch.cuda.synchronize()
+    res["reused"] = [same(o, w) for o, w in held]
+    res["loop"] = all(same(*call(4 + step)) for step in range(6))  # lend, free, lend again
+    # Outputs outlive their group: the slab memory stays until they are freed.
+    sub = dist.new_group(list(range(world)), backend="ep")
+    kept = call(11, group=sub)
+    torch.cuda.synchronize()
+    dist.destroy_process_group(sub)
+    res["after_destroy"] = same(*kept, combine=False)
+    plain = dist.new_group(list(range(world)), backend="ep",
+                           pg_options=ep.Options(recv_slabs=0))  # fmt: skip
+    res["no_slabs"] = same(*call(12, group=plain))
+    dist.destroy_process_group(plain)
+    options = ep.get_backend().options
+    options.recv_slabs = 3 if rank == 0 else 2
+    try:
+        call(13)
+        res["mismatch"] = ""
+    except RuntimeError as exc:
+        res["mismatch"] = str(exc)
+    options.recv_slabs = 2
+    return res
+
+
+def test_receive_slabs_hold_outputs_until_freed_and_match_the_spec() -> None:
+    res = run_distributed(_slab_lifetimes, gpu_world_size(), backend="ep", timeout=300)
+    for rank, r in enumerate(res):
+        assert r["default"] == 2, (rank, r)
+        assert r["held"] == [True] * 3 and r["reused"] == [True] * 3, (rank, r)
+        assert r["loop"] and r["after_destroy"] and r["no_slabs"], (rank, r)
+        assert "Options.recv_slabs" in r["mismatch"], (rank, r)
+
+
 def _absent_peer(rank: int, world: int) -> str:
     import ep_backend as ep
 

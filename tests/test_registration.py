@@ -54,6 +54,10 @@ def test_options_validate_and_copy() -> None:
     with pytest.raises(RuntimeError, match="kernel_timeout_s"):
         ep_backend.Options(kernel_timeout_s=-1.0)
     assert opts.overlap_dispatch_host_wait is True  # the default
+    assert ep_backend.Options().recv_slabs == 2
+    assert "recv_slabs=0" in repr(ep_backend.Options(recv_slabs=0))
+    with pytest.raises(RuntimeError, match="recv_slabs must be in"):
+        ep_backend.Options(recv_slabs=65)
     exact = ep_backend.Options(overlap_dispatch_host_wait=False)
     assert copy.deepcopy(exact).overlap_dispatch_host_wait is False
     assert "overlap_dispatch_host_wait=False" in repr(exact)

@@ -48,12 +48,75 @@ struct KernelRouting {
   std::vector<int64_t> host_counts;    // routingCounts() order (2R); empty when not known
 };
 
+// The receive slabs of one runtime (IntranodeConfig::recv_slabs): which are lent, and for a
+// returned one an event on the stream of the dispatch that lent it, recorded when its last
+// output tensor was freed. Thread-safe: tensors are freed on any thread (autograd's too).
+class SlabPool {
+ public:
+  SlabPool(int count, int device, std::shared_ptr<char> memory)
+      : device_(device), memory_(std::move(memory)), lent_(count, false), returned_(count) {}
+  ~SlabPool() {
+    for (cudaEvent_t e : returned_)
+      if (e != nullptr) cudaEventDestroy(e);
+  }
+  SlabPool(const SlabPool&) = delete;
+  SlabPool& operator=(const SlabPool&) = delete;
+
+  // A free slab for a dispatch on `stream` (-1: none free). The stream first waits for the work
+  // queued on the returning dispatch's stream when its outputs were freed, as the caching
+  // allocator orders a block's reuse.
+  int lend(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int i = 0; i < static_cast<int>(lent_.size()); ++i) {
+      if (lent_[i]) continue;
+      if (returned_[i] != nullptr) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, returned_[i], 0));
+      lent_[i] = true;
+      return i;
+    }
+    return -1;
+  }
+  void give_back(int i, cudaStream_t stream) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int previous = 0;
+    if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
+      if (returned_[i] == nullptr) cudaEventCreateWithFlags(&returned_[i], cudaEventDisableTiming);
+      if (returned_[i] != nullptr && cudaEventRecord(returned_[i], stream) != cudaSuccess) {
+        cudaEventDestroy(returned_[i]);  // the next lend then cannot order itself: keep it lent
+        returned_[i] = nullptr;
+        cudaSetDevice(previous);
+        return;
+      }
+      cudaSetDevice(previous);
+    } else {
+      return;  // CUDA is gone (process exit): nothing will lend it again
+    }
+    lent_[i] = false;
+  }
+
+ private:
+  std::mutex mutex_;
+  int device_;
+  std::shared_ptr<char> memory_;  // keeps the slabs mapped while outputs view them
+  std::vector<bool> lent_;
+  std::vector<cudaEvent_t> returned_;
+};
+
+// One dispatch's hold on a slab: every output tensor viewing it shares this; the last one freed
+// gives the slab back.
+struct SlabLease {
+  std::shared_ptr<SlabPool> pool;
+  int index;
+  cudaStream_t stream;
+  ~SlabLease() { pool->give_back(index, stream); }
+};
+
 // Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
 struct GroupState {
   bool decided = false;
   bool usable = false;
   int generation = 0;
   std::unique_ptr<IntranodeRuntime> runtime;
+  std::shared_ptr<SlabPool> slabs;   // the runtime's receive slabs (null: none)
   std::deque<KernelRouting> recent;  // most recent first, a few handles
 };
 
@@ -159,6 +222,12 @@ struct Needs {
   int64_t local_experts = 0;
 };
 
+// Options.recv_slabs, or EP_RECV_SLABS (for A/B timings); every rank must agree on it.
+int recvSlabs(EPProcessGroup& pg) {
+  if (const char* env = std::getenv("EP_RECV_SLABS")) return std::atoi(env);
+  return static_cast<int>(pg.options()->recv_slabs);
+}
+
 bool fits(const IntranodeConfig& c, const Needs& n) {
   return n.tokens <= c.max_tokens_per_rank && n.hidden_bytes <= c.max_hidden_bytes &&
          n.topk <= c.max_topk && n.scales <= c.max_scales && n.local_experts <= c.max_local_experts;
@@ -192,6 +261,7 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
     pg.innerBackend(c10::DeviceType::CPU, "intranode rebuild")->barrier()->wait();
     st.runtime->destroy();
     st.runtime.reset();
+    st.slabs.reset();  // outputs still viewing an old slab keep its memory
   }
   cfg.max_tokens_per_rank = roundUpPow2(static_cast<int>(needs.tokens), 1024);
   cfg.max_hidden_bytes = static_cast<int>(std::max<int64_t>(needs.hidden_bytes, 16));
@@ -220,7 +290,12 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   if (const char* env = std::getenv("EP_DISPATCH_STAGE")) {
     cfg.stage_small_dispatch_rows = std::atoi(env) != 0;
   }
+  cfg.recv_slabs = recvSlabs(pg);
   st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
+  if (cfg.recv_slabs > 0) {
+    st.slabs =
+        std::make_shared<SlabPool>(cfg.recv_slabs, device.index(), st.runtime->recv_slab_owner());
+  }
   const std::string prefix = keyPrefix(pg) + "ipc/" + std::to_string(++st.generation) + "/";
   auto handle = st.runtime->ipc_handle();
   pg.store()->set(prefix + std::to_string(pg.getRank()),
@@ -531,6 +606,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // Ranks that disagree would diverge on a rejected routing (one launches the kernel, one not).
   fields.push_back(
       {"Options.overlap_dispatch_host_wait", pg.options()->overlap_dispatch_host_wait});
+  fields.push_back({"Options.recv_slabs (or EP_RECV_SLABS)", recvSlabs(pg)});
   std::vector<int64_t> payload{
       ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
@@ -556,13 +632,15 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // tells notify whether it found an invalid topk_idx value.
   const bool given_layout = !a.layout.empty();
   const ErrorRecord* layout_error = nullptr;
-  at::Tensor per_rank, per_expert, in_rank, send_pos, recv_prefix;
+  at::Tensor per_rank, per_expert, in_rank, send_pos, recv_prefix, dest_slabs;
   if (given_layout) {
     per_rank = a.layout[0];
     per_expert = a.layout[1];
     in_rank = a.layout[2];
     send_pos = a.layout[3];
-    recv_prefix = at::empty({num_ranks + 1}, i32);
+    at::Tensor small = at::empty({align4(num_ranks + 1) + 2 * num_ranks}, i32);
+    recv_prefix = small.narrow(0, 0, num_ranks + 1);
+    dest_slabs = small.narrow(0, align4(num_ranks + 1), 2 * num_ranks);
     layout_error = layoutErrorState(device.index(), stream).dev;
   } else {
     // Order matters for latency: the GPU idles until the layout launch, so only the layout's
@@ -571,15 +649,17 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     per_expert = at::empty({a.num_experts}, i32);
     in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
     // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive
-    // prefix [R + 1] and the layout kernel's scratch, each 16-byte aligned.
+    // prefix [R + 1], the lent slabs [2R] and the layout kernel's scratch, each 16-byte aligned.
     const int64_t prefix_at = align4(num_tokens * num_ranks);
-    const int64_t scratch_at = prefix_at + align4(num_ranks + 1);
+    const int64_t slabs_at = prefix_at + align4(num_ranks + 1);
+    const int64_t scratch_at = slabs_at + align4(2 * num_ranks);
     const size_t layout_ws_bytes = intranode_layout_workspace_bytes(
         static_cast<int>(num_tokens), static_cast<int>(a.num_experts));
     at::Tensor internal =
         at::empty({scratch_at + align4(static_cast<int64_t>((layout_ws_bytes + 3) / 4))}, i32);
     send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
     recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
+    dest_slabs = internal.narrow(0, slabs_at, 2 * num_ranks);
     void* layout_ws = layout_ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr;
     rt.layout(a.topk_idx.data_ptr(), idx_bytes, static_cast<int>(num_tokens),
               static_cast<int>(topk), static_cast<int>(a.num_experts), per_rank.data_ptr<int>(),
@@ -595,11 +675,20 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // Without a host wait between notify and the dispatch launch, the dispatch kernel starts
   // behind notify while it runs (programmatic dependent launch).
   const bool dispatch_follows = !host_counts || overlap;
+  // A receive slab for the outputs: the senders then write them in place (none in worst-case
+  // mode, whose outputs a CUDA graph may keep, nor while capturing).
+  const bool slabs = st->slabs != nullptr;
+  std::shared_ptr<SlabLease> lease;
+  if (slabs && host_counts && !capturing()) {
+    const int i = st->slabs->lend(stream);
+    if (i >= 0) lease = std::make_shared<SlabLease>(SlabLease{st->slabs, i, stream});
+  }
   const int ticket = rt.notify(
       per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
       static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
       recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(),
-      host_counts, stream, layout_error, dispatch_follows);
+      host_counts, stream, layout_error, dispatch_follows, lease ? lease->index : -1,
+      slabs ? dest_slabs.data_ptr<int>() : nullptr);
   stages.mark("layout+notify");
 
   int64_t rows = a.num_worst_tokens;
@@ -609,16 +698,29 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   DispatchResult out;
   at::Tensor src_idx, src_rank;
   const auto allocate_and_launch = [&] {
-    out.recv_x = at::empty({rows, a.x.size(1)}, a.x.options());
+    // Outputs: views of the lent slab (each keeps the lease), else fresh tensors.
+    const int hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
+    const int num_scales = has_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
+    const SlabLayout slab =
+        rt.recv_slab_layout(hidden_bytes, num_scales, static_cast<int>(topk), idx_bytes);
+    const auto output = [&](size_t offset, at::IntArrayRef sizes, const at::TensorOptions& opts) {
+      if (!lease) return at::empty(sizes, opts);
+      std::shared_ptr<SlabLease> hold = lease;
+      return at::from_blob(
+          rt.recv_slab(lease->index) + offset, sizes,
+          [hold](void*) {},  // the last view freed gives the slab back
+          opts);
+    };
+    out.recv_x = output(slab.x, {rows, a.x.size(1)}, a.x.options());
     if (has_scales) {
-      out.recv_x_scales = at::empty({rows, a.x_scales->size(1)}, a.x_scales->options());
+      out.recv_x_scales = output(slab.scales, {rows, a.x_scales->size(1)}, a.x_scales->options());
     }
-    out.recv_topk_idx = at::empty({rows, topk}, a.topk_idx.options());
+    out.recv_topk_idx = output(slab.topk_idx, {rows, topk}, a.topk_idx.options());
     if (has_weights) {
-      out.recv_topk_weights = at::empty({rows, topk}, a.topk_weights->options());
+      out.recv_topk_weights = output(slab.topk_weights, {rows, topk}, a.topk_weights->options());
     }
-    src_idx = at::empty({rows}, i32);
-    src_rank = at::empty({rows}, i32);
+    src_idx = output(slab.src_idx, {rows}, i32);
+    src_rank = output(slab.src_rank, {rows}, i32);
 
     IntranodeDispatchArgs args;
     args.x = a.x.data_ptr();
@@ -641,7 +743,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     args.recv_src_rank = src_rank.data_ptr<int>();
     // Only worst-case mode pads; the overlapped launch leaves the rows past the count unwritten.
     args.num_worst_tokens = overlap ? 0 : static_cast<int>(a.num_worst_tokens);
+    args.dest_slabs = slabs ? dest_slabs.data_ptr<int>() : nullptr;
+    args.own_slab = lease != nullptr;
     rt.dispatch(args, stream);
+    lease.reset();  // the outputs hold it now
   };
   if (overlap) {
     // The kernel reads the receive prefix notify leaves on the device; a rejected routing

@@ -138,7 +138,11 @@ struct BufferLayout {
     return combine_flags_offset +
            (size_t(region_index(src, receiver)) * max_tokens + size_t(slot)) * sizeof(uint64_t);
   }
-  EP_HOST_DEVICE size_t notify_slot_words() const { return 1 + size_t(max_local_experts); }
+  // A notify slot: [token count][count per local expert x max_local_experts]
+  // [tokens the source sends to each rank x R][the receive slab the source lends, or -1].
+  EP_HOST_DEVICE size_t notify_slot_words() const {
+    return 2 + size_t(max_local_experts) + size_t(num_ranks);
+  }
   // Slot (parity, src) of the notify area, in u64 words from the area's start.
   EP_HOST_DEVICE size_t notify_slot(int parity, int src) const {
     return (size_t(parity) * num_ranks + src) * notify_slot_words();
@@ -150,9 +154,45 @@ struct PeerBuffers {
   char* ptr[kMaxRanks];
 };
 
+// Receive slabs: a second IPC allocation per rank of `count` slabs, each able to hold every
+// output of a dispatch (rows: every token of every rank). A receiver that lends one for a
+// dispatch (notify tells the senders which) gets its rows written there by every sender, so the
+// outputs are views of the slab and nothing is copied out of the receive buffer.
+struct PeerSlabs {
+  char* ptr[kMaxRanks];  // each rank's slab array as mapped here (null: no slabs)
+  size_t slab_bytes;
+  int count;
+};
+
+// The output arrays inside one slab for one call's row shape (byte offsets from the slab's
+// start; the same on every rank, which is what lets a sender address a peer's slab).
+struct SlabLayout {
+  size_t x;             // [rows, hidden_bytes]
+  size_t scales;        // [rows, S] float32
+  size_t topk_idx;      // [rows, K] of idx_bytes
+  size_t topk_weights;  // [rows, K] float32
+  size_t src_idx;       // [rows] int32
+  size_t src_rank;      // [rows] int32
+  size_t total;
+  EP_HOST_DEVICE static SlabLayout make(size_t rows, int hidden_bytes, int num_scales, int num_topk,
+                                        int idx_bytes) {
+    SlabLayout l;
+    l.x = 0;
+    l.scales = align_up(l.x + rows * size_t(hidden_bytes), 256);
+    l.topk_idx = align_up(l.scales + rows * size_t(num_scales) * 4, 256);
+    l.topk_weights = align_up(l.topk_idx + rows * size_t(num_topk) * size_t(idx_bytes), 256);
+    l.src_idx = align_up(l.topk_weights + rows * size_t(num_topk) * 4, 256);
+    l.src_rank = align_up(l.src_idx + rows * 4, 256);
+    const size_t off = align_up(l.src_rank + rows * 4, 256);
+    l.total = off;
+    return l;
+  }
+};
+
 // Everything a communicating kernel needs to find buffers and report problems.
 struct CommContext {
   PeerBuffers buffers;
+  PeerSlabs slabs;
   BufferLayout layout;
   ErrorRecord* error;  // host-mapped, device pointer
   long long timeout_cycles;
@@ -200,6 +240,8 @@ struct NotifyParams {
   // 1: the dispatch kernel is launched right behind this one (programmatic dependent launch)
   // and takes this kernel's sequence number, so notify does not advance the epoch.
   int dispatch_follows;
+  int lend_slab;    // the receive slab this rank lends the dispatch that follows, or -1
+  int* dest_slabs;  // [2R] or null: for each rank d, {our first row there, d's lent slab or -1}
 };
 
 // Rows of x of at most this many bytes may be staged (DispatchParams::staged): two stages per
@@ -237,6 +279,13 @@ struct DispatchParams {
   // intranode_dispatch_stage_bytes of dynamic shared memory), and receivers claim rows (finished
   // senders join them).
   int staged;
+  // Receive slabs (PeerSlabs): dest_slabs [2R] as notify wrote them (null: no rank lent one);
+  // senders write a token's rows for a rank that lent a slab straight into it, at the offsets
+  // of `slab`. own_slab: this rank's outputs are its lent slab, so receivers only wait for the
+  // rows' flags (the senders wrote the outputs themselves).
+  const int* dest_slabs;
+  SlabLayout slab;
+  int own_slab;
 };
 
 struct CombineParams {

@@ -112,35 +112,52 @@ __device__ __forceinline__ char* dispatch_row(const CommContext& c, char* buffer
          size_t(slot) * stride;
 }
 
-// A token's scales for destination d (`to`: its row there; lrow: its output row when d == me).
+// Array `own` of our outputs, or the same array in a peer's lent slab (`slab` non-null).
+template <typename T>
+__device__ __forceinline__ T* out_array(T* own, char* slab, size_t offset) {
+  return slab == nullptr ? own : reinterpret_cast<T*>(slab + offset);
+}
+
+// Start of the slab rank d lent (its slab index `ds`), as mapped here.
+__device__ __forceinline__ char* lent_slab(const CommContext& c, int d, int ds) {
+  return c.slabs.ptr[d] + size_t(ds) * c.slabs.slab_bytes;
+}
+
+// A token's scales for destination d: into output row lrow of our arrays (d == me) or of the
+// slab d lent (`slab`), else into its row `to` of d's buffer.
 __device__ __forceinline__ void store_token_scales(const DispatchParams& p, const DispatchRow& row,
-                                                   int me, int d, char* to, int lrow, int t,
-                                                   int lane, float sc0, float sc1) {
+                                                   int me, int d, char* to, char* slab, int lrow,
+                                                   int t, int lane, float sc0, float sc1) {
   const int S = p.num_scales;
-  float* sc_out =
-      d == me ? p.recv_scales + size_t(lrow) * S : reinterpret_cast<float*>(to + row.scales_offset);
+  float* sc_out = d == me || slab != nullptr
+                      ? out_array(p.recv_scales, slab, p.slab.scales) + size_t(lrow) * S
+                      : reinterpret_cast<float*>(to + row.scales_offset);
   if (lane < S) sc_out[lane] = sc0;
   if (lane + 32 < S) sc_out[lane + 32] = sc1;
   for (int j = lane + 64; j < S; j += 32) sc_out[j] = p.scales[size_t(t) * S + j];
 }
 
 // A token's metadata for destination d: its top-k ids local to d (-1 elsewhere) and weights (0
-// where -1), source index and rank; into the output arrays for this rank, the row for a peer.
+// where -1), source index and rank; into output row lrow of our arrays or of d's lent slab,
+// else into its row of d's buffer.
 __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const DispatchRow& row,
-                                                 int me, int d, char* to, int lrow, int t, int lane,
-                                                 long long idx, float w) {
+                                                 int me, int d, char* to, char* slab, int lrow,
+                                                 int t, int lane, long long idx, float w) {
   const int K = p.num_topk;
   const long long lo = static_cast<long long>(d) * p.experts_per_rank;
   const int local_idx = (idx >= lo && idx < lo + p.experts_per_rank) ? int(idx - lo) : -1;
   const float local_w = local_idx >= 0 ? w : 0.0f;
-  if (d == me) {
+  if (d == me || slab != nullptr) {
     if (lane < K && p.recv_topk_idx != nullptr) {
-      store_idx(p.recv_topk_idx, size_t(lrow) * K + lane, p.idx_bytes, local_idx);
-      if (p.recv_topk_weights != nullptr) p.recv_topk_weights[size_t(lrow) * K + lane] = local_w;
+      store_idx(out_array(p.recv_topk_idx, slab, p.slab.topk_idx), size_t(lrow) * K + lane,
+                p.idx_bytes, local_idx);
+      if (p.recv_topk_weights != nullptr)
+        out_array(p.recv_topk_weights, slab, p.slab.topk_weights)[size_t(lrow) * K + lane] =
+            local_w;
     }
     if (lane == 0) {
-      if (p.recv_src_idx != nullptr) p.recv_src_idx[lrow] = t;
-      if (p.recv_src_rank != nullptr) p.recv_src_rank[lrow] = me;
+      if (p.recv_src_idx != nullptr) out_array(p.recv_src_idx, slab, p.slab.src_idx)[lrow] = t;
+      if (p.recv_src_rank != nullptr) out_array(p.recv_src_rank, slab, p.slab.src_rank)[lrow] = me;
     }
   } else {
     char* meta = to + row.meta_offset;
@@ -152,6 +169,17 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
   }
 }
 
+// Lane d (< R): where our rows start in rank d's outputs and the slab d lent (-1: none).
+__device__ __forceinline__ void load_dest_slabs(const DispatchParams& p, int lane, int& dest_base,
+                                                int& dest_slab) {
+  dest_base = 0;
+  dest_slab = -1;
+  if (p.dest_slabs != nullptr && lane < p.comm.num_ranks && lane != p.comm.rank) {
+    dest_base = p.dest_slabs[2 * lane];
+    dest_slab = p.dest_slabs[2 * lane + 1];
+  }
+}
+
 // Before a sender's first store to a destination: waits (once per peer) until the peers in
 // dest_mask have entered this sequence, and behind a running notify (once) until notify has
 // written the counts, then reads this rank's first output row. False when the warp must stop
@@ -159,7 +187,8 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
 __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
                                                  const device::WaitContext& ctx, uint64_t seq,
                                                  int lane, uint32_t dest_mask, uint32_t& ready,
-                                                 bool& notified, int& local_base) {
+                                                 bool& notified, int& local_base, int& dest_base,
+                                                 int& dest_slab) {
   const uint32_t need = dest_mask & ~ready;
   if (need != 0) {
     const uint64_t* entered = reinterpret_cast<const uint64_t*>(p.comm.buffers.ptr[p.comm.rank] +
@@ -177,8 +206,20 @@ __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
         (p.topk_idx != nullptr && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks)))
       return false;
     local_base = p.recv_prefix[p.comm.rank];
+    load_dest_slabs(p, lane, dest_base, dest_slab);
   }
   return true;
+}
+
+// Destination d's lent slab as mapped here (null: d is us or lent none); `lrow` becomes our
+// token's row in its outputs. Lanes: dest_slab/dest_base from load_dest_slabs, pos = send_pos.
+__device__ __forceinline__ char* dest_slab_row(const CommContext& c, int d, int dest_slab,
+                                               int dest_base, int pos, int& lrow) {
+  if (d == c.rank) return nullptr;
+  const int ds = __shfl_sync(kFull, dest_slab, d);
+  if (ds < 0) return nullptr;
+  lrow = __shfl_sync(kFull, dest_base, d) + __shfl_sync(kFull, pos, d);
+  return lent_slab(c, d, ds);
 }
 
 // Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
@@ -193,6 +234,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   const bool with_meta = p.topk_idx != nullptr;
   int local_base = p.after_notify ? 0 : p.recv_prefix[me];  // read after notify when behind it
   bool notified = p.after_notify == 0;
+  int dest_base = 0, dest_slab = -1;
+  if (notified) load_dest_slabs(p, lane, dest_base, dest_slab);
   uint32_t ready = 1u << me;  // peers known to have entered this sequence
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
@@ -222,7 +265,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 
     // 2. Destinations.
     const uint32_t dest_mask = __ballot_sync(kFull, pos >= 0);
-    if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base)) {
+    if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base, dest_base,
+                          dest_slab)) {
       if (lane == 0) device::hand_over_done(queue, warp, k);
       return;
     }
@@ -236,12 +280,20 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       if (d < R && slot >= 0) {
         if (d == me) {
           const int r = local_base + slot;
+#ifdef EP_DIAG_NO_LOCAL  // measurement builds only: local rows are not written
+          if (false) {
+#else
           if (p.num_worst_tokens == 0 || r < p.num_worst_tokens) {
+#endif
             local_row = r;
             dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
           }
         } else {
-          dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
+          // A rank that lent a slab gets the row straight into its outputs.
+          const int ds = __shfl_sync(kFull, dest_slab, d);
+          const int out_row = __shfl_sync(kFull, dest_base, d) + slot;
+          dst[d] = ds >= 0 ? lent_slab(c, d, ds) + p.slab.x + size_t(out_row) * p.hidden_bytes
+                           : dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
         }
       }
     }
@@ -259,14 +311,12 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       }
       if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
 #pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d)
-        if (dst[d] != nullptr)
-          store_token_scales(p, row, me, d, dst[d], local_row, t, lane, sc0, sc1);
-      if (with_meta) {
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-          if (dst[d] != nullptr)
-            store_token_meta(p, row, me, d, dst[d], local_row, t, lane, idx, w);
+      for (int d = 0; d < kMaxRanks; ++d) {
+        if (dst[d] == nullptr) continue;
+        int lrow = local_row;
+        char* slab = dest_slab_row(c, d, dest_slab, dest_base, pos, lrow);
+        store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, sc0, sc1);
+        if (with_meta) store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, idx, w);
       }
     }
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
@@ -304,6 +354,8 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
   const bool with_meta = p.topk_idx != nullptr;
   int local_base = p.after_notify ? 0 : p.recv_prefix[me];
   bool notified = p.after_notify == 0;
+  int dest_base = 0, dest_slab = -1;
+  if (notified) load_dest_slabs(p, lane, dest_base, dest_slab);
   uint32_t ready = 1u << me;
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
@@ -344,7 +396,9 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     const TokenInputs nxt = load_inputs(t_next);
 
     const uint32_t dest_mask = __ballot_sync(kFull, cur.pos >= 0);
-    if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base)) break;
+    if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base, dest_base,
+                          dest_slab))
+      break;
     if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
     char* dst[kMaxRanks];
     int local_row = -1;
@@ -355,12 +409,20 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
       if (d < R && slot >= 0) {
         if (d == me) {
           const int r = local_base + slot;
+#ifdef EP_DIAG_NO_LOCAL  // measurement builds only: local rows are not written
+          if (false) {
+#else
           if (p.num_worst_tokens == 0 || r < p.num_worst_tokens) {
+#endif
             local_row = r;
             dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
           }
         } else {
-          dst[d] = dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
+          // A rank that lent a slab gets the row straight into its outputs.
+          const int ds = __shfl_sync(kFull, dest_slab, d);
+          const int out_row = __shfl_sync(kFull, dest_base, d) + slot;
+          dst[d] = ds >= 0 ? lent_slab(c, d, ds) + p.slab.x + size_t(out_row) * p.hidden_bytes
+                           : dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
         }
       }
     }
@@ -375,8 +437,10 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       if (dst[d] == nullptr) continue;
-      store_token_scales(p, row, me, d, dst[d], local_row, t, lane, cur.sc0, cur.sc1);
-      if (with_meta) store_token_meta(p, row, me, d, dst[d], local_row, t, lane, cur.idx, cur.w);
+      int lrow = local_row;
+      char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
+      store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
+      if (with_meta) store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, cur.idx, cur.w);
     }
     __syncwarp();
     bool ok = true;
@@ -412,6 +476,7 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
 // with the row's first loads (one latency per row, not one more after the copy).
 __device__ __forceinline__ void copy_received_row(const DispatchParams& p, const DispatchRow& row,
                                                   const char* in, int r, int src, int lane) {
+  if (p.own_slab) return;  // the sender wrote the outputs in our slab; the flag says they are in
   const int K = p.num_topk, S = p.num_scales;
   const int n16 = p.hidden_bytes / 16;
   int4* out16 = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
@@ -428,7 +493,9 @@ __device__ __forceinline__ void copy_received_row(const DispatchParams& p, const
     mw = reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
   }
   if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
+#ifndef EP_DIAG_NO_RECV_COPY  // measurement builds only: wrong results, shows the copy's cost
   copy_row(reinterpret_cast<const int4*>(in), out16, n16, lane, 0);
+#endif
   if (copy_scales) {
     float* sc_out = p.recv_scales + size_t(r) * S;
     if (lane < S) sc_out[lane] = sc0;

@@ -55,15 +55,19 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   const uint64_t tag = static_cast<uint64_t>(seq32) << 32;
   const int parity = static_cast<int>(seq & 1);
   const int E_loc = p.experts_per_rank;
-  const int words = 1 + E_loc;
+  // [count][per local expert x E_loc][our counts to every rank x R][our lent slab]
+  const int words = 2 + E_loc + R;
+  const int sent_word = 1 + E_loc, slab_word = 1 + E_loc + R;
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpNotify, me};
 
   if (!device::aborted(ctx)) {
     // Send: slot (parity, me) of every rank's buffer.
     for (int i = tid; i < R * words; i += kNotifyThreads) {
       const int dst = i / words, w = i % words;
-      const uint32_t v = w == 0 ? uint32_t(p.num_tokens_per_rank[dst]) | s_rejected
-                                : uint32_t(p.num_tokens_per_expert[dst * E_loc + w - 1]);
+      const uint32_t v = w == 0          ? uint32_t(p.num_tokens_per_rank[dst]) | s_rejected
+                         : w < sent_word ? uint32_t(p.num_tokens_per_expert[dst * E_loc + w - 1])
+                         : w < slab_word ? uint32_t(p.num_tokens_per_rank[w - sent_word])
+                                         : uint32_t(p.lend_slab);
       uint64_t* slot = reinterpret_cast<uint64_t*>(c.buffers.ptr[dst] + c.layout.notify_offset) +
                        c.layout.notify_slot(parity, me) + w;
       device::st_relaxed_sys(slot, tag | v);
@@ -101,6 +105,16 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
       total += n;
     }
     p.recv_prefix[R] = total;
+    // Where our rows start in every rank's output (the rows of lower ranks come first) and the
+    // slab it lent: senders write into a lent slab directly.
+    if (p.dest_slabs != nullptr) {
+      for (int d = 0; d < R; ++d) {
+        int base = 0;
+        for (int s = 0; s < me; ++s) base += values[s * words + sent_word + d];
+        p.dest_slabs[2 * d] = base;
+        p.dest_slabs[2 * d + 1] = s_failed ? -1 : values[d * words + slab_word];
+      }
+    }
     ctrl->rejected_ranks = p.host != nullptr ? rejected : 0;
     // The dispatch behind us needs only the prefix and the verdict: let it go before the
     // per-expert counts and the host-mapped copies (whose system fences take microseconds).
@@ -144,7 +158,8 @@ cudaError_t preload_intranode_notify() {
 }
 
 cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream) {
-  const size_t smem = size_t(p.comm.num_ranks) * (1 + p.experts_per_rank) * sizeof(int);
+  const size_t smem =
+      size_t(p.comm.num_ranks) * (2 + p.experts_per_rank + p.comm.num_ranks) * sizeof(int);
   if (smem > 48 * 1024) {
     cudaError_t e =
         cudaFuncSetAttribute(intranode_notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

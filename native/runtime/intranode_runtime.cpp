@@ -141,6 +141,40 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
   peers_.assign(num_ranks_, nullptr);
   peer_opened_.assign(num_ranks_, false);
   peers_[rank_] = buffer_;
+
+  require(config_.recv_slabs >= 0 && config_.recv_slabs <= 64, "recv_slabs must be in [0, 64]");
+  peer_slabs_.assign(num_ranks_, nullptr);
+  peer_slabs_opened_.assign(num_ranks_, false);
+  if (config_.recv_slabs > 0) {
+    const size_t rows = size_t(num_ranks_) * config_.max_tokens_per_rank;
+    slab_bytes_ = align_up(
+        SlabLayout::make(rows, config_.max_hidden_bytes, config_.max_scales, config_.max_topk, 8)
+            .total,
+        4096);
+    char* raw = nullptr;
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&raw), slab_bytes_ * config_.recv_slabs),
+               "cudaMalloc(receive slabs)");
+    const int dev = device_;
+    slabs_ = std::shared_ptr<char>(raw, [dev](char* ptr) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(dev);
+      cudaFree(ptr);
+      cudaSetDevice(previous);
+    });
+    peer_slabs_[rank_] = raw;
+  }
+}
+
+char* IntranodeRuntime::recv_slab(int i) const {
+  require(slabs_ != nullptr && i >= 0 && i < config_.recv_slabs, "recv_slab: no such slab");
+  return slabs_.get() + size_t(i) * slab_bytes_;
+}
+
+SlabLayout IntranodeRuntime::recv_slab_layout(int hidden_bytes, int num_scales, int num_topk,
+                                              int idx_bytes) const {
+  return SlabLayout::make(size_t(num_ranks_) * config_.max_tokens_per_rank, hidden_bytes,
+                          num_scales, num_topk, idx_bytes);
 }
 
 IntranodeRuntime::~IntranodeRuntime() {
@@ -158,8 +192,13 @@ void IntranodeRuntime::destroy() {
   cudaDeviceSynchronize();
   for (int r = 0; r < static_cast<int>(peers_.size()); ++r)
     if (peer_opened_[r]) cudaIpcCloseMemHandle(peers_[r]);
+  for (int r = 0; r < static_cast<int>(peer_slabs_.size()); ++r)
+    if (peer_slabs_opened_[r]) cudaIpcCloseMemHandle(peer_slabs_[r]);
   peers_.clear();
   peer_opened_.clear();
+  peer_slabs_.clear();
+  peer_slabs_opened_.clear();
+  slabs_.reset();  // freed here unless dispatch outputs still view a slab
   if (buffer_ != nullptr) cudaFree(buffer_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   if (counters_host_ != nullptr) cudaFreeHost(counters_host_);
@@ -173,10 +212,12 @@ void IntranodeRuntime::destroy() {
 std::vector<char> IntranodeRuntime::ipc_handle() const {
   require(buffer_ != nullptr, "runtime destroyed");
   DeviceGuard guard(device_);
-  cudaIpcMemHandle_t h;
-  cuda_check(cudaIpcGetMemHandle(&h, buffer_), "cudaIpcGetMemHandle");
-  const char* p = reinterpret_cast<const char*>(&h);
-  return std::vector<char>(p, p + sizeof(h));
+  cudaIpcMemHandle_t h[2];
+  cuda_check(cudaIpcGetMemHandle(&h[0], buffer_), "cudaIpcGetMemHandle");
+  if (slabs_ != nullptr)
+    cuda_check(cudaIpcGetMemHandle(&h[1], slabs_.get()), "cudaIpcGetMemHandle(slabs)");
+  const char* p = reinterpret_cast<const char*>(h);
+  return std::vector<char>(p, p + sizeof(cudaIpcMemHandle_t) * (slabs_ != nullptr ? 2 : 1));
 }
 
 void IntranodeRuntime::connect(const std::vector<std::vector<char>>& all_handles) {
@@ -185,23 +226,38 @@ void IntranodeRuntime::connect(const std::vector<std::vector<char>>& all_handles
   DeviceGuard guard(device_);
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
-    require(all_handles[r].size() == sizeof(cudaIpcMemHandle_t), "bad IPC handle size");
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, all_handles[r].data(), sizeof(h));
+    const size_t count = slabs_ != nullptr ? 2 : 1;  // every rank has the same config
+    require(all_handles[r].size() == sizeof(cudaIpcMemHandle_t) * count, "bad IPC handle size");
+    cudaIpcMemHandle_t h[2];
+    std::memcpy(h, all_handles[r].data(), sizeof(cudaIpcMemHandle_t) * count);
     void* p = nullptr;
-    cuda_check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    cuda_check(cudaIpcOpenMemHandle(&p, h[0], cudaIpcMemLazyEnablePeerAccess),
+               "cudaIpcOpenMemHandle");
     peers_[r] = static_cast<char*>(p);
     peer_opened_[r] = true;
+    if (count == 2) {
+      cuda_check(cudaIpcOpenMemHandle(&p, h[1], cudaIpcMemLazyEnablePeerAccess),
+                 "cudaIpcOpenMemHandle(slabs)");
+      peer_slabs_[r] = static_cast<char*>(p);
+      peer_slabs_opened_[r] = true;
+    }
   }
   connected_ = true;
 }
 
-void IntranodeRuntime::connect_local(const std::vector<void*>& peer_buffers) {
+void IntranodeRuntime::connect_local(const std::vector<void*>& peer_buffers,
+                                     const std::vector<void*>& peer_slabs) {
   require(!connected_, "already connected");
   require(static_cast<int>(peer_buffers.size()) == num_ranks_, "need one buffer per rank");
+  require(slabs_ == nullptr || static_cast<int>(peer_slabs.size()) == num_ranks_,
+          "need one slab array per rank (config.recv_slabs > 0)");
   for (int r = 0; r < num_ranks_; ++r) {
     require(peer_buffers[r] != nullptr, "null peer buffer");
     if (r != rank_) peers_[r] = static_cast<char*>(peer_buffers[r]);
+    if (slabs_ != nullptr && r != rank_) {
+      require(peer_slabs[r] != nullptr, "null peer slab array");
+      peer_slabs_[r] = static_cast<char*>(peer_slabs[r]);
+    }
   }
   connected_ = true;
 }
@@ -221,7 +277,12 @@ void IntranodeRuntime::check_no_dispatch_due(const char* op) const {
 
 CommContext IntranodeRuntime::comm_context() const {
   CommContext c{};
-  for (int r = 0; r < num_ranks_; ++r) c.buffers.ptr[r] = peers_[r];
+  for (int r = 0; r < num_ranks_; ++r) {
+    c.buffers.ptr[r] = peers_[r];
+    c.slabs.ptr[r] = peer_slabs_[r];
+  }
+  c.slabs.slab_bytes = slab_bytes_;
+  c.slabs.count = config_.recv_slabs;
   c.layout = layout_;
   c.error = error_dev_;
   c.timeout_cycles = timeout_cycles_;
@@ -268,8 +329,12 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
                              int num_experts, int expert_alignment, int num_worst_tokens,
                              int* recv_counts, int* recv_prefix, int* num_recv_tokens_per_expert,
                              bool host_counters, cudaStream_t stream,
-                             const ErrorRecord* layout_error, bool dispatch_follows) {
+                             const ErrorRecord* layout_error, bool dispatch_follows, int lend_slab,
+                             int* dest_slabs) {
   check_ready("notify");
+  require(lend_slab >= -1 && lend_slab < config_.recv_slabs, "notify: no such receive slab");
+  require(lend_slab < 0 || dispatch_follows || host_counters,
+          "notify: a lent slab is for the dispatch that follows");
   check_no_dispatch_due("notify");
   require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
           "notify: num_experts must be a positive multiple of the number of ranks");
@@ -292,6 +357,8 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
   p.num_recv_tokens_per_expert = num_recv_tokens_per_expert;
   p.layout_error = layout_error;
   p.dispatch_follows = dispatch_follows ? 1 : 0;
+  p.lend_slab = lend_slab;
+  p.dest_slabs = dest_slabs;
   int ticket = 0;
   if (host_counters) {
     ticket = ++next_ticket_;
@@ -418,6 +485,15 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
     p.recv_topk_weights = a.recv_topk_weights;
     p.recv_src_idx = a.recv_src_idx;
     p.recv_src_rank = a.recv_src_rank;
+  }
+  if (!cached && a.dest_slabs != nullptr) {
+    p.dest_slabs = a.dest_slabs;
+    p.slab = recv_slab_layout(a.hidden_bytes, a.num_scales, a.num_topk, a.idx_bytes);
+    require(slabs_ != nullptr && p.slab.total <= slab_bytes_,
+            pre + "receive slabs are missing or too small for this row shape");
+    p.own_slab = a.own_slab ? 1 : 0;
+  } else {
+    require(!a.own_slab, pre + "own_slab needs dest_slabs");
   }
   p.after_notify = dispatch_due_ ? 1 : 0;
   p.staged = config_.stage_small_dispatch_rows && a.hidden_bytes <= kStagedRowBytes ? 1 : 0;

@@ -44,6 +44,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,9 @@ struct IntranodeConfig {
   // Dispatch senders stage rows of x of at most kStagedRowBytes (FP8 at H=7168) in shared
   // memory, prefetching the next token's row while storing the current one.
   bool stage_small_dispatch_rows = true;
+  // Receive slabs (PeerSlabs): a second IPC allocation of this many slabs, each sized for every
+  // dispatch output at the config's maximum shape (rows: every token of every rank). 0: none.
+  int recv_slabs = 0;
 };
 
 // What a dispatch call reads and writes. Rows: [tokens, hidden_bytes] raw bytes.
@@ -105,6 +109,11 @@ struct IntranodeDispatchArgs {
   int* recv_src_rank = nullptr;         // [rows]      (optional)
   int num_worst_tokens = 0;             // 0: rows = N exactly; > 0: rows = num_worst_tokens
   int num_sms = 0;                      // 0: config().num_sms
+  // Receive slabs (dispatch only): dest_slabs is notify's [2R] output (null: write every peer's
+  // rows into its buffer). own_slab: this rank lent recv_slab(i) to the notify before, and every
+  // recv_* pointer above is that slab's array (recv_slab_layout).
+  const int* dest_slabs = nullptr;
+  bool own_slab = false;
 };
 
 // What a combine call reads and writes.
@@ -152,13 +161,24 @@ class IntranodeRuntime {
   void* buffer() const { return buffer_; }
   bool connected() const { return connected_; }
 
-  // cudaIpcMemHandle_t of this rank's buffer (sizeof = 64 bytes).
+  // cudaIpcMemHandle_t of this rank's buffer (64 bytes), then of its slabs when it has any.
   std::vector<char> ipc_handle() const;
   // Opens every peer's handle (all_handles[r] from rank r; our own entry is ignored).
   void connect(const std::vector<std::vector<char>>& all_handles);
   // One process driving several GPUs: peer_buffers[r] = rank r's buffer(), already accessible
-  // from this device (cudaDeviceEnablePeerAccess, or the same device).
-  void connect_local(const std::vector<void*>& peer_buffers);
+  // from this device (cudaDeviceEnablePeerAccess, or the same device); peer_slabs[r] likewise
+  // rank r's recv_slab(0) (required when config.recv_slabs > 0).
+  void connect_local(const std::vector<void*>& peer_buffers,
+                     const std::vector<void*>& peer_slabs = {});
+
+  // Receive slabs (IntranodeConfig::recv_slabs). Slab i starts at recv_slab(i); the output
+  // arrays of a dispatch of this row shape sit at recv_slab_layout(...)'s offsets in it.
+  int recv_slab_count() const { return config_.recv_slabs; }
+  char* recv_slab(int i) const;
+  SlabLayout recv_slab_layout(int hidden_bytes, int num_scales, int num_topk, int idx_bytes) const;
+  // Owns the slabs' memory: destroy() drops the runtime's reference, and the memory is freed
+  // once every holder (outputs still viewing a slab) has dropped theirs.
+  std::shared_ptr<char> recv_slab_owner() const { return slabs_; }
 
   // Local step (no communication). Outputs (caller-allocated, device):
   //   num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
@@ -184,10 +204,14 @@ class IntranodeRuntime {
   // after the dispatch launch). The dispatch kernel is then launched behind notify with
   // programmatic dependent launch and overlaps it. Any other communicating call before that
   // dispatch throws std::logic_error.
+  // lend_slab: this rank's receive slab for the dispatch that follows (-1: none); the slab's
+  // earlier contents must no longer be needed by work ordered before this notify.
+  // dest_slabs: [2R] int32 device output for that dispatch (DispatchArgs::dest_slabs).
   int notify(const int* num_tokens_per_rank, const int* num_tokens_per_expert, int num_experts,
              int expert_alignment, int num_worst_tokens, int* recv_counts, int* recv_prefix,
              int* num_recv_tokens_per_expert, bool host_counters, cudaStream_t stream,
-             const ErrorRecord* layout_error = nullptr, bool dispatch_follows = false);
+             const ErrorRecord* layout_error = nullptr, bool dispatch_follows = false,
+             int lend_slab = -1, int* dest_slabs = nullptr);
 
   // Polls the host-mapped counters until notify(ticket) has published them (no stream sync).
   // Throws std::runtime_error on a kernel error or after timeout_seconds.
@@ -250,6 +274,10 @@ class IntranodeRuntime {
   char* buffer_ = nullptr;
   std::vector<char*> peers_;
   std::vector<bool> peer_opened_;  // opened with cudaIpcOpenMemHandle (close on destroy)
+  std::shared_ptr<char> slabs_;    // recv_slabs x slab_bytes_ (null: none)
+  size_t slab_bytes_ = 0;
+  std::vector<char*> peer_slabs_;
+  std::vector<bool> peer_slabs_opened_;
   bool connected_ = false;
   ErrorRecord* error_host_ = nullptr;
   ErrorRecord* error_dev_ = nullptr;
