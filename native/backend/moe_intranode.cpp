@@ -104,10 +104,14 @@ class SlabPool {
 // One dispatch's hold on a slab: every output tensor viewing it shares this; the last one freed
 // gives the slab back.
 struct SlabLease {
-  std::shared_ptr<SlabPool> pool;
-  int index;
-  cudaStream_t stream;
+  SlabLease(std::shared_ptr<SlabPool> p, int i, cudaStream_t s)
+      : pool(std::move(p)), index(i), stream(s) {}
+  SlabLease(const SlabLease&) = delete;  // exactly one lease gives the slab back
+  SlabLease& operator=(const SlabLease&) = delete;
   ~SlabLease() { pool->give_back(index, stream); }
+  const std::shared_ptr<SlabPool> pool;
+  const int index;
+  const cudaStream_t stream;
 };
 
 // Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
@@ -681,7 +685,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   std::shared_ptr<SlabLease> lease;
   if (slabs && host_counts && !capturing()) {
     const int i = st->slabs->lend(stream);
-    if (i >= 0) lease = std::make_shared<SlabLease>(SlabLease{st->slabs, i, stream});
+    if (i >= 0) lease = std::make_shared<SlabLease>(st->slabs, i, stream);
   }
   const int ticket = rt.notify(
       per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),

@@ -11,6 +11,10 @@
 // host looked, when the host wait overlaps it) finds them and moves nothing. Normal mode only:
 // worst-case mode has no host step, and its layout treated the values as -1.
 //
+// Each source also announces its token counts to every rank and the receive slab it lends the
+// dispatch that follows (-1: none); from them every rank derives, for each destination, where
+// its rows start in that rank's outputs and which slab to write them into (p.dest_slabs).
+//
 // Protocol: each value travels as one 64-bit word (sequence << 32 | value) written with a relaxed
 // system-scope store, so every word is self-validating and no fence or flag is needed. The slots
 // alternate by sequence parity: a peer may already run the next notify while we still read this
