@@ -505,7 +505,7 @@ std::unique_ptr<Team> make_team(int R, const IntranodeConfig& cfg, size_t arena_
   team->stream.resize(R);
   team->arena.resize(R);
   team->stage.resize(R);
-  std::vector<void*> buffers(R);
+  std::vector<void*> buffers(R), slabs(cfg.recv_slabs > 0 ? R : 0);
   for (int r = 0; r < R; ++r) {
     team->device[r] = r % g_num_devices;
     CUDA_CHECK(cudaSetDevice(team->device[r]));
@@ -519,8 +519,9 @@ std::unique_ptr<Team> make_team(int R, const IntranodeConfig& cfg, size_t arena_
       team->stage[r].size = stage_bytes;
     }
     buffers[r] = team->rt[r]->buffer();
+    if (cfg.recv_slabs > 0) slabs[r] = team->rt[r]->recv_slab(0);
   }
-  for (int r = 0; r < R; ++r) team->rt[r]->connect_local(buffers);
+  for (int r = 0; r < R; ++r) team->rt[r]->connect_local(buffers, slabs);
   return team;
 }
 
@@ -1284,6 +1285,7 @@ void bench(int iters) {
   cfg.max_scales = 56;
   cfg.max_local_experts = E / R;
   cfg.timeout_seconds = 30;
+  cfg.recv_slabs = 1;  // the "receive slab" rows: outputs written in place by the senders
   auto team = make_team(R, cfg, size_t(1) << 30);
   std::printf("bench: R=%d T=%d H=%d K=%d E=%d, buffer %.1f MB/rank, devices:", R, T, H, K, E,
               IntranodeRuntime::buffer_bytes(cfg, R) / 1e6);
@@ -1311,6 +1313,7 @@ void bench(int iters) {
     float* recv_scales = nullptr;
     void* xc = nullptr;
     void* out = nullptr;
+    int* dest_slabs = nullptr;  // [2R] from notify: every rank lends its slab 0
     int N = 0;
   };
   std::vector<RankBench> rb(R);
@@ -1338,6 +1341,7 @@ void bench(int iters) {
     m.xc = a.take(size_t(R) * T * H * 2);
     CUDA_CHECK(cudaMemsetAsync(m.xc, 0x3C, size_t(R) * T * H * 2, s));
     m.out = a.take(size_t(T) * H * 2);
+    m.dest_slabs = static_cast<int*>(a.take(size_t(2) * R * 4));
     CUDA_CHECK(cudaMalloc(&m.flush, flush_bytes));
     CUDA_CHECK(cudaStreamSynchronize(s));
   });
@@ -1426,7 +1430,8 @@ void bench(int iters) {
     CUDA_CHECK(cudaSetDevice(team->device[r]));
     RankBuffers& b = rb[r].b;
     const int t = team->rt[r]->notify(b.per_rank, b.per_expert, E, 1, 0, b.recv_counts,
-                                      b.recv_prefix, b.recv_per_expert, true, team->stream[r]);
+                                      b.recv_prefix, b.recv_per_expert, true, team->stream[r],
+                                      nullptr, false, /*lend_slab=*/0, rb[r].dest_slabs);
     team->rt[r]->wait_recv_counts(t);
   });
 
@@ -1479,6 +1484,38 @@ void bench(int iters) {
            time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
            remote_bytes);
     print_ht_timeline(*team, R, false, shape_warps);
+    // Outputs in the lent slab: peers write them in place, receivers only wait for the flags.
+    auto slab_args = [&](int r) {
+      IntranodeDispatchArgs a = dispatch_args(r, 0);
+      const ep::SlabLayout l = team->rt[r]->recv_slab_layout(sh.hidden_bytes, sh.S, K, 8);
+      char* base = team->rt[r]->recv_slab(0);
+      a.recv_x = base + l.x;
+      a.recv_x_scales = sh.S ? reinterpret_cast<float*>(base + l.scales) : nullptr;
+      a.recv_topk_idx = base + l.topk_idx;
+      a.recv_topk_weights = reinterpret_cast<float*>(base + l.topk_weights);
+      a.recv_src_idx = reinterpret_cast<int*>(base + l.src_idx);
+      a.recv_src_rank = reinterpret_cast<int*>(base + l.src_rank);
+      a.dest_slabs = rb[r].dest_slabs;
+      a.own_slab = true;
+      return a;
+    };
+    for (int round = 0; round < rounds; ++round) {
+      report("dispatch kernel, receive slab",
+             time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(slab_args(r), s); }),
+             remote_bytes);
+      report("dispatch kernel (again)",
+             time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
+             remote_bytes);
+    }
+    // With a slab the receive warps only wait: more of the 16 warps may send.
+    for (int warps : {12, 13, 14}) {
+      configure_claim(warps, default_combine_warps, true);
+      char label[96];
+      std::snprintf(label, sizeof(label), "dispatch kernel, receive slab, %d send warps", warps);
+      report(label, time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(slab_args(r), s); }),
+             remote_bytes);
+    }
+    configure_defaults(default_combine_warps);
     if (sh.hidden_bytes <= ep::kStagedRowBytes) {
       for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(false);
       for (int round = 0; round < rounds; ++round)
