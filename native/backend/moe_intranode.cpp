@@ -762,6 +762,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
   if (host_counts) {
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
+    stages.mark("count_wait");  // the rest is the host's work after the counts arrived
     if (counts.rejected_ranks != 0) {
       const auto take_record = [&]() -> ErrorRecord {
         if (given_layout) {
