@@ -4,7 +4,8 @@ Times dispatch as the bench's "queued" rows do (host barrier, 1 ms of queued GPU
 a one-element all-reduce, then start event, the call, end event), once through ``ep.dispatch``
 and once through the raw custom op (no Python wrapper work after the host's count wait). When
 the end event's time depends on which one is called, the host's work after the count wait, not
-the GPU, ends the op's span. Usage: python scripts/queued_probe.py [T]
+the GPU, ends the op's span (EP_DEBUG_AFTER_COUNT_WAIT_US adds host time there, to find the
+slack). Usage: python scripts/queued_probe.py [T]
 """
 
 import statistics
@@ -30,7 +31,12 @@ def worker(rank: int, tokens: int, port: int) -> None:
     def raw(xx, ss):
         return moe._ops.dispatch(xx, ss, idx, w, 256, 1, 0, group, [])
 
+    layout = ep.get_dispatch_layout(idx, 256)
     calls = {
+        "wrapper FP8, layout given": lambda: ep.dispatch(
+            x8, idx, w, 256, x_scales=s8, layout=layout
+        ),
+        "wrapper BF16, layout given": lambda: ep.dispatch(x, idx, w, 256, layout=layout),
         "wrapper BF16": lambda: ep.dispatch(x, idx, w, 256),
         "raw op  BF16": lambda: raw(x, None),
         "wrapper FP8": lambda: ep.dispatch(x8, idx, w, 256, x_scales=s8),

@@ -226,6 +226,19 @@ struct Needs {
   int64_t local_experts = 0;
 };
 
+// Measurement only (EP_DEBUG_AFTER_COUNT_WAIT_US=n): the host spins n µs after a dispatch's
+// count wait, to show how much host time after the wait an op's GPU span hides.
+void delayAfterCountWait() {
+  static const long long us = [] {
+    const char* env = std::getenv("EP_DEBUG_AFTER_COUNT_WAIT_US");
+    return env != nullptr ? std::atoll(env) : 0LL;
+  }();
+  if (us <= 0) return;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  while (std::chrono::steady_clock::now() < until) {
+  }
+}
+
 // Options.recv_slabs, or EP_RECV_SLABS (for A/B timings); every rank must agree on it.
 int recvSlabs(EPProcessGroup& pg) {
   if (const char* env = std::getenv("EP_RECV_SLABS")) return std::atoi(env);
@@ -763,6 +776,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   if (host_counts) {
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
     stages.mark("count_wait");  // the rest is the host's work after the counts arrived
+    delayAfterCountWait();
     if (counts.rejected_ranks != 0) {
       const auto take_record = [&]() -> ErrorRecord {
         if (given_layout) {
