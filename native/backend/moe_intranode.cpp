@@ -241,8 +241,11 @@ void delayAfterCountWait() {
 
 // Options.recv_slabs, or EP_RECV_SLABS (for A/B timings); every rank must agree on it.
 int recvSlabs(EPProcessGroup& pg) {
-  if (const char* env = std::getenv("EP_RECV_SLABS")) return std::atoi(env);
-  return static_cast<int>(pg.options()->recv_slabs);
+  static const int env = [] {  // read once: this runs on every dispatch
+    const char* v = std::getenv("EP_RECV_SLABS");
+    return v != nullptr ? std::atoi(v) : -1;
+  }();
+  return env >= 0 ? env : static_cast<int>(pg.options()->recv_slabs);
 }
 
 bool fits(const IntranodeConfig& c, const Needs& n) {

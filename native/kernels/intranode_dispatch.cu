@@ -56,6 +56,11 @@ constexpr int kWarps = kIntranodeThreads / 32;
 constexpr int kSendUnroll = EP_SEND_UNROLL;  // 16-byte loads in flight per lane
 constexpr int kRecvUnroll = 16;
 constexpr int kSendEarly = EP_SEND_EARLY;  // x chunks per lane loaded with the token's inputs
+#ifdef EP_DIAG_NO_LOCAL
+constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows are not written
+#else
+constexpr bool kSkipLocalRows = false;
+#endif
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
@@ -226,6 +231,25 @@ __device__ __forceinline__ char* dest_slab_row(const CommContext& c, int d, int 
   return lent_slab(c, d, ds);
 }
 
+// Where the token's row goes on destination d (`slot`: its send position there): our output row
+// local_base + slot (sets local_row; null past a worst-case capacity), the slab d lent, or the
+// slot's row in d's buffer. Lanes as for dest_slab_row.
+__device__ __forceinline__ char* dest_row(const DispatchParams& p, const DispatchRow& row, int d,
+                                          int slot, int local_base, int dest_slab, int dest_base,
+                                          int pos, int& local_row) {
+  const CommContext& c = p.comm;
+  if (d == c.rank) {
+    const int r = local_base + slot;
+    if (kSkipLocalRows || (p.num_worst_tokens != 0 && r >= p.num_worst_tokens)) return nullptr;
+    local_row = r;
+    return static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
+  }
+  int out_row = 0;
+  char* slab = dest_slab_row(c, d, dest_slab, dest_base, pos, out_row);
+  return slab != nullptr ? slab + p.slab.x + size_t(out_row) * p.hidden_bytes
+                         : dispatch_row(c, c.buffers.ptr[d], c.rank, d, slot, row.stride);
+}
+
 // Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
 // loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
 // of x) are issued together, so they cost one memory latency instead of one each.
@@ -280,26 +304,9 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       const int slot = __shfl_sync(kFull, pos, d);
-      dst[d] = nullptr;
-      if (d < R && slot >= 0) {
-        if (d == me) {
-          const int r = local_base + slot;
-#ifdef EP_DIAG_NO_LOCAL  // measurement builds only: local rows are not written
-          if (false) {
-#else
-          if (p.num_worst_tokens == 0 || r < p.num_worst_tokens) {
-#endif
-            local_row = r;
-            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
-          }
-        } else {
-          // A rank that lent a slab gets the row straight into its outputs.
-          const int ds = __shfl_sync(kFull, dest_slab, d);
-          const int out_row = __shfl_sync(kFull, dest_base, d) + slot;
-          dst[d] = ds >= 0 ? lent_slab(c, d, ds) + p.slab.x + size_t(out_row) * p.hidden_bytes
-                           : dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
-        }
-      }
+      dst[d] = d < R && slot >= 0
+                   ? dest_row(p, row, d, slot, local_base, dest_slab, dest_base, pos, local_row)
+                   : nullptr;
     }
 
     // 3. Stores: first batch of x, the rest of x, scales, metadata.
@@ -409,26 +416,9 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       const int slot = __shfl_sync(kFull, cur.pos, d);
-      dst[d] = nullptr;
-      if (d < R && slot >= 0) {
-        if (d == me) {
-          const int r = local_base + slot;
-#ifdef EP_DIAG_NO_LOCAL  // measurement builds only: local rows are not written
-          if (false) {
-#else
-          if (p.num_worst_tokens == 0 || r < p.num_worst_tokens) {
-#endif
-            local_row = r;
-            dst[d] = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
-          }
-        } else {
-          // A rank that lent a slab gets the row straight into its outputs.
-          const int ds = __shfl_sync(kFull, dest_slab, d);
-          const int out_row = __shfl_sync(kFull, dest_base, d) + slot;
-          dst[d] = ds >= 0 ? lent_slab(c, d, ds) + p.slab.x + size_t(out_row) * p.hidden_bytes
-                           : dispatch_row(c, c.buffers.ptr[d], me, d, slot, row.stride);
-        }
-      }
+      dst[d] = d < R && slot >= 0
+                   ? dest_row(p, row, d, slot, local_base, dest_slab, dest_base, cur.pos, local_row)
+                   : nullptr;
     }
     device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (t_next's may still travel)
     const int4* in = stage + (k & 1) * n16;
