@@ -15,6 +15,8 @@ for line in open(sys.argv[1], errors="replace"):
     except ValueError:
         continue
     for key, value in cells:
+        if key == "start_ns":  # a timestamp, not a stage
+            continue
         stages[m.group(1)][key].append(value)
 for op, parts in stages.items():
     cells = " ".join(f"{k}={statistics.median(v):.1f}" for k, v in parts.items())

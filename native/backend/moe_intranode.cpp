@@ -64,12 +64,21 @@ class SlabPool {
 
   // A free slab for a dispatch on `stream` (-1: none free). The stream first waits for the work
   // queued on the returning dispatch's stream when its outputs were freed, as the caching
-  // allocator orders a block's reuse.
+  // allocator orders a block's reuse; not when that work is done (a wait queued ahead of notify
+  // may delay its start).
   int lend(cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int i = 0; i < static_cast<int>(lent_.size()); ++i) {
       if (lent_[i]) continue;
-      if (returned_[i] != nullptr) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, returned_[i], 0));
+      if (returned_[i] != nullptr) {
+        const cudaError_t done = cudaEventQuery(returned_[i]);
+        if (done == cudaErrorNotReady) {
+          (void)cudaGetLastError();  // "not ready" is an answer, not an error to keep
+          C10_CUDA_CHECK(cudaStreamWaitEvent(stream, returned_[i], 0));
+        } else {
+          C10_CUDA_CHECK(done);
+        }
+      }
       lent_[i] = true;
       return i;
     }
@@ -162,7 +171,11 @@ class HostStages {
   ~HostStages() {
     if (on_) {
       const double total = std::chrono::duration<double, std::micro>(now() - first_).count();
-      std::fprintf(stderr, "ep %s host us:%s total=%.1f\n", op_, line_.c_str(), total);
+      // start_ns: CLOCK_MONOTONIC (Python's time.monotonic_ns), to line stages up with others.
+      const long long start_ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(first_.time_since_epoch()).count();
+      std::fprintf(stderr, "ep %s host us:%s total=%.1f start_ns=%lld\n", op_, line_.c_str(), total,
+                   start_ns);
     }
   }
 

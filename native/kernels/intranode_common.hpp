@@ -104,7 +104,8 @@ struct CombineRow {
 };
 
 // Where everything lives inside each rank's IPC buffer (identical on all ranks).
-//   [control 128 B][entered u64 x R][notify u64 x 2 parity x R src x (1 + max_local_experts)]
+//   [control 128 B][entered u64 x 8][slab arrivals u64 x 8]
+//   [notify u64 x 2 parity x R src x (1 + max_local_experts)]
 //   [dispatch area: source regions][combine area: source regions]
 //   [dispatch flags: x max_tokens u64][combine flags: x max_tokens u64]
 // A flag is only ever written with a sequence number, which grows with every kernel, so a stale
@@ -117,6 +118,9 @@ struct BufferLayout {
   int max_local_experts;
   int row_align;  // bytes; dispatch and combine rows start on this boundary (16 or 128)
   size_t entered_offset;
+  // u64 per source: rows it has written into the receive slab we lent, added by its publishers
+  // (after their fence) instead of per-row flags; the dispatch kernel zeroes them once all came.
+  size_t arrivals_offset;
   size_t notify_offset;
   size_t dispatch_offset;
   size_t dispatch_region_bytes;
@@ -281,8 +285,9 @@ struct DispatchParams {
   int staged;
   // Receive slabs (PeerSlabs): dest_slabs [2R] as notify wrote them (null: no rank lent one);
   // senders write a token's rows for a rank that lent a slab straight into it, at the offsets
-  // of `slab`. own_slab: this rank's outputs are its lent slab, so receivers only wait for the
-  // rows' flags (the senders wrote the outputs themselves).
+  // of `slab`, and count them into its arrivals word instead of flagging each. own_slab: this
+  // rank's outputs are its lent slab (the senders wrote them): one warp waits for the counts,
+  // the receive warps have nothing to do.
   const int* dest_slabs;
   SlabLayout slab;
   int own_slab;

@@ -13,9 +13,11 @@
 //    lane issues one fence.acq_rel.sys (cumulative: it covers the sender's stores it observed)
 //    and writes the per-row flags (= sequence number) of those tokens' remote rows.
 //  * Receive slabs: a peer that lent one for this call (notify's dest_slabs) gets the token's
-//    x, scales and metadata straight into its outputs (the slab) at its output row, and the
-//    row's flag as usual; its receivers then only wait for the flags (own_slab), so the rows are
-//    not copied out of a buffer. That copy cost ~14 us of BF16 dispatch (harness, 2 x H200).
+//    x, scales and metadata straight into its outputs (the slab) at its output row, so the rows
+//    are not copied out of a buffer (that copy cost ~14 us of BF16 dispatch, harness, 2 x H200).
+//    No per-row flags either: after each batch's fence the publisher adds the batch's row count
+//    to the peer's arrivals word for us, and the peer (own_slab) has one warp wait until every
+//    source's count is complete; its receive warps are idle.
 //  * Receivers: global receiver warp v owns slots v, v + V, ... of every remote source. It polls
 //    32 of its rows at once (one per lane: relaxed load of the row flag, acquire once it matches)
 //    and copies every row that has arrived to recv_prefix[src] + slot, so rows leave the buffer
@@ -56,6 +58,13 @@ constexpr int kWarps = kIntranodeThreads / 32;
 constexpr int kSendUnroll = EP_SEND_UNROLL;  // 16-byte loads in flight per lane
 constexpr int kRecvUnroll = 16;
 constexpr int kSendEarly = EP_SEND_EARLY;  // x chunks per lane loaded with the token's inputs
+// Staged senders claim a token's successor after storing it, not before: a warp then holds at
+// most two tokens when the counter runs out (not three), so the senders end closer together
+// (FP8 dispatch kernel -0.6 to -1.5 us, harness, 2 x H200). -DEP_LATE_CLAIM=0 for the early claim.
+#ifndef EP_LATE_CLAIM
+#define EP_LATE_CLAIM 1
+#endif
+constexpr bool kLateClaim = EP_LATE_CLAIM;
 #ifdef EP_DIAG_NO_LOCAL
 constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows are not written
 #else
@@ -192,13 +201,16 @@ __device__ __forceinline__ void load_dest_slabs(const DispatchParams& p, int lan
 // Before a sender's first store to a destination: waits (once per peer) until the peers in
 // dest_mask have entered this sequence, and behind a running notify (once) until notify has
 // written the counts, then reads this rank's first output row. False when the warp must stop
-// (abort, timeout, or a routing notify rejected: that moves nothing).
+// (abort, timeout, or a routing notify rejected: that moves nothing). Behind a notify the
+// "entered" wait is implied: notify returned only after every peer's notify of this sequence
+// had written to us, and a peer's notify starts only after its earlier kernels have finished
+// (it is not launched early), so no earlier kernel of a peer still reads what we write.
 __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
                                                  const device::WaitContext& ctx, uint64_t seq,
                                                  int lane, uint32_t dest_mask, uint32_t& ready,
                                                  bool& notified, int& local_base, int& dest_base,
                                                  int& dest_slab) {
-  const uint32_t need = dest_mask & ~ready;
+  const uint32_t need = p.after_notify ? 0u : dest_mask & ~ready;
   if (need != 0) {
     const uint64_t* entered = reinterpret_cast<const uint64_t*>(p.comm.buffers.ptr[p.comm.rank] +
                                                                 p.comm.layout.entered_offset);
@@ -207,6 +219,7 @@ __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
       ok = device::spin_wait(ctx, lane,
                              [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
     if (!__all_sync(kFull, ok)) return false;
+    if (ready == (1u << p.comm.rank) && threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtEnteredSeen);
     ready |= need;
   }
   if (!notified) {
@@ -214,6 +227,7 @@ __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
     if (!wait_notified(ctx, seq) ||
         (p.topk_idx != nullptr && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks)))
       return false;
+    if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtNotifiedSeen);
     local_base = p.recv_prefix[p.comm.rank];
     load_dest_slabs(p, lane, dest_base, dest_slab);
   }
@@ -347,7 +361,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 // warp's other shared-memory stage with cp.async (no registers held) and loads its send_pos, ids,
 // weights and scales into registers while the current token is stored, so a token's stores start
 // without waiting for memory. Each lane reads back only the chunks it copied itself, so
-// cp.async.wait_group alone orders them (no warp barrier). Token claims run two ahead.
+// cp.async.wait_group alone orders them (no warp barrier). A warp owns its first two tokens;
+// it claims each later one after storing the token before it (kLateClaim).
 struct TokenInputs {
   int pos = -1;  // lane < R: send_pos[t, lane]
   long long idx = -1;
@@ -392,17 +407,17 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     return in;
   };
 
-  int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride) : 0;
+  int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride, 2) : 0;
   int t = __shfl_sync(kFull, claimed, 0);
   if (t < T) prefetch(t, 0);
   TokenInputs cur = load_inputs(t);
-  claimed = lane == 0 && t < T ? device::next_item(claim, ctx.ctrl, t, first, stride) : T;
+  claimed = lane == 0 && t < T ? device::next_item(claim, ctx.ctrl, t, first, stride, 2) : T;
   int t_next = __shfl_sync(kFull, claimed, 0);
   int k = 0;
   for (; t < T; ++k) {
     // Token t + 2's claim, t_next's row and inputs travel while t is stored.
-    if (lane == 0 && t_next < T)
-      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride);
+    if (!kLateClaim && lane == 0 && t_next < T)
+      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride, 2);
     prefetch(t_next, (k + 1) & 1);
     const TokenInputs nxt = load_inputs(t_next);
 
@@ -436,6 +451,8 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
       store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
       if (with_meta) store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, cur.idx, cur.w);
     }
+    if (kLateClaim && lane == 0 && t_next < T)
+      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride, 2);
     __syncwarp();
     bool ok = true;
     if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, t);
@@ -452,17 +469,52 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
                                  uint64_t seq, int lane, device::PublishQueue& queue) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
+  // A row for a destination that lent us a receive slab adds 1 to its arrivals word for us
+  // instead of setting the row's flag (same ordering: after the batch's fence).
+  uint32_t lent = 0;
+  if (p.dest_slabs != nullptr) {
+    // Behind a running notify, its results first (the first token comes after them anyway).
+    if (p.after_notify && !wait_notified(ctx, seq)) return;
+    for (int d = 0; d < R; ++d)
+      if (d != me && p.dest_slabs[2 * d + 1] >= 0) lent |= 1u << d;
+  }
   // One fence per publish_batch tokens: a system-scope fence costs about an NVLink round trip.
   device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int t) {
     for (int d = 0; d < R; ++d) {
       if (d == me) continue;
       const int pos = p.send_pos[size_t(t) * R + d];
-      if (pos >= 0)
-        device::st_relaxed_sys(reinterpret_cast<uint64_t*>(
-                                   c.buffers.ptr[d] + c.layout.dispatch_flag_offset(me, d, pos)),
-                               seq);
+      if (pos < 0) continue;
+      char* peer = c.buffers.ptr[d];
+      if ((lent >> d) & 1u)
+        device::red_add_relaxed_sys(
+            reinterpret_cast<uint64_t*>(peer + c.layout.arrivals_offset) + me, 1);
+      else
+        device::st_relaxed_sys(
+            reinterpret_cast<uint64_t*>(peer + c.layout.dispatch_flag_offset(me, d, pos)), seq);
     }
   });
+}
+
+// In a lent receive slab (p.own_slab), the senders wrote every row in place: waits until each
+// source's arrivals word counts all its rows, then zeroes the words for the next dispatch (its
+// senders add only after its notify, which runs after this kernel). One warp of block 0.
+__device__ void wait_slab_arrivals(const DispatchParams& p, const device::WaitContext& ctx,
+                                   int lane) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  uint64_t* arrivals = reinterpret_cast<uint64_t*>(c.buffers.ptr[me] + c.layout.arrivals_offset);
+  if (lane < R && lane != me) {
+    const uint64_t expected = uint64_t(p.recv_prefix[lane + 1] - p.recv_prefix[lane]);
+    // Relaxed polls with a short sleep (this warp's SM still sends), one acquire at the end.
+    if (device::spin_wait(ctx, lane, [&] {
+          if (device::ld_relaxed_sys(arrivals + lane) >= expected)
+            return device::ld_acquire_sys(arrivals + lane) >= expected;
+          __nanosleep(64);
+          return false;
+        }))
+      device::st_relaxed_sys(arrivals + lane, 0);
+  }
+  __syncwarp();
 }
 
 // Copies a received row (x, scales, metadata; `in`: its start in our buffer) from source `src`
@@ -732,12 +784,17 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
       else
         dispatch_send(p, ctx, seq, warp, lane, s_queue);
       if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
-      // Done sending: help copy out what has arrived.
-      if (kStaged && may_receive()) dispatch_recv_claimed(p, ctx, seq, lane, warp);
+      // Done sending: help copy out what has arrived; in a lent slab, warp 0 of block 0 waits
+      // for the arrival counts instead (nothing to copy).
+      if (p.own_slab) {
+        if (blockIdx.x == 0 && warp == 0 && may_receive()) wait_slab_arrivals(p, ctx, lane);
+      } else if (kStaged && may_receive()) {
+        dispatch_recv_claimed(p, ctx, seq, lane, warp);
+      }
     } else if (warp == p.num_send_warps) {
       dispatch_publish(p, ctx, seq, lane, s_queue);
       if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
-    } else {
+    } else if (!p.own_slab) {
       if (may_receive()) dispatch_recv<kStaged>(p, ctx, seq, warp, lane);
       if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
     }

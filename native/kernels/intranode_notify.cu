@@ -28,10 +28,15 @@
 // dispatch, which waits for this kernel before it ends, advances it. A peer therefore still
 // cannot reach our next-but-one notify before this one has finished.
 #include "intranode_kernels.hpp"
+#include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
 
 namespace ep {
 namespace {
+
+#ifdef EP_HT_TIMELINE
+__device__ uint64_t g_timeline[kHtNotifySlots];
+#endif
 
 constexpr int kNotifyThreads = 512;
 constexpr uint32_t kRejected = 0x80000000u;  // in an announced token count: "my input was bad"
@@ -44,9 +49,25 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   // A dispatch launched behind this kernel may start now: it needs our results only for its
   // local rows and receivers, and waits for them there.
   device::launch_dependents();
+  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtNotifyEntry);
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x;
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
+  const int E_loc = p.experts_per_rank;
+  // [count][per local expert x E_loc][our counts to every rank x R][our lent slab]
+  const int words = 2 + E_loc + R;
+  const int sent_word = 1 + E_loc, slab_word = 1 + E_loc + R;
+  // Word i of what we announce (i = dst * words + w), without the sequence tag.
+  const auto announced = [&](int i) {
+    const int dst = i / words, w = i % words;
+    return w == 0          ? uint32_t(p.num_tokens_per_rank[dst])
+           : w < sent_word ? uint32_t(p.num_tokens_per_expert[dst * E_loc + w - 1])
+           : w < slab_word ? uint32_t(p.num_tokens_per_rank[w - sent_word])
+                           : uint32_t(p.lend_slab);
+  };
+  // This thread's first word is loaded while thread 0 reads the sequence (one memory latency
+  // less before the exchange).
+  const uint32_t first_word = tid < R * words ? announced(tid) : 0u;
   if (tid == 0) {
     s_seq = device::read_sequence(ctrl);
     s_failed = 0;
@@ -58,20 +79,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   const uint32_t seq32 = static_cast<uint32_t>(seq);
   const uint64_t tag = static_cast<uint64_t>(seq32) << 32;
   const int parity = static_cast<int>(seq & 1);
-  const int E_loc = p.experts_per_rank;
-  // [count][per local expert x E_loc][our counts to every rank x R][our lent slab]
-  const int words = 2 + E_loc + R;
-  const int sent_word = 1 + E_loc, slab_word = 1 + E_loc + R;
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpNotify, me};
 
   if (!device::aborted(ctx)) {
     // Send: slot (parity, me) of every rank's buffer.
     for (int i = tid; i < R * words; i += kNotifyThreads) {
       const int dst = i / words, w = i % words;
-      const uint32_t v = w == 0          ? uint32_t(p.num_tokens_per_rank[dst]) | s_rejected
-                         : w < sent_word ? uint32_t(p.num_tokens_per_expert[dst * E_loc + w - 1])
-                         : w < slab_word ? uint32_t(p.num_tokens_per_rank[w - sent_word])
-                                         : uint32_t(p.lend_slab);
+      const uint32_t v = (i == tid ? first_word : announced(i)) | (w == 0 ? s_rejected : 0u);
       uint64_t* slot = reinterpret_cast<uint64_t*>(c.buffers.ptr[dst] + c.layout.notify_offset) +
                        c.layout.notify_slot(parity, me) + w;
       device::st_relaxed_sys(slot, tag | v);
@@ -92,6 +106,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     }
   }
   __syncthreads();
+  if (tid == 0) EP_HT_STAMP(g_timeline, kHtNotifyReceived);
 
   const bool write_host = p.host != nullptr && !s_failed;
   if (tid == 0) {
@@ -102,10 +117,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
       const int n = static_cast<int>(word & ~kRejected);
       p.recv_counts[s] = n;
       p.recv_prefix[s] = total;
-      if (write_host) {
-        p.host->num_recv_tokens_per_rank[s] = n;
-        p.host->num_send_tokens_per_rank[s] = p.num_tokens_per_rank[s];
-      }
       total += n;
     }
     p.recv_prefix[R] = total;
@@ -123,7 +134,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     // The dispatch behind us needs only the prefix and the verdict: let it go before the
     // per-expert counts and the host-mapped copies (whose system fences take microseconds).
     if (p.dispatch_follows) ptx::st_release_gpu(&ctrl->notified, seq);
-    if (write_host) {
+    EP_HT_STAMP(g_timeline, kHtNotifyReleased);
+    if (write_host) {  // after the release: its fence need not wait for these PCIe writes
+      for (int s = 0; s < R; ++s) {
+        p.host->num_recv_tokens_per_rank[s] =
+            static_cast<int>(static_cast<uint32_t>(values[s * words]) & ~kRejected);
+        // What we announced to s (our own slot), not a reload of the layout's counts.
+        p.host->num_send_tokens_per_rank[s] = values[me * words + sent_word + s];
+      }
       p.host->num_recv_tokens = total;
       p.host->rejected_ranks = rejected;
     }
@@ -147,6 +165,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
       __threadfence_system();  // counters before the ticket
       p.host->ready_ticket = p.host_ticket;
       __threadfence_system();
+      EP_HT_STAMP(g_timeline, kHtNotifyHost);
     }
     // Paired with a dispatch: the pair shares one sequence number and the dispatch advances
     // the epoch (it may already have read it: advancing it here would race with that read).
@@ -155,6 +174,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
 }
 
 }  // namespace
+
+cudaError_t read_intranode_notify_timeline(uint64_t* out) {
+  return EP_HT_READ_TIMELINE(g_timeline, out);
+}
 
 cudaError_t preload_intranode_notify() {
   cudaFuncAttributes attr;

@@ -26,6 +26,7 @@ using ptx::fence_acq_rel_sys;
 using ptx::ld_acquire_sys;
 using ptx::ld_relaxed_sys;
 using ptx::ld_volatile_int;
+using ptx::red_add_relaxed_sys;
 using ptx::st_relaxed_sys;
 using ptx::st_release_sys;
 
@@ -185,14 +186,16 @@ struct PublishQueue {
   int items[kMaxSenderWarps][kPublishRing];
 };
 
-// Lane 0 of a sender warp: its next item (items past the end mean "finished"). The first is the
-// warp's own, `first` (no atomic on the critical path at the start; FP8 dispatch kernel -0.4 us
-// on 2 x H200); later ones are claimed from the kernel's counter, past every warp's first item,
-// or (claim = false) follow the static round-robin split: `previous` + `stride`.
+// Lane 0 of a sender warp: its next item (items past the end mean "finished"). The first
+// `owned` are the warp's own, `first`, `first + stride`, ... (no atomic on the critical path at
+// the start; FP8 dispatch kernel -0.4 us on 2 x H200; a caller that needs two items before its
+// first store owns two); later ones are claimed from the kernel's counter, past every warp's
+// owned items, or (claim = false) follow the static round-robin split: `previous` + `stride`.
 __device__ __forceinline__ int next_item(bool claim, ControlBlock* ctrl, int previous, int first,
-                                         int stride) {
+                                         int stride, int owned = 1) {
   if (previous < 0) return first;
-  if (claim) return static_cast<int>(atomicAdd(&ctrl->work_claimed, 1u)) + stride;
+  if (claim && previous < first + (owned - 1) * stride) return previous + stride;
+  if (claim) return static_cast<int>(atomicAdd(&ctrl->work_claimed, 1u)) + owned * stride;
   return previous + stride;
 }
 

@@ -56,7 +56,8 @@ BufferLayout make_layout(const IntranodeConfig& c, int num_ranks) {
   l.row_align = c.row_align;
   size_t off = sizeof(ControlBlock);
   l.entered_offset = off;
-  off = align_up(off + sizeof(uint64_t) * kMaxRanks, 128);
+  l.arrivals_offset = off + sizeof(uint64_t) * kMaxRanks;
+  off = align_up(l.arrivals_offset + sizeof(uint64_t) * kMaxRanks, 128);
   l.notify_offset = off;
   off = align_up(off + sizeof(uint64_t) * 2 * num_ranks * l.notify_slot_words(), 128);
   const DispatchRow drow =

@@ -1273,6 +1273,19 @@ void print_ht_timeline(Team& team, int R, bool combine, int send_warps) {
         stat(kHtEndSlot, send_warps, send_warps + 1).c_str(),
         stat(kHtFirstSlot, send_warps + 1, 16).c_str(),
         stat(kHtEndSlot, send_warps + 1, 16).c_str());
+    if (combine) continue;
+    std::printf("           rank %d: senders saw entered %s, notified %s", r,
+                stat(kHtEnteredSeen, 0, 1).c_str(), stat(kHtNotifiedSeen, 0, 1).c_str());
+    // The notify before this call, if it ran after the barrier (a call behind its notify).
+    uint64_t nt[kHtNotifySlots] = {};
+    CUDA_CHECK(cudaSetDevice(team.device[r]));
+    CUDA_CHECK(read_intranode_notify_timeline(nt));
+    if (nt[kHtNotifyEntry] >= t0) {
+      auto at = [&](int slot) { return nt[slot] >= t0 ? (nt[slot] - t0) / 1e3 : -1.0; };
+      std::printf(" | notify entry %.1f received %.1f released %.1f host %.1f", at(kHtNotifyEntry),
+                  at(kHtNotifyReceived), at(kHtNotifyReleased), at(kHtNotifyHost));
+    }
+    std::printf("\n");
   }
 }
 
@@ -1507,8 +1520,23 @@ void bench(int iters) {
              time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(dispatch_args(r, 0), s); }),
              remote_bytes);
     }
+    // As the op runs it: behind its notify (programmatic dependent launch), which exchanges the
+    // counts and lends the slab while the dispatch kernel starts.
+    auto notify_then_dispatch = [&](bool slab) {
+      return time_op([&](int r, cudaStream_t s) {
+        RankBuffers& b = rb[r].b;
+        team->rt[r]->notify(b.per_rank, b.per_expert, E, 1, 0, b.recv_counts, b.recv_prefix,
+                            b.recv_per_expert, false, s, nullptr, /*dispatch_follows=*/true,
+                            slab ? 0 : -1, rb[r].dest_slabs);
+        team->rt[r]->dispatch(slab ? slab_args(r) : dispatch_args(r, 0), s);
+      });
+    };
+    report("notify + dispatch kernel", notify_then_dispatch(false), remote_bytes);
+    print_ht_timeline(*team, R, false, shape_warps);
+    report("notify + dispatch kernel, receive slab", notify_then_dispatch(true), remote_bytes);
+    print_ht_timeline(*team, R, false, shape_warps);
     // With a slab the receive warps only wait: more of the 16 warps may send.
-    for (int warps : {12, 13, 14}) {
+    for (int warps : {6, 8, 12, 13, 14}) {
       configure_claim(warps, default_combine_warps, true);
       char label[96];
       std::snprintf(label, sizeof(label), "dispatch kernel, receive slab, %d send warps", warps);
