@@ -18,7 +18,10 @@ host issues it while the GPU still runs a 1 ms busy kernel, the L2 flush and a o
 all-reduce that puts the GPUs in step), as inside a model whose host runs ahead; it includes every
 idle gap the op causes itself (a host wait before a launch, ranks waiting for each other). "call"
 is the same op called on an idle GPU: it adds the host's work before the launches. "host" is the
-host time of that call. GB/s use "time".
+host time of that call. GB/s use "time". A sample keeps the op's outputs until its end event is
+recorded (a model goes on to use them; freeing them is not part of the op). EP_BENCH_HOST_TRACE=1
+prints, per op, when the queued calls' hosts returned on the GPU's clock: a row whose time is
+close to that is bound by the host, not the GPU.
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ class _Timer:
             else None
         )
         self.lead_cycles = self._calibrate_sleep() if device.type == "cuda" else 0
+        # EP_BENCH_HOST_TRACE=1: when each queued call's host returned, in µs after its start
+        # event on the GPU's clock (an event on an idle side stream maps host time onto it); a
+        # row whose time is close to it is bound by the host, not the GPU. Printed per op.
+        self.trace = os.environ.get("EP_BENCH_HOST_TRACE") == "1" and device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.trace else None
+        self.host_end: list[float] = []
 
     def _calibrate_sleep(self) -> int:
         """Cycles of ``torch.cuda._sleep`` that keep this GPU busy for ``_LEAD_US``."""
@@ -150,15 +159,24 @@ class _Timer:
         mine = torch.tensor([statistics.median(v) for v in (queued, host, call)],
                             dtype=torch.float64)  # fmt: skip
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        if self.trace:
+            ends = sorted(self.host_end)
+            print(f"  [host trace rank {dist.get_rank()}] queued {statistics.median(queued):.1f} "
+                  f"us, host returned at {statistics.median(ends):.1f} (min {ends[0]:.1f}, "
+                  f"max {ends[-1]:.1f})", flush=True)  # fmt: skip
+            self.host_end.clear()
         return float(mine[0]), float(mine[1]), float(mine[2])
 
     def _sample(self, fn: Callable[[], object], queued: bool) -> tuple[float, float]:
         """One timed call: (time, host time of the call), µs."""
+        # The op's outputs live until the sample is taken, as in a model that goes on to use
+        # them: freeing them is not part of the op.
         if self.flush is None:
             _host_barrier()
             t0 = time.perf_counter()
-            fn()
+            out = fn()
             us = (time.perf_counter() - t0) * 1e6
+            del out
             return us, us
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if queued:
@@ -171,11 +189,22 @@ class _Timer:
             self.flush.zero_()
             _host_barrier()
         start.record()
+        mark = None
+        if queued and self.trace:
+            mark = torch.cuda.Event(enable_timing=True)
+            m0 = time.monotonic_ns()
+            mark.record(self.side)
         h0 = time.perf_counter()
-        fn()
+        out = fn()
         host_us = (time.perf_counter() - h0) * 1e6
+        if mark is not None:
+            m1 = time.monotonic_ns()
         end.record()
         end.synchronize()
+        del out
+        if mark is not None:
+            mark.synchronize()
+            self.host_end.append(start.elapsed_time(mark) * 1e3 + (m1 - m0) / 1e3)
         return start.elapsed_time(end) * 1e3, host_us
 
     def aligned(self, replay: Callable[[], object]) -> float:

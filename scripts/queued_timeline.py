@@ -53,6 +53,7 @@ def worker(rank: int, tokens: int, port: int) -> None:
     fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)
     import ep_backend as ep
+    from ep_backend import moe
 
     local_ranks.join_group(rank, 2, port)
     x, idx, w = local_ranks.standard_inputs(tokens, rank)
@@ -61,12 +62,17 @@ def worker(rank: int, tokens: int, port: int) -> None:
     token = torch.zeros(1, device="cuda")
     side = torch.cuda.Stream()
     layout = ep.get_dispatch_layout(idx, 256)
+    group = dist.group.WORLD.group_name
+    lt = [layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank,
+          layout.send_pos]  # fmt: skip
     calls = {
         "FP8, layout given": lambda: ep.dispatch(x8, idx, w, 256, x_scales=s8, layout=layout),
+        "FP8, layout, raw op": lambda: moe._ops.dispatch(x8, s8, idx, w, 256, 1, 0, group, lt),
         "BF16, layout given": lambda: ep.dispatch(x, idx, w, 256, layout=layout),
         "FP8": lambda: ep.dispatch(x8, idx, w, 256, x_scales=s8),
         "BF16": lambda: ep.dispatch(x, idx, w, 256),
     }
+    keep = os.environ.get("KEEP") == "1"  # hold the outputs until after the end event
     for fn in calls.values():
         for _ in range(3):
             fn()
@@ -88,12 +94,15 @@ def worker(rank: int, tokens: int, port: int) -> None:
             start.record()
             m0 = time.monotonic_ns()
             mark0.record(side)
-            fn()
+            out = fn()
+            if not keep:
+                del out
             m1 = time.monotonic_ns()
             end.record()
             mark1.record(side)
             end.synchronize()
             mark1.synchronize()
+            out = None
             stages, cxx_start, offset = _stage_line(err_path, offset)
             base = start.elapsed_time(mark0) * 1e3  # GPU µs of host instant m0 after start
 
@@ -121,5 +130,5 @@ def worker(rank: int, tokens: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    os.environ["EP_PROFILE_HOST"] = "1"
+    os.environ.setdefault("EP_PROFILE_HOST", "1")
     local_ranks.spawn(worker, (int(sys.argv[1]) if len(sys.argv) > 1 else 4096, 29583))
