@@ -42,7 +42,7 @@ constexpr int kNotifyThreads = 512;
 constexpr uint32_t kRejected = 0x80000000u;  // in an announced token count: "my input was bad"
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(NotifyParams p) {
-  extern __shared__ int values[];  // [R][1 + E_loc]: what each source announced
+  extern __shared__ int values[];  // [R][words]: what each source announced (untagged)
   __shared__ uint64_t s_seq;
   __shared__ int s_failed;
   __shared__ uint32_t s_rejected;  // kRejected when this rank's layout found an invalid id
