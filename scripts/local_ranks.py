@@ -45,3 +45,22 @@ def standard_inputs(
     x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
     weights, idx = torch.rand(tokens, experts, device="cuda", generator=g).topk(topk, dim=1)
     return x, idx, weights
+
+
+class QueuedLead:
+    """What the bench's "queued" rows put ahead of an op: a host barrier, ~1 ms of GPU sleep, an
+    L2 flush and a one-element all-reduce that puts the GPUs in step. ``start()`` queues all that
+    and returns the start event (recorded), so the op is issued while the GPU is still busy."""
+
+    def __init__(self) -> None:
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        self.token = torch.zeros(1, device="cuda")
+
+    def start(self) -> torch.cuda.Event:
+        dist.barrier()
+        torch.cuda._sleep(2_000_000)
+        self.flush.zero_()
+        dist.all_reduce(self.token)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event

@@ -24,8 +24,7 @@ def worker(rank: int, tokens: int, port: int) -> None:
     local_ranks.join_group(rank, 2, port)
     x, idx, w = local_ranks.standard_inputs(tokens, rank)
     x8, s8 = ep.reference.quantize_fp8_per128(x)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    token = torch.zeros(1, device="cuda")
+    lead = local_ranks.QueuedLead()
     group = dist.group.WORLD.group_name
 
     def raw(xx, ss):
@@ -50,13 +49,8 @@ def worker(rank: int, tokens: int, port: int) -> None:
         for name, fn in calls.items():
             gpu, host = [], []
             for _ in range(20):
-                dist.barrier()
-                torch.cuda._sleep(2_000_000)
-                flush.zero_()
-                dist.all_reduce(token)
-                start = torch.cuda.Event(enable_timing=True)
+                start = lead.start()
                 end = torch.cuda.Event(enable_timing=True)
-                start.record()
                 h0 = time.perf_counter()
                 fn()
                 host.append((time.perf_counter() - h0) * 1e6)

@@ -58,8 +58,7 @@ def worker(rank: int, tokens: int, port: int) -> None:
     local_ranks.join_group(rank, 2, port)
     x, idx, w = local_ranks.standard_inputs(tokens, rank)
     x8, s8 = ep.reference.quantize_fp8_per128(x)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    token = torch.zeros(1, device="cuda")
+    lead = local_ranks.QueuedLead()
     side = torch.cuda.Stream()
     layout = ep.get_dispatch_layout(idx, 256)
     group = dist.group.WORLD.group_name
@@ -83,15 +82,10 @@ def worker(rank: int, tokens: int, port: int) -> None:
             k: [] for k in ("end", "cxx_start", "cw_end", "cxx_ret", "py_ret", "map_err")
         }
         for _ in range(int(os.environ.get("SAMPLES", "30"))):
-            dist.barrier()
-            torch.cuda._sleep(2_000_000)
-            flush.zero_()
-            dist.all_reduce(token)
-            start = torch.cuda.Event(enable_timing=True)
+            start = lead.start()
             end = torch.cuda.Event(enable_timing=True)
             mark0 = torch.cuda.Event(enable_timing=True)
             mark1 = torch.cuda.Event(enable_timing=True)
-            start.record()
             m0 = time.monotonic_ns()
             mark0.record(side)
             out = fn()

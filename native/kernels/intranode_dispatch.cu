@@ -15,9 +15,9 @@
 //  * Receive slabs: a peer that lent one for this call (notify's dest_slabs) gets the token's
 //    x, scales and metadata straight into its outputs (the slab) at its output row, so the rows
 //    are not copied out of a buffer (that copy cost ~14 us of BF16 dispatch, harness, 2 x H200).
-//    No per-row flags either: after each batch's fence the publisher adds the batch's row count
-//    to the peer's arrivals word for us, and the peer (own_slab) has one warp wait until every
-//    source's count is complete; its receive warps are idle.
+//    No per-row flags either: after each batch's fence the publisher adds 1 per row to the
+//    peer's arrivals word for us, and the peer (own_slab) has one warp wait until every source's
+//    count is complete; its receive warps are idle.
 //  * Receivers: global receiver warp v owns slots v, v + V, ... of every remote source. It polls
 //    32 of its rows at once (one per lane: relaxed load of the row flag, acquire once it matches)
 //    and copies every row that has arrived to recv_prefix[src] + slot, so rows leave the buffer
@@ -522,7 +522,6 @@ __device__ void wait_slab_arrivals(const DispatchParams& p, const device::WaitCo
 // with the row's first loads (one latency per row, not one more after the copy).
 __device__ __forceinline__ void copy_received_row(const DispatchParams& p, const DispatchRow& row,
                                                   const char* in, int r, int src, int lane) {
-  if (p.own_slab) return;  // the sender wrote the outputs in our slab; the flag says they are in
   const int K = p.num_topk, S = p.num_scales;
   const int n16 = p.hidden_bytes / 16;
   int4* out16 = reinterpret_cast<int4*>(static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes);
