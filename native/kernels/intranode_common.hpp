@@ -144,7 +144,7 @@ struct BufferLayout {
   }
   // A notify slot: [token count][count per local expert x max_local_experts]
   // [tokens the source sends to each rank x R][the receive slab the source lends, or -1].
-  EP_HOST_DEVICE size_t notify_slot_words() const {
+  EP_HOST_DEVICE size_t notify_slot_words() const {  // NotifyWords::total at the most experts
     return 2 + size_t(max_local_experts) + size_t(num_ranks);
   }
   // Slot (parity, src) of the notify area, in u64 words from the area's start.
@@ -248,6 +248,27 @@ struct NotifyParams {
   int* dest_slabs;  // [2R] or null: for each rank d, {our first row there, d's lent slab or -1}
 };
 
+// The words of one notify slot: what source s announces to receiver d for a call with E_loc
+// local experts, each stored as (sequence << 32 | value): [count] rows s sends d (bit 31:
+// kNotifyRejected), [per_expert + e] entries of s for d's local expert e, [sent + r] rows s sends
+// rank r (for every r: receivers derive where their rows start in r's outputs), [slab] the
+// receive slab s lends the dispatch that follows (-1: none).
+constexpr uint32_t kNotifyRejected = 0x80000000u;  // in [count]: "my topk_idx was invalid"
+struct NotifyWords {
+  static constexpr int count = 0;
+  static constexpr int per_expert = 1;
+  int sent;
+  int slab;
+  int total;
+  EP_HOST_DEVICE static NotifyWords make(int experts_per_rank, int num_ranks) {
+    NotifyWords w;
+    w.sent = 1 + experts_per_rank;
+    w.slab = w.sent + num_ranks;
+    w.total = w.slab + 1;
+    return w;
+  }
+};
+
 // Rows of x of at most this many bytes may be staged (DispatchParams::staged): two stages per
 // send warp must fit the block's shared memory.
 constexpr int kStagedRowBytes = 8192;
@@ -279,6 +300,9 @@ struct DispatchParams {
   // 1: launched behind its notify (NotifyParams::dispatch_follows), which may still be running:
   // the receive prefix and the rejection verdict are read only after waiting for it.
   int after_notify;
+  // Behind its notify: 1 when that notify reports invalid routings (normal mode: NotifyParams::
+  // host set), so kNotifyRejected in an announced count means "move nothing".
+  int notify_rejects;
   // 1: senders stage x in shared memory (rows of at most kStagedRowBytes; launched with
   // intranode_dispatch_stage_bytes of dynamic shared memory), and receivers claim rows (finished
   // senders join them).

@@ -65,6 +65,13 @@ constexpr int kSendEarly = EP_SEND_EARLY;  // x chunks per lane loaded with the 
 #define EP_LATE_CLAIM 1
 #endif
 constexpr bool kLateClaim = EP_LATE_CLAIM;
+// Behind a running notify, senders read the peers' announcements from our notify area
+// themselves (read_notify_slots) instead of waiting for notify to sum and release them.
+// -DEP_SENDER_SLOTS=1 to A/B it (scripts/ht_variants.sh).
+#ifndef EP_SENDER_SLOTS
+#define EP_SENDER_SLOTS 0
+#endif
+constexpr bool kSenderSlots = EP_SENDER_SLOTS;
 #ifdef EP_DIAG_NO_LOCAL
 constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows are not written
 #else
@@ -198,9 +205,59 @@ __device__ __forceinline__ void load_dest_slabs(const DispatchParams& p, int lan
   }
 }
 
+// kSenderSlots, behind a running notify: what notify would compute for a sender, read straight
+// from the tagged words the peers wrote into our notify area (the words notify itself waits
+// for), so the first store need not wait for notify to sum and release them. Lane s (< R) reads
+// source s's announcement. Sets local_base (our rows' first output row), and for lane d a
+// destination that lent a slab: dest_slab and dest_base (our first row in its outputs). False
+// on abort or timeout (naming the source) or when a rank rejected its routing (moves nothing).
+__device__ __forceinline__ bool read_notify_slots(const DispatchParams& p,
+                                                  const device::WaitContext& ctx, uint64_t seq,
+                                                  int lane, int& local_base, int& dest_base,
+                                                  int& dest_slab) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank;
+  const NotifyWords nw = NotifyWords::make(p.experts_per_rank, R);
+  const uint64_t* area =
+      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.notify_offset);
+  const int parity = static_cast<int>(seq & 1);
+  const uint32_t seq32 = static_cast<uint32_t>(seq);
+  bool ok = true;
+  // Word w of source src's announcement, once it carries this sequence (notify's slot parity
+  // keeps it from being overwritten while this kernel runs).
+  const auto word = [&](int src, int w) -> uint32_t {
+    const uint64_t* slot = area + c.layout.notify_slot(parity, src) + w;
+    uint64_t v = 0;
+    ok = ok && device::spin_wait(ctx, src, [&] {
+           v = device::ld_acquire_sys(slot);
+           return static_cast<uint32_t>(v >> 32) == seq32;
+         });
+    return static_cast<uint32_t>(v);
+  };
+  uint32_t count = 0;
+  int base = 0, slab = -1;
+  if (lane < R) {
+    count = word(lane, NotifyWords::count);
+    if (p.dest_slabs != nullptr && lane != me) {
+      slab = static_cast<int>(word(lane, nw.slab));
+      for (int s = 0; s < me; ++s) base += static_cast<int>(word(s, nw.sent + lane));
+    }
+  }
+  if (!__all_sync(kFull, ok)) return false;
+  if (__any_sync(kFull, p.notify_rejects && (count & kNotifyRejected) != 0)) return false;
+  int below = lane < me ? static_cast<int>(count & ~kNotifyRejected) : 0;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) below += __shfl_xor_sync(kFull, below, d);
+  local_base = below;
+  dest_base = slab >= 0 ? base : 0;
+  dest_slab = slab;
+  return true;
+}
+
 // Before a sender's first store to a destination: waits (once per peer) until the peers in
 // dest_mask have entered this sequence, and behind a running notify (once) until notify has
-// written the counts, then reads this rank's first output row. False when the warp must stop
+// written the counts (kSenderSlots: until the peers' announcements it sums are in), then reads
+// this rank's first output row. False when the warp must stop
 // (abort, timeout, or a routing notify rejected: that moves nothing). Behind a notify the
 // "entered" wait is implied: notify returned only after every peer's notify of this sequence
 // had written to us, and a peer's notify starts only after its earlier kernels have finished
@@ -221,6 +278,11 @@ __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
     if (!__all_sync(kFull, ok)) return false;
     if (ready == (1u << p.comm.rank) && threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtEnteredSeen);
     ready |= need;
+  }
+  if (!notified && kSenderSlots) {
+    notified = true;
+    if (!read_notify_slots(p, ctx, seq, lane, local_base, dest_base, dest_slab)) return false;
+    if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtNotifiedSeen);
   }
   if (!notified) {
     notified = true;

@@ -39,7 +39,7 @@ __device__ uint64_t g_timeline[kHtNotifySlots];
 #endif
 
 constexpr int kNotifyThreads = 512;
-constexpr uint32_t kRejected = 0x80000000u;  // in an announced token count: "my input was bad"
+constexpr uint32_t kRejected = kNotifyRejected;
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(NotifyParams p) {
   extern __shared__ int values[];  // [R][words]: what each source announced (untagged)
@@ -55,8 +55,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
   const int E_loc = p.experts_per_rank;
   // [count][per local expert x E_loc][our counts to every rank x R][our lent slab]
-  const int words = 2 + E_loc + R;
-  const int sent_word = 1 + E_loc, slab_word = 1 + E_loc + R;
+  const NotifyWords nw = NotifyWords::make(E_loc, R);
+  const int words = nw.total;
+  const int sent_word = nw.sent, slab_word = nw.slab;
   // Word i of what we announce (i = dst * words + w), without the sequence tag.
   const auto announced = [&](int i) {
     const int dst = i / words, w = i % words;
@@ -185,8 +186,8 @@ cudaError_t preload_intranode_notify() {
 }
 
 cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream) {
-  const size_t smem =
-      size_t(p.comm.num_ranks) * (2 + p.experts_per_rank + p.comm.num_ranks) * sizeof(int);
+  const size_t smem = size_t(p.comm.num_ranks) *
+                      NotifyWords::make(p.experts_per_rank, p.comm.num_ranks).total * sizeof(int);
   if (smem > 48 * 1024) {
     cudaError_t e =
         cudaFuncSetAttribute(intranode_notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

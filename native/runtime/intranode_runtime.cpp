@@ -373,6 +373,8 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
   cuda_check(launch_intranode_notify(p, stream), "notify launch");
   dispatch_due_ = dispatch_follows;
   dispatch_due_stream_ = stream;
+  due_experts_per_rank_ = p.experts_per_rank;
+  due_rejects_ = host_counters;
   return ticket;
 }
 
@@ -497,6 +499,12 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
     require(!a.own_slab, pre + "own_slab needs dest_slabs");
   }
   p.after_notify = dispatch_due_ ? 1 : 0;
+  if (dispatch_due_) {
+    // The senders may read notify's slots, laid out for its number of local experts.
+    require(p.experts_per_rank == due_experts_per_rank_,
+            pre + "num_experts differs from the notify it follows");
+    p.notify_rejects = due_rejects_ ? 1 : 0;
+  }
   p.staged = config_.stage_small_dispatch_rows && a.hidden_bytes <= kStagedRowBytes ? 1 : 0;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);

@@ -288,6 +288,8 @@ class IntranodeRuntime {
   // stream (the pair shares one sequence number).
   bool dispatch_due_ = false;
   cudaStream_t dispatch_due_stream_ = nullptr;
+  int due_experts_per_rank_ = 0;    // that notify's E_loc (its slots' word layout)
+  bool due_rejects_ = false;        // that notify reports invalid routings (host counters)
   int host_num_local_experts_ = 0;  // E_loc of the last notify with host counters
   long long timeout_cycles_ = 0;
 };

@@ -135,6 +135,9 @@ struct CaseSpec {
   bool bias0 = false, bias1 = false;
   uint64_t seed = 1;
   bool expect_overflow = false;
+  // Normal mode as the backend runs it: the dispatch is launched behind notify before the host
+  // waits, and its outputs are this rank's receive slab 0, which the peers write in place.
+  bool slab = false;
 };
 
 struct RankData {
@@ -559,6 +562,7 @@ struct RankBuffers {
   int *per_rank, *per_expert, *send_pos, *recv_counts, *recv_prefix, *recv_per_expert, *src_idx,
       *src_rank;
   bool* in_rank;
+  int* dest_slabs;  // [2R], slab mode
 };
 
 void upload_inputs(const CaseData& c, const RankData& d, RankBuffers& b, cudaStream_t s) {
@@ -598,6 +602,7 @@ void alloc_inputs(const CaseData& c, const RankData& d, Arena& a, RankBuffers& b
   b.recv_counts = static_cast<int*>(a.take(R * 4));
   b.recv_prefix = static_cast<int*>(a.take((R + 1) * 4));
   b.recv_per_expert = static_cast<int*>(a.take(sp.E / R * 4));
+  b.dest_slabs = static_cast<int*>(a.take(size_t(2) * R * 4));
 }
 
 void alloc_outputs(const CaseData& c, const RankData& d, int rows, Arena& a, RankBuffers& b,
@@ -634,9 +639,9 @@ void alloc_outputs(const CaseData& c, const RankData& d, int rows, Arena& a, Ran
   junk(b.out_w, size_t(d.T) * sp.K * 4);
 }
 
-// Enqueues the whole op sequence of one rank (after layout/notify when host counters are used).
-void enqueue_ops(const CaseData& c, const RankData& d, int rank, IntranodeRuntime& rt,
-                 RankBuffers& b, int rows, cudaStream_t s, int num_sms) {
+// The dispatch of one rank's op sequence, into b's recv_* arrays.
+IntranodeDispatchArgs dispatch_args_of(const CaseData& c, const RankData& d, const RankBuffers& b,
+                                       int num_sms) {
   const CaseSpec& sp = c.spec;
   IntranodeDispatchArgs a;
   a.x = b.x;
@@ -659,7 +664,15 @@ void enqueue_ops(const CaseData& c, const RankData& d, int rank, IntranodeRuntim
   a.recv_src_rank = b.src_rank;
   a.num_worst_tokens = c.cap;
   a.num_sms = num_sms;
-  rt.dispatch(a, s);
+  return a;
+}
+
+// Enqueues the whole op sequence of one rank (after layout/notify when host counters are used);
+// without the dispatch when `dispatched` (slab mode launched it behind notify).
+void enqueue_ops(const CaseData& c, const RankData& d, int rank, IntranodeRuntime& rt,
+                 RankBuffers& b, int rows, cudaStream_t s, int num_sms, bool dispatched = false) {
+  const CaseSpec& sp = c.spec;
+  if (!dispatched) rt.dispatch(dispatch_args_of(c, d, b, num_sms), s);
 
   IntranodeDispatchArgs a2;
   a2.x = b.x2;
@@ -727,6 +740,61 @@ void download_results(const CaseData& c, const RankData& d, const RankBuffers& b
   sync_stream(s);
 }
 
+// Slab mode of run_rank (after its layout): notify lends receive slab 0 and the dispatch is
+// launched behind it, into that slab (rows for every token of every rank), before the host waits
+// for the counts; then the rest of the sequence, and the results read from the slab.
+void run_rank_slab(const CaseData& c, int rank, IntranodeRuntime& rt, cudaStream_t s, Arena& arena,
+                   RankBuffers& b, RankResult& out, int num_sms) {
+  const CaseSpec& sp = c.spec;
+  const RankData& d = c.r[rank];
+  if (c.cap != 0) throw std::runtime_error("slab mode is a normal-mode case");
+  if (rt.recv_slab_count() < 1) throw std::runtime_error("slab mode needs config.recv_slabs");
+  int max_rows = 0;
+  for (int t : sp.T) max_rows += t;
+  const ep::SlabLayout l = rt.recv_slab_layout(sp.hidden_bytes, sp.S, sp.K, sp.idx_bytes);
+  char* slab = rt.recv_slab(0);
+  // Garbage in every row a peer could write (before notify: peers write only after it).
+  auto junk = [&](size_t offset, size_t n) {
+    if (n) CUDA_CHECK(cudaMemsetAsync(slab + offset, 0xA7, n, s));
+  };
+  junk(l.x, size_t(max_rows) * sp.hidden_bytes);
+  junk(l.scales, size_t(max_rows) * sp.S * 4);
+  junk(l.topk_idx, size_t(max_rows) * sp.K * sp.idx_bytes);
+  junk(l.topk_weights, size_t(max_rows) * sp.K * 4);
+  junk(l.src_idx, size_t(max_rows) * 4);
+  junk(l.src_rank, size_t(max_rows) * 4);
+  const int ticket = rt.notify(b.per_rank, b.per_expert, sp.E, sp.alignment, 0, b.recv_counts,
+                               b.recv_prefix, b.recv_per_expert, true, s, nullptr,
+                               /*dispatch_follows=*/true, /*lend_slab=*/0, b.dest_slabs);
+  IntranodeDispatchArgs a = dispatch_args_of(c, d, b, num_sms);
+  a.recv_x = slab + l.x;
+  a.recv_x_scales = sp.S ? reinterpret_cast<float*>(slab + l.scales) : nullptr;
+  a.recv_topk_idx = slab + l.topk_idx;
+  a.recv_topk_weights = reinterpret_cast<float*>(slab + l.topk_weights);
+  a.recv_src_idx = reinterpret_cast<int*>(slab + l.src_idx);
+  a.recv_src_rank = reinterpret_cast<int*>(slab + l.src_rank);
+  a.dest_slabs = b.dest_slabs;
+  a.own_slab = true;
+  rt.dispatch(a, s);
+  const ep::IntranodeRecvCounts n = rt.wait_recv_counts(ticket);
+  out.host_N = n.num_recv_tokens;
+  out.host_per_expert = n.per_expert;
+  out.host_per_rank = n.per_rank;
+  const int rows = n.num_recv_tokens;
+  if (rows != d.rows) throw std::runtime_error("host N differs from reference");
+  alloc_outputs(c, d, rows, arena, b, s);
+  b.recv_x = a.recv_x;
+  if (sp.S) b.recv_scales = a.recv_x_scales;
+  b.recv_idx = a.recv_topk_idx;
+  b.recv_w = a.recv_topk_weights;
+  b.src_idx = a.recv_src_idx;
+  b.src_rank = a.recv_src_rank;
+  upload_combine_inputs(d, b, s);
+  enqueue_ops(c, d, rank, rt, b, rows, s, num_sms, /*dispatched=*/true);
+  download_results(c, d, b, rows, s, out);
+  out.error = rt.check_error();
+}
+
 // One rank's full op sequence: layout, notify (+ host wait), dispatch, cached dispatch, combines.
 void run_rank(const CaseData& c, int rank, IntranodeRuntime& rt, cudaStream_t s, Arena& arena,
               RankResult& out, int num_sms) {
@@ -738,6 +806,10 @@ void run_rank(const CaseData& c, int rank, IntranodeRuntime& rt, cudaStream_t s,
   upload_inputs(c, d, b, s);
   rt.layout(b.idx, sp.idx_bytes, d.T, sp.K, sp.E, b.per_rank, b.per_expert, b.in_rank, b.send_pos,
             s);
+  if (sp.slab) {
+    run_rank_slab(c, rank, rt, s, arena, b, out, num_sms);
+    return;
+  }
   const bool normal = c.cap == 0;
   // Worst-case mode: the dispatch kernel follows notify with no host step (launched behind it).
   const int ticket = rt.notify(b.per_rank, b.per_expert, sp.E, sp.alignment, c.cap, b.recv_counts,
@@ -1645,6 +1717,7 @@ void correctness_suite(int R, int soak_iters) {
   cfg.max_scales = 56;
   cfg.max_local_experts = 128;
   cfg.timeout_seconds = 20;
+  cfg.recv_slabs = 1;  // slab-mode cases
   // Every rank's blocks must be resident at once (they spin on each other): ranks that share a
   // GPU (R = 8 on one GPU) split its SMs.
   int sms = 0;
@@ -1721,6 +1794,16 @@ void correctness_suite(int R, int soak_iters) {
     s.p_none = 0.02;
     cases.push_back(s);
   }
+  // Every normal-mode case again as the backend runs it: overlapped with the host wait, outputs
+  // written in place into the receiver's slab.
+  const size_t num_plain = cases.size();
+  for (size_t i = 0; i < num_plain; ++i) {
+    if (cases[i].worst != 0) continue;
+    CaseSpec s = cases[i];
+    s.name += "-slab";
+    s.slab = true;
+    cases.push_back(s);
+  }
   for (const CaseSpec& s : cases) {
     const int before = g_failures;
     run_case(*team, s);
@@ -1774,6 +1857,7 @@ void correctness_suite(int R, int soak_iters) {
     s.p_none = (rng() % 4) * 0.2;
     s.alignment = 1 + int(rng() % 3) * 3;
     s.worst = rng() % 3 == 0 ? -1 : 0;
+    s.slab = s.worst == 0 && rng() % 2 == 0;
     const int elems[] = {2, 2, 4, 8};
     s.comb_elem = elems[rng() % 4];
     s.comb_hidden = s.comb_elem == 8 ? 2 * (1 + rng() % 64) : 8 * (1 + rng() % 64);
