@@ -72,6 +72,39 @@ constexpr bool kLateClaim = EP_LATE_CLAIM;
 #define EP_SENDER_SLOTS 0
 #endif
 constexpr bool kSenderSlots = EP_SENDER_SLOTS;
+// Staged senders split the last EP_TAIL_HALVES rounds of tokens (one token per sender warp of the
+// grid each) into two half-row items, so the warps that finish last hold half a row, not a whole
+// one. Rows into a lent slab then count 2 units (a half adds 1); a peer without a slab gets the
+// whole row from the first half (flagged as before) and nothing from the second.
+// 0: off (default until measured; scripts/ht_variants.sh "halves=-DEP_TAIL_HALVES=1").
+#ifndef EP_TAIL_HALVES
+#define EP_TAIL_HALVES 0
+#endif
+constexpr int kTailHalves = EP_TAIL_HALVES;
+constexpr int kRowUnits = kTailHalves > 0 ? 2 : 1;  // arrival units of a whole slab row
+
+// A sender's work item: a whole token, or one half of a split one. Encoded in the publish queue
+// as token | kind << kItemKindShift.
+enum ItemKind : int { kWhole = 0, kFirstHalf = 1, kSecondHalf = 2 };
+constexpr int kItemKindShift = 29;  // tokens per rank stay below 2^29
+struct SendItem {
+  int token;
+  int kind;
+  __device__ __forceinline__ int code() const { return token | (kind << kItemKindShift); }
+  __device__ __forceinline__ static SendItem decode(int code) {
+    if (kTailHalves == 0) return {code, kWhole};
+    return {code & ((1 << kItemKindShift) - 1), code >> kItemKindShift};
+  }
+};
+// Item space of T tokens whose last `split` are halved: items [0, T - split) are whole tokens,
+// then two items per split token.
+__device__ __forceinline__ SendItem item_at(int i, int T, int split) {
+  if (kTailHalves == 0) return {i, kWhole};
+  const int from = T - split;
+  if (i < from) return {i, kWhole};
+  const int j = i - from;
+  return {from + j / 2, (j & 1) ? kSecondHalf : kFirstHalf};
+}
 #ifdef EP_DIAG_NO_LOCAL
 constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows are not written
 #else
@@ -447,18 +480,28 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
   uint32_t ready = 1u << me;
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
+  // Items: whole tokens, then (kTailHalves) the last rounds' tokens as two halves each.
+  const int split = kTailHalves > 0 ? min(T, kTailHalves * stride) : 0;
+  const int num_items = T + split;
+  const int half = n16 / 2;  // chunks [0, half) go with the first half, [half, n16) the second
+  // A second half needs only its chunks; a first half stages the whole row, for a peer without
+  // a slab (it gets the whole row from the first half).
+  const auto first_chunk = [&](const SendItem& it) { return it.kind == kSecondHalf ? half : 0; };
 
-  auto prefetch = [&](int tt, int buf) {  // always commits a group (empty past the end)
-    if (tt < T) {
+  auto prefetch = [&](int ii, int buf) {  // always commits a group (empty past the end)
+    if (ii < num_items) {
+      const SendItem it = item_at(ii, T, split);
       const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) +
-                                                      size_t(tt) * p.hidden_bytes);
-      for (int i = lane; i < n16; i += 32) device::cp_async_16(stage + buf * n16 + i, src + i);
+                                                      size_t(it.token) * p.hidden_bytes);
+      for (int i = first_chunk(it) + lane; i < n16; i += 32)
+        device::cp_async_16(stage + buf * n16 + i, src + i);
     }
     device::cp_async_commit();
   };
-  auto load_inputs = [&](int tt) {
+  auto load_inputs = [&](int ii) {
     TokenInputs in;
-    if (tt >= T) return in;
+    if (ii >= num_items) return in;
+    const int tt = item_at(ii, T, split).token;
     if (lane < R) in.pos = p.send_pos[size_t(tt) * R + lane];
     if (with_meta && lane < K) {
       in.idx = load_idx(p.topk_idx, size_t(tt) * K + lane, p.idx_bytes);
@@ -469,19 +512,23 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     return in;
   };
 
+  // ii: the item being stored (token t), ii_next: the one staged behind it.
   int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride, 2) : 0;
-  int t = __shfl_sync(kFull, claimed, 0);
-  if (t < T) prefetch(t, 0);
-  TokenInputs cur = load_inputs(t);
-  claimed = lane == 0 && t < T ? device::next_item(claim, ctx.ctrl, t, first, stride, 2) : T;
-  int t_next = __shfl_sync(kFull, claimed, 0);
+  int ii = __shfl_sync(kFull, claimed, 0);
+  if (ii < num_items) prefetch(ii, 0);
+  TokenInputs cur = load_inputs(ii);
+  claimed = lane == 0 && ii < num_items ? device::next_item(claim, ctx.ctrl, ii, first, stride, 2)
+                                        : num_items;
+  int ii_next = __shfl_sync(kFull, claimed, 0);
   int k = 0;
-  for (; t < T; ++k) {
-    // Token t + 2's claim, t_next's row and inputs travel while t is stored.
-    if (!kLateClaim && lane == 0 && t_next < T)
-      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride, 2);
-    prefetch(t_next, (k + 1) & 1);
-    const TokenInputs nxt = load_inputs(t_next);
+  for (; ii < num_items; ++k) {
+    const SendItem item = item_at(ii, T, split);
+    const int t = item.token;
+    // The claim after ii_next, ii_next's row and inputs travel while t is stored.
+    if (!kLateClaim && lane == 0 && ii_next < num_items)
+      claimed = device::next_item(claim, ctx.ctrl, ii_next, first, stride, 2);
+    prefetch(ii_next, (k + 1) & 1);
+    const TokenInputs nxt = load_inputs(ii_next);
 
     const uint32_t dest_mask = __ballot_sync(kFull, cur.pos >= 0);
     if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base, dest_base,
@@ -497,31 +544,60 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
                    ? dest_row(p, row, d, slot, local_base, dest_slab, dest_base, cur.pos, local_row)
                    : nullptr;
     }
-    device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (t_next's may still travel)
-    const int4* in = stage + (k & 1) * n16;
-    for (int i = lane; i < n16; i += 32) {
-      const int4 v = in[i];
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d)
-        if (dst[d] != nullptr) device::st_v4(reinterpret_cast<int4*>(dst[d]) + i, v);
-    }
+    // Chunks [lo, end[d]) of x go to destination d: all of them for a whole token; a half's own
+    // chunks for us and for a peer that lent a slab (its count takes both halves); for a peer
+    // without one, the whole row with the first half and nothing with the second.
+    const int lo = first_chunk(item);
+    int end[kMaxRanks];
+    int hi = 0;  // the most chunks any destination takes
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
-      if (dst[d] == nullptr) continue;
-      int lrow = local_row;
-      char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
-      store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
-      if (with_meta) store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, cur.idx, cur.w);
+      end[d] = n16;
+      if (kTailHalves > 0 && item.kind != kWhole && dst[d] != nullptr) {
+        const bool in_place = d == me || __shfl_sync(kFull, dest_slab, d) >= 0;
+        if (in_place && item.kind == kFirstHalf) end[d] = half;
+        if (!in_place && item.kind == kSecondHalf) end[d] = 0;
+      }
+      if (dst[d] != nullptr) hi = max(hi, end[d]);
     }
-    if (kLateClaim && lane == 0 && t_next < T)
-      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride, 2);
+    device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (ii_next's may still travel)
+    const int4* in = stage + (k & 1) * n16;
+    if constexpr (kTailHalves > 0) {
+      for (int i = lo + lane; i < hi; i += 32) {
+        const int4 v = in[i];
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (dst[d] != nullptr && i < end[d])
+            device::st_v4(reinterpret_cast<int4*>(dst[d]) + i, v);
+      }
+    } else {
+      for (int i = lane; i < n16; i += 32) {
+        const int4 v = in[i];
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (dst[d] != nullptr) device::st_v4(reinterpret_cast<int4*>(dst[d]) + i, v);
+      }
+    }
+    // Scales and metadata go with a whole token or its first half.
+    if (item.kind != kSecondHalf) {
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        if (dst[d] == nullptr) continue;
+        int lrow = local_row;
+        char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
+        store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
+        if (with_meta) store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, cur.idx, cur.w);
+      }
+    }
+    if (kLateClaim && lane == 0 && ii_next < num_items)
+      claimed = device::next_item(claim, ctx.ctrl, ii_next, first, stride, 2);
     __syncwarp();
     bool ok = true;
-    if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, t);
+    if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, item.code());
     if (!__shfl_sync(kFull, ok, 0)) break;
-    t = t_next;
+    ii = ii_next;
     cur = nxt;
-    t_next = __shfl_sync(kFull, claimed, 0);
+    ii_next = __shfl_sync(kFull, claimed, 0);
   }
   device::cp_async_wait<0>();  // no copy into shared memory outlives the warp's work
   if (lane == 0) device::hand_over_done(queue, warp, k);
@@ -541,7 +617,11 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
       if (d != me && p.dest_slabs[2 * d + 1] >= 0) lent |= 1u << d;
   }
   // One fence per publish_batch tokens: a system-scope fence costs about an NVLink round trip.
-  device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int t) {
+  // A whole row adds kRowUnits, a half row 1; a peer without a slab got the whole row with the
+  // first half, so its flag goes with that half.
+  device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int code) {
+    const SendItem item = SendItem::decode(code);
+    const int t = item.token;
     for (int d = 0; d < R; ++d) {
       if (d == me) continue;
       const int pos = p.send_pos[size_t(t) * R + d];
@@ -549,8 +629,9 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
       char* peer = c.buffers.ptr[d];
       if ((lent >> d) & 1u)
         device::red_add_relaxed_sys(
-            reinterpret_cast<uint64_t*>(peer + c.layout.arrivals_offset) + me, 1);
-      else
+            reinterpret_cast<uint64_t*>(peer + c.layout.arrivals_offset) + me,
+            item.kind == kWhole ? kRowUnits : 1);
+      else if (item.kind != kSecondHalf)
         device::st_relaxed_sys(
             reinterpret_cast<uint64_t*>(peer + c.layout.dispatch_flag_offset(me, d, pos)), seq);
     }
@@ -566,7 +647,7 @@ __device__ void wait_slab_arrivals(const DispatchParams& p, const device::WaitCo
   const int R = c.num_ranks, me = c.rank;
   uint64_t* arrivals = reinterpret_cast<uint64_t*>(c.buffers.ptr[me] + c.layout.arrivals_offset);
   if (lane < R && lane != me) {
-    const uint64_t expected = uint64_t(p.recv_prefix[lane + 1] - p.recv_prefix[lane]);
+    const uint64_t expected = uint64_t(p.recv_prefix[lane + 1] - p.recv_prefix[lane]) * kRowUnits;
     // Relaxed polls with a short sleep (this warp's SM still sends), one acquire at the end.
     if (device::spin_wait(ctx, lane, [&] {
           if (device::ld_relaxed_sys(arrivals + lane) >= expected)
