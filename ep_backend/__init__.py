@@ -36,6 +36,7 @@ from .moe import (  # noqa: E402
     get_low_latency_combine_buffer,
     low_latency_combine,
     low_latency_dispatch,
+    record_stream,
 )
 
 
@@ -106,6 +107,7 @@ __all__ = [
     "get_low_latency_combine_buffer",
     "low_latency_combine",
     "low_latency_dispatch",
+    "record_stream",
     "reference",
     "register",
 ]

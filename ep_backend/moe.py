@@ -9,6 +9,13 @@ it bit for bit.
 ``async_op=True`` follows torch.distributed: the op runs on the backend's communication stream
 after waiting for the current stream, and the returned ``work.wait()`` makes the *current stream*
 wait for it (the CPU does not block). On CPU tensors the op completes before the call returns.
+
+``previous_event`` (a ``torch.cuda.Event``, the high-throughput ops) is DeepEP's flag of that
+name: with ``async_op=True`` the communication stream waits for that event *instead of* the
+current stream, so the op need not wait for unrelated work queued there; without it the current
+stream waits for the event before the op. Outputs of ``async_op=True`` are allocated on the
+communication stream and recorded for the current one, as DeepEP's
+``allocate_on_comm_stream=True``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ._native import native as _native
 from .handles import (
     CombineOutput,
     DispatchHandle,
@@ -37,6 +45,7 @@ __all__ = [
     "get_low_latency_combine_buffer",
     "low_latency_combine",
     "low_latency_dispatch",
+    "record_stream",
 ]
 
 Group = dist.ProcessGroup | None
@@ -120,22 +129,71 @@ def _completed_work(result: list[torch.Tensor]) -> dist.Work:
     return torch._C._distributed_c10d._create_work_from_future(fut)
 
 
+def record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """``tensor.record_stream(stream)`` that also holds for the outputs of a dispatch.
+
+    A dispatch on the NVLink path may return views of a receive slab (``Options.recv_slabs``),
+    memory PyTorch's caching allocator does not own, so ``Tensor.record_stream`` ignores them.
+    This function records ``stream`` on the slab instead: it is lent to a later dispatch only after
+    the work queued on ``stream`` by the time the last of its views is freed. For any other
+    tensor it is ``tensor.record_stream(stream)``.
+
+    Args:
+        tensor: a CUDA tensor (any dispatch output, or any other tensor).
+        stream: a ``torch.cuda.Stream`` of the tensor's device that uses the tensor.
+
+    Raises:
+        TypeError: if ``tensor`` is not a tensor or ``stream`` not a CUDA stream.
+        RuntimeError: if the stream is on another device than the tensor, or (from PyTorch) the
+            tensor is not a CUDA tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a tensor, got {type(tensor).__name__}")
+    if not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
+    if not _native()._record_slab_stream(
+        tensor, stream.stream_id, stream.device_index, stream.device_type
+    ):
+        tensor.record_stream(stream)
+
+
+def _check_previous_event(previous_event: Any, device: torch.device) -> None:
+    if previous_event is None:
+        return
+    if not isinstance(previous_event, torch.cuda.Event):
+        raise TypeError(
+            f"previous_event must be a torch.cuda.Event, got {type(previous_event).__name__}"
+        )
+    if device.type != "cuda":
+        raise ValueError("previous_event needs CUDA tensors")
+
+
 def _run(
     fn: Callable[[], Any],
     inputs: Sequence[torch.Tensor | None],
     device: torch.device,
     async_op: bool,
     outputs_of: Callable[[Any], list[torch.Tensor]],
+    previous_event: torch.cuda.Event | None = None,
 ) -> tuple[Any, dist.Work | None]:
-    """Runs ``fn`` synchronously (current stream) or asynchronously (comm stream + Work)."""
+    """Runs ``fn`` synchronously (current stream) or asynchronously (comm stream + Work).
+
+    ``previous_event`` (checked by the caller): what the op waits for; with ``async_op`` instead
+    of the current stream.
+    """
     if not async_op:
+        if previous_event is not None:
+            torch.cuda.current_stream(device).wait_event(previous_event)
         return fn(), None
     if device.type != "cuda":
         result = fn()
         return result, _completed_work(outputs_of(result))
     current = torch.cuda.current_stream(device)
     comm = _comm_stream(device)
-    comm.wait_stream(current)
+    if previous_event is not None:
+        comm.wait_event(previous_event)
+    else:
+        comm.wait_stream(current)
     with torch.cuda.stream(comm):
         result = fn()
         outputs = outputs_of(result)
@@ -143,10 +201,12 @@ def _run(
         fut.set_result(outputs)  # records an event on the comm stream
     for t in inputs:
         if t is not None and t.is_cuda:
-            t.record_stream(comm)  # inputs stay alive until the comm stream is done with them
+            record_stream(t, comm)  # inputs stay alive until the comm stream is done with them
     for t in outputs:
         if t.is_cuda:
-            t.record_stream(current)
+            # Also for outputs viewing a receive slab: with previous_event the comm stream of a
+            # later dispatch need not wait for the current stream, which may still read them.
+            record_stream(t, current)
     return result, torch._C._distributed_c10d._create_work_from_future(fut)
 
 
@@ -239,6 +299,7 @@ def all_to_all_moe_dispatch(
     layout: DispatchLayout | None = None,
     group: Group = None,
     async_op: bool = False,
+    previous_event: torch.cuda.Event | None = None,
 ) -> DispatchOutput:
     """High-throughput dispatch: send each token once to every rank owning one of its experts.
 
@@ -260,6 +321,8 @@ def all_to_all_moe_dispatch(
             handle's ``is_token_in_rank`` and ``num_tokens_per_rank`` are then these tensors.
         group: an ``"ep"`` process group (default: WORLD).
         async_op: return at once with ``out.work``; ``out.work.wait()`` before using outputs.
+        previous_event: a ``torch.cuda.Event`` the op waits for (CUDA only): with ``async_op``
+            the communication stream waits for it instead of the current stream.
 
     Returns:
         ``DispatchOutput`` (see ``ep_backend.handles``): rows ordered by source rank then source
@@ -275,6 +338,7 @@ def all_to_all_moe_dispatch(
         x, x_scales = _split_x(x, x_scales)
         _require_tensor(x, "x")
         _require_tensor(x_scales, "x_scales", optional=True)
+        _check_previous_event(previous_event, x.device)
         if handle is not None:
             if (
                 topk_idx is not None
@@ -301,14 +365,16 @@ def all_to_all_moe_dispatch(
     except (TypeError, ValueError) as exc:
         _reject(pg, op, type(exc)(f"ep {op}: {exc}"))
     if handle is not None:
-        return _cached_dispatch(x, x_scales, handle, pg, async_op)
+        return _cached_dispatch(x, x_scales, handle, pg, async_op, previous_event)
 
     def run() -> tuple[torch.Tensor, ...]:
         args = (x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
                 num_worst_tokens, pg.group_name, layout_tensors)  # fmt: skip
         return _DispatchFn.apply(*args) if _needs_grad(x, topk_weights) else _ops.dispatch(*args)
 
-    result, work = _run(run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list)
+    result, work = _run(
+        run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list, previous_event
+    )
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
      per_rank, recv_per_rank, src_idx, src_rank, per_expert_host) = result  # fmt: skip
     if layout is not None:  # the op returns these inputs empty (no aliasing outputs)
@@ -361,12 +427,13 @@ def _cached_dispatch(
     handle: DispatchHandle,
     pg: dist.ProcessGroup,
     async_op: bool,
+    previous_event: torch.cuda.Event | None,
 ) -> DispatchOutput:
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         args = (x, x_scales, *_routing(handle), pg.group_name)
         return _CachedDispatchFn.apply(*args) if _needs_grad(x) else _ops.cached_dispatch(*args)
 
-    (recv_x, recv_scales), work = _run(run, (x, x_scales), x.device, async_op, list)
+    (recv_x, recv_scales), work = _run(run, (x, x_scales), x.device, async_op, list, previous_event)
     return DispatchOutput(
         recv_x=recv_x,
         recv_x_scales=_opt(recv_scales, x_scales is not None),
@@ -386,6 +453,7 @@ def combine(
     *,
     group: Group = None,
     async_op: bool = False,
+    previous_event: torch.cuda.Event | None = None,
 ) -> CombineOutput:
     """High-throughput combine: sum every dispatched row back into its source token.
 
@@ -397,6 +465,8 @@ def combine(
         bias: optional ``[T, H]`` tensor, or a tuple of up to two, added after the rows.
         group: an ``"ep"`` process group (default: WORLD).
         async_op: see the module docstring.
+        previous_event: a ``torch.cuda.Event`` the op waits for (CUDA only): with ``async_op``
+            the communication stream waits for it instead of the current stream.
 
     Returns:
         ``CombineOutput``: ``combined_x`` ``[T, H]`` of ``x.dtype``: float32 sum starting at +0.0
@@ -408,6 +478,7 @@ def combine(
         _check_handle(handle)
         _require_tensor(x, "x")
         _require_tensor(topk_weights, "topk_weights", optional=True)
+        _check_previous_event(previous_event, x.device)
         if bias is None:
             biases = [None, None]
         elif isinstance(bias, torch.Tensor):
@@ -428,7 +499,9 @@ def combine(
             return _CombineFn.apply(*args)
         return _ops.combine(*args)
 
-    (combined, weights), work = _run(run, (x, topk_weights, *biases), x.device, async_op, list)
+    (combined, weights), work = _run(
+        run, (x, topk_weights, *biases), x.device, async_op, list, previous_event
+    )
     return CombineOutput(
         combined_x=combined,
         combined_topk_weights=_opt(weights, topk_weights is not None),

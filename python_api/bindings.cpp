@@ -8,6 +8,9 @@
 #include "ep_process_group.hpp"
 #include "moe_lowlatency.hpp"
 #include "moe_validation.hpp"
+#ifdef EP_WITH_CUDA
+#include "moe_intranode.hpp"
+#endif
 
 namespace py = pybind11;
 
@@ -67,9 +70,9 @@ Args:
         (a dispatch finding no free slab returns ordinary tensors). Each slab holds the
         outputs of the largest shape seen (every token of every rank): about
         ``R * T * (H * elem + 4 * S + 12 * K + 8)`` bytes. Reuse is ordered after the work
-        queued on the dispatch's stream when the last view was freed; ``record_stream`` is not
-        honoured for these views, so a consumer on another stream must be synchronised before
-        they are freed.)")
+        queued on the dispatch's stream when the last view was freed, and on the streams named
+        by ``ep_backend.record_stream`` (``Tensor.record_stream`` is not honoured for these
+        views).)")
       .def(py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
                        bool overlap_dispatch_host_wait, int64_t recv_slabs) {
              TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
@@ -202,4 +205,20 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("cuda_enabled") = false;
 #endif
+  m.def(
+      "_record_slab_stream",
+      [](const at::Tensor& tensor, int64_t stream_id, int64_t device_index,
+         int64_t device_type) -> bool {
+#ifdef EP_WITH_CUDA
+        const auto stream =
+            c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                 static_cast<c10::DeviceType>(device_type));
+        return ep::intranode::recordSlabStream(tensor, stream);
+#else
+        (void)tensor, (void)stream_id, (void)device_index, (void)device_type;
+        return false;  // no receive slabs without CUDA
+#endif
+      },
+      py::arg("tensor"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
+      "record_stream for dispatch outputs viewing a receive slab; False for any other tensor.");
 }

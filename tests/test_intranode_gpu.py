@@ -290,6 +290,99 @@ def test_receive_slabs_hold_outputs_until_freed_and_match_the_spec() -> None:
         assert "Options.recv_slabs" in r["mismatch"], (rank, r)
 
 
+def _slab_read_on_another_stream(rank: int, world: int) -> dict:
+    """A side stream still reading a dispatch's slab outputs when they are freed: with
+    ep_backend.record_stream the next dispatch that gets the slab waits for that stream."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x1, idx1, w1 = _inputs(rank, 400 + 3 * rank, seed=301)
+    x2, idx2, w2 = _inputs(rank, 400 + 3 * rank, seed=302)
+    want = ref.dispatch(x1.cpu(), idx1.cpu(), w1.cpu(), E)
+    side = torch.cuda.Stream()
+    ep.dispatch(x1, idx1, w1, E)  # connect; its outputs are freed at once
+    torch.cuda.synchronize()
+    out1 = ep.dispatch(x1, idx1, w1, E)
+    first_ptr = out1.recv_x.data_ptr()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the read below starts long after the free
+        copy = out1.recv_x.clone()
+
+    def is_slab_view(t: torch.Tensor) -> bool:  # records `side` on t's slab when it is one
+        return ep._C._record_slab_stream(t, side.stream_id, side.device_index, side.device_type)
+
+    recognised = [is_slab_view(out1.handle.recv_src_idx), is_slab_view(copy)]
+    ep.record_stream(out1.recv_x, side)  # one view names the stream for the whole slab
+    del out1  # every view freed: the slab goes back, ordered after `side` too
+    out2 = ep.dispatch(x2, idx2, w2, E)
+    torch.cuda.synchronize()
+    return {
+        "same_slab": out2.recv_x.data_ptr() == first_ptr,
+        "copy_intact": torch.equal(copy.view(torch.uint8).cpu(), want.recv_x.view(torch.uint8)),
+        "recognised": recognised,
+    }
+
+
+def test_record_stream_orders_slab_reuse_after_another_stream() -> None:
+    res = run_distributed(_slab_read_on_another_stream, gpu_world_size(), backend="ep", timeout=300)
+    for rank, r in enumerate(res):
+        assert r["same_slab"], (rank, r)  # the slab was lent again: the test saw a reuse
+        assert r["copy_intact"], (rank, r)
+        assert r["recognised"] == [True, False], (rank, r)
+
+
+def _previous_event(rank: int, world: int) -> dict:
+    """previous_event: with async_op the communication stream waits for that event instead of
+    the current stream (busy here for ~1 s); without async_op the current stream waits for it."""
+    import time
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+    from ep_backend.moe import _comm_stream
+
+    x, idx, w = _inputs(rank, 300 + 5 * rank, seed=401)
+    want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+    ep.dispatch(x, idx, w, E)  # connect
+    torch.cuda.synchronize()
+    res: dict = {}
+    ready = torch.cuda.Event()
+    ready.record()
+    torch.cuda._sleep(2_000_000_000)  # the current stream stays busy for about a second
+    out = ep.dispatch(x, idx, w, E, async_op=True, previous_event=ready)
+    done = torch.cuda.Event()
+    done.record(_comm_stream(x.device))
+    start = time.monotonic()
+    while not done.query() and time.monotonic() - start < 30:
+        time.sleep(0.001)
+    res["comm_done_while_current_busy"] = done.query() and not torch.cuda.current_stream().query()
+    out.work.wait()
+    torch.cuda.synchronize()
+    res["async_equal"] = torch.equal(out.recv_x.cpu(), want.recv_x)
+    # Synchronous: the current stream waits for an event of another stream first.
+    side = torch.cuda.Stream()
+    x_late = torch.empty_like(x)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        x_late.copy_(x)
+        written = torch.cuda.Event()
+        written.record()
+    out = ep.dispatch(x_late, idx, w, E, previous_event=written)
+    torch.cuda.synchronize()
+    res["sync_equal"] = torch.equal(out.recv_x.cpu(), want.recv_x)
+    combined = ep.combine(out.recv_x, out.handle, async_op=True, previous_event=written)
+    combined.work.wait()
+    expected = ref.combine(want.recv_x, want.handle).combined_x
+    res["combine_equal"] = torch.equal(combined.combined_x.cpu(), expected)
+    return res
+
+
+def test_previous_event_is_what_the_op_waits_for() -> None:
+    res = run_distributed(_previous_event, gpu_world_size(), backend="ep", timeout=300)
+    for rank, r in enumerate(res):
+        assert all(r.values()), (rank, r)
+
+
 def _absent_peer(rank: int, world: int) -> str:
     import ep_backend as ep
 

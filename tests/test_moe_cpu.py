@@ -528,3 +528,15 @@ def test_random_soak() -> None:
     failures = [items for _, items in results]
     assert not any(failures), format_failures(failures)
     assert results[0][0] > SOAK_ITERATIONS // 10, "the soak must cover low-latency calls too"
+
+
+def test_record_stream_checks_its_arguments_and_knows_plain_tensors() -> None:
+    """``ep_backend.record_stream`` rejects non-tensors and non-CUDA streams; a tensor that does
+    not view a receive slab is not one (the CUDA case is in test_intranode_gpu.py)."""
+    import ep_backend as ep
+
+    with pytest.raises(TypeError, match="tensor must be a tensor, got list"):
+        ep.record_stream([1.0], None)
+    with pytest.raises(TypeError, match="stream must be a torch.cuda.Stream, got int"):
+        ep.record_stream(torch.zeros(2), 0)
+    assert ep._C._record_slab_stream(torch.zeros(2), 0, 0, 1) is False

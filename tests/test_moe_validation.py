@@ -140,6 +140,15 @@ def _ll_idx(c: Ctx, value: int) -> torch.Tensor:
     return _with_id(c, value)
 
 
+def _cpu_only_event() -> Any:
+    """A ``torch.cuda.Event`` for calls on CPU tensors, which must reject it. A CPU-only torch
+    cannot make a real one: an instance made without its constructor passes the type check."""
+    try:
+        return torch.cuda.Event()
+    except RuntimeError:  # "Tried to instantiate dummy base class Event"
+        return object.__new__(torch.cuda.Event)
+
+
 def _layout(c: Ctx, idx: torch.Tensor | None = None) -> Any:
     return c.ep.get_dispatch_layout(c.idx if idx is None else idx, c.num_experts)
 
@@ -191,6 +200,16 @@ CASES: dict[str, Case] = {
         lambda c: c.dispatch(x=_fp8(c), x_scales=c.pick(None, _fp8(c)[1])),
         r"either as \(x, scales\)",
         TypeError,
+    ),
+    "previous_event_not_an_event": Case(
+        lambda c: c.dispatch(previous_event=c.pick(None, 7)),
+        "previous_event must be a torch.cuda.Event, got int",
+        TypeError,
+    ),
+    "previous_event_on_cpu": Case(
+        lambda c: c.dispatch(previous_event=c.pick(None, _cpu_only_event())),
+        "previous_event needs CUDA tensors",
+        ValueError,
     ),
     "topk_idx_float": Case(
         lambda c: c.dispatch(topk_idx=c.pick(c.idx, c.idx.float())),
@@ -394,6 +413,16 @@ CASES: dict[str, Case] = {
         "FP8 x needs x_scales",
     ),
     # ---- combine ----------------------------------------------------------------------------
+    "combine_previous_event_not_an_event": Case(
+        lambda c: c.combine(previous_event=c.pick(None, "after you")),
+        "previous_event must be a torch.cuda.Event, got str",
+        TypeError,
+    ),
+    "combine_previous_event_on_cpu": Case(
+        lambda c: c.combine(previous_event=c.pick(None, _cpu_only_event())),
+        "previous_event needs CUDA tensors",
+        ValueError,
+    ),
     "combine_x_wrong_rows": Case(
         lambda c: c.combine(x=c.pick(c.out.recv_x, c.out.recv_x[:-1])),
         "rows but the dispatch that made the handle returned",

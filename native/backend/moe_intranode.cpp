@@ -49,32 +49,37 @@ struct KernelRouting {
 };
 
 // The receive slabs of one runtime (IntranodeConfig::recv_slabs): which are lent, and for a
-// returned one an event on the stream of the dispatch that lent it, recorded when its last
-// output tensor was freed. Thread-safe: tensors are freed on any thread (autograd's too).
+// returned one the events recorded when its last output tensor was freed, one on each stream
+// its outputs were used on (the dispatch's, and those named by recordSlabStream). Thread-safe:
+// tensors are freed on any thread (autograd's too).
 class SlabPool {
  public:
   SlabPool(int count, int device, std::shared_ptr<char> memory)
-      : device_(device), memory_(std::move(memory)), lent_(count, false), returned_(count) {}
+      : device_(device),
+        memory_(std::move(memory)),
+        lent_(count, false),
+        returned_(count),
+        counts_(count, 0) {}
   ~SlabPool() {
-    for (cudaEvent_t e : returned_)
-      if (e != nullptr) cudaEventDestroy(e);
+    for (auto& events : returned_)
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
   }
   SlabPool(const SlabPool&) = delete;
   SlabPool& operator=(const SlabPool&) = delete;
 
   // A free slab for a dispatch on `stream` (-1: none free). The stream first waits for the work
-  // queued on the returning dispatch's stream when its outputs were freed, as the caching
-  // allocator orders a block's reuse; not when that work is done (a wait queued ahead of notify
-  // may delay its start).
+  // queued on the returning outputs' streams when they were freed, as the caching allocator
+  // orders a block's reuse; not when that work is done (a wait queued ahead of notify may delay
+  // its start), and only for events not yet complete.
   int lend(cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int i = 0; i < static_cast<int>(lent_.size()); ++i) {
       if (lent_[i]) continue;
-      if (returned_[i] != nullptr) {
-        const cudaError_t done = cudaEventQuery(returned_[i]);
+      for (int k = 0; k < counts_[i]; ++k) {
+        const cudaError_t done = cudaEventQuery(returned_[i][k]);
         if (done == cudaErrorNotReady) {
           (void)cudaGetLastError();  // "not ready" is an answer, not an error to keep
-          C10_CUDA_CHECK(cudaStreamWaitEvent(stream, returned_[i], 0));
+          C10_CUDA_CHECK(cudaStreamWaitEvent(stream, returned_[i][k], 0));
         } else {
           C10_CUDA_CHECK(done);
         }
@@ -84,21 +89,31 @@ class SlabPool {
     }
     return -1;
   }
-  void give_back(int i, cudaStream_t stream) noexcept {
+  // Slab i's outputs are all freed: records an event on each of `streams`. If one cannot be
+  // recorded (CUDA gone at exit, a destroyed stream) the slab stays lent: its next lend could
+  // not be ordered after that stream's work.
+  void give_back(int i, const std::vector<cudaStream_t>& streams) noexcept {
     std::lock_guard<std::mutex> lock(mutex_);
     int previous = 0;
-    if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
-      if (returned_[i] == nullptr) cudaEventCreateWithFlags(&returned_[i], cudaEventDisableTiming);
-      if (returned_[i] != nullptr && cudaEventRecord(returned_[i], stream) != cudaSuccess) {
-        cudaEventDestroy(returned_[i]);  // the next lend then cannot order itself: keep it lent
-        returned_[i] = nullptr;
-        cudaSetDevice(previous);
-        return;
+    if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_) != cudaSuccess) return;
+    std::vector<cudaEvent_t>& events = returned_[i];
+    bool recorded = true;
+    size_t k = 0;
+    for (; k < streams.size() && recorded; ++k) {
+      if (k == events.size()) {
+        cudaEvent_t e = nullptr;
+        if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+          recorded = false;
+          break;
+        }
+        events.push_back(e);
       }
-      cudaSetDevice(previous);
-    } else {
-      return;  // CUDA is gone (process exit): nothing will lend it again
+      recorded = cudaEventRecord(events[k], streams[k]) == cudaSuccess;
     }
+    if (!recorded) (void)cudaGetLastError();  // ours to clear, not the caller's to find later
+    cudaSetDevice(previous);
+    if (!recorded) return;
+    counts_[i] = static_cast<int>(k);  // events past k belong to an earlier return: ignored
     lent_[i] = false;
   }
 
@@ -107,21 +122,40 @@ class SlabPool {
   int device_;
   std::shared_ptr<char> memory_;  // keeps the slabs mapped while outputs view them
   std::vector<bool> lent_;
-  std::vector<cudaEvent_t> returned_;
+  std::vector<std::vector<cudaEvent_t>> returned_;  // per slab, reused across returns
+  std::vector<int> counts_;  // per slab: events of its last return (the first counts_[i])
 };
 
-// One dispatch's hold on a slab: every output tensor viewing it shares this; the last one freed
-// gives the slab back.
-struct SlabLease {
+// One dispatch's hold on a slab: every output tensor viewing it shares this (through a
+// SlabView); the last one freed gives the slab back, ordered after every stream named here.
+class SlabLease {
+ public:
   SlabLease(std::shared_ptr<SlabPool> p, int i, cudaStream_t s)
-      : pool(std::move(p)), index(i), stream(s) {}
+      : pool_(std::move(p)), index_(i), streams_{s} {}
   SlabLease(const SlabLease&) = delete;  // exactly one lease gives the slab back
   SlabLease& operator=(const SlabLease&) = delete;
-  ~SlabLease() { pool->give_back(index, stream); }
-  const std::shared_ptr<SlabPool> pool;
-  const int index;
-  const cudaStream_t stream;
+  ~SlabLease() { pool_->give_back(index_, streams_); }
+  int index() const { return index_; }
+  void add_stream(cudaStream_t s) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (std::find(streams_.begin(), streams_.end(), s) == streams_.end()) streams_.push_back(s);
+  }
+
+ private:
+  const std::shared_ptr<SlabPool> pool_;
+  const int index_;
+  std::mutex mutex_;
+  std::vector<cudaStream_t> streams_;
 };
+
+// The context of one output tensor's storage in a lent slab (its DataPtr's deleter is
+// releaseSlabView, which is how recordSlabStream recognises such tensors).
+struct SlabView {
+  std::shared_ptr<SlabLease> lease;
+};
+void releaseSlabView(void* ctx) {
+  delete static_cast<SlabView*>(ctx);
+}
 
 // Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
 struct GroupState {
@@ -516,6 +550,17 @@ bool capturing() {
 
 }  // namespace
 
+bool recordSlabStream(const at::Tensor& tensor, const c10::Stream& stream) {
+  if (!tensor.defined() || !tensor.has_storage()) return false;
+  const c10::DataPtr& data = tensor.storage().data_ptr();
+  if (data.get_deleter() != &releaseSlabView) return false;
+  TORCH_CHECK(stream.device() == tensor.device(), "ep record_stream: the stream is on ",
+              stream.device(), ", the tensor on ", tensor.device());
+  const c10::cuda::CUDAStream cuda_stream(stream);  // checks that it is a CUDA stream
+  static_cast<SlabView*>(data.get_context())->lease->add_stream(cuda_stream.stream());
+  return true;
+}
+
 bool usable(EPProcessGroup& pg, const at::Device& device) {
   auto st = stateOf(pg);
   if (!st->decided) {
@@ -720,7 +765,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
       per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
       static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
       recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(), recv_per_expert.data_ptr<int>(),
-      host_counts, stream, layout_error, dispatch_follows, lease ? lease->index : -1,
+      host_counts, stream, layout_error, dispatch_follows, lease ? lease->index() : -1,
       slabs ? dest_slabs.data_ptr<int>() : nullptr);
   stages.mark("layout+notify");
 
@@ -738,11 +783,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
         rt.recv_slab_layout(hidden_bytes, num_scales, static_cast<int>(topk), idx_bytes);
     const auto output = [&](size_t offset, at::IntArrayRef sizes, const at::TensorOptions& opts) {
       if (!lease) return at::empty(sizes, opts);
-      std::shared_ptr<SlabLease> hold = lease;
-      return at::from_blob(
-          rt.recv_slab(lease->index) + offset, sizes,
-          [hold](void*) {},  // the last view freed gives the slab back
-          opts);
+      return at::for_blob(rt.recv_slab(lease->index()) + offset, sizes)
+          .options(opts)
+          .context(new SlabView{lease}, &releaseSlabView)  // the last view freed gives it back
+          .make_tensor();
     };
     out.recv_x = output(slab.x, {rows, a.x.size(1)}, a.x.options());
     if (has_scales) {

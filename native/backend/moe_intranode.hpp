@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 
 #include <optional>
 #include <tuple>
@@ -26,6 +27,12 @@ bool usable(EPProcessGroup& pg, const at::Device& device);
 LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
+
+// Tensor.record_stream for the dispatch outputs that view a lent receive slab (which PyTorch's
+// caching allocator does not own, so its record_stream ignores them): the slab is lent again only
+// after the work queued on `stream` when the last of its views is freed. False (nothing done)
+// for any other tensor.
+bool recordSlabStream(const at::Tensor& tensor, const c10::Stream& stream);
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
