@@ -433,7 +433,9 @@ def _cached_dispatch(
         args = (x, x_scales, *_routing(handle), pg.group_name)
         return _CachedDispatchFn.apply(*args) if _needs_grad(x) else _ops.cached_dispatch(*args)
 
-    (recv_x, recv_scales), work = _run(run, (x, x_scales), x.device, async_op, list, previous_event)
+    # The handle's tensors are inputs too (the op may read them on the device).
+    inputs = (x, x_scales, *_routing(handle))
+    (recv_x, recv_scales), work = _run(run, inputs, x.device, async_op, list, previous_event)
     return DispatchOutput(
         recv_x=recv_x,
         recv_x_scales=_opt(recv_scales, x_scales is not None),
@@ -499,9 +501,8 @@ def combine(
             return _CombineFn.apply(*args)
         return _ops.combine(*args)
 
-    (combined, weights), work = _run(
-        run, (x, topk_weights, *biases), x.device, async_op, list, previous_event
-    )
+    inputs = (x, topk_weights, *biases, *_routing(handle))  # the handle's too, as for x
+    (combined, weights), work = _run(run, inputs, x.device, async_op, list, previous_event)
     return CombineOutput(
         combined_x=combined,
         combined_topk_weights=_opt(weights, topk_weights is not None),
