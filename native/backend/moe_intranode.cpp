@@ -834,6 +834,9 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
   at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
   if (host_counts) {
+    // Room for this call's routing in the cache before the wait, not after it: dropping the
+    // oldest may free its tensors, which is host work the wait hides.
+    while (st->recent.size() >= kRecentHandles) st->recent.pop_back();
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
     stages.mark("count_wait");  // the rest is the host's work after the counts arrived
     delayAfterCountWait();
@@ -856,17 +859,25 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                                counts.per_rank.end());
     host_per_expert = hostCounts(counts.per_expert);
     if (overlap) {
+      // The first n rows: the outputs were made here and nothing else holds them yet, so their
+      // row count is set in place (no dispatcher call, unlike narrow; this runs between the
+      // count wait and the op's return, on the host's critical path).
       const int64_t n = counts.num_recv_tokens;
-      out.recv_x = out.recv_x.narrow(0, 0, n);
+      const auto keep_rows = [n](at::Tensor& t) {
+        std::vector<int64_t> sizes = t.sizes().vec();
+        sizes[0] = n;
+        t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+      };
+      keep_rows(out.recv_x);
       if (has_scales) {
-        out.recv_x_scales = out.recv_x_scales->narrow(0, 0, n);
+        keep_rows(*out.recv_x_scales);
       }
-      out.recv_topk_idx = out.recv_topk_idx.narrow(0, 0, n);
+      keep_rows(out.recv_topk_idx);
       if (has_weights) {
-        out.recv_topk_weights = out.recv_topk_weights->narrow(0, 0, n);
+        keep_rows(*out.recv_topk_weights);
       }
-      src_idx = src_idx.narrow(0, 0, n);
-      src_rank = src_rank.narrow(0, 0, n);
+      keep_rows(src_idx);
+      keep_rows(src_rank);
     } else {
       rows = counts.num_recv_tokens;
     }
