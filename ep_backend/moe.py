@@ -199,14 +199,14 @@ def _run(
         outputs = outputs_of(result)
         fut: torch.futures.Future = torch.futures.Future(devices=[device])
         fut.set_result(outputs)  # records an event on the comm stream
-    for t in inputs:
-        if t is not None and t.is_cuda:
-            record_stream(t, comm)  # inputs stay alive until the comm stream is done with them
-    for t in outputs:
-        if t.is_cuda:
-            # Also for outputs viewing a receive slab: with previous_event the comm stream of a
-            # later dispatch need not wait for the current stream, which may still read them.
-            record_stream(t, current)
+    # ep_backend.record_stream of each: inputs stay alive until the comm stream is done with
+    # them; outputs (receive-slab views too: with previous_event a later dispatch's comm stream
+    # need not wait for the current stream, which may still read them) for the current stream.
+    record = _native()._record_streams
+    record(
+        [t for t in inputs if t is not None], comm.stream_id, comm.device_index, comm.device_type
+    )
+    record(list(outputs), current.stream_id, current.device_index, current.device_type)
     return result, torch._C._distributed_c10d._create_work_from_future(fut)
 
 

@@ -221,4 +221,28 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensor"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
       "record_stream for dispatch outputs viewing a receive slab; False for any other tensor.");
+  // The async_op path's record_stream of every input and output in one call (one Python to C++
+  // crossing instead of several per tensor).
+  m.def(
+      "_record_streams",
+      [](const std::vector<at::Tensor>& tensors, int64_t stream_id, int64_t device_index,
+         int64_t device_type) {
+        const auto stream =
+            c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                 static_cast<c10::DeviceType>(device_type));
+#ifdef EP_WITH_CUDA
+        for (const at::Tensor& t : tensors) {
+          if (t.defined() && t.is_cuda() && !ep::intranode::recordSlabStream(t, stream)) {
+            t.record_stream(stream);
+          }
+        }
+#else
+        for (const at::Tensor& t : tensors) {
+          TORCH_CHECK(!t.defined() || !t.is_cuda(), "ep: CUDA tensors need the CUDA build");
+        }
+        (void)stream;
+#endif
+      },
+      py::arg("tensors"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
+      "ep_backend.record_stream for each CUDA tensor of a list.");
 }
