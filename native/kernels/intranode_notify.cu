@@ -39,13 +39,12 @@ __device__ uint64_t g_timeline[kHtNotifySlots];
 #endif
 
 constexpr int kNotifyThreads = 512;
-constexpr uint32_t kRejected = kNotifyRejected;
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(NotifyParams p) {
   extern __shared__ int values[];  // [R][words]: what each source announced (untagged)
   __shared__ uint64_t s_seq;
   __shared__ int s_failed;
-  __shared__ uint32_t s_rejected;  // kRejected when this rank's layout found an invalid id
+  __shared__ uint32_t s_rejected;  // kNotifyRejected when this rank's layout found an invalid id
   // A dispatch launched behind this kernel may start now: it needs our results only for its
   // local rows and receivers, and waits for them there.
   device::launch_dependents();
@@ -61,8 +60,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   // Word i of what we announce (i = dst * words + w), without the sequence tag.
   const auto announced = [&](int i) {
     const int dst = i / words, w = i % words;
-    return w == 0          ? uint32_t(p.num_tokens_per_rank[dst])
-           : w < sent_word ? uint32_t(p.num_tokens_per_expert[dst * E_loc + w - 1])
+    return w == 0 ? uint32_t(p.num_tokens_per_rank[dst])
+           : w < sent_word
+               ? uint32_t(p.num_tokens_per_expert[dst * E_loc + w - NotifyWords::per_expert])
            : w < slab_word ? uint32_t(p.num_tokens_per_rank[w - sent_word])
                            : uint32_t(p.lend_slab);
   };
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     s_seq = device::read_sequence(ctrl);
     s_failed = 0;
     const volatile ErrorRecord* err = p.layout_error != nullptr ? p.layout_error : c.error;
-    s_rejected = err->code == kErrorInvalidTopkIdx && err->op == kOpLayout ? kRejected : 0u;
+    s_rejected = err->code == kErrorInvalidTopkIdx && err->op == kOpLayout ? kNotifyRejected : 0u;
   }
   __syncthreads();
   const uint64_t seq = s_seq;
@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     int total = 0, rejected = 0;
     for (int s = 0; s < R; ++s) {
       const uint32_t word = static_cast<uint32_t>(values[s * words]);
-      if (word & kRejected) rejected |= 1 << s;
-      const int n = static_cast<int>(word & ~kRejected);
+      if (word & kNotifyRejected) rejected |= 1 << s;
+      const int n = static_cast<int>(word & ~kNotifyRejected);
       p.recv_counts[s] = n;
       p.recv_prefix[s] = total;
       total += n;
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
     if (write_host) {  // after the release: its fence need not wait for these PCIe writes
       for (int s = 0; s < R; ++s) {
         p.host->num_recv_tokens_per_rank[s] =
-            static_cast<int>(static_cast<uint32_t>(values[s * words]) & ~kRejected);
+            static_cast<int>(static_cast<uint32_t>(values[s * words]) & ~kNotifyRejected);
         // What we announced to s (our own slot), not a reload of the layout's counts.
         p.host->num_send_tokens_per_rank[s] = values[me * words + sent_word + s];
       }
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   }
   for (int e = tid; e < E_loc; e += kNotifyThreads) {
     int n = 0;
-    for (int s = 0; s < R; ++s) n += values[s * words + 1 + e];
+    for (int s = 0; s < R; ++s) n += values[s * words + NotifyWords::per_expert + e];
     const int a = p.expert_alignment;
     n = (n + a - 1) / a * a;
     p.num_recv_tokens_per_expert[e] = n;
