@@ -309,8 +309,11 @@ def _slab_read_on_another_stream(rank: int, world: int) -> dict:
         torch.cuda._sleep(200_000_000)  # ~0.1 s: the read below starts long after the free
         copy = out1.recv_x.clone()
 
-    def is_slab_view(t: torch.Tensor) -> bool:  # records `side` on t's slab when it is one
-        return ep._C._record_slab_stream(t, side.stream_id, side.device_index, side.device_type)
+    def is_slab_view(t: torch.Tensor) -> bool:
+        # Records the dispatch's own stream, which the slab already waits for: only the public
+        # call below names `side`, so the test checks that call.
+        s = torch.cuda.current_stream()
+        return ep._C._record_slab_stream(t, s.stream_id, s.device_index, s.device_type)
 
     recognised = [is_slab_view(out1.handle.recv_src_idx), is_slab_view(copy)]
     ep.record_stream(out1.recv_x, side)  # one view names the stream for the whole slab
