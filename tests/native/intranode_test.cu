@@ -639,6 +639,22 @@ void alloc_outputs(const CaseData& c, const RankData& d, int rows, Arena& a, Ran
   junk(b.out_w, size_t(d.T) * sp.K * 4);
 }
 
+// Points the outputs of dispatch `a` (its row shape already set) at the arrays of rank `rt`'s
+// receive slab 0, which that rank lent to the notify before (own_slab).
+void use_own_slab(IntranodeDispatchArgs& a, const IntranodeRuntime& rt, const int* dest_slabs) {
+  const ep::SlabLayout l =
+      rt.recv_slab_layout(a.hidden_bytes, a.num_scales, a.num_topk, a.idx_bytes);
+  char* slab = rt.recv_slab(0);
+  a.recv_x = slab + l.x;
+  a.recv_x_scales = a.num_scales ? reinterpret_cast<float*>(slab + l.scales) : nullptr;
+  a.recv_topk_idx = slab + l.topk_idx;
+  a.recv_topk_weights = reinterpret_cast<float*>(slab + l.topk_weights);
+  a.recv_src_idx = reinterpret_cast<int*>(slab + l.src_idx);
+  a.recv_src_rank = reinterpret_cast<int*>(slab + l.src_rank);
+  a.dest_slabs = dest_slabs;
+  a.own_slab = true;
+}
+
 // The dispatch of one rank's op sequence, into b's recv_* arrays.
 IntranodeDispatchArgs dispatch_args_of(const CaseData& c, const RankData& d, const RankBuffers& b,
                                        int num_sms) {
@@ -767,14 +783,7 @@ void run_rank_slab(const CaseData& c, int rank, IntranodeRuntime& rt, cudaStream
                                b.recv_prefix, b.recv_per_expert, true, s, nullptr,
                                /*dispatch_follows=*/true, /*lend_slab=*/0, b.dest_slabs);
   IntranodeDispatchArgs a = dispatch_args_of(c, d, b, num_sms);
-  a.recv_x = slab + l.x;
-  a.recv_x_scales = sp.S ? reinterpret_cast<float*>(slab + l.scales) : nullptr;
-  a.recv_topk_idx = slab + l.topk_idx;
-  a.recv_topk_weights = reinterpret_cast<float*>(slab + l.topk_weights);
-  a.recv_src_idx = reinterpret_cast<int*>(slab + l.src_idx);
-  a.recv_src_rank = reinterpret_cast<int*>(slab + l.src_rank);
-  a.dest_slabs = b.dest_slabs;
-  a.own_slab = true;
+  use_own_slab(a, rt, b.dest_slabs);
   rt.dispatch(a, s);
   const ep::IntranodeRecvCounts n = rt.wait_recv_counts(ticket);
   out.host_N = n.num_recv_tokens;
@@ -1572,16 +1581,7 @@ void bench(int iters) {
     // Outputs in the lent slab: peers write them in place, receivers only wait for the flags.
     auto slab_args = [&](int r) {
       IntranodeDispatchArgs a = dispatch_args(r, 0);
-      const ep::SlabLayout l = team->rt[r]->recv_slab_layout(sh.hidden_bytes, sh.S, K, 8);
-      char* base = team->rt[r]->recv_slab(0);
-      a.recv_x = base + l.x;
-      a.recv_x_scales = sh.S ? reinterpret_cast<float*>(base + l.scales) : nullptr;
-      a.recv_topk_idx = base + l.topk_idx;
-      a.recv_topk_weights = reinterpret_cast<float*>(base + l.topk_weights);
-      a.recv_src_idx = reinterpret_cast<int*>(base + l.src_idx);
-      a.recv_src_rank = reinterpret_cast<int*>(base + l.src_rank);
-      a.dest_slabs = rb[r].dest_slabs;
-      a.own_slab = true;
+      use_own_slab(a, *team->rt[r], rb[r].dest_slabs);
       return a;
     };
     for (int round = 0; round < rounds; ++round) {
