@@ -463,8 +463,13 @@ void remember(GroupState& st, const DispatchRouting& r, at::Tensor send_pos, at:
   k.send_pos = std::move(send_pos);
   k.recv_prefix = std::move(recv_prefix);
   k.host_counts = std::move(host_counts);
-  st.recent.push_front(std::move(k));
-  if (st.recent.size() > kRecentHandles) {
+  st.recent.push_front(std::move(k));  // makeRoomInRecent ran before the count wait
+}
+
+// Drops the oldest remembered handles so that one more fits. The dispatch calls it before its
+// count wait: freeing a dropped handle's tensors is host work the wait hides.
+void makeRoomInRecent(GroupState& st) {
+  while (st.recent.size() >= kRecentHandles) {
     st.recent.pop_back();
   }
 }
@@ -833,10 +838,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   }
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
   at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
+  makeRoomInRecent(*st);
   if (host_counts) {
-    // Room for this call's routing in the cache before the wait, not after it: dropping the
-    // oldest may free its tensors, which is host work the wait hides.
-    while (st->recent.size() >= kRecentHandles) st->recent.pop_back();
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
     stages.mark("count_wait");  // the rest is the host's work after the counts arrived
     delayAfterCountWait();
