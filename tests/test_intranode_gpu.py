@@ -335,6 +335,98 @@ def test_record_stream_orders_slab_reuse_after_another_stream() -> None:
         assert r["recognised"] == [True, False], (rank, r)
 
 
+def _is_slab_view(t: torch.Tensor) -> bool:
+    import ep_backend as ep
+
+    s = torch.cuda.current_stream()  # already the op's stream: recording it changes nothing
+    return ep._C._record_slab_stream(t, s.stream_id, s.device_index, s.device_type)
+
+
+def _cached_dispatch_slabs(rank: int, world: int) -> dict:
+    """Cached dispatch writes into receive slabs as dispatch does (BF16 and FP8 with scales,
+    async too), falls back to tensors when every slab is held or the group has none, and keeps
+    a num_worst_tokens handle's padding; every output equal to the spec."""
+    import torch.distributed as dist
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x, idx, w = _inputs(rank, 350 + 29 * rank, seed=401)
+    want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+    x8, s8 = ref.quantize_fp8_per128(x * 0.5)
+    x8c, s8c = x8.cpu(), s8.cpu()
+
+    def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        return (
+            a is not None
+            and b is not None
+            and torch.equal(a.view(torch.uint8).cpu(), b.view(torch.uint8))
+        )
+
+    res: dict = {}
+    # Sizes the transport for both row shapes first (a larger need rebuilds it, with new slabs).
+    ep.dispatch(x8, idx, w, E, x_scales=s8)
+    out = ep.dispatch(x, idx, w, E)  # holds one slab
+    bf = ep.dispatch(x * 3, handle=out.handle)
+    bf_want = ref.dispatch(x.cpu() * 3, handle=want.handle)
+    torch.cuda.synchronize()
+    res["bf16"] = [_is_slab_view(bf.recv_x), same(bf.recv_x, bf_want.recv_x)]
+    # Both slabs held (out, bf): the next one gets ordinary tensors, still right.
+    f8 = ep.dispatch(x8, handle=out.handle, x_scales=s8)
+    f8_want = ref.dispatch(x8c, handle=want.handle, x_scales=s8c)
+    torch.cuda.synchronize()
+    res["fp8_all_held"] = [
+        _is_slab_view(f8.recv_x),
+        same(f8.recv_x, f8_want.recv_x),
+        same(f8.recv_x_scales, f8_want.recv_x_scales),
+    ]
+    del bf, f8  # a slab is free again
+    f8 = ep.dispatch(x8, handle=out.handle, x_scales=s8, async_op=True)
+    f8.work.wait()
+    torch.cuda.synchronize()
+    res["fp8_async"] = [
+        _is_slab_view(f8.recv_x) and _is_slab_view(f8.recv_x_scales),
+        same(f8.recv_x, f8_want.recv_x),
+        same(f8.recv_x_scales, f8_want.recv_x_scales),
+    ]
+    del f8
+    # Many in a row, each freed before the next (lend, give back, lend again).
+    res["loop"] = all(
+        same(ep.dispatch(x * k, handle=out.handle).recv_x, ref.dispatch(x.cpu() * k,
+             handle=want.handle).recv_x)
+        for k in (2.0, -1.5, 0.25, 4.0)
+    )  # fmt: skip
+    # A num_worst_tokens handle: padding rows, so no slab; equal to the spec row for row.
+    cap = 600 * world  # more than any rank receives
+    wout = ep.dispatch(x, idx, w, E, num_worst_tokens=cap)
+    wwant = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E, num_worst_tokens=cap)
+    wc = ep.dispatch(x * 5, handle=wout.handle)
+    torch.cuda.synchronize()
+    res["worst"] = [
+        _is_slab_view(wc.recv_x),
+        same(wc.recv_x, ref.dispatch(x.cpu() * 5, handle=wwant.handle).recv_x),
+    ]
+    plain = dist.new_group(list(range(world)), backend="ep",
+                           pg_options=ep.Options(recv_slabs=0))  # fmt: skip
+    pout = ep.dispatch(x, idx, w, E, group=plain)
+    pc = ep.dispatch(x * 3, handle=pout.handle, group=plain)
+    torch.cuda.synchronize()
+    res["no_slabs"] = [_is_slab_view(pc.recv_x), same(pc.recv_x, bf_want.recv_x)]
+    dist.destroy_process_group(plain)
+    return res
+
+
+def test_cached_dispatch_writes_into_receive_slabs() -> None:
+    res = run_distributed(_cached_dispatch_slabs, gpu_world_size(), backend="ep", timeout=300)
+    for rank, r in enumerate(res):
+        assert r["bf16"] == [True, True], (rank, r)
+        assert r["fp8_all_held"] == [False, True, True], (rank, r)
+        assert r["fp8_async"] == [True, True, True], (rank, r)
+        assert r["loop"], (rank, r)
+        assert r["worst"] == [False, True], (rank, r)
+        assert r["no_slabs"] == [False, True], (rank, r)
+
+
 def _previous_event(rank: int, world: int) -> dict:
     """previous_event: with async_op the communication stream waits for that event instead of
     the current stream (busy here for ~1 s); without async_op the current stream waits for it."""

@@ -911,14 +911,22 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   raisePendingError(*st, "cached dispatch");
   const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
   const bool ok = error.empty();
-  const std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
+  std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
+  // Whether the peers write our rows into a receive slab is decided alike on every rank (a
+  // notify runs first then, a collective kernel).
+  const bool capture = capturing();
+  fields.push_back({"Options.recv_slabs (or EP_RECV_SLABS)", recvSlabs(pg)});
+  fields.push_back({"CUDA graph capture", capture ? 1 : 0});
+  // One local expert: the notify that lends slabs announces one (dummy) count per rank.
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
-                               ok && x_scales ? x_scales->size(1) : 0, 0};
+                               ok && x_scales ? x_scales->size(1) : 0, 1};
   const KernelRouting* known = recall(*st, routing);
-  const auto counts = capturing() ? std::vector<int64_t>(2 * num_ranks, 0)
+  const auto counts = capture ? std::vector<int64_t>(2 * num_ranks, 0)
                       : known && !known->host_counts.empty() ? known->host_counts
                                                              : routingCounts(routing, num_ranks);
   payload.insert(payload.end(), counts.begin(), counts.end());
+  const int64_t rows = ok ? routing.recv_src_idx.size(0) : 0;
+  payload.push_back(rows);
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
   checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank());
 
@@ -928,24 +936,69 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
       routingFor(known, routing, c10::cuda::getCurrentCUDAStream(device.index()));
-  const int64_t rows = routing.recv_src_idx.size(0);
-  at::Tensor recv_x = at::empty({rows, x.size(1)}, x.options());
+  // Receive slabs as in dispatch (peers write the outputs in place, no copy out of the buffer),
+  // which takes a notify to lend them: not while capturing, and not for a num_worst_tokens handle
+  // with padding rows (nobody writes those in a slab). Every rank reads the same gathered table.
+  bool via_slabs = st->slabs != nullptr && !capture;
+  {
+    auto g = gathered.accessor<int64_t, 2>();
+    for (int64_t r = 0; r < num_ranks && via_slabs; ++r) {
+      int64_t received = 0;
+      for (int64_t s = 0; s < num_ranks; ++s) received += g[r][5 + num_ranks + s];
+      via_slabs = g[r][5 + 2 * num_ranks] == received;
+    }
+  }
+  std::shared_ptr<SlabLease> lease;
+  at::Tensor dest_slabs;
+  if (via_slabs) {
+    const int i = st->slabs->lend(stream);
+    if (i >= 0) lease = std::make_shared<SlabLease>(st->slabs, i, stream);
+    // The handle's counts announced again (per expert: unused, one dummy expert per rank); the
+    // notify's prefix equals the handle's and is what the kernel reads behind it.
+    const at::Tensor per_rank = routing.num_tokens_per_rank.to(at::kInt).contiguous();
+    const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
+    at::Tensor small =
+        at::empty({align4(num_ranks + 1) + align4(2 * num_ranks) + align4(num_ranks) + 4},
+                  per_rank.options());
+    recv_prefix = small.narrow(0, 0, num_ranks + 1);
+    dest_slabs = small.narrow(0, align4(num_ranks + 1), 2 * num_ranks);
+    at::Tensor recv_counts =
+        small.narrow(0, align4(num_ranks + 1) + align4(2 * num_ranks), num_ranks);
+    at::Tensor per_expert_out = small.narrow(0, small.numel() - 4, 1);
+    rt.notify(per_rank.data_ptr<int>(), per_rank.data_ptr<int>(), static_cast<int>(num_ranks), 1, 0,
+              recv_counts.data_ptr<int>(), recv_prefix.data_ptr<int>(),
+              per_expert_out.data_ptr<int>(), /*host_counters=*/false, stream, nullptr,
+              /*dispatch_follows=*/true, lease ? lease->index() : -1, dest_slabs.data_ptr<int>());
+  }
+  const int hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
+  const int num_scales = x_scales ? static_cast<int>(x_scales->size(1)) : 0;
+  const SlabLayout slab = rt.recv_slab_layout(hidden_bytes, num_scales, 0, 4);  // as the kernel's
+  const auto output = [&](size_t offset, at::IntArrayRef sizes, const at::TensorOptions& opts) {
+    if (!lease) return at::empty(sizes, opts);
+    return at::for_blob(rt.recv_slab(lease->index()) + offset, sizes)
+        .options(opts)
+        .context(new SlabView{lease}, &releaseSlabView)  // the last view freed gives it back
+        .make_tensor();
+  };
+  at::Tensor recv_x = output(slab.x, {rows, x.size(1)}, x.options());
   std::optional<at::Tensor> recv_scales;
   if (x_scales) {
-    recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
+    recv_scales = output(slab.scales, {rows, x_scales->size(1)}, x_scales->options());
   }
   IntranodeDispatchArgs args;
   args.x = x.data_ptr();
   args.num_tokens = static_cast<int>(x.size(0));
-  args.hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
+  args.hidden_bytes = hidden_bytes;
   args.x_scales = x_scales ? static_cast<const float*>(x_scales->data_ptr()) : nullptr;
-  args.num_scales = x_scales ? static_cast<int>(x_scales->size(1)) : 0;
+  args.num_scales = num_scales;
   args.send_pos = send_pos.data_ptr<int>();
   args.recv_prefix = recv_prefix.data_ptr<int>();
   args.recv_x = recv_x.data_ptr();
   args.recv_x_scales = recv_scales ? static_cast<float*>(recv_scales->data_ptr()) : nullptr;
   // Rows past the valid count (a num_worst_tokens handle) are written as padding.
-  args.num_worst_tokens = static_cast<int>(rows);
+  args.num_worst_tokens = via_slabs ? 0 : static_cast<int>(rows);
+  args.dest_slabs = via_slabs ? dest_slabs.data_ptr<int>() : nullptr;
+  args.own_slab = lease != nullptr;
   rt.cached_dispatch(args, stream);
   return {recv_x, recv_scales};
 }

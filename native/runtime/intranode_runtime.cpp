@@ -433,7 +433,8 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
                                        cudaStream_t stream) {
   const char* op = cached ? "cached_dispatch" : "dispatch";
   check_ready(op);
-  if (cached) check_no_dispatch_due(op);
+  // A cached dispatch may follow a notify only to get receive slabs (its routing is known).
+  if (cached && a.dest_slabs == nullptr) check_no_dispatch_due(op);
   require(!dispatch_due_ || stream == dispatch_due_stream_,
           "dispatch: must run on the stream of the notify it follows");
   const std::string pre = std::string(op) + ": ";
@@ -489,12 +490,19 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
     p.recv_src_idx = a.recv_src_idx;
     p.recv_src_rank = a.recv_src_rank;
   }
-  if (!cached && a.dest_slabs != nullptr) {
+  if (cached && a.dest_slabs != nullptr) {
+    require(dispatch_due_, pre + "receive slabs need the notify launched right before it");
+    p.experts_per_rank = due_experts_per_rank_;  // the layout of that notify's slots
+  }
+  if (a.dest_slabs != nullptr) {
     p.dest_slabs = a.dest_slabs;
-    p.slab = recv_slab_layout(a.hidden_bytes, a.num_scales, a.num_topk, a.idx_bytes);
+    p.slab = cached ? recv_slab_layout(a.hidden_bytes, a.num_scales, 0, 4)
+                    : recv_slab_layout(a.hidden_bytes, a.num_scales, a.num_topk, a.idx_bytes);
     require(slabs_ != nullptr && p.slab.total <= slab_bytes_,
             pre + "receive slabs are missing or too small for this row shape");
     p.own_slab = a.own_slab ? 1 : 0;
+    // In our own slab the receive warps do nothing, so nobody would write padding rows.
+    require(!a.own_slab || a.num_worst_tokens == 0, pre + "own_slab needs num_worst_tokens 0");
   } else {
     require(!a.own_slab, pre + "own_slab needs dest_slabs");
   }

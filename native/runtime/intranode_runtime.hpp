@@ -109,9 +109,11 @@ struct IntranodeDispatchArgs {
   int* recv_src_rank = nullptr;         // [rows]      (optional)
   int num_worst_tokens = 0;             // 0: rows = N exactly; > 0: rows = num_worst_tokens
   int num_sms = 0;                      // 0: config().num_sms
-  // Receive slabs (dispatch only): dest_slabs is notify's [2R] output (null: write every peer's
-  // rows into its buffer). own_slab: this rank lent recv_slab(i) to the notify before, and every
-  // recv_* pointer above is that slab's array (recv_slab_layout).
+  // Receive slabs: dest_slabs is notify's [2R] output (null: write every peer's rows into its
+  // buffer). own_slab: this rank lent recv_slab(i) to the notify before, and every recv_*
+  // pointer above is that slab's array (recv_slab_layout; a cached dispatch's with K = 0). A
+  // cached dispatch takes slabs only right behind a notify (dispatch_follows), whose
+  // num_tokens_per_rank are the handle's and whose recv_prefix it reads.
   const int* dest_slabs = nullptr;
   bool own_slab = false;
 };

@@ -563,6 +563,9 @@ struct RankBuffers {
       *src_rank;
   bool* in_rank;
   int* dest_slabs;  // [2R], slab mode
+  // Slab mode's cached dispatch (into receive slab 1, behind its own notify): that notify's
+  // outputs, [R + 1], [R], [2R] and [1].
+  int *cached_prefix, *cached_counts, *cached_dest_slabs, *cached_per_expert;
 };
 
 void upload_inputs(const CaseData& c, const RankData& d, RankBuffers& b, cudaStream_t s) {
@@ -603,6 +606,10 @@ void alloc_inputs(const CaseData& c, const RankData& d, Arena& a, RankBuffers& b
   b.recv_prefix = static_cast<int*>(a.take((R + 1) * 4));
   b.recv_per_expert = static_cast<int*>(a.take(sp.E / R * 4));
   b.dest_slabs = static_cast<int*>(a.take(size_t(2) * R * 4));
+  b.cached_prefix = static_cast<int*>(a.take((R + 1) * 4));
+  b.cached_counts = static_cast<int*>(a.take(R * 4));
+  b.cached_dest_slabs = static_cast<int*>(a.take(size_t(2) * R * 4));
+  b.cached_per_expert = static_cast<int*>(a.take(4));
 }
 
 void alloc_outputs(const CaseData& c, const RankData& d, int rows, Arena& a, RankBuffers& b,
@@ -683,8 +690,34 @@ IntranodeDispatchArgs dispatch_args_of(const CaseData& c, const RankData& d, con
   return a;
 }
 
+// Slab mode's cached dispatch as the backend runs it: a notify that announces the handle's
+// per-rank counts (one dummy expert per rank) and lends receive slab 1, the cached dispatch
+// behind it writing into that slab; b.recv_x2 / recv_scales2 then point into the slab.
+void cached_dispatch_into_slab(IntranodeDispatchArgs a2, IntranodeRuntime& rt, RankBuffers& b,
+                               int R, int rows, cudaStream_t s) {
+  if (rt.recv_slab_count() < 2) throw std::runtime_error("slab mode needs two receive slabs");
+  const ep::SlabLayout l = rt.recv_slab_layout(a2.hidden_bytes, a2.num_scales, 0, 4);
+  char* slab = rt.recv_slab(1);
+  // Garbage first (peers write only after our notify, which runs after these on our stream).
+  CUDA_CHECK(cudaMemsetAsync(slab + l.x, 0xA7, size_t(rows) * a2.hidden_bytes, s));
+  if (a2.num_scales)
+    CUDA_CHECK(cudaMemsetAsync(slab + l.scales, 0xA7, size_t(rows) * a2.num_scales * 4, s));
+  rt.notify(b.per_rank, b.per_rank, R, 1, 0, b.cached_counts, b.cached_prefix, b.cached_per_expert,
+            false, s, nullptr, /*dispatch_follows=*/true, /*lend_slab=*/1, b.cached_dest_slabs);
+  a2.recv_prefix = b.cached_prefix;
+  a2.recv_x = slab + l.x;
+  a2.recv_x_scales = a2.num_scales ? reinterpret_cast<float*>(slab + l.scales) : nullptr;
+  a2.dest_slabs = b.cached_dest_slabs;
+  a2.own_slab = true;
+  a2.num_worst_tokens = 0;
+  rt.cached_dispatch(a2, s);
+  b.recv_x2 = a2.recv_x;
+  if (a2.num_scales) b.recv_scales2 = a2.recv_x_scales;
+}
+
 // Enqueues the whole op sequence of one rank (after layout/notify when host counters are used);
-// without the dispatch when `dispatched` (slab mode launched it behind notify).
+// without the dispatch when `dispatched` (slab mode launched it behind notify; its cached
+// dispatch then goes into slab 1 too).
 void enqueue_ops(const CaseData& c, const RankData& d, int rank, IntranodeRuntime& rt,
                  RankBuffers& b, int rows, cudaStream_t s, int num_sms, bool dispatched = false) {
   const CaseSpec& sp = c.spec;
@@ -702,7 +735,10 @@ void enqueue_ops(const CaseData& c, const RankData& d, int rank, IntranodeRuntim
   a2.recv_x_scales = sp.S ? b.recv_scales2 : nullptr;
   a2.num_worst_tokens = c.cap;
   a2.num_sms = num_sms;
-  rt.cached_dispatch(a2, s);
+  if (dispatched)
+    cached_dispatch_into_slab(a2, rt, b, sp.R, rows, s);
+  else
+    rt.cached_dispatch(a2, s);
 
   IntranodeCombineArgs ca;
   ca.x = b.xc;
@@ -1379,7 +1415,7 @@ void bench(int iters) {
   cfg.max_scales = 56;
   cfg.max_local_experts = E / R;
   cfg.timeout_seconds = 30;
-  cfg.recv_slabs = 1;  // the "receive slab" rows: outputs written in place by the senders
+  cfg.recv_slabs = 2;  // the "receive slab" rows: outputs written in place by the senders
   auto team = make_team(R, cfg, size_t(1) << 30);
   std::printf("bench: R=%d T=%d H=%d K=%d E=%d, buffer %.1f MB/rank, devices:", R, T, H, K, E,
               IntranodeRuntime::buffer_bytes(cfg, R) / 1e6);
@@ -1630,6 +1666,24 @@ void bench(int iters) {
              team->rt[r]->cached_dispatch(dispatch_args(r, 0), s);
            }),
            remote_bytes);
+    // As the backend runs a cached dispatch with slabs: behind a notify that lends slab 1.
+    report("notify + cached dispatch kernel, receive slab", time_op([&](int r, cudaStream_t s) {
+             RankBuffers& b = rb[r].b;
+             IntranodeRuntime& rt = *team->rt[r];
+             rt.notify(b.per_rank, b.per_rank, R, 1, 0, b.cached_counts, b.cached_prefix,
+                       b.cached_per_expert, false, s, nullptr, true, 1, b.cached_dest_slabs);
+             IntranodeDispatchArgs a = dispatch_args(r, 0);
+             const ep::SlabLayout l = rt.recv_slab_layout(a.hidden_bytes, a.num_scales, 0, 4);
+             a.topk_idx = nullptr;
+             a.recv_prefix = b.cached_prefix;
+             a.recv_x = rt.recv_slab(1) + l.x;
+             a.recv_x_scales =
+                 a.num_scales ? reinterpret_cast<float*>(rt.recv_slab(1) + l.scales) : nullptr;
+             a.dest_slabs = b.cached_dest_slabs;
+             a.own_slab = true;
+             rt.cached_dispatch(a, s);
+           }),
+           remote_bytes);
     report("notify + dispatch, worst-case (no host sync)", time_op([&](int r, cudaStream_t s) {
              RankBuffers& b = rb[r].b;
              team->rt[r]->notify(b.per_rank, b.per_expert, E, 1, R * T, b.recv_counts,
@@ -1717,7 +1771,7 @@ void correctness_suite(int R, int soak_iters) {
   cfg.max_scales = 56;
   cfg.max_local_experts = 128;
   cfg.timeout_seconds = 20;
-  cfg.recv_slabs = 1;  // slab-mode cases
+  cfg.recv_slabs = 2;  // slab-mode cases: the dispatch into slab 0, its cached dispatch into 1
   // Every rank's blocks must be resident at once (they spin on each other): ranks that share a
   // GPU (R = 8 on one GPU) split its SMs.
   int sms = 0;
