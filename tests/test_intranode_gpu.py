@@ -290,6 +290,13 @@ def test_receive_slabs_hold_outputs_until_freed_and_match_the_spec() -> None:
         assert "Options.recv_slabs" in r["mismatch"], (rank, r)
 
 
+def _is_slab_view(t: torch.Tensor) -> bool:
+    import ep_backend as ep
+
+    s = torch.cuda.current_stream()  # already the op's stream: recording it changes nothing
+    return ep._C._record_slab_stream(t, s.stream_id, s.device_index, s.device_type)
+
+
 def _slab_read_on_another_stream(rank: int, world: int) -> dict:
     """A side stream still reading a dispatch's slab outputs when they are freed: with
     ep_backend.record_stream the next dispatch that gets the slab waits for that stream."""
@@ -309,13 +316,9 @@ def _slab_read_on_another_stream(rank: int, world: int) -> dict:
         torch.cuda._sleep(200_000_000)  # ~0.1 s: the read below starts long after the free
         copy = out1.recv_x.clone()
 
-    def is_slab_view(t: torch.Tensor) -> bool:
-        # Records the dispatch's own stream, which the slab already waits for: only the public
-        # call below names `side`, so the test checks that call.
-        s = torch.cuda.current_stream()
-        return ep._C._record_slab_stream(t, s.stream_id, s.device_index, s.device_type)
-
-    recognised = [is_slab_view(out1.handle.recv_src_idx), is_slab_view(copy)]
+    # _is_slab_view records the dispatch's own stream, which the slab already waits for: only
+    # the public call below names `side`, so the test checks that call.
+    recognised = [_is_slab_view(out1.handle.recv_src_idx), _is_slab_view(copy)]
     ep.record_stream(out1.recv_x, side)  # one view names the stream for the whole slab
     del out1  # every view freed: the slab goes back, ordered after `side` too
     out2 = ep.dispatch(x2, idx2, w2, E)
@@ -333,13 +336,6 @@ def test_record_stream_orders_slab_reuse_after_another_stream() -> None:
         assert r["same_slab"], (rank, r)  # the slab was lent again: the test saw a reuse
         assert r["copy_intact"], (rank, r)
         assert r["recognised"] == [True, False], (rank, r)
-
-
-def _is_slab_view(t: torch.Tensor) -> bool:
-    import ep_backend as ep
-
-    s = torch.cuda.current_stream()  # already the op's stream: recording it changes nothing
-    return ep._C._record_slab_stream(t, s.stream_id, s.device_index, s.device_type)
 
 
 def _cached_dispatch_slabs(rank: int, world: int) -> dict:
