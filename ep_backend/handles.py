@@ -26,6 +26,10 @@ class DispatchLayout:
         send_pos: int32 ``[T, R]``; position of token ``t`` among this rank's tokens sent to rank
             ``r`` (the row's slot in what ``r`` receives from us), ``-1`` where it is not sent.
 
+        work: the ``Work`` of an ``async_op=True`` call (``None`` otherwise): wait on it before
+            the current stream reads these tensors (a dispatch with ``async_op=True`` runs on the
+            same communication stream, after them, and need not wait).
+
     Passing the layout to ``dispatch(..., layout=...)`` skips computing it again there, as
     DeepEP's dispatch takes ``get_dispatch_layout``'s results. Iterating yields the first three
     fields (DeepEP's order).
@@ -35,6 +39,7 @@ class DispatchLayout:
     num_tokens_per_expert: torch.Tensor
     is_token_in_rank: torch.Tensor
     send_pos: torch.Tensor | None = None
+    work: object | None = field(default=None, compare=False)
     # What it was computed from: (weak reference to topk_idx, its version, num_experts, R), so
     # dispatch can refuse a layout of another (or since modified) topk_idx.
     _source: tuple | None = field(default=None, repr=False, compare=False)

@@ -216,7 +216,12 @@ def _run(
 
 
 def get_dispatch_layout(
-    topk_idx: torch.Tensor, num_experts: int, group: Group = None
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    group: Group = None,
+    *,
+    async_op: bool = False,
+    previous_event: torch.cuda.Event | None = None,
 ) -> DispatchLayout:
     """Per-rank and per-expert token counts of a routing (local computation, no communication).
 
@@ -224,6 +229,12 @@ def get_dispatch_layout(
         topk_idx: int64 or int32 ``[T, K]`` global expert ids, ``-1`` = no expert.
         num_experts: ``E``, a multiple of the group size ``R``.
         group: an ``"ep"`` process group (default: WORLD); only its size is used.
+        async_op: run on the backend's communication stream and return at once with
+            ``layout.work`` (DeepEP's ``async_finish``); ``layout.work.wait()`` before the
+            current stream reads the layout. A dispatch given it with ``async_op=True`` runs on
+            that stream after it and needs no wait.
+        previous_event: a ``torch.cuda.Event`` the layout waits for (CUDA only): with
+            ``async_op`` the communication stream waits for it instead of the current stream.
 
     Returns:
         ``DispatchLayout``: ``num_tokens_per_rank`` int32 ``[R]`` (a token counts once per
@@ -235,13 +246,27 @@ def get_dispatch_layout(
         RuntimeError: on a CUDA ``topk_idx``, if an earlier call on the device found a value
             outside ``[-1, E)`` (that call counted it as ``-1``; checking at once would need a
             stream sync). A dispatch given that earlier layout raises instead, on every rank.
+        TypeError / ValueError: for a non-tensor ``topk_idx``, a ``previous_event`` that is not
+            a ``torch.cuda.Event`` or given with a CPU ``topk_idx`` (raised on this rank only:
+            nothing is exchanged).
     """
     pg = _group(group)
-    per_rank, per_expert, in_rank, send_pos = _ops.dispatch_layout(topk_idx, num_experts, pg.size())
+    try:
+        _require_tensor(topk_idx, "topk_idx")
+        _check_previous_event(previous_event, topk_idx.device)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"ep get_dispatch_layout: {exc}") from None
+
+    def run() -> tuple[torch.Tensor, ...]:
+        return _ops.dispatch_layout(topk_idx, num_experts, pg.size())
+
+    (per_rank, per_expert, in_rank, send_pos), work = _run(
+        run, (topk_idx,), topk_idx.device, async_op, list, previous_event
+    )
     source = None
     if not torch.compiler.is_compiling():
         source = (weakref.ref(topk_idx), _version_of(topk_idx), num_experts, pg.size())
-    return DispatchLayout(per_rank, per_expert, in_rank, send_pos, _source=source)
+    return DispatchLayout(per_rank, per_expert, in_rank, send_pos, work=work, _source=source)
 
 
 def _version_of(t: torch.Tensor) -> int | None:

@@ -425,7 +425,8 @@ def test_cached_dispatch_writes_into_receive_slabs() -> None:
 
 def _previous_event(rank: int, world: int) -> dict:
     """previous_event: with async_op the communication stream waits for that event instead of
-    the current stream (busy here for ~1 s); without async_op the current stream waits for it."""
+    the current stream (busy here for ~1 s), for the layout and the dispatch given it; without
+    async_op the current stream waits for it."""
     import time
 
     import ep_backend as ep
@@ -443,7 +444,10 @@ def _previous_event(rank: int, world: int) -> dict:
     ready.record()
     torch.cuda._sleep(2_000_000_000)  # the current stream stays busy for about a second
     start = time.monotonic()
-    out = ep.dispatch(x, idx, w, E, async_op=True, previous_event=ready)
+    # The layout too (DeepEP's get_dispatch_layout flags), on the communication stream, where
+    # the dispatch given it runs after it.
+    layout = ep.get_dispatch_layout(idx, E, async_op=True, previous_event=ready)
+    out = ep.dispatch(x, idx, w, E, async_op=True, previous_event=ready, layout=layout)
     returned = time.monotonic() - start
     done = torch.cuda.Event()
     done.record(_comm_stream(x.device))
@@ -454,6 +458,10 @@ def _previous_event(rank: int, world: int) -> dict:
     out.work.wait()
     torch.cuda.synchronize()
     res["async_equal"] = torch.equal(out.recv_x.cpu(), want.recv_x)
+    layout.work.wait()
+    res["layout_equal"] = torch.equal(
+        layout.send_pos.cpu(), ref.get_dispatch_layout(idx.cpu(), E, world).send_pos
+    )
     # Synchronous: the current stream waits for an event of another stream first.
     side = torch.cuda.Stream()
     x_late = torch.empty_like(x)

@@ -142,7 +142,10 @@ def run_ht_config(ep, ref, rank: int, world: int, seed: int, cfg: dict, m: Misma
     api = ep.get_backend() if cfg["methods"] else ep
     is_async = cfg["async"]
     extra = {"async_op": True} if is_async else {}
-    given = {"layout": api.get_dispatch_layout(idx, num_experts)} if cfg["layout"] else {}
+    given = {"layout": api.get_dispatch_layout(idx, num_experts, **extra)} if cfg["layout"] else {}
+    if is_async and given:  # the layout with async_op too (DeepEP's async_finish)
+        m.check(given["layout"].work is not None, "async get_dispatch_layout returns a Work")
+        given["layout"].work.wait()
     a = api.all_to_all_moe_dispatch(x, idx, weights, num_experts, **kwargs, **extra, **given)
     if is_async:
         m.check(a.work is not None, "async dispatch returns a Work")
@@ -429,6 +432,26 @@ def _layout_worker(rank: int, world: int) -> list[str]:
         for g, w, name in zip(got, want, ("per_rank", "per_expert", "in_rank"), strict=True):
             m.bitwise(g, w, f"{name} (T={num_tokens} K={topk} E_loc={per_rank} {dtype})")
         m.bitwise(got.send_pos, want.send_pos, f"send_pos (T={num_tokens} K={topk} {dtype})")
+        m.check(got.work is None, "a synchronous layout has no Work")
+    # async_op: a Work (completed on CPU), the same values.
+    gen = make_generator(77, rank)
+    idx = random_topk(gen, 11, 4, 4 * world)
+    got = ep.get_dispatch_layout(idx, 4 * world, async_op=True)
+    m.check(got.work is not None and got.work.wait(), "async layout: a Work that completes")
+    want = ref.get_dispatch_layout(idx, 4 * world, world)
+    m.bitwise(got.send_pos, want.send_pos, "async layout: send_pos")
+    m.bitwise(got.num_tokens_per_expert, want.num_tokens_per_expert, "async layout: per_expert")
+    # Bad arguments raise on this rank (nothing is exchanged).
+    for bad, exc_type, needle in (
+        ({"previous_event": "e"}, TypeError, "previous_event must be a torch.cuda.Event"),
+        ({"topk_idx": [[0]]}, TypeError, "topk_idx must be a tensor"),
+    ):
+        args = {"topk_idx": idx, "num_experts": 4 * world, **bad}
+        try:
+            ep.get_dispatch_layout(**args)
+            m.check(False, f"get_dispatch_layout({bad}) did not raise")
+        except exc_type as exc:
+            m.check(f"ep get_dispatch_layout: {needle}" in str(exc), f"message: {exc}")
     # Inference tensors have no version counter: a layout of one still passes to dispatch.
     with torch.inference_mode():
         gen = make_generator(99, rank)
