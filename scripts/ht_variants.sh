@@ -3,7 +3,8 @@
 # prints each variant's kernel times (intranode_test --bench-only: dispatch send-warp sweep,
 # defaults, combine), for comparing kernel changes in one GPU session.
 # Usage: bash scripts/ht_variants.sh "name=-DFLAG ..." ["name2=" ...]   ("base=": no extra flags;
-# "name@DIR=..." builds the sources under DIR instead, e.g. an exported older commit). Needs 2 GPUs.
+# "name@DIR=..." builds the sources under DIR instead, e.g. an exported older commit). Needs 2 GPUs
+# (HT_BENCH_ONE_GPU=1: both ranks on one GPU, a same-session A/B only, not NVLink figures).
 # HT_COMBINE_WARPS="3,4,6" sweeps those combine send-warp splits instead of 4 and 5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
