@@ -157,6 +157,23 @@ void releaseSlabView(void* ctx) {
   delete static_cast<SlabView*>(ctx);
 }
 
+// A slab of the group's pool for outputs on `stream` (null: none free, or the group has none).
+std::shared_ptr<SlabLease> lendSlab(const std::shared_ptr<SlabPool>& pool, cudaStream_t stream) {
+  if (pool == nullptr) return nullptr;
+  const int i = pool->lend(stream);
+  return i >= 0 ? std::make_shared<SlabLease>(pool, i, stream) : nullptr;
+}
+
+// An output array at `offset` of the lent slab (a view that keeps the lease), else a fresh tensor.
+at::Tensor slabOutput(IntranodeRuntime& rt, const std::shared_ptr<SlabLease>& lease, size_t offset,
+                      at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  if (!lease) return at::empty(sizes, opts);
+  return at::for_blob(rt.recv_slab(lease->index()) + offset, sizes)
+      .options(opts)
+      .context(new SlabView{lease}, &releaseSlabView)  // the last view freed gives it back
+      .make_tensor();
+}
+
 // Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
 struct GroupState {
   bool decided = false;
@@ -762,10 +779,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // mode, whose outputs a CUDA graph may keep, nor while capturing).
   const bool slabs = st->slabs != nullptr;
   std::shared_ptr<SlabLease> lease;
-  if (slabs && host_counts && !capturing()) {
-    const int i = st->slabs->lend(stream);
-    if (i >= 0) lease = std::make_shared<SlabLease>(st->slabs, i, stream);
-  }
+  if (host_counts && !capturing()) lease = lendSlab(st->slabs, stream);
   const int ticket = rt.notify(
       per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
       static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
@@ -787,11 +801,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     const SlabLayout slab =
         rt.recv_slab_layout(hidden_bytes, num_scales, static_cast<int>(topk), idx_bytes);
     const auto output = [&](size_t offset, at::IntArrayRef sizes, const at::TensorOptions& opts) {
-      if (!lease) return at::empty(sizes, opts);
-      return at::for_blob(rt.recv_slab(lease->index()) + offset, sizes)
-          .options(opts)
-          .context(new SlabView{lease}, &releaseSlabView)  // the last view freed gives it back
-          .make_tensor();
+      return slabOutput(rt, lease, offset, sizes, opts);
     };
     out.recv_x = output(slab.x, {rows, a.x.size(1)}, a.x.options());
     if (has_scales) {
@@ -951,8 +961,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   std::shared_ptr<SlabLease> lease;
   at::Tensor dest_slabs;
   if (via_slabs) {
-    const int i = st->slabs->lend(stream);
-    if (i >= 0) lease = std::make_shared<SlabLease>(st->slabs, i, stream);
+    lease = lendSlab(st->slabs, stream);
     // The handle's counts announced again (per expert: unused, one dummy expert per rank); the
     // notify's prefix equals the handle's and is what the kernel reads behind it.
     const at::Tensor per_rank = routing.num_tokens_per_rank.to(at::kInt).contiguous();
@@ -972,18 +981,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   }
   const int hidden_bytes = static_cast<int>(x.size(1) * x.element_size());
   const int num_scales = x_scales ? static_cast<int>(x_scales->size(1)) : 0;
-  const SlabLayout slab = rt.recv_slab_layout(hidden_bytes, num_scales, 0, 4);  // as the kernel's
-  const auto output = [&](size_t offset, at::IntArrayRef sizes, const at::TensorOptions& opts) {
-    if (!lease) return at::empty(sizes, opts);
-    return at::for_blob(rt.recv_slab(lease->index()) + offset, sizes)
-        .options(opts)
-        .context(new SlabView{lease}, &releaseSlabView)  // the last view freed gives it back
-        .make_tensor();
-  };
-  at::Tensor recv_x = output(slab.x, {rows, x.size(1)}, x.options());
+  const SlabLayout slab = rt.cached_slab_layout(hidden_bytes, num_scales);
+  at::Tensor recv_x = slabOutput(rt, lease, slab.x, {rows, x.size(1)}, x.options());
   std::optional<at::Tensor> recv_scales;
   if (x_scales) {
-    recv_scales = output(slab.scales, {rows, x_scales->size(1)}, x_scales->options());
+    recv_scales =
+        slabOutput(rt, lease, slab.scales, {rows, x_scales->size(1)}, x_scales->options());
   }
   IntranodeDispatchArgs args;
   args.x = x.data_ptr();

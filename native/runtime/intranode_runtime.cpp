@@ -496,7 +496,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   }
   if (a.dest_slabs != nullptr) {
     p.dest_slabs = a.dest_slabs;
-    p.slab = cached ? recv_slab_layout(a.hidden_bytes, a.num_scales, 0, 4)
+    p.slab = cached ? cached_slab_layout(a.hidden_bytes, a.num_scales)
                     : recv_slab_layout(a.hidden_bytes, a.num_scales, a.num_topk, a.idx_bytes);
     require(slabs_ != nullptr && p.slab.total <= slab_bytes_,
             pre + "receive slabs are missing or too small for this row shape");

@@ -111,8 +111,8 @@ struct IntranodeDispatchArgs {
   int num_sms = 0;                      // 0: config().num_sms
   // Receive slabs: dest_slabs is notify's [2R] output (null: write every peer's rows into its
   // buffer). own_slab: this rank lent recv_slab(i) to the notify before, and every recv_*
-  // pointer above is that slab's array (recv_slab_layout; a cached dispatch's with K = 0). A
-  // cached dispatch takes slabs only right behind a notify (dispatch_follows), whose
+  // pointer above is that slab's array (recv_slab_layout, cached_slab_layout for a cached
+  // dispatch). A cached dispatch takes slabs only right behind a notify (dispatch_follows), whose
   // num_tokens_per_rank are the handle's and whose recv_prefix it reads.
   const int* dest_slabs = nullptr;
   bool own_slab = false;
@@ -178,6 +178,10 @@ class IntranodeRuntime {
   int recv_slab_count() const { return config_.recv_slabs; }
   char* recv_slab(int i) const;
   SlabLayout recv_slab_layout(int hidden_bytes, int num_scales, int num_topk, int idx_bytes) const;
+  // The arrays of a cached dispatch in a slab (x and scales only: no top-k metadata).
+  SlabLayout cached_slab_layout(int hidden_bytes, int num_scales) const {
+    return recv_slab_layout(hidden_bytes, num_scales, 0, 4);
+  }
   // Owns the slabs' memory: destroy() drops the runtime's reference, and the memory is freed
   // once every holder (outputs still viewing a slab) has dropped theirs.
   std::shared_ptr<char> recv_slab_owner() const { return slabs_; }

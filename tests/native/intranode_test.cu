@@ -698,7 +698,7 @@ IntranodeDispatchArgs dispatch_args_of(const CaseData& c, const RankData& d, con
 void cached_dispatch_into_slab(IntranodeDispatchArgs a2, IntranodeRuntime& rt, RankBuffers& b,
                                int R, int rows, cudaStream_t s) {
   if (rt.recv_slab_count() < 2) throw std::runtime_error("slab mode needs two receive slabs");
-  const ep::SlabLayout l = rt.recv_slab_layout(a2.hidden_bytes, a2.num_scales, 0, 4);
+  const ep::SlabLayout l = rt.cached_slab_layout(a2.hidden_bytes, a2.num_scales);
   char* slab = rt.recv_slab(1);
   // Garbage first (peers write only after our notify, which runs after these on our stream).
   CUDA_CHECK(cudaMemsetAsync(slab + l.x, 0xA7, size_t(rows) * a2.hidden_bytes, s));
@@ -1675,7 +1675,7 @@ void bench(int iters) {
              rt.notify(b.per_rank, b.per_rank, R, 1, 0, b.cached_counts, b.cached_prefix,
                        b.cached_per_expert, false, s, nullptr, true, 1, b.cached_dest_slabs);
              IntranodeDispatchArgs a = dispatch_args(r, 0);
-             const ep::SlabLayout l = rt.recv_slab_layout(a.hidden_bytes, a.num_scales, 0, 4);
+             const ep::SlabLayout l = rt.cached_slab_layout(a.hidden_bytes, a.num_scales);
              a.topk_idx = nullptr;
              a.recv_prefix = b.cached_prefix;
              a.recv_x = rt.recv_slab(1) + l.x;
