@@ -423,6 +423,91 @@ def test_cached_dispatch_writes_into_receive_slabs() -> None:
         assert r["no_slabs"] == [False, True], (rank, r)
 
 
+def _handles_many_dispatches_old(rank: int, world: int) -> dict:
+    """A model's backward pass: combine and cached dispatch of every MoE layer's handle, in
+    reverse, long after later layers dispatched. None of them may read the handle's counts back
+    to the host (a stream sync, caught by CUDA's sync debug mode), in normal and worst-case mode
+    and for handles made under inference_mode; all match the spec bitwise. A handle the process's
+    dispatch did not make (a copy) is read back: the control that shows the mode catches it."""
+    import dataclasses
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    layers = 7
+    inputs = [_inputs(rank, 200 + 17 * i + 3 * rank, seed=600 + i) for i in range(layers)]
+    ep.dispatch(*inputs[0], E)  # connects the transport (its setup synchronises)
+    torch.cuda.synchronize()
+    res: dict = {"failures": []}
+
+    def check(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got.cpu(), want):
+            res["failures"].append(label)
+
+    for mode in ("normal", "worst", "inference"):
+        kwargs = {"num_worst_tokens": 4096} if mode == "worst" else {}
+        with torch.inference_mode(mode == "inference"):
+            outs = [ep.dispatch(x, idx, w, E, **kwargs) for x, idx, w in inputs]
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                combined, cached = [], []
+                for out, (x, _, _) in zip(reversed(outs), reversed(inputs), strict=True):
+                    combined.append(ep.combine(out.recv_x, out.handle, out.recv_topk_weights))
+                    cached.append(ep.dispatch(x, handle=out.handle))
+                res[f"{mode}_no_sync"] = True
+            except RuntimeError as exc:
+                res[f"{mode}_no_sync"] = str(exc)
+                continue
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        for i, (x, idx, w) in enumerate(reversed(inputs)):
+            want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E, **kwargs)
+            comb = ref.combine(want.recv_x, want.handle, want.recv_topk_weights)
+            check(f"{mode} combine {i}", combined[i].combined_x, comb.combined_x)
+            check(
+                f"{mode} combined weights {i}",
+                combined[i].combined_topk_weights,
+                comb.combined_topk_weights,
+            )
+            valid = int(want.handle.recv_src_idx.ge(0).sum())
+            again = ref.dispatch(x.cpu(), handle=want.handle).recv_x
+            check(f"{mode} cached {i}", cached[i].recv_x[:valid], again[:valid])
+        del outs, combined, cached
+    # The control: a copy of a live handle is not remembered, so its counts are read back.
+    out = ep.dispatch(*inputs[0], E)
+    copy = dataclasses.replace(
+        out.handle,
+        num_tokens_per_rank=out.handle.num_tokens_per_rank.clone(),
+        num_recv_tokens_per_rank=out.handle.num_recv_tokens_per_rank.clone(),
+    )
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ep.combine(out.recv_x, copy)
+        res["copy_synced"] = False
+    except RuntimeError as exc:
+        res["copy_synced"] = "synchroniz" in str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = ref.dispatch(*(t.cpu() for t in inputs[0]), E)
+    check(
+        "copy combine",
+        ep.combine(out.recv_x, copy).combined_x,
+        ref.combine(want.recv_x, want.handle).combined_x,
+    )
+    return res
+
+
+def test_backward_order_handles_need_no_host_sync() -> None:
+    res = run_distributed(_handles_many_dispatches_old, gpu_world_size(), backend="ep", timeout=300)
+    for rank, r in enumerate(res):
+        assert r["failures"] == [], (rank, r)
+        assert r["normal_no_sync"] is True, (rank, r)
+        assert r["worst_no_sync"] is True, (rank, r)
+        assert r["inference_no_sync"] is True, (rank, r)
+        assert r["copy_synced"] is True, (rank, r)
+
+
 def _previous_event(rank: int, world: int) -> dict:
     """previous_event: with async_op the communication stream waits for that event instead of
     the current stream (busy here for ~1 s), for the layout and the dispatch given it; without

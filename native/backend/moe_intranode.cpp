@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
@@ -29,24 +28,11 @@
 #include "intranode_kernels.hpp"
 #include "intranode_runtime.hpp"
 #include "moe_validation.hpp"
+#include "routing_memory.hpp"
 #include "store_exchange.hpp"
 
 namespace ep::intranode {
 namespace {
-
-// The kernels' view of a recent dispatch handle, kept so that its combine and cached dispatches
-// need neither to recompute it (several small kernels) nor to read the handle's counts back to
-// the host (a stream sync) for the cross-rank check.
-struct KernelRouting {
-  at::Tensor is_token_in_rank;  // the handle's tensors, held so their addresses stay theirs
-  at::Tensor num_tokens_per_rank;
-  at::Tensor num_recv_tokens_per_rank;
-  std::array<uint32_t, 3> versions{};  // their version counters then: in-place edits invalidate
-  at::Tensor send_pos;                 // [T, R] int32 (the caller's, when dispatch took a layout)
-  uint32_t send_pos_version = 0;       // its version counter then
-  at::Tensor recv_prefix;              // [R + 1] int32
-  std::vector<int64_t> host_counts;    // routingCounts() order (2R); empty when not known
-};
 
 // The receive slabs of one runtime (IntranodeConfig::recv_slabs): which are lent, and for a
 // returned one the events recorded when its last output tensor was freed, one on each stream
@@ -180,11 +166,9 @@ struct GroupState {
   bool usable = false;
   int generation = 0;
   std::unique_ptr<IntranodeRuntime> runtime;
-  std::shared_ptr<SlabPool> slabs;   // the runtime's receive slabs (null: none)
-  std::deque<KernelRouting> recent;  // most recent first, a few handles
+  std::shared_ptr<SlabPool> slabs;  // the runtime's receive slabs (null: none)
+  RoutingMemory routings;           // of the dispatch handles still alive
 };
-
-constexpr size_t kRecentHandles = 4;
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
@@ -451,46 +435,6 @@ std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
   return {send_pos, prefix};
 }
 
-// Version counters of the handle's tensors, or nullopt when one has none (inference tensors).
-std::optional<std::array<uint32_t, 3>> versionsOf(const DispatchRouting& r) {
-  std::array<uint32_t, 3> v{};
-  const at::Tensor* ts[3] = {&r.is_token_in_rank, &r.num_tokens_per_rank,
-                             &r.num_recv_tokens_per_rank};
-  for (int i = 0; i < 3; ++i) {
-    if (!ts[i]->defined() || ts[i]->is_inference()) {
-      return std::nullopt;
-    }
-    v[i] = ts[i]->_version();
-  }
-  return v;
-}
-
-void remember(GroupState& st, const DispatchRouting& r, at::Tensor send_pos, at::Tensor recv_prefix,
-              std::vector<int64_t> host_counts) {
-  const auto versions = versionsOf(r);
-  if (!versions || send_pos.is_inference()) {
-    return;
-  }
-  KernelRouting k;
-  k.is_token_in_rank = r.is_token_in_rank;
-  k.num_tokens_per_rank = r.num_tokens_per_rank;
-  k.num_recv_tokens_per_rank = r.num_recv_tokens_per_rank;
-  k.versions = *versions;
-  k.send_pos_version = send_pos._version();
-  k.send_pos = std::move(send_pos);
-  k.recv_prefix = std::move(recv_prefix);
-  k.host_counts = std::move(host_counts);
-  st.recent.push_front(std::move(k));  // makeRoomInRecent ran before the count wait
-}
-
-// Drops the oldest remembered handles so that one more fits. The dispatch calls it before its
-// count wait: freeing a dropped handle's tensors is host work the wait hides.
-void makeRoomInRecent(GroupState& st) {
-  while (st.recent.size() >= kRecentHandles) {
-    st.recent.pop_back();
-  }
-}
-
 // The send positions and receive prefix of a handle for kernels on `stream`: the remembered
 // ones (marked as used on `stream`, so the allocator never hands their memory to another stream
 // while these kernels read it) or freshly computed ones.
@@ -505,21 +449,25 @@ std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const D
   return {known->send_pos, known->recv_prefix};
 }
 
-// The remembered routing of this handle: the very same tensors, unmodified since.
-const KernelRouting* recall(const GroupState& st, const DispatchRouting& r) {
-  const auto versions = versionsOf(r);
-  if (!versions) {
-    return nullptr;
+// While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
+// check (which reads the handle's counts) is skipped then; it ran when the handle was made.
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+// A handle's counts (routingCounts() order) for the cross-rank check, and whether they are
+// known: not while capturing a graph, nor for a worst-case handle (its dispatch never had them
+// on the host; no host step is the point of that mode), which skip the check. Only a handle this
+// process's dispatch did not make (or one modified since) is read back: a stream sync.
+std::pair<std::vector<int64_t>, bool> handleCounts(const KernelRouting* known,
+                                                   const DispatchRouting& r, int64_t num_ranks) {
+  if (capturing() || (known != nullptr && known->host_counts.empty())) {
+    return {std::vector<int64_t>(2 * num_ranks, 0), false};
   }
-  for (const auto& k : st.recent) {
-    if (k.is_token_in_rank.is_same(r.is_token_in_rank) &&
-        k.num_tokens_per_rank.is_same(r.num_tokens_per_rank) &&
-        k.num_recv_tokens_per_rank.is_same(r.num_recv_tokens_per_rank) && k.versions == *versions &&
-        k.send_pos._version() == k.send_pos_version) {  // a given layout's send_pos, unedited
-      return &k;
-    }
+  if (known != nullptr) {
+    return {known->host_counts, true};
   }
-  return nullptr;
+  return {routingCounts(r, num_ranks), true};
 }
 
 // Some rank's layout found a topk_idx value outside [-1, E) and notify told every rank: all raise
@@ -562,12 +510,6 @@ at::Tensor hostCounts(const std::vector<int>& counts) {
       at::empty({static_cast<int64_t>(counts.size())}, at::TensorOptions().dtype(at::kLong));
   std::copy(counts.begin(), counts.end(), t.data_ptr<int64_t>());
   return t;
-}
-
-// While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
-// check (which reads the handle's counts) is skipped then; it ran when the handle was made.
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 }  // namespace
@@ -848,7 +790,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   }
   std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
   at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
-  makeRoomInRecent(*st);
+  st->routings.prune();
   if (host_counts) {
     const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
     stages.mark("count_wait");  // the rest is the host's work after the counts arrived
@@ -908,7 +850,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   out.routing.num_recv_tokens_per_rank = recv_counts;
   out.routing.recv_src_idx = src_idx;
   out.routing.recv_src_rank = src_rank;
-  remember(*st, out.routing, send_pos, recv_prefix, std::move(host_routing_counts));
+  st->routings.remember(out.routing, send_pos, recv_prefix, std::move(host_routing_counts));
   stages.mark("remember");
   return out;
 }
@@ -930,22 +872,22 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   // One local expert: the notify that lends slabs announces one (dummy) count per rank.
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
                                ok && x_scales ? x_scales->size(1) : 0, 1};
-  const KernelRouting* known = recall(*st, routing);
-  const auto counts = capture ? std::vector<int64_t>(2 * num_ranks, 0)
-                      : known && !known->host_counts.empty() ? known->host_counts
-                                                             : routingCounts(routing, num_ranks);
+  const std::shared_ptr<const KernelRouting> known = st->routings.recall(routing);
+  const auto [counts, counts_known] = handleCounts(known.get(), routing, num_ranks);
   payload.insert(payload.end(), counts.begin(), counts.end());
   const int64_t rows = ok ? routing.recv_src_idx.size(0) : 0;
   payload.push_back(rows);
+  payload.push_back(counts_known ? 1 : 0);
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
-  checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank());
+  const int64_t known_column = 5 + 2 * num_ranks + 1;
+  checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank(), known_column);
 
   const at::Device device = x.device();
   c10::cuda::CUDAGuard guard(device);
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
-      routingFor(known, routing, c10::cuda::getCurrentCUDAStream(device.index()));
+      routingFor(known.get(), routing, c10::cuda::getCurrentCUDAStream(device.index()));
   // Receive slabs as in dispatch (peers write the outputs in place, no copy out of the buffer),
   // which takes a notify to lend them: not while capturing, and not for a num_worst_tokens handle
   // with padding rows (nobody writes those in a slab). Every rank reads the same gathered table.
@@ -955,7 +897,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     for (int64_t r = 0; r < num_ranks && via_slabs; ++r) {
       int64_t received = 0;
       for (int64_t s = 0; s < num_ranks; ++s) received += g[r][5 + num_ranks + s];
-      via_slabs = g[r][5 + 2 * num_ranks] == received;
+      via_slabs = g[r][known_column] == 1 && g[r][5 + 2 * num_ranks] == received;
     }
   }
   std::shared_ptr<SlabLease> lease;
@@ -1020,14 +962,13 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
                                ok ? a.x.size(1) * a.x.element_size() : 0,
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
-  const KernelRouting* known = recall(*st, r);
-  const auto counts = capturing() ? std::vector<int64_t>(2 * num_ranks, 0)
-                      : known && !known->host_counts.empty() ? known->host_counts
-                                                             : routingCounts(r, num_ranks);
+  const std::shared_ptr<const KernelRouting> known = st->routings.recall(r);
+  const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks);
   stages.mark("handle_counts");
   payload.insert(payload.end(), counts.begin(), counts.end());
+  payload.push_back(counts_known ? 1 : 0);
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
-  checkRoutingAgrees("combine", gathered, 5, pg.getRank());
+  checkRoutingAgrees("combine", gathered, 5, pg.getRank(), 5 + 2 * num_ranks);
   stages.mark("agree");
 
   const at::Device device = a.x.device();
@@ -1035,7 +976,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
-      routingFor(known, r, c10::cuda::getCurrentCUDAStream(device.index()));
+      routingFor(known.get(), r, c10::cuda::getCurrentCUDAStream(device.index()));
   stages.mark("routing");
   const int64_t num_tokens = r.is_token_in_rank.size(0);
   at::Tensor out = at::empty({num_tokens, a.x.size(1)}, a.x.options());

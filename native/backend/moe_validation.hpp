@@ -67,6 +67,9 @@ std::vector<int64_t> routingCounts(const DispatchRouting& routing, int64_t num_r
 
 // Throws on every rank unless what each rank sent (gathered[s, offset + d]) is what its peer
 // expects to receive (gathered[d, offset + R + s]): a handle from another dispatch or group.
-void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank);
+// With known_column >= 0, a pair is checked only where both ranks have 1 there (a rank whose
+// handle's counts are not on the host sends zeros and 0).
+void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank,
+                        int64_t known_column = -1);
 
 }  // namespace ep
