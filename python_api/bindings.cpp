@@ -57,7 +57,9 @@ void bindOptions(py::module_& m) {
 
 Args:
     timeout: collective timeout (``datetime.timedelta``), default 30 minutes.
-    num_sms: SMs the high-throughput MoE kernels may use (default 24).
+    num_sms: blocks (one per SM) of the high-throughput dispatch, cached dispatch and combine
+        kernels (default 24). A dispatch's count exchange (one block) runs just before it and
+        overlaps its first few microseconds, when ``num_sms + 1`` SMs are busy.
     kernel_timeout_s: seconds a kernel may wait for a peer before failing (default 60).
     overlap_dispatch_host_wait: a dispatch without ``num_worst_tokens`` launches its kernel
         before the host waits for the receive counts (default True), so the wait overlaps the
