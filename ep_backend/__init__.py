@@ -37,6 +37,7 @@ from .moe import (  # noqa: E402
     low_latency_combine,
     low_latency_dispatch,
     record_stream,
+    reserve,
 )
 
 
@@ -84,7 +85,7 @@ def _bind_method(fn):
 
 # The MoE collectives are also methods of the group's backend object (design card names).
 for _fn in (all_to_all_moe_dispatch, combine, get_dispatch_layout, low_latency_dispatch,
-            low_latency_combine):  # fmt: skip
+            low_latency_combine, reserve):  # fmt: skip
     setattr(EPProcessGroup, _fn.__name__, _bind_method(_fn))
 
 
@@ -110,4 +111,5 @@ __all__ = [
     "record_stream",
     "reference",
     "register",
+    "reserve",
 ]

@@ -46,6 +46,7 @@ __all__ = [
     "low_latency_combine",
     "low_latency_dispatch",
     "record_stream",
+    "reserve",
 ]
 
 Group = dist.ProcessGroup | None
@@ -213,6 +214,85 @@ def _run(
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
+
+
+def reserve(
+    num_tokens: int,
+    hidden: int,
+    num_topk: int,
+    num_experts: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    num_scales: int | None = None,
+    group: Group = None,
+    device: torch.device | int | None = None,
+) -> dict[str, int] | None:
+    """Sizes the group's NVLink transport now for high-throughput calls up to these shapes.
+
+    Collective: every rank of ``group`` calls it (with its own ``num_tokens``; the transport is
+    sized for the largest). Without it the transport is built by the first dispatch, cached
+    dispatch or combine and rebuilt, larger, by the first call that does not fit (a pause of a
+    few milliseconds, after which outputs still viewing the old receive slabs keep that memory).
+    Once a CUDA graph has been captured with these ops the transport never grows (the graph
+    replays into its buffers): a call that would need more raises on every rank, so reserve the
+    largest shapes before capturing. Reserving less than the transport already holds changes
+    nothing.
+
+    Args:
+        num_tokens: the most tokens a rank passes to one call (``T``).
+        hidden: ``H``, elements per row.
+        num_topk: ``K`` (1..32).
+        num_experts: ``E``, a multiple of the group size.
+        dtype: the widest row dtype the calls move (default BF16: BF16 dispatch and combine,
+            FP8 dispatch); ``torch.float32`` for float32 combines.
+        num_scales: FP8 scales per row (default ``ceil(H / 128)``, DeepEP's per-128 scales).
+        group: an ``"ep"`` process group (default: WORLD).
+        device: the CUDA device of the calls' tensors (default: the current one).
+
+    Returns:
+        The capacity the transport holds (dict: ``num_tokens`` per rank, ``row_bytes``,
+        ``num_topk``, ``num_scales``, ``num_local_experts``, ``recv_slabs``), or ``None`` where
+        the group does not run the NVLink kernels (no CUDA device or build, ranks on several
+        hosts, more than 8 ranks).
+
+    Raises:
+        TypeError, ValueError: for an invalid argument on any rank, on every rank.
+        RuntimeError: when growing the transport would free buffers a captured CUDA graph uses.
+    """
+    pg = _group(group)
+    try:
+        for value, name in (
+            (num_tokens, "num_tokens"),
+            (hidden, "hidden"),
+            (num_topk, "num_topk"),
+            (num_experts, "num_experts"),
+        ):
+            _require_int(value, name)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if num_scales is None:
+            num_scales = -(-hidden // 128)
+        _require_int(num_scales, "num_scales")
+        if device is None:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        else:
+            dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            index = (
+                -1
+                if dev.type != "cuda"
+                else (dev.index if dev.index is not None else torch.cuda.current_device())
+            )
+    except (TypeError, ValueError, RuntimeError) as exc:
+        _reject(pg, "reserve", type(exc)(f"ep reserve: {exc}"))
+    from . import get_backend
+
+    held = get_backend(pg)._reserve(
+        index, num_tokens, hidden * dtype.itemsize, num_topk, num_scales, num_experts
+    )
+    if held is None:
+        return None
+    keys = ("num_tokens", "row_bytes", "num_topk", "num_scales", "num_local_experts", "recv_slabs")
+    return dict(zip(keys, held, strict=True))
 
 
 def get_dispatch_layout(

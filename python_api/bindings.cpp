@@ -179,6 +179,39 @@ void bindProcessGroup(py::module_& m) {
           py::arg("layout_range"), py::arg("num_max_dispatch_tokens_per_rank"),
           py::arg("num_experts"), py::arg("hidden"),
           "See ep_backend.get_low_latency_combine_buffer.")
+      .def(
+          "_reserve",
+          [](ep::EPProcessGroup& self, int64_t device_index, int64_t num_tokens,
+             int64_t hidden_bytes, int64_t topk, int64_t num_scales,
+             int64_t num_experts) -> std::optional<std::vector<int64_t>> {
+            py::gil_scoped_release no_gil;  // collective: peers' threads may need the GIL
+            const std::string error = ep::validateReserve(num_tokens, hidden_bytes, topk,
+                                                          num_scales, num_experts, self.getSize());
+            const bool ok = error.empty();
+            std::vector<ep::AgreedField> fields{{"a CUDA device", device_index >= 0 ? 1 : 0}};
+#ifdef EP_WITH_CUDA
+            fields.push_back({"a CUDA graph captured on the NVLink transport",
+                              ep::intranode::graphCaptured(self) ? 1 : 0});
+#endif
+            const at::Tensor gathered =
+                ep::agreeAcrossRanks(self, "reserve", error, fields,
+                                     {ok ? num_tokens : 0, ok ? hidden_bytes : 0, ok ? topk : 0,
+                                      ok ? num_scales : 0, ok ? num_experts / self.getSize() : 0});
+#ifdef EP_WITH_CUDA
+            const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
+            if (device_index < 0 || !ep::intranode::usable(self, device)) {
+              return std::nullopt;
+            }
+            return ep::intranode::reserve(self, device, gathered);
+#else
+            (void)gathered;
+            return std::nullopt;  // no NVLink transport without CUDA
+#endif
+          },
+          py::arg("device_index"), py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("topk"),
+          py::arg("num_scales"), py::arg("num_experts"),
+          "See ep_backend.reserve (collective). None when the group does not use the NVLink "
+          "kernels.")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
       .def(

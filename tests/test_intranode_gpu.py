@@ -508,6 +508,92 @@ def test_backward_order_handles_need_no_host_sync() -> None:
         assert r["copy_synced"] is True, (rank, r)
 
 
+def _reserve_then_graphs(rank: int, world: int) -> dict:
+    """ep.reserve sizes the transport before capture; once a graph is captured the transport
+    never grows: a larger call raises on every rank and the graph still replays correctly."""
+    import torch.distributed as dist
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    res: dict = {}
+    held = ep.reserve(2000, H, K, E)
+    res["held"] = held
+    res["held_ok"] = (
+        held is not None
+        and held["num_tokens"] >= 2000
+        and held["row_bytes"] >= 2 * H
+        and held["num_topk"] >= K
+        and held["num_scales"] >= H // 128
+        and held["num_local_experts"] == E // world
+    )
+    res["smaller_changes_nothing"] = ep.reserve(10, 128, 1, E) == held
+    cap = 4096
+    x, idx, w = _inputs(rank, 512, seed=700)
+    static_x, static_idx, static_w = x.clone(), idx.clone(), w.clone()
+    out = ep.dispatch(static_x, static_idx, static_w, E, num_worst_tokens=cap)  # warm-up
+    ep.combine(out.recv_x, out.handle, out.recv_topk_weights)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ep.dispatch(static_x, static_idx, static_w, E, num_worst_tokens=cap)
+        comb = ep.combine(out.recv_x * 2, out.handle, out.recv_topk_weights)
+
+    def replay_matches(seed: int) -> bool:
+        x, idx, w = _inputs(rank, 512, seed=seed)
+        static_x.copy_(x)
+        static_idx.copy_(idx)
+        static_w.copy_(w)
+        graph.replay()
+        want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E, num_worst_tokens=cap)
+        want_c = ref.combine(want.recv_x * 2, want.handle, want.recv_topk_weights)
+        return torch.equal(comb.combined_x.cpu(), want_c.combined_x)
+
+    res["replay_before"] = replay_matches(701)
+    # Larger than the reservation: refused on every rank, nothing freed.
+    big = _inputs(rank, 2500, seed=702)
+    try:
+        ep.dispatch(*big, E)
+        res["big_call"] = "no error"
+    except RuntimeError as exc:
+        res["big_call"] = str(exc)
+    try:
+        ep.reserve(8192, H, K, E)
+        res["big_reserve"] = "no error"
+    except RuntimeError as exc:
+        res["big_reserve"] = str(exc)
+    res["replay_after"] = replay_matches(703)
+    x, idx, w = _inputs(rank, 1999, seed=704)
+    got = ep.dispatch(x, idx, w, E)
+    res["fitting_call"] = torch.equal(
+        got.recv_x.cpu(), ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E).recv_x
+    )
+    # A fresh group's transport cannot be set up inside a capture.
+    fresh = dist.new_group(list(range(world)), backend="ep")
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ep.dispatch(static_x, static_idx, static_w, E, num_worst_tokens=cap, group=fresh)
+        res["fresh_capture"] = "no error"
+    except RuntimeError as exc:  # ours, or the capture's end raising with ours as context
+        res["fresh_capture"] = f"{exc} | {exc.__context__}"
+    return res
+
+
+def test_reserve_sizes_the_transport_and_captured_graphs_keep_it() -> None:
+    res = run_distributed(_reserve_then_graphs, gpu_world_size(), backend="ep", timeout=300)
+    for rank, r in enumerate(res):
+        assert r["held_ok"] and r["smaller_changes_nothing"], (rank, r)
+        assert r["replay_before"] and r["replay_after"] and r["fitting_call"], (rank, r)
+        assert "a CUDA graph captured earlier" in r["big_call"], (rank, r["big_call"])
+        assert "Nothing was exchanged" in r["big_call"], (rank, r["big_call"])
+        assert "a CUDA graph captured earlier" in r["big_reserve"], (rank, r["big_reserve"])
+        assert "cannot be set up while a CUDA graph is captured" in r["fresh_capture"], (
+            rank,
+            r["fresh_capture"],
+        )
+
+
 def _previous_event(rank: int, world: int) -> dict:
     """previous_event: with async_op the communication stream waits for that event instead of
     the current stream (busy here for ~1 s), for the layout and the dispatch given it; without

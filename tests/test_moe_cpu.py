@@ -396,6 +396,12 @@ def _subgroup_worker(rank: int, world: int) -> list[str]:
         la = backend.low_latency_dispatch(xl, idx, 6, num_experts)
         lb = ref.low_latency_dispatch(xl, idx, 6, num_experts, group=group)
         compare_ll_dispatch(m, la, lb)
+        # CPU tensors never use the NVLink transport: reserve agrees, then reserves nothing.
+        m.check(backend.reserve(num_tokens + 1, 40, 3, num_experts) is None, "reserve on CPU")
+        m.check(
+            ep.reserve(8, 128, 3, num_experts, dtype=torch.float32, group=group) is None,
+            "ep.reserve on CPU",
+        )
         yl = torch.randn(lb.recv_x.shape, generator=gen).to(BF16)
         m.bitwise(
             backend.low_latency_combine(yl, idx, weights, la.handle),

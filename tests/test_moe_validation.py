@@ -327,6 +327,33 @@ CASES: dict[str, Case] = {
         ),
         "layout is not the layout of this topk_idx",
     ),
+    # ---- reserve ----------------------------------------------------------------------------
+    "reserve_num_tokens_zero": Case(
+        lambda c: c.ep.reserve(c.pick(8, 0), HIDDEN, TOPK, c.num_experts),
+        "num_tokens must be positive",
+    ),
+    "reserve_row_not_16_bytes": Case(
+        lambda c: c.ep.reserve(8, c.pick(HIDDEN, 3), TOPK, c.num_experts),
+        "multiple of 16 bytes, got 6",
+    ),
+    "reserve_topk_33": Case(
+        lambda c: c.ep.reserve(8, HIDDEN, c.pick(TOPK, 33), c.num_experts),
+        r"num_topk must be in \[1, 32\], got 33",
+    ),
+    "reserve_experts_not_multiple": Case(
+        lambda c: c.ep.reserve(8, HIDDEN, TOPK, c.pick(c.num_experts, c.num_experts + 1)),
+        "num_experts must be a positive multiple of the group size",
+    ),
+    "reserve_hidden_float": Case(
+        lambda c: c.ep.reserve(8, c.pick(HIDDEN, 64.0), TOPK, c.num_experts),
+        "hidden must be an int",
+        TypeError,
+    ),
+    "reserve_dtype_string": Case(
+        lambda c: c.ep.reserve(8, HIDDEN, TOPK, c.num_experts, dtype=c.pick(BF16, "bf16")),
+        "dtype must be a torch.dtype",
+        TypeError,
+    ),
     "handle_with_layout": Case(
         lambda c: c.ep.dispatch(c.x, handle=c.out.handle, layout=c.pick(None, _layout(c))),
         "with handle= .*must be None",

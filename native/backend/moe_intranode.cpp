@@ -168,6 +168,9 @@ struct GroupState {
   std::unique_ptr<IntranodeRuntime> runtime;
   std::shared_ptr<SlabPool> slabs;  // the runtime's receive slabs (null: none)
   RoutingMemory routings;           // of the dispatch handles still alive
+  // A CUDA graph was captured with kernels on this transport: rebuilding it would free buffers
+  // those graphs replay into, so from then on it never grows (an agreed field of every call).
+  bool graph_captured = false;
 };
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
@@ -301,13 +304,54 @@ bool fits(const IntranodeConfig& c, const Needs& n) {
          n.topk <= c.max_topk && n.scales <= c.max_scales && n.local_experts <= c.max_local_experts;
 }
 
+// While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
+// check (which reads the handle's counts) is skipped then; it ran when the handle was made.
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+std::string describe(const Needs& n) {
+  std::ostringstream os;
+  os << n.tokens << " tokens per rank, " << n.hidden_bytes << " bytes per row, top-" << n.topk
+     << ", " << n.scales << " scales per row, " << n.local_experts << " experts per rank";
+  return os.str();
+}
+
+Needs capacityOf(const IntranodeConfig& c) {
+  return Needs{c.max_tokens_per_rank, c.max_hidden_bytes, c.max_topk, c.max_scales,
+               c.max_local_experts};
+}
+
+// The agreed field that keeps every rank's decision on growing the transport alike.
+AgreedField graphCapturedField(const GroupState& st) {
+  return {"a CUDA graph captured on the NVLink transport", st.graph_captured ? 1 : 0};
+}
+
 // Makes sure a connected runtime big enough for `needs` (the max over ranks) exists. Collective:
-// every rank calls it with the same `needs`.
+// every rank calls it with the same `needs` and graph_captured (an agreed field). It refuses to
+// build or grow the transport while a graph is captured, or once one was: that graph's kernels
+// keep the buffers' addresses, which a rebuild frees.
 IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
-                                Needs needs) {
+                                Needs needs, const char* op) {
+  const bool capture = capturing();
   if (st.runtime && fits(st.runtime->config(), needs)) {
+    st.graph_captured = st.graph_captured || capture;
     return *st.runtime;
   }
+  const char* how =
+      " Size it before capturing: ep_backend.reserve(num_tokens, hidden, num_topk, num_experts) "
+      "with the largest shapes, or run the largest call once first.";
+  TORCH_CHECK(
+      !capture, "ep ", op, ": the NVLink transport cannot be ", st.runtime ? "grown" : "set up",
+      " while a CUDA graph is captured (this call needs ", describe(needs),
+      st.runtime ? "; it holds " + describe(capacityOf(st.runtime->config())) : std::string(),
+      "). Nothing was exchanged.", how);
+  TORCH_CHECK(!st.graph_captured, "ep ", op, ": this call needs ", describe(needs),
+              ", more than the NVLink transport holds (",
+              describe(capacityOf(st.runtime->config())),
+              "), and a CUDA graph captured earlier replays kernels on it: growing it would free "
+              "the buffers that graph uses. Nothing was exchanged.",
+              how);
   IntranodeConfig cfg;
   if (st.runtime) {
     const auto& old = st.runtime->config();
@@ -447,12 +491,6 @@ std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const D
     c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
   }
   return {known->send_pos, known->recv_prefix};
-}
-
-// While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
-// check (which reads the handle's counts) is skipped then; it ran when the handle was made.
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 // A handle's counts (routingCounts() order) for the cross-rank check, and whether they are
@@ -649,6 +687,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   fields.push_back(
       {"Options.overlap_dispatch_host_wait", pg.options()->overlap_dispatch_host_wait});
   fields.push_back({"Options.recv_slabs (or EP_RECV_SLABS)", recvSlabs(pg)});
+  fields.push_back(graphCapturedField(*st));
   std::vector<int64_t> payload{
       ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
@@ -660,7 +699,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   stages.mark("guard");
   const Needs needs = maxNeeds(gathered);
   stages.mark("needs");
-  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, needs);
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, needs, "dispatch");
   stages.mark("runtime");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
@@ -855,6 +894,21 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   return out;
 }
 
+bool graphCaptured(EPProcessGroup& pg) {
+  return stateOf(pg)->graph_captured;
+}
+
+std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
+                             const at::Tensor& gathered) {
+  auto st = stateOf(pg);
+  raisePendingError(*st, "reserve");
+  c10::cuda::CUDAGuard guard(device);
+  const IntranodeConfig& cfg =
+      ensureRuntime(pg, *st, device, maxNeeds(gathered), "reserve").config();
+  return {cfg.max_tokens_per_rank, cfg.max_hidden_bytes,  cfg.max_topk,
+          cfg.max_scales,          cfg.max_local_experts, cfg.recv_slabs};
+}
+
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
     const DispatchRouting& routing) {
@@ -869,6 +923,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const bool capture = capturing();
   fields.push_back({"Options.recv_slabs (or EP_RECV_SLABS)", recvSlabs(pg)});
   fields.push_back({"CUDA graph capture", capture ? 1 : 0});
+  fields.push_back(graphCapturedField(*st));
   // One local expert: the notify that lends slabs announces one (dummy) count per rank.
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
                                ok && x_scales ? x_scales->size(1) : 0, 1};
@@ -884,7 +939,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
 
   const at::Device device = x.device();
   c10::cuda::CUDAGuard guard(device);
-  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "cached dispatch");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
       routingFor(known.get(), routing, c10::cuda::getCurrentCUDAStream(device.index()));
@@ -957,7 +1012,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   stages.mark("validate");
   const bool ok = error.empty();
   const bool has_weights = a.topk_weights.has_value();
-  const std::vector<AgreedField> fields = combineFields(a, ok);
+  std::vector<AgreedField> fields = combineFields(a, ok);
+  fields.push_back(graphCapturedField(*st));
   const auto& r = a.routing;
   std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
                                ok ? a.x.size(1) * a.x.element_size() : 0,
@@ -973,7 +1029,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
-  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered));
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "combine");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
       routingFor(known.get(), r, c10::cuda::getCurrentCUDAStream(device.index()));

@@ -8,6 +8,7 @@
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "moe_types.hpp"
 
@@ -33,6 +34,19 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
 // after the work queued on `stream` when the last of its views is freed. False (nothing done)
 // for any other tensor.
 bool recordSlabStream(const at::Tensor& tensor, const c10::Stream& stream);
+
+// ep_backend.reserve on the NVLink path, after its agreement step (`gathered`, see
+// moe_validation.hpp: reserveSizes): builds the transport, or grows it, for calls up to those
+// shapes (the max over ranks), so that later calls and CUDA graph captures do not. Collective.
+// Raises on every rank when growing it would free buffers a captured CUDA graph uses. Returns the
+// capacity it holds: tokens per rank, bytes per row, top-k, scales per row, experts per rank,
+// receive slabs.
+std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
+                             const at::Tensor& gathered);
+
+// Whether a CUDA graph was captured with kernels on this group's transport (which then never
+// grows); every call agrees on it across ranks.
+bool graphCaptured(EPProcessGroup& pg);
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,

@@ -581,6 +581,25 @@ std::vector<int64_t> routingCounts(const DispatchRouting& r, int64_t num_ranks) 
   return out;
 }
 
+std::string validateReserve(int64_t num_tokens, int64_t hidden_bytes, int64_t topk,
+                            int64_t num_scales, int64_t num_experts, int64_t num_ranks) {
+  std::ostringstream error;
+  if (num_tokens < 1) {
+    error << "num_tokens must be positive, got " << num_tokens;
+  } else if (hidden_bytes < 16 || hidden_bytes % 16 != 0) {
+    error << "a row (hidden * element size) must be a positive multiple of 16 bytes, got "
+          << hidden_bytes;
+  } else if (topk < 1 || topk > 32) {
+    error << "num_topk must be in [1, 32], got " << topk;
+  } else if (num_scales < 0) {
+    error << "num_scales must be >= 0, got " << num_scales;
+  } else if (num_experts < num_ranks || num_experts % num_ranks != 0) {
+    error << "num_experts must be a positive multiple of the group size " << num_ranks << ", got "
+          << num_experts;
+  }
+  return error.str();
+}
+
 void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank,
                         int64_t known_column) {
   const int64_t num_ranks = gathered.size(0);

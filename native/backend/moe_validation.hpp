@@ -65,6 +65,12 @@ std::vector<AgreedField> combineFields(const CombineArgs& args, bool ok);
 // handle is malformed: validation reports that).
 std::vector<int64_t> routingCounts(const DispatchRouting& routing, int64_t num_ranks);
 
+// ep_backend.reserve's sizes: "" when valid, else a message. The payload of its agreement step
+// is {num_tokens, hidden_bytes, topk, num_scales, num_experts / num_ranks} (zeros when invalid),
+// the column order maxNeeds reads.
+std::string validateReserve(int64_t num_tokens, int64_t hidden_bytes, int64_t topk,
+                            int64_t num_scales, int64_t num_experts, int64_t num_ranks);
+
 // Throws on every rank unless what each rank sent (gathered[s, offset + d]) is what its peer
 // expects to receive (gathered[d, offset + R + s]): a handle from another dispatch or group.
 // With known_column >= 0, a pair is checked only where both ranks have 1 there (a rank whose
