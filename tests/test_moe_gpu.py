@@ -309,13 +309,19 @@ def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts:
             first = out.clone()
         if len(failures) > 5:
             break
+    # Another M needs new buffers, which the captured graph would lose: refused on every rank.
+    try:
+        ep.low_latency_dispatch(sx, sidx, 2 * m, num_experts, use_fp8=False)
+        other_m = "no error"
+    except RuntimeError as exc:
+        other_m = str(exc)
     x, idx, w = inputs(1)
     sx.copy_(x)
     sidx.copy_(idx)
     sw.copy_(w)
     graph.replay()
     check("replay of step 1 again (run-to-run determinism)", out, first)
-    return {"transport": transport, "failures": failures}
+    return {"transport": transport, "failures": failures, "other_m": other_m}
 
 
 @pytest.mark.gpu(min_gpus=2)
@@ -327,3 +333,4 @@ def test_low_latency_cuda_graph_replay_with_new_data() -> None:
     ):
         assert r["transport"] == "nvshmem", (rank, r["transport"])
         assert r["failures"] == [], (rank, r["failures"])
+        assert "a CUDA graph captured earlier" in r["other_m"], (rank, r["other_m"])

@@ -12,6 +12,7 @@
 
 #ifdef EP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -21,6 +22,7 @@
 #include <array>
 #include <cstdlib>
 #include <deque>
+#include <sstream>
 
 #include "moe_cpu.hpp"
 #include "moe_validation.hpp"
@@ -145,6 +147,9 @@ struct GroupState {
   int generation = 0;
   std::deque<RememberedHandle> recent;
   uint64_t dispatches = 0;  // kernel dispatches so far
+  // A CUDA graph was captured with kernels on these buffers: a rebuild would free what it
+  // replays into, so from then on there is none (an agreed field of every dispatch).
+  bool graph_captured = false;
 #endif
 };
 
@@ -230,12 +235,34 @@ bool fits(const LowLatencyConfig& c, int64_t m, int64_t hidden, int64_t topk, in
          c.num_experts >= experts;
 }
 
-// Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not.
+// Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not
+// (every input agreed, graph_captured included). Never while a CUDA graph is captured, nor after
+// one was: that graph's kernels keep the buffers' addresses.
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, int64_t m,
                     int64_t hidden, int64_t topk, int64_t experts) {
+  const bool capture =
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts)) {
+    st.graph_captured = st.graph_captured || capture;
     return st.runtime;
   }
+  const auto shape = [&] {
+    std::ostringstream os;
+    os << "M=" << m << ", H=" << hidden << ", top-" << topk << ", E=" << experts;
+    if (st.runtime != nullptr) {
+      os << "; the buffers hold M=" << st.config.max_tokens_per_rank
+         << ", H=" << st.config.max_hidden << ", top-" << st.config.max_topk
+         << ", E=" << st.config.num_experts;
+    }
+    return os.str();
+  };
+  TORCH_CHECK(!capture, "ep low_latency_dispatch: the NVSHMEM buffers cannot be ",
+              st.runtime != nullptr ? "rebuilt" : "set up", " while a CUDA graph is captured (",
+              shape(), "); run one call of this shape before capturing (nothing was exchanged)");
+  TORCH_CHECK(!st.graph_captured, "ep low_latency_dispatch: ", shape(),
+              ": new NVSHMEM buffers would be needed, but a CUDA graph captured earlier replays "
+              "kernels on these (M must stay the same, H, top-k and E within them; nothing was "
+              "exchanged)");
   const Library& lib = library();
   char err[1024] = {0};
   LowLatencyConfig cfg;
@@ -460,9 +487,13 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   const bool ok = error.empty();
   const int64_t m = a.num_max_dispatch_tokens_per_rank;
   std::vector<AgreedField> fields{
-      {"num_max_dispatch_tokens_per_rank", m},  {"num_experts", a.num_experts},
-      {"hidden size H", ok ? a.x.size(1) : -1}, {"use_fp8", a.use_fp8},
-      {"round_scale", a.round_scale},           {"use_ue8m0", a.use_ue8m0},
+      {"num_max_dispatch_tokens_per_rank", m},
+      {"num_experts", a.num_experts},
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"use_fp8", a.use_fp8},
+      {"round_scale", a.round_scale},
+      {"use_ue8m0", a.use_ue8m0},
+      {"a CUDA graph captured on the NVSHMEM buffers", st->graph_captured ? 1 : 0},
   };
   const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0, pendingReceives(*st)};
   at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
