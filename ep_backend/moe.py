@@ -256,8 +256,11 @@ def reserve(
         hosts, more than 8 ranks).
 
     Raises:
-        TypeError, ValueError: for an invalid argument on any rank, on every rank.
-        RuntimeError: when growing the transport would free buffers a captured CUDA graph uses.
+        TypeError: on a rank that passed an argument of the wrong type (its peers raise
+            RuntimeError "rank(s) r rejected their inputs").
+        RuntimeError: on a rank that passed an invalid size (its peers: "rejected their
+            inputs"); on every rank when growing the transport would free buffers a captured
+            CUDA graph uses, or for a kernel error an earlier call left.
     """
     pg = _group(group)
     try:

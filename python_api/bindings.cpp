@@ -185,11 +185,15 @@ void bindProcessGroup(py::module_& m) {
              int64_t hidden_bytes, int64_t topk, int64_t num_scales,
              int64_t num_experts) -> std::optional<std::vector<int64_t>> {
             py::gil_scoped_release no_gil;  // collective: peers' threads may need the GIL
-            const std::string error = ep::validateReserve(num_tokens, hidden_bytes, topk,
-                                                          num_scales, num_experts, self.getSize());
+            std::string error = ep::validateReserve(num_tokens, hidden_bytes, topk, num_scales,
+                                                    num_experts, self.getSize());
             const bool ok = error.empty();
             std::vector<ep::AgreedField> fields{{"a CUDA device", device_index >= 0 ? 1 : 0}};
 #ifdef EP_WITH_CUDA
+            // An earlier kernel's error is this call's, on every rank (a rank raising alone
+            // would leave its peers in a rebuild's barrier).
+            const std::string pending = ep::intranode::takePendingError(self, "reserve");
+            if (ok && !pending.empty()) error = pending;
             fields.push_back({"a CUDA graph captured on the NVLink transport",
                               ep::intranode::graphCaptured(self) ? 1 : 0});
 #endif

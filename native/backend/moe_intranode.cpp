@@ -423,18 +423,24 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
 
 // A kernel error of an earlier call (a timeout naming the stalled peer, a capacity overflow)
 // surfaces at the next call on this group.
-void raisePendingError(GroupState& st, const char* op) {
+// takePendingError returns it ("" when none; reported once unless the transport failed).
+std::string takePendingError(GroupState& st, const char* op) {
   if (!st.runtime) {
-    return;
+    return "";
   }
   std::string error = st.runtime->check_error();
   if (error.empty()) {
-    return;
+    return "";
   }
   if (!st.runtime->failed()) {
     st.runtime->clear_error();
   }
-  TORCH_CHECK(false, error, " (reported by the next call, ", op, ")");
+  return error + " (reported by the next call, " + op + ")";
+}
+
+void raisePendingError(GroupState& st, const char* op) {
+  const std::string error = takePendingError(st, op);
+  TORCH_CHECK(error.empty(), error);
 }
 
 Needs maxNeeds(const at::Tensor& gathered) {
@@ -898,10 +904,13 @@ bool graphCaptured(EPProcessGroup& pg) {
   return stateOf(pg)->graph_captured;
 }
 
+std::string takePendingError(EPProcessGroup& pg, const char* op) {
+  return takePendingError(*stateOf(pg), op);
+}
+
 std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
                              const at::Tensor& gathered) {
   auto st = stateOf(pg);
-  raisePendingError(*st, "reserve");
   c10::cuda::CUDAGuard guard(device);
   const IntranodeConfig& cfg =
       ensureRuntime(pg, *st, device, maxNeeds(gathered), "reserve").config();

@@ -6,6 +6,7 @@
 #include <c10/core/Stream.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -43,6 +44,10 @@ bool recordSlabStream(const at::Tensor& tensor, const c10::Stream& stream);
 // receive slabs.
 std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
                              const at::Tensor& gathered);
+
+// The error a kernel of an earlier call left (a timeout naming the stalled peer, an overflow),
+// taken so that the next call reports it: "" when none.
+std::string takePendingError(EPProcessGroup& pg, const char* op);
 
 // Whether a CUDA graph was captured with kernels on this group's transport (which then never
 // grows); every call agrees on it across ranks.

@@ -81,9 +81,4 @@ void RoutingMemory::prune() {
   }
 }
 
-size_t RoutingMemory::size() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return entries_.size();
-}
-
 }  // namespace ep::intranode

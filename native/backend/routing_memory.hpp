@@ -55,7 +55,6 @@ class RoutingMemory {
   // Drops the entries of freed handles, and the oldest so that one more fits. The dispatch calls
   // it before its count wait: freeing what they hold is host work the wait hides.
   void prune();
-  size_t size() const;
 
  private:
   using Entries = std::list<std::shared_ptr<const KernelRouting>>;  // most recent first
