@@ -420,14 +420,7 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
     }
   }
   const bool ok = error.empty();
-  std::vector<AgreedField> fields{
-      {"num_max_dispatch_tokens_per_rank", max_tokens},
-      {"num_experts", a.num_experts},
-      {"hidden size H", ok ? a.x.size(1) : -1},
-      {"use_fp8", a.use_fp8},
-      {"round_scale", a.round_scale},
-      {"use_ue8m0", a.use_ue8m0},
-  };
+  const std::vector<AgreedField> fields = lowLatencyDispatchFields(a, ok);
   std::vector<int64_t> payload =
       ok ? toVector(per_expert) : std::vector<int64_t>(a.num_experts > 0 ? a.num_experts : 0, 0);
   at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);

@@ -504,8 +504,9 @@ std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const D
 // on the host; no host step is the point of that mode), which skip the check. Only a handle this
 // process's dispatch did not make (or one modified since) is read back: a stream sync.
 std::pair<std::vector<int64_t>, bool> handleCounts(const KernelRouting* known,
-                                                   const DispatchRouting& r, int64_t num_ranks) {
-  if (capturing() || (known != nullptr && known->host_counts.empty())) {
+                                                   const DispatchRouting& r, int64_t num_ranks,
+                                                   bool capture) {
+  if (capture || (known != nullptr && known->host_counts.empty())) {
     return {std::vector<int64_t>(2 * num_ranks, 0), false};
   }
   if (known != nullptr) {
@@ -937,7 +938,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
                                ok && x_scales ? x_scales->size(1) : 0, 1};
   const std::shared_ptr<const KernelRouting> known = st->routings.recall(routing);
-  const auto [counts, counts_known] = handleCounts(known.get(), routing, num_ranks);
+  const auto [counts, counts_known] = handleCounts(known.get(), routing, num_ranks, capture);
   payload.insert(payload.end(), counts.begin(), counts.end());
   const int64_t rows = ok ? routing.recv_src_idx.size(0) : 0;
   payload.push_back(rows);
@@ -1028,7 +1029,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
                                ok ? a.x.size(1) * a.x.element_size() : 0,
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
   const std::shared_ptr<const KernelRouting> known = st->routings.recall(r);
-  const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks);
+  const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks, capturing());
   stages.mark("handle_counts");
   payload.insert(payload.end(), counts.begin(), counts.end());
   payload.push_back(counts_known ? 1 : 0);

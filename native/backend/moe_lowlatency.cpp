@@ -486,15 +486,8 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   }
   const bool ok = error.empty();
   const int64_t m = a.num_max_dispatch_tokens_per_rank;
-  std::vector<AgreedField> fields{
-      {"num_max_dispatch_tokens_per_rank", m},
-      {"num_experts", a.num_experts},
-      {"hidden size H", ok ? a.x.size(1) : -1},
-      {"use_fp8", a.use_fp8},
-      {"round_scale", a.round_scale},
-      {"use_ue8m0", a.use_ue8m0},
-      {"a CUDA graph captured on the NVSHMEM buffers", st->graph_captured ? 1 : 0},
-  };
+  std::vector<AgreedField> fields = lowLatencyDispatchFields(a, ok);
+  fields.push_back({"a CUDA graph captured on the NVSHMEM buffers", st->graph_captured ? 1 : 0});
   const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0, pendingReceives(*st)};
   at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
   int64_t max_topk = 1;

@@ -567,6 +567,17 @@ std::vector<AgreedField> combineFields(const CombineArgs& a, bool ok) {
   };
 }
 
+std::vector<AgreedField> lowLatencyDispatchFields(const LowLatencyDispatchInputs& a, bool ok) {
+  return {
+      {"num_max_dispatch_tokens_per_rank", a.num_max_dispatch_tokens_per_rank},
+      {"num_experts", a.num_experts},
+      {"hidden size H", ok ? a.x.size(1) : -1},
+      {"use_fp8", a.use_fp8},
+      {"round_scale", a.round_scale},
+      {"use_ue8m0", a.use_ue8m0},
+  };
+}
+
 std::vector<int64_t> routingCounts(const DispatchRouting& r, int64_t num_ranks) {
   auto counts = [num_ranks](const at::Tensor& t) {
     if (!t.defined() || t.numel() != num_ranks) {

@@ -60,6 +60,7 @@ std::vector<AgreedField> dispatchFields(const DispatchArgs& args, bool ok);
 std::vector<AgreedField> cachedDispatchFields(const at::Tensor& x,
                                               const std::optional<at::Tensor>& x_scales, bool ok);
 std::vector<AgreedField> combineFields(const CombineArgs& args, bool ok);
+std::vector<AgreedField> lowLatencyDispatchFields(const LowLatencyDispatchInputs& args, bool ok);
 
 // (rows sent to each rank, rows received from each rank) of a handle, 2R values (zeros when the
 // handle is malformed: validation reports that).
