@@ -110,6 +110,11 @@ constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows ar
 #else
 constexpr bool kSkipLocalRows = false;
 #endif
+#ifdef EP_DIAG_NO_REMOTE_META
+constexpr bool kSkipRemoteMeta = true;  // measurement builds only: peers get no scales/metadata
+#else
+constexpr bool kSkipRemoteMeta = false;
+#endif
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
@@ -215,7 +220,9 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
     }
     if (lane == 0) {
       if (p.recv_src_idx != nullptr) out_array(p.recv_src_idx, slab, p.slab.src_idx)[lrow] = t;
-      if (p.recv_src_rank != nullptr) out_array(p.recv_src_rank, slab, p.slab.src_rank)[lrow] = me;
+      // A lent slab's source ranks are filled by its owner (fill_slab_src_rank): one small
+      // NVLink write less per row.
+      if (p.recv_src_rank != nullptr && slab == nullptr) p.recv_src_rank[lrow] = me;
     }
   } else {
     char* meta = to + row.meta_offset;
@@ -432,7 +439,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr) continue;
+        if (dst[d] == nullptr || (kSkipRemoteMeta && d != me)) continue;
         int lrow = local_row;
         char* slab = dest_slab_row(c, d, dest_slab, dest_base, pos, lrow);
         store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, sc0, sc1);
@@ -582,7 +589,7 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     if (item.kind != kSecondHalf) {
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr) continue;
+        if (dst[d] == nullptr || (kSkipRemoteMeta && d != me)) continue;
         int lrow = local_row;
         char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
         store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
@@ -658,6 +665,20 @@ __device__ void wait_slab_arrivals(const DispatchParams& p, const device::WaitCo
       device::st_relaxed_sys(arrivals + lane, 0);
   }
   __syncwarp();
+}
+
+// In a lent receive slab, the rows of remote source s are output rows [recv_prefix[s],
+// recv_prefix[s + 1]): their source rank is known here, so the senders do not write it. Global
+// receive warp `first` of `stride` fills every stride-th row (the receive warps of a slab
+// dispatch are otherwise idle; the kernel's end orders these stores before later work).
+__device__ void fill_slab_src_rank(const DispatchParams& p, int first, int stride, int lane) {
+  const int R = p.comm.num_ranks, me = p.comm.rank;
+  for (int s = 0; s < R; ++s) {
+    if (s == me) continue;
+    const int end = p.recv_prefix[s + 1];
+    for (int r = p.recv_prefix[s] + first * 32 + lane; r < end; r += stride * 32)
+      p.recv_src_rank[r] = s;
+  }
 }
 
 // Copies a received row (x, scales, metadata; `in`: its start in our buffer) from source `src`
@@ -939,6 +960,10 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     } else if (!p.own_slab) {
       if (may_receive()) dispatch_recv<kStaged>(p, ctx, seq, warp, lane);
       if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
+    } else if (p.recv_src_rank != nullptr && may_receive()) {
+      const int num_recv_warps = kWarps - p.num_send_warps - 1;
+      fill_slab_src_rank(p, blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1),
+                         gridDim.x * num_recv_warps, lane);
     }
   }
   // Block 0 also sees every peer enter, even peers it sent nothing to: each kernel then waits on
