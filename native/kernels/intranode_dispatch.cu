@@ -110,10 +110,12 @@ constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows ar
 #else
 constexpr bool kSkipLocalRows = false;
 #endif
+// Measurement builds only (wrong results): EP_DIAG_NO_REMOTE_META=1 sends peers no metadata
+// (ids, weights, source index), =2 no scales either, to time what those small writes cost.
 #ifdef EP_DIAG_NO_REMOTE_META
-constexpr bool kSkipRemoteMeta = true;  // measurement builds only: peers get no scales/metadata
+constexpr int kSkipRemoteMeta = EP_DIAG_NO_REMOTE_META;
 #else
-constexpr bool kSkipRemoteMeta = false;
+constexpr int kSkipRemoteMeta = 0;
 #endif
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
@@ -439,11 +441,13 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr || (kSkipRemoteMeta && d != me)) continue;
+        if (dst[d] == nullptr) continue;
         int lrow = local_row;
         char* slab = dest_slab_row(c, d, dest_slab, dest_base, pos, lrow);
-        store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, sc0, sc1);
-        if (with_meta) store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, idx, w);
+        const int skip = d == me ? 0 : kSkipRemoteMeta;
+        if (skip < 2) store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, sc0, sc1);
+        if (with_meta && skip < 1)
+          store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, idx, w);
       }
     }
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
@@ -589,11 +593,14 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     if (item.kind != kSecondHalf) {
 #pragma unroll
       for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr || (kSkipRemoteMeta && d != me)) continue;
+        if (dst[d] == nullptr) continue;
         int lrow = local_row;
         char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
-        store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
-        if (with_meta) store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, cur.idx, cur.w);
+        const int skip = d == me ? 0 : kSkipRemoteMeta;
+        if (skip < 2)
+          store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
+        if (with_meta && skip < 1)
+          store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, cur.idx, cur.w);
       }
     }
     if (kLateClaim && lane == 0 && ii_next < num_items)
