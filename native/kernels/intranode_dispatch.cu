@@ -110,6 +110,14 @@ constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows ar
 #else
 constexpr bool kSkipLocalRows = false;
 #endif
+// The owner of a lent receive slab fills its rows' source ranks (fill_slab_src_rank), so senders
+// make one small NVLink write less per row. Off until an NVLink A/B shows a gain: on one H100
+// (ranks sharing it) this build's FP8 slab kernel ran ~1.5 us slower, the cached one too, which
+// never runs the fill: the added code, not the work, changed the kernel's speed.
+#ifndef EP_RECEIVER_SRC_RANK
+#define EP_RECEIVER_SRC_RANK 0
+#endif
+constexpr bool kReceiverSrcRank = EP_RECEIVER_SRC_RANK;
 // Measurement builds only (wrong results): EP_DIAG_NO_REMOTE_META=1 sends peers no metadata
 // (ids, weights, source index), =2 no scales either, to time what those small writes cost.
 #ifdef EP_DIAG_NO_REMOTE_META
@@ -222,9 +230,9 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
     }
     if (lane == 0) {
       if (p.recv_src_idx != nullptr) out_array(p.recv_src_idx, slab, p.slab.src_idx)[lrow] = t;
-      // A lent slab's source ranks are filled by its owner (fill_slab_src_rank): one small
-      // NVLink write less per row.
-      if (p.recv_src_rank != nullptr && slab == nullptr) p.recv_src_rank[lrow] = me;
+      // kReceiverSrcRank: a lent slab's source ranks are filled by its owner instead.
+      if (p.recv_src_rank != nullptr && (!kReceiverSrcRank || slab == nullptr))
+        out_array(p.recv_src_rank, slab, p.slab.src_rank)[lrow] = me;
     }
   } else {
     char* meta = to + row.meta_offset;
@@ -967,7 +975,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1)
     } else if (!p.own_slab) {
       if (may_receive()) dispatch_recv<kStaged>(p, ctx, seq, warp, lane);
       if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
-    } else if (p.recv_src_rank != nullptr && may_receive()) {
+    } else if (kReceiverSrcRank && p.recv_src_rank != nullptr && may_receive()) {
       const int num_recv_warps = kWarps - p.num_send_warps - 1;
       fill_slab_src_rank(p, blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1),
                          gridDim.x * num_recv_warps, lane);

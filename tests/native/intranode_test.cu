@@ -1523,7 +1523,11 @@ void bench(int iters) {
     std::printf("\n");
   };
 
-  const int dispatch_warps[] = {10, 11, 12, 13};
+  // HT_BENCH_QUICK=1: the default configuration's rows only (no send-warp sweeps), for A/Bs of
+  // kernel variants (scripts/ht_variants.sh) that need many runs within one device call.
+  const bool quick = std::getenv("HT_BENCH_QUICK") != nullptr;
+  std::vector<int> dispatch_warps = {10, 11, 12, 13};
+  if (quick) dispatch_warps.clear();
   // HT_COMBINE_WARPS="3,4,6" sweeps other splits (default: 4 and 5).
   std::vector<int> combine_warps = {4, 5};
   if (const char* env = std::getenv("HT_COMBINE_WARPS")) {
@@ -1646,7 +1650,7 @@ void bench(int iters) {
     report("notify + dispatch kernel, receive slab", notify_then_dispatch(true), remote_bytes);
     print_ht_timeline(*team, R, false, shape_warps);
     // With a slab the receive warps only wait: more of the 16 warps may send.
-    for (int warps : {6, 8, 12, 13, 14}) {
+    for (int warps : quick ? std::vector<int>{} : std::vector<int>{6, 8, 12, 13, 14}) {
       configure_claim(warps, default_combine_warps, true);
       char label[96];
       std::snprintf(label, sizeof(label), "dispatch kernel, receive slab, %d send warps", warps);
@@ -1654,7 +1658,7 @@ void bench(int iters) {
              remote_bytes);
     }
     configure_defaults(default_combine_warps);
-    if (sh.hidden_bytes <= ep::kStagedRowBytes) {
+    if (sh.hidden_bytes <= ep::kStagedRowBytes && !quick) {
       for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(false);
       for (int round = 0; round < rounds; ++round)
         report("dispatch kernel, register path (not staged)", time_op([&](int r, cudaStream_t s) {
