@@ -495,6 +495,8 @@ def _handles_many_dispatches_old(rank: int, world: int) -> dict:
         ep.combine(out.recv_x, copy).combined_x,
         ref.combine(want.recv_x, want.handle).combined_x,
     )
+    # Its cached dispatch (into a receive slab: the counts are known) computes its own routing.
+    check("copy cached dispatch", ep.dispatch(inputs[0][0], handle=copy).recv_x, want.recv_x)
     return res
 
 

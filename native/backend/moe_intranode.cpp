@@ -479,11 +479,15 @@ int64_t worstCaseRows(const at::Tensor& gathered) {
   return rows;
 }
 
-// Per-token send positions and receive prefix of a handle (the kernels' view of the routing).
-std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
+// Per-token send positions and receive prefix of a handle (the kernels' view of the routing);
+// the prefix is left undefined unless `with_prefix`.
+std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r, bool with_prefix) {
   at::Tensor in_rank = r.is_token_in_rank.to(at::kInt);
   at::Tensor send_pos =
       at::where(r.is_token_in_rank, in_rank.cumsum(0, at::kInt) - 1, -1).to(at::kInt).contiguous();
+  if (!with_prefix) {
+    return {send_pos, at::Tensor()};
+  }
   at::Tensor prefix = at::zeros({r.num_recv_tokens_per_rank.numel() + 1},
                                 r.num_recv_tokens_per_rank.options().dtype(at::kInt));
   prefix.narrow(0, 1, r.num_recv_tokens_per_rank.numel())
@@ -493,11 +497,12 @@ std::pair<at::Tensor, at::Tensor> kernelRouting(const DispatchRouting& r) {
 
 // The send positions and receive prefix of a handle for kernels on `stream`: the remembered
 // ones (marked as used on `stream`, so the allocator never hands their memory to another stream
-// while these kernels read it) or freshly computed ones.
+// while these kernels read it) or freshly computed ones (the prefix only `with_prefix`).
 std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const DispatchRouting& r,
-                                             const c10::cuda::CUDAStream& stream) {
+                                             const c10::cuda::CUDAStream& stream,
+                                             bool with_prefix = true) {
   if (known == nullptr) {
-    return kernelRouting(r);
+    return kernelRouting(r, with_prefix);
   }
   for (const at::Tensor* t : {&known->send_pos, &known->recv_prefix}) {
     c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
@@ -957,8 +962,6 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   c10::cuda::CUDAGuard guard(device);
   IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "cached dispatch");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  auto [send_pos, recv_prefix] =
-      routingFor(known.get(), routing, c10::cuda::getCurrentCUDAStream(device.index()));
   // Receive slabs as in dispatch (peers write the outputs in place, no copy out of the buffer),
   // which takes a notify to lend them: not while capturing, and not for a num_worst_tokens handle
   // with padding rows (nobody writes those in a slab). Every rank reads the same gathered table.
@@ -971,6 +974,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
       via_slabs = g[r][known_column] == 1 && g[r][5 + 2 * num_ranks] == received;
     }
   }
+  // Behind a slab-lending notify the kernel reads that notify's prefix, not the handle's.
+  auto [send_pos, recv_prefix] =
+      routingFor(known.get(), routing, c10::cuda::getCurrentCUDAStream(device.index()), !via_slabs);
   std::shared_ptr<SlabLease> lease;
   at::Tensor dest_slabs;
   if (via_slabs) {
