@@ -557,7 +557,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         while t <= args.sweep_max:
             measure(t, full=False)
             t *= 2
-    if args.low_latency:
+    if args.low_latency and shared_gpus:
+        # NVSHMEM needs a GPU per rank and the ATen fallback runs on NCCL, which refuses two
+        # ranks on one GPU.
+        if rank == 0:
+            print("low-latency section skipped: ranks share GPUs", flush=True)
+    elif args.low_latency:
         measure_low_latency(min(args.ll_tokens, args.ll_max_tokens), full=True)
         if args.sweep:
             for t in (1, 8, 32, 64, 256):
