@@ -730,7 +730,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // A layout computed earlier (get_dispatch_layout) replaces the layout kernel; its error record
   // tells notify whether it found an invalid topk_idx value.
   const bool given_layout = !a.layout.empty();
-  const ErrorRecord* layout_error = nullptr;
+  LayoutErrorRef given_layout_error{};
+  const LayoutErrorRef* layout_error = nullptr;
   at::Tensor per_rank, per_expert, in_rank, send_pos, recv_prefix, dest_slabs;
   if (given_layout) {
     per_rank = a.layout[0];
@@ -740,7 +741,9 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     at::Tensor small = at::empty({align4(num_ranks + 1) + 2 * num_ranks}, i32);
     recv_prefix = small.narrow(0, 0, num_ranks + 1);
     dest_slabs = small.narrow(0, align4(num_ranks + 1), 2 * num_ranks);
-    layout_error = layoutErrorState(device.index(), stream).dev;
+    const LayoutErrorState& err = layoutErrorState(device.index(), stream);
+    given_layout_error = {err.dev, &err.ctrl->error_lock};
+    layout_error = &given_layout_error;
   } else {
     // Order matters for latency: the GPU idles until the layout launch, so only the layout's
     // tensors come first; the rest is allocated while the layout and notify kernels run.

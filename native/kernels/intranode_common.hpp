@@ -225,6 +225,13 @@ struct LayoutParams {
   unsigned long long epoch;
 };
 
+// Where a layout kernel computed outside the runtime (get_dispatch_layout) records an invalid
+// topk_idx: its host-mapped record and the device-memory lock it takes before writing it.
+struct LayoutErrorRef {
+  const ErrorRecord* record;
+  const int* lock;
+};
+
 struct NotifyParams {
   CommContext comm;
   const int* num_tokens_per_rank;    // [R] from layout
@@ -238,9 +245,11 @@ struct NotifyParams {
   HostCounters* host;               // device pointer of the host-mapped counters, or null
   int* host_per_expert;             // device pointer of the host-mapped per-expert counters
   int host_ticket;
-  // Error record of the layout the counts come from when the caller computed it earlier
-  // (get_dispatch_layout); null: comm.error, which the runtime's own layout kernel writes.
-  const ErrorRecord* layout_error;
+  // Error state of the layout the counts come from when the caller computed it earlier
+  // (get_dispatch_layout); null: comm.error and our control block's lock, which the runtime's
+  // own layout kernel uses.
+  const ErrorRecord* layout_error;  // host-mapped
+  const int* layout_error_lock;     // device memory: non-zero once a record is written
   // 1: the dispatch kernel is launched right behind this one (programmatic dependent launch)
   // and takes this kernel's sequence number, so notify does not advance the epoch.
   int dispatch_follows;

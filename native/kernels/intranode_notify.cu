@@ -70,10 +70,20 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) intranode_notify_kernel(Not
   // less before the exchange).
   const uint32_t first_word = tid < R * words ? announced(tid) : 0u;
   if (tid == 0) {
+    // The lock (device memory; ours shares the sequence's line) says whether any error was
+    // recorded; only then is the host-mapped record read: a PCIe round trip, otherwise paid
+    // before the first send on every call.
+    const bool own = p.layout_error == nullptr;
+    const int locked =
+        *static_cast<const volatile int*>(own ? &ctrl->error_lock : p.layout_error_lock);
     s_seq = device::read_sequence(ctrl);
     s_failed = 0;
-    const volatile ErrorRecord* err = p.layout_error != nullptr ? p.layout_error : c.error;
-    s_rejected = err->code == kErrorInvalidTopkIdx && err->op == kOpLayout ? kNotifyRejected : 0u;
+    uint32_t rejected = 0;
+    if (locked != 0) {
+      const volatile ErrorRecord* err = own ? c.error : p.layout_error;
+      rejected = err->code == kErrorInvalidTopkIdx && err->op == kOpLayout ? kNotifyRejected : 0u;
+    }
+    s_rejected = rejected;
   }
   __syncthreads();
   const uint64_t seq = s_seq;

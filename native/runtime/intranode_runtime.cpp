@@ -330,8 +330,8 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
                              int num_experts, int expert_alignment, int num_worst_tokens,
                              int* recv_counts, int* recv_prefix, int* num_recv_tokens_per_expert,
                              bool host_counters, cudaStream_t stream,
-                             const ErrorRecord* layout_error, bool dispatch_follows, int lend_slab,
-                             int* dest_slabs) {
+                             const LayoutErrorRef* layout_error, bool dispatch_follows,
+                             int lend_slab, int* dest_slabs) {
   check_ready("notify");
   require(lend_slab >= -1 && lend_slab < config_.recv_slabs, "notify: no such receive slab");
   require(lend_slab < 0 || dispatch_follows || host_counters,
@@ -356,7 +356,12 @@ int IntranodeRuntime::notify(const int* num_tokens_per_rank, const int* num_toke
   p.recv_counts = recv_counts;
   p.recv_prefix = recv_prefix;
   p.num_recv_tokens_per_expert = num_recv_tokens_per_expert;
-  p.layout_error = layout_error;
+  if (layout_error != nullptr) {
+    require(layout_error->record != nullptr && layout_error->lock != nullptr,
+            "notify: layout_error needs its record and its lock");
+    p.layout_error = layout_error->record;
+    p.layout_error_lock = layout_error->lock;
+  }
   p.dispatch_follows = dispatch_follows ? 1 : 0;
   p.lend_slab = lend_slab;
   p.dest_slabs = dest_slabs;

@@ -202,9 +202,9 @@ class IntranodeRuntime {
   // host_counters: also publish N, per-rank and per-expert counts to host-mapped memory;
   // returns the ticket to pass to wait_recv_counts() (0 when host_counters is false).
   // num_worst_tokens > 0 only checks capacity (error record on overflow).
-  // layout_error: the error record (device-readable) of the layout kernel that produced the
-  // counts when it was not this runtime's layout(); an invalid topk_idx recorded there rejects
-  // the routing on every rank, as one found by layout() does.
+  // layout_error: the error state (host-mapped record, device lock) of the layout kernel that
+  // produced the counts when it was not this runtime's layout(); an invalid topk_idx recorded
+  // there rejects the routing on every rank, as one found by layout() does.
   // dispatch_follows: the caller's next communicating call is dispatch() on the same stream,
   // with no host wait for these counts in between (worst-case mode, or a host wait that comes
   // after the dispatch launch). The dispatch kernel is then launched behind notify with
@@ -216,7 +216,7 @@ class IntranodeRuntime {
   int notify(const int* num_tokens_per_rank, const int* num_tokens_per_expert, int num_experts,
              int expert_alignment, int num_worst_tokens, int* recv_counts, int* recv_prefix,
              int* num_recv_tokens_per_expert, bool host_counters, cudaStream_t stream,
-             const ErrorRecord* layout_error = nullptr, bool dispatch_follows = false,
+             const LayoutErrorRef* layout_error = nullptr, bool dispatch_follows = false,
              int lend_slab = -1, int* dest_slabs = nullptr);
 
   // Polls the host-mapped counters until notify(ticket) has published them (no stream sync).
