@@ -45,7 +45,6 @@ class SlabPool {
         memory_(std::move(memory)),
         lent_(count, false),
         returned_(count),
-        returned_on_(count),
         counts_(count, 0) {}
   ~SlabPool() {
     for (auto& events : returned_)
@@ -57,14 +56,12 @@ class SlabPool {
   // A free slab for a dispatch on `stream` (-1: none free). The stream first waits for the work
   // queued on the returning outputs' streams when they were freed, as the caching allocator
   // orders a block's reuse; not when that work is done (a wait queued ahead of notify may delay
-  // its start), and only for events not yet complete nor recorded on `stream` itself (whose
-  // order already covers them: the common case, a model on one stream with its host ahead).
+  // its start), and only for events not yet complete.
   int lend(cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int i = 0; i < static_cast<int>(lent_.size()); ++i) {
       if (lent_[i]) continue;
       for (int k = 0; k < counts_[i]; ++k) {
-        if (returned_on_[i][k] == stream) continue;
         const cudaError_t done = cudaEventQuery(returned_[i][k]);
         if (done == cudaErrorNotReady) {
           (void)cudaGetLastError();  // "not ready" is an answer, not an error to keep
@@ -86,7 +83,6 @@ class SlabPool {
     int previous = 0;
     if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_) != cudaSuccess) return;
     std::vector<cudaEvent_t>& events = returned_[i];
-    returned_on_[i].resize(streams.size());
     bool recorded = true;
     size_t k = 0;
     for (; k < streams.size() && recorded; ++k) {
@@ -99,7 +95,6 @@ class SlabPool {
         events.push_back(e);
       }
       recorded = cudaEventRecord(events[k], streams[k]) == cudaSuccess;
-      returned_on_[i][k] = streams[k];
     }
     if (!recorded) (void)cudaGetLastError();  // ours to clear, not the caller's to find later
     cudaSetDevice(previous);
@@ -113,8 +108,7 @@ class SlabPool {
   int device_;
   std::shared_ptr<char> memory_;  // keeps the slabs mapped while outputs view them
   std::vector<bool> lent_;
-  std::vector<std::vector<cudaEvent_t>> returned_;      // per slab, reused across returns
-  std::vector<std::vector<cudaStream_t>> returned_on_;  // the stream each event was recorded on
+  std::vector<std::vector<cudaEvent_t>> returned_;  // per slab, reused across returns
   std::vector<int> counts_;  // per slab: events of its last return (the first counts_[i])
 };
 
