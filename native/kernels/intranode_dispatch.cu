@@ -261,6 +261,10 @@ __device__ __forceinline__ void load_dest_slabs(const DispatchParams& p, int lan
 // source s's announcement. Sets local_base (our rows' first output row), and for lane d a
 // destination that lent a slab: dest_slab and dest_base (our first row in its outputs). False
 // on abort or timeout (naming the source) or when a rank rejected its routing (moves nothing).
+// Words are read relaxed, as notify reads them (each carries its sequence, so it validates
+// itself): lane s first waits for source s's count word, then loads every other word it needs
+// at once (one memory latency, not one per word) and re-polls only a word still untagged (a
+// peer's words are stored by different threads, so one may trail the count a little).
 __device__ __forceinline__ bool read_notify_slots(const DispatchParams& p,
                                                   const device::WaitContext& ctx, uint64_t seq,
                                                   int lane, int& local_base, int& dest_base,
@@ -272,30 +276,40 @@ __device__ __forceinline__ bool read_notify_slots(const DispatchParams& p,
       reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.notify_offset);
   const int parity = static_cast<int>(seq & 1);
   const uint32_t seq32 = static_cast<uint32_t>(seq);
-  bool ok = true;
-  // Word w of source src's announcement, once it carries this sequence (notify's slot parity
-  // keeps it from being overwritten while this kernel runs).
-  const auto word = [&](int src, int w) -> uint32_t {
-    const uint64_t* slot = area + c.layout.notify_slot(parity, src) + w;
-    uint64_t v = 0;
-    ok = ok && device::spin_wait(ctx, src, [&] {
-           v = device::ld_acquire_sys(slot);
-           return static_cast<uint32_t>(v >> 32) == seq32;
-         });
-    return static_cast<uint32_t>(v);
+  // Word w of source src's announcement (notify's slot parity keeps it from being overwritten
+  // while this kernel runs).
+  const auto at = [&](int src, int w) { return area + c.layout.notify_slot(parity, src) + w; };
+  const auto tagged = [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == seq32; };
+  const auto await = [&](int src, int w, uint64_t& v) {
+    return tagged(v) || device::spin_wait(ctx, src, [&] {
+             v = device::ld_relaxed_sys(at(src, w));
+             return tagged(v);
+           });
   };
-  uint32_t count = 0;
+  bool ok = true;
+  uint64_t count = 0;
+  if (lane < R) ok = await(lane, NotifyWords::count, count);
+  if (!__all_sync(kFull, ok)) return false;
   int base = 0, slab = -1;
-  if (lane < R) {
-    count = word(lane, NotifyWords::count);
-    if (p.dest_slabs != nullptr && lane != me) {
-      slab = static_cast<int>(word(lane, nw.slab));
-      for (int s = 0; s < me; ++s) base += static_cast<int>(word(s, nw.sent + lane));
+  if (lane < R && p.dest_slabs != nullptr && lane != me) {
+    uint64_t slab_word = device::ld_relaxed_sys(at(lane, nw.slab));
+    uint64_t sent[kMaxRanks];  // [s]: the rows source s (< me) sends destination `lane`
+#pragma unroll
+    for (int s = 0; s < kMaxRanks; ++s)
+      sent[s] = s < me ? device::ld_relaxed_sys(at(s, nw.sent + lane)) : 0;
+    ok = await(lane, nw.slab, slab_word);
+#pragma unroll
+    for (int s = 0; s < kMaxRanks; ++s) {
+      if (s >= me) continue;
+      ok = ok && await(s, nw.sent + lane, sent[s]);
+      base += static_cast<int>(static_cast<uint32_t>(sent[s]));
     }
+    slab = static_cast<int>(static_cast<uint32_t>(slab_word));
   }
   if (!__all_sync(kFull, ok)) return false;
-  if (__any_sync(kFull, p.notify_rejects && (count & kNotifyRejected) != 0)) return false;
-  int below = lane < me ? static_cast<int>(count & ~kNotifyRejected) : 0;
+  const uint32_t count32 = static_cast<uint32_t>(count);
+  if (__any_sync(kFull, p.notify_rejects && (count32 & kNotifyRejected) != 0)) return false;
+  int below = lane < me ? static_cast<int>(count32 & ~kNotifyRejected) : 0;
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) below += __shfl_xor_sync(kFull, below, d);
   local_base = below;
