@@ -280,6 +280,7 @@ __device__ __forceinline__ bool read_notify_slots(const DispatchParams& p,
   // while this kernel runs).
   const auto at = [&](int src, int w) { return area + c.layout.notify_slot(parity, src) + w; };
   const auto tagged = [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == seq32; };
+  // v: the word as last loaded (a first load is issued before this is called).
   const auto await = [&](int src, int w, uint64_t& v) {
     return tagged(v) || device::spin_wait(ctx, src, [&] {
              v = device::ld_relaxed_sys(at(src, w));
@@ -288,7 +289,10 @@ __device__ __forceinline__ bool read_notify_slots(const DispatchParams& p,
   };
   bool ok = true;
   uint64_t count = 0;
-  if (lane < R) ok = await(lane, NotifyWords::count, count);
+  if (lane < R) {
+    count = device::ld_relaxed_sys(at(lane, NotifyWords::count));
+    ok = await(lane, NotifyWords::count, count);
+  }
   if (!__all_sync(kFull, ok)) return false;
   int base = 0, slab = -1;
   if (lane < R && p.dest_slabs != nullptr && lane != me) {
