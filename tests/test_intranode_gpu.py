@@ -495,7 +495,8 @@ def _handles_many_dispatches_old(rank: int, world: int) -> dict:
         ep.combine(out.recv_x, copy).combined_x,
         ref.combine(want.recv_x, want.handle).combined_x,
     )
-    # Its cached dispatch (into a receive slab: the counts are known) computes its own routing.
+    # Its cached dispatch computes its send positions (not its receive prefix: the kernel reads
+    # the one of the notify that lends a receive slab, which runs since the counts are known).
     check("copy cached dispatch", ep.dispatch(inputs[0][0], handle=copy).recv_x, want.recv_x)
     return res
 
