@@ -14,14 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-#define CK(x)                                                          \
-  do {                                                                 \
-    cudaError_t e = (x);                                               \
-    if (e != cudaSuccess) {                                            \
-      printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      exit(1);                                                         \
-    }                                                                  \
-  } while (0)
+#include "probe_util.cuh"
 typedef CUresult (*WriteValue64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 __device__ __forceinline__ unsigned long long ld_acq(const unsigned long long* p) {
   unsigned long long v;

@@ -9,20 +9,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <vector>
-#define CK(x)                                                          \
-  do {                                                                 \
-    cudaError_t e = (x);                                               \
-    if (e != cudaSuccess) {                                            \
-      printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      return 1;                                                        \
-    }                                                                  \
-  } while (0)
+#include "probe_util.cuh"
 __device__ unsigned long long g_t[4];
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __global__ void kA(int* peer, int mode) {
   if (threadIdx.x == 0) {
     if (mode == 1 && peer) {

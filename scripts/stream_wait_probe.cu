@@ -13,20 +13,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <vector>
-#define CK(x)                                                          \
-  do {                                                                 \
-    cudaError_t e = (x);                                               \
-    if (e != cudaSuccess) {                                            \
-      printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      return 1;                                                        \
-    }                                                                  \
-  } while (0)
+#include "probe_util.cuh"
 __device__ unsigned long long g_t[2];
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __global__ void kBusy(long long cycles) {  // keeps the stream busy so later ops queue up
   const long long start = clock64();
   while (clock64() - start < cycles) {

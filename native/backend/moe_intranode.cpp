@@ -4,7 +4,6 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -30,6 +29,7 @@
 #include "moe_validation.hpp"
 #include "routing_memory.hpp"
 #include "store_exchange.hpp"
+#include "stream_capture.hpp"
 
 namespace ep::intranode {
 namespace {
@@ -304,12 +304,6 @@ bool fits(const IntranodeConfig& c, const Needs& n) {
          n.topk <= c.max_topk && n.scales <= c.max_scales && n.local_experts <= c.max_local_experts;
 }
 
-// While a CUDA graph is captured no device value may be read on the host: the cross-rank handle
-// check (which reads the handle's counts) is skipped then; it ran when the handle was made.
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-}
-
 std::string describe(const Needs& n) {
   std::ostringstream os;
   os << n.tokens << " tokens per rank, " << n.hidden_bytes << " bytes per row, top-" << n.topk
@@ -330,10 +324,10 @@ AgreedField graphCapturedField(const GroupState& st) {
 // Makes sure a connected runtime big enough for `needs` (the max over ranks) exists. Collective:
 // every rank calls it with the same `needs` and graph_captured (an agreed field). It refuses to
 // build or grow the transport while a graph is captured, or once one was: that graph's kernels
-// keep the buffers' addresses, which a rebuild frees.
+// keep the buffers' addresses, which a rebuild frees. `capture`: streamCapturing(), which the
+// caller has already asked.
 IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
-                                Needs needs, const char* op) {
-  const bool capture = capturing();
+                                Needs needs, const char* op, bool capture) {
   if (st.runtime && fits(st.runtime->config(), needs)) {
     st.graph_captured = st.graph_captured || capture;
     return *st.runtime;
@@ -711,7 +705,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   stages.mark("guard");
   const Needs needs = maxNeeds(gathered);
   stages.mark("needs");
-  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, needs, "dispatch");
+  const bool capture = streamCapturing();
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, needs, "dispatch", capture);
   stages.mark("runtime");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
@@ -775,7 +770,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // mode, whose outputs a CUDA graph may keep, nor while capturing).
   const bool slabs = st->slabs != nullptr;
   std::shared_ptr<SlabLease> lease;
-  if (host_counts && !capturing()) lease = lendSlab(st->slabs, stream);
+  if (host_counts && !capture) lease = lendSlab(st->slabs, stream);
   const int ticket = rt.notify(
       per_rank.data_ptr<int>(), per_expert.data_ptr<int>(), static_cast<int>(a.num_experts),
       static_cast<int>(a.expert_alignment), static_cast<int>(a.num_worst_tokens),
@@ -922,7 +917,7 @@ std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
   auto st = stateOf(pg);
   c10::cuda::CUDAGuard guard(device);
   const IntranodeConfig& cfg =
-      ensureRuntime(pg, *st, device, maxNeeds(gathered), "reserve").config();
+      ensureRuntime(pg, *st, device, maxNeeds(gathered), "reserve", streamCapturing()).config();
   return {cfg.max_tokens_per_rank, cfg.max_hidden_bytes,  cfg.max_topk,
           cfg.max_scales,          cfg.max_local_experts, cfg.recv_slabs};
 }
@@ -938,7 +933,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
   // Whether the peers write our rows into a receive slab is decided alike on every rank (a
   // notify runs first then, a collective kernel).
-  const bool capture = capturing();
+  const bool capture = streamCapturing();
   fields.push_back({"Options.recv_slabs (or EP_RECV_SLABS)", recvSlabs(pg)});
   fields.push_back({"CUDA graph capture", capture ? 1 : 0});
   fields.push_back(graphCapturedField(*st));
@@ -957,7 +952,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
 
   const at::Device device = x.device();
   c10::cuda::CUDAGuard guard(device);
-  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "cached dispatch");
+  IntranodeRuntime& rt =
+      ensureRuntime(pg, *st, device, maxNeeds(gathered), "cached dispatch", capture);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   // Receive slabs as in dispatch (peers write the outputs in place, no copy out of the buffer),
   // which takes a notify to lend them: not while capturing, and not for a num_worst_tokens handle
@@ -1038,7 +1034,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
                                ok ? a.x.size(1) * a.x.element_size() : 0,
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
   const std::shared_ptr<const KernelRouting> known = st->routings.recall(r);
-  const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks, capturing());
+  const bool capture = streamCapturing();
+  const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks, capture);
   stages.mark("handle_counts");
   payload.insert(payload.end(), counts.begin(), counts.end());
   payload.push_back(counts_known ? 1 : 0);
@@ -1048,7 +1045,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
-  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "combine");
+  IntranodeRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "combine", capture);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
       routingFor(known.get(), r, c10::cuda::getCurrentCUDAStream(device.index()));

@@ -12,7 +12,6 @@
 
 #ifdef EP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -28,6 +27,7 @@
 #include "moe_validation.hpp"
 #include "nvshmem_capi.h"
 #include "nvshmem_runtime.hpp"
+#include "stream_capture.hpp"
 #endif
 
 namespace ep::lowlatency {
@@ -240,8 +240,7 @@ bool fits(const LowLatencyConfig& c, int64_t m, int64_t hidden, int64_t topk, in
 // one was: that graph's kernels keep the buffers' addresses.
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, int64_t m,
                     int64_t hidden, int64_t topk, int64_t experts) {
-  const bool capture =
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const bool capture = streamCapturing();
   if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts)) {
     st.graph_captured = st.graph_captured || capture;
     return st.runtime;
