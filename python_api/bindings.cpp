@@ -156,7 +156,8 @@ void bindProcessGroup(py::module_& m) {
           "moe_agreement_transport",
           [](ep::EPProcessGroup& self) { return ep::moeAgreementTransport(self); },
           "How the MoE collectives' per-call cross-rank check travels: 'shared memory' (all ranks "
-          "on one host), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), 'undecided' before the first.")
+          "on one host), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), 'none (one rank)' for a group of "
+          "one rank, 'undecided' before the first.")
       .def_property_readonly(
           "low_latency_transport",
           [](ep::EPProcessGroup& self) { return ep::lowlatency::transport(self); },

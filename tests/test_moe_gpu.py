@@ -2,8 +2,9 @@
 float32-accumulation tolerance, and bitwise deterministic).
 
 The high-throughput ops run on ``gpu_world_size()`` ranks: one per GPU, at least 2 (2 ranks may
-share one GPU: the NVLink path then runs over CUDA IPC within the device); the reference runs on CPU copies over
-Gloo, so no NCCL communicator is needed. The low-latency ops need one GPU per rank (NCCL).
+share one GPU: the NVLink path then runs over CUDA IPC within the device); the reference runs on
+CPU copies over Gloo, so no NCCL communicator is needed. The low-latency ops need one GPU per rank
+(NCCL). Cases named ``one-rank`` run a group of one rank, on one GPU.
 """
 
 from __future__ import annotations
@@ -161,12 +162,24 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
     return failures
 
 
-@pytest.mark.gpu(min_gpus=1)
+# A group of one rank (expert parallelism of 1 beside TP / DP) runs the same kernels: its
+# dispatch and combine are local permutations and sums, its low-latency ops NVSHMEM with one PE.
+ONE_RANK = pytest.param(True, id="one-rank", marks=pytest.mark.gpu(min_gpus=1))
+
+
+def _world(one_rank: bool) -> int:
+    return 1 if one_rank else gpu_world_size()
+
+
+@pytest.mark.parametrize("one_rank", [pytest.param(False, id="ranks"), ONE_RANK])
 @pytest.mark.parametrize(
     ("hidden", "topk", "num_experts"), [(7168, 8, 256), (200, 1, 4), (512, 32, 64)]
 )
-def test_moe_collectives_on_cuda_match_reference(hidden: int, topk: int, num_experts: int) -> None:
-    world = gpu_world_size()
+@pytest.mark.gpu(min_gpus=1)
+def test_moe_collectives_on_cuda_match_reference(
+    hidden: int, topk: int, num_experts: int, one_rank: bool
+) -> None:
+    world = _world(one_rank)
     num_experts = -(-num_experts // world) * world  # a multiple of the rank count
     for rank, failures in enumerate(
         run_distributed(_moe_cuda, world, hidden, topk, num_experts, backend="ep")
@@ -241,11 +254,18 @@ def _ll_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) ->
     return failures
 
 
-@pytest.mark.gpu(min_gpus=2)
+# One GPU per rank (NCCL refuses two ranks on one GPU), except for a group of one rank.
+LL_WORLDS = [pytest.param(False, id="ranks", marks=pytest.mark.gpu(min_gpus=2)), ONE_RANK]
+
+
+@pytest.mark.parametrize("one_rank", LL_WORLDS)
 @pytest.mark.parametrize(("hidden", "topk", "num_experts"), [(7168, 8, 256), (512, 32, 64)])
-def test_low_latency_on_cuda_match_reference(hidden: int, topk: int, num_experts: int) -> None:
+def test_low_latency_on_cuda_match_reference(
+    hidden: int, topk: int, num_experts: int, one_rank: bool
+) -> None:
+    world = _world(one_rank)
     for rank, failures in enumerate(
-        run_distributed(_ll_cuda, gpu_world_size(), hidden, topk, num_experts, backend="ep")
+        run_distributed(_ll_cuda, world, hidden, topk, num_experts, backend="ep")
     ):
         assert failures == [], (rank, failures)
 
@@ -324,13 +344,12 @@ def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts:
     return {"transport": transport, "failures": failures, "other_m": other_m}
 
 
-@pytest.mark.gpu(min_gpus=2)
-def test_low_latency_cuda_graph_replay_with_new_data() -> None:
+@pytest.mark.parametrize("one_rank", LL_WORLDS)
+def test_low_latency_cuda_graph_replay_with_new_data(one_rank: bool) -> None:
     if not _nvshmem_expected():
         pytest.skip("libep_nvshmem.so was not built: low-latency ops run on ATen + NCCL")
-    for rank, r in enumerate(
-        run_distributed(_ll_graph_replay, gpu_world_size(), 7168, 8, 16, backend="ep")
-    ):
+    world = _world(one_rank)
+    for rank, r in enumerate(run_distributed(_ll_graph_replay, world, 7168, 8, 16, backend="ep")):
         assert r["transport"] == "nvshmem", (rank, r["transport"])
         assert r["failures"] == [], (rank, r["failures"])
         assert "a CUDA graph captured earlier" in r["other_m"], (rank, r["other_m"])

@@ -230,7 +230,9 @@ class HostStages {
 bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
   const int num_ranks = pg.getSize();
   const int rank = pg.getRank();
-  if (num_ranks < 2 || num_ranks > kMaxRanks) {
+  // A group of one rank (EP=1 beside TP/DP) runs the kernels too: its dispatch is a local
+  // permutation, which the ATen path did with host syncs at ~1 ms per call.
+  if (num_ranks < 1 || num_ranks > kMaxRanks) {
     return false;
   }
   const std::string prefix = keyPrefix(pg) + "topology/";
