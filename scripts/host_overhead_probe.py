@@ -1,0 +1,75 @@
+"""Host time of one MoE op call, split into the Python layer and the custom op beneath it.
+
+One rank, one GPU (the op's host path is the same at any rank count up to the exchange):
+    python scripts/host_overhead_probe.py [--iters N]
+Prints medians (µs) of: ep.dispatch / ep.combine as users call them, the registered custom op
+called directly (what the Python layer wraps), and a one-element torch op (this host's floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def median_host_us(fn, iters: int) -> float:
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples[iters // 5 :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iters", type=int, default=200)
+    args = parser.parse_args()
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("ep", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    pg = dist.group.WORLD
+    T, H, E, K = 4096, 7168, 256, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, device="cuda", generator=g)
+    x8, s8 = ref.quantize_fp8_per128(x)
+    lay = ep.get_dispatch_layout(idx, E)
+    lt = ep.moe._check_layout(lay, idx, E, pg)
+    name = pg.group_name
+    out = ep.dispatch(x, idx, w, E, layout=lay)
+    routing = ep.moe._routing(out.handle)
+    rows = {
+        "one-element torch op": lambda: x.new_ones(1),
+        "ep.dispatch FP8, layout given": lambda: ep.dispatch(
+            x8, idx, w, E, x_scales=s8, layout=lay
+        ),
+        "torch.ops.ep.dispatch (same)": lambda: torch.ops.ep.dispatch(
+            x8, s8, idx, w, E, 1, 0, name, lt
+        ),
+        "torch.ops.ep.dispatch.default": lambda: torch.ops.ep.dispatch.default(
+            x8, s8, idx, w, E, 1, 0, name, lt
+        ),
+        "ep.combine BF16": lambda: ep.combine(out.recv_x, out.handle),
+        "torch.ops.ep.combine.default": lambda: torch.ops.ep.combine.default(
+            out.recv_x, None, None, None, *routing, name
+        ),
+    }
+    for label, fn in rows.items():
+        median_host_us(fn, 20)  # warm-up
+        print(f"{label:34s} {median_host_us(fn, args.iters):8.1f} µs host", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
