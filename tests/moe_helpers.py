@@ -255,3 +255,12 @@ def format_failures(results: Sequence[list[str]]) -> str:
     for rank, items in enumerate(results):
         lines += [f"rank {rank}: {item}" for item in items]
     return "\n".join(lines[:60]) + (f"\n... {len(lines) - 60} more" if len(lines) > 60 else "")
+
+
+def nvshmem_built() -> bool:
+    """The build made libep_nvshmem.so: the low-latency ops must then run on its kernels."""
+    from pathlib import Path
+
+    import ep_backend
+
+    return (Path(ep_backend.__file__).parent / "libep_nvshmem.so").exists()

@@ -12,7 +12,7 @@ import datetime
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
-from moe_helpers import cuda_routing
+from moe_helpers import cuda_routing, nvshmem_built
 
 pytestmark = pytest.mark.gpu(min_gpus=1)
 
@@ -616,6 +616,60 @@ def test_reserve_sizes_the_transport_and_captured_graphs_keep_it(one_rank: bool)
             rank,
             r["fresh_capture"],
         )
+
+
+def _singleton_groups(rank: int, world: int) -> dict:
+    """Expert parallelism of 1 inside a larger job: each rank's MoE group holds only itself
+    (every rank creates every singleton group, as new_group requires). Each group runs the
+    kernels (reserve sizes them; outputs are receive-slab views) and the low-latency ops, equal to
+    the spec, and the world group still works beside them."""
+    import torch.distributed as dist
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    groups = [dist.new_group([r], backend="ep") for r in range(world)]
+    mine = groups[rank]
+    res: dict = {"held": ep.reserve(1024, H, K, E, group=mine) is not None}
+    x, idx, w = _inputs(rank, 300 + 50 * rank, seed=900)
+    out = ep.dispatch(x, idx, w, E, group=mine)
+    want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E, group=mine)
+    comb = ep.combine(out.recv_x * 2, out.handle, out.recv_topk_weights, group=mine)
+    want_c = ref.combine(want.recv_x * 2, want.handle, want.recv_topk_weights, group=mine)
+    res["slab"] = _is_slab_view(out.recv_x)
+    res["equal"] = (
+        torch.equal(out.recv_x.cpu(), want.recv_x)
+        and torch.equal(out.recv_topk_idx.cpu(), want.recv_topk_idx)
+        and torch.equal(out.recv_topk_weights.cpu(), want.recv_topk_weights)
+        and torch.equal(comb.combined_x.cpu(), want_c.combined_x)
+        and torch.equal(comb.combined_topk_weights.cpu(), want_c.combined_topk_weights)
+    )
+    m = 128
+    xl, il = x[:m], idx[:m]
+    ll = ep.low_latency_dispatch(xl, il, m, E, use_fp8=False, group=mine)
+    ll_want = ref.low_latency_dispatch(xl.cpu(), il.cpu(), m, E, use_fp8=False, group=mine)
+    res["ll_equal"] = torch.equal(ll.recv_count.cpu(), ll_want.recv_count) and all(
+        torch.equal(ll.recv_x[e, :n].cpu(), ll_want.recv_x[e, :n])
+        for e, n in enumerate(ll_want.recv_count.tolist())
+    )
+    res["ll_transport"] = ep.get_backend(mine).low_latency_transport
+    total = torch.tensor([rank + 1.0])  # CPU: ranks sharing a GPU cannot use NCCL
+    dist.all_reduce(total)
+    res["world_sum"] = total.item()
+    torch.cuda.synchronize()
+    for g in groups:
+        if g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+    return res
+
+
+def test_singleton_expert_groups_in_a_larger_job() -> None:
+    world = gpu_world_size()
+    for rank, r in enumerate(run_distributed(_singleton_groups, world, backend="ep", timeout=300)):
+        assert r["held"] and r["slab"] and r["equal"] and r["ll_equal"], (rank, r)
+        assert r["world_sum"] == world * (world + 1) / 2, (rank, r)
+        if nvshmem_built():
+            assert r["ll_transport"] == "nvshmem", (rank, r)
 
 
 def _previous_event(rank: int, world: int) -> dict:

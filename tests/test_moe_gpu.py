@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
-from moe_helpers import cuda_routing, ll_combine_beyond_tolerance
+from moe_helpers import cuda_routing, ll_combine_beyond_tolerance, nvshmem_built
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -212,7 +212,7 @@ def _ll_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) ->
         check("ll layout", la.handle.layout_range, lb.handle.layout_range)
     failures += (
         []
-        if not _nvshmem_expected() or (ep.get_backend().low_latency_transport == "nvshmem")
+        if not nvshmem_built() or (ep.get_backend().low_latency_transport == "nvshmem")
         else [f"low-latency ops did not use NVSHMEM: {ep.get_backend().low_latency_transport}"]
     )
     yl = torch.randn(lb.recv_x.shape, device=dev, generator=g).bfloat16()
@@ -268,15 +268,6 @@ def test_low_latency_on_cuda_match_reference(
         run_distributed(_ll_cuda, world, hidden, topk, num_experts, backend="ep")
     ):
         assert failures == [], (rank, failures)
-
-
-def _nvshmem_expected() -> bool:
-    """The build made libep_nvshmem.so: the low-latency ops must then run on its kernels."""
-    from pathlib import Path
-
-    import ep_backend
-
-    return (Path(ep_backend.__file__).parent / "libep_nvshmem.so").exists()
 
 
 def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts: int) -> dict:
@@ -346,7 +337,7 @@ def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts:
 
 @pytest.mark.parametrize("one_rank", LL_WORLDS)
 def test_low_latency_cuda_graph_replay_with_new_data(one_rank: bool) -> None:
-    if not _nvshmem_expected():
+    if not nvshmem_built():
         pytest.skip("libep_nvshmem.so was not built: low-latency ops run on ATen + NCCL")
     world = _world(one_rank)
     for rank, r in enumerate(run_distributed(_ll_graph_replay, world, 7168, 8, 16, backend="ep")):
