@@ -312,7 +312,7 @@ TORCH_LIBRARY_IMPL(ep, CompositeExplicitAutograd, m) {
   m.impl("quantize_fp8", &quantizeFp8Op);
 }
 
-// CUDA tensors: the NVLink kernels where every rank is a GPU of this host (2-8 ranks), else the
+// CUDA tensors: the NVLink kernels where every rank is a GPU of this host (1-8 ranks), else the
 // ATen implementation with NCCL exchanges; every result is identical either way.
 TORCH_LIBRARY_IMPL(ep, CUDA, m) {
   m.impl("dispatch", &dispatchCudaOp);
