@@ -232,7 +232,7 @@ bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
   const int rank = pg.getRank();
   // A group of one rank (EP=1 beside TP/DP) runs the kernels too: its dispatch is a local
   // permutation, which the ATen path did with host syncs at ~1 ms per call.
-  if (num_ranks < 1 || num_ranks > kMaxRanks) {
+  if (num_ranks > kMaxRanks) {
     return false;
   }
   const std::string prefix = keyPrefix(pg) + "topology/";
