@@ -13,6 +13,23 @@ import torch.distributed as dist
 from _dist_utils import run_distributed
 
 
+def _round_trip_exact(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, **kwargs) -> bool:
+    """One dispatch + combine through ep equals the reference bitwise (6 experts)."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    a = ep.dispatch(x, idx, w, 6, **kwargs)
+    b = ref.dispatch(x, idx, w, 6, **kwargs)
+    c = ep.combine(a.recv_x, a.handle, a.recv_topk_weights)
+    d = ref.combine(b.recv_x, b.handle, b.recv_topk_weights)
+    return (
+        torch.equal(a.recv_x, b.recv_x)
+        and torch.equal(a.recv_topk_idx, b.recv_topk_idx)
+        and a.num_recv_tokens_per_expert_list == b.num_recv_tokens_per_expert_list
+        and torch.equal(c.combined_x, d.combined_x)
+    )
+
+
 def _transport_and_results(rank: int, world: int) -> dict:
     import ep_backend as ep
     from ep_backend import reference as ref
@@ -25,12 +42,7 @@ def _transport_and_results(rank: int, world: int) -> dict:
     w = torch.rand(x.shape[0], 3, generator=g)
     exact = True
     for _ in range(50):  # many calls: both parities of the exchange, many times over
-        a = ep.dispatch(x, idx, w, 6)
-        b = ref.dispatch(x, idx, w, 6)
-        exact &= torch.equal(a.recv_x, b.recv_x) and torch.equal(a.recv_topk_idx, b.recv_topk_idx)
-        c = ep.combine(a.recv_x, a.handle, a.recv_topk_weights)
-        d = ref.combine(b.recv_x, b.handle, b.recv_topk_weights)
-        exact &= torch.equal(c.combined_x, d.combined_x)
+        exact &= _round_trip_exact(x, idx, w)
     bad = idx.clone()
     if rank == 1:
         bad[0, 0] = 99
@@ -75,13 +87,7 @@ def _one_rank(rank: int, world: int) -> dict:
     w = torch.rand(41, 3, generator=g)
     exact = True
     for kwargs in ({}, {"num_worst_tokens": 64}, {"expert_alignment": 4}):
-        a = ep.dispatch(x, idx, w, 6, **kwargs)
-        b = ref.dispatch(x, idx, w, 6, **kwargs)
-        exact &= torch.equal(a.recv_x, b.recv_x) and torch.equal(a.recv_topk_idx, b.recv_topk_idx)
-        exact &= a.num_recv_tokens_per_expert_list == b.num_recv_tokens_per_expert_list
-        c = ep.combine(a.recv_x, a.handle, a.recv_topk_weights)
-        d = ref.combine(b.recv_x, b.handle, b.recv_topk_weights)
-        exact &= torch.equal(c.combined_x, d.combined_x)
+        exact &= _round_trip_exact(x, idx, w, **kwargs)
     bad = idx.clone()
     bad[0, 0] = 99
     try:
