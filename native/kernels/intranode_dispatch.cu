@@ -244,6 +244,17 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
   }
 }
 
+// A token's scales and (with_meta) metadata for destination d, as the two functions above; both
+// sender paths call this. Measurement builds (kSkipRemoteMeta) leave them out for peers.
+__device__ __forceinline__ void store_token_side(const DispatchParams& p, const DispatchRow& row,
+                                                 int me, int d, char* to, char* slab, int lrow,
+                                                 int t, int lane, float sc0, float sc1,
+                                                 bool with_meta, long long idx, float w) {
+  const int skip = d == me ? 0 : kSkipRemoteMeta;
+  if (skip < 2) store_token_scales(p, row, me, d, to, slab, lrow, t, lane, sc0, sc1);
+  if (with_meta && skip < 1) store_token_meta(p, row, me, d, to, slab, lrow, t, lane, idx, w);
+}
+
 // Lane d (< R): where our rows start in rank d's outputs and the slab d lent (-1: none).
 __device__ __forceinline__ void load_dest_slabs(const DispatchParams& p, int lane, int& dest_base,
                                                 int& dest_slab) {
@@ -470,10 +481,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
         if (dst[d] == nullptr) continue;
         int lrow = local_row;
         char* slab = dest_slab_row(c, d, dest_slab, dest_base, pos, lrow);
-        const int skip = d == me ? 0 : kSkipRemoteMeta;
-        if (skip < 2) store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, sc0, sc1);
-        if (with_meta && skip < 1)
-          store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, idx, w);
+        store_token_side(p, row, me, d, dst[d], slab, lrow, t, lane, sc0, sc1, with_meta, idx, w);
       }
     }
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
@@ -622,11 +630,8 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
         if (dst[d] == nullptr) continue;
         int lrow = local_row;
         char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
-        const int skip = d == me ? 0 : kSkipRemoteMeta;
-        if (skip < 2)
-          store_token_scales(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1);
-        if (with_meta && skip < 1)
-          store_token_meta(p, row, me, d, dst[d], slab, lrow, t, lane, cur.idx, cur.w);
+        store_token_side(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1, with_meta,
+                         cur.idx, cur.w);
       }
     }
     if (kLateClaim && lane == 0 && ii_next < num_items)
