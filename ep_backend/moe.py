@@ -51,16 +51,29 @@ __all__ = [
 
 Group = dist.ProcessGroup | None
 _ops = torch.ops.ep
+# The overloads themselves: calling the packet (torch.ops.ep.dispatch) resolves the overload
+# on every call, several µs of host time on a slow host (scripts/host_overhead_probe.py).
+_dispatch_op = torch.ops.ep.dispatch.default
+_cached_dispatch_op = torch.ops.ep.cached_dispatch.default
+_combine_op = torch.ops.ep.combine.default
+_layout_op = torch.ops.ep.dispatch_layout.default
+
+# Groups already seen to have backend "ep" (a group's backend never changes). Weak keys: a
+# destroyed group's entry goes with it; a call on a destroyed group still held fails in the op,
+# which resolves the group by name.
+_ep_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
 def _group(group: Group) -> dist.ProcessGroup:
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
         raise RuntimeError("ep: torch.distributed is not initialized; call init_process_group")
-    if dist.get_backend(pg) != "ep":
-        raise ValueError(
-            f"ep: the MoE collectives need a group with backend 'ep', got {dist.get_backend(pg)!r}"
-        )
+    if pg in _ep_groups:
+        return pg
+    backend = dist.get_backend(pg)
+    if backend != "ep":
+        raise ValueError(f"ep: the MoE collectives need a group with backend 'ep', got {backend!r}")
+    _ep_groups[pg] = True
     return pg
 
 
@@ -119,9 +132,11 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     return _comm_streams[index]
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+def _needs_grad(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether autograd must record the op (else the op runs without the Function's overhead)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or any(t is not None and t.requires_grad for t in others)
 
 
 def _completed_work(result: list[torch.Tensor]) -> dist.Work:
@@ -341,7 +356,7 @@ def get_dispatch_layout(
         raise type(exc)(f"ep get_dispatch_layout: {exc}") from None
 
     def run() -> tuple[torch.Tensor, ...]:
-        return _ops.dispatch_layout(topk_idx, num_experts, pg.size())
+        return _layout_op(topk_idx, num_experts, pg.size())
 
     (per_rank, per_expert, in_rank, send_pos), work = _run(
         run, (topk_idx,), topk_idx.device, async_op, list, previous_event
@@ -478,7 +493,7 @@ def all_to_all_moe_dispatch(
     def run() -> tuple[torch.Tensor, ...]:
         args = (x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
                 num_worst_tokens, pg.group_name, layout_tensors)  # fmt: skip
-        return _DispatchFn.apply(*args) if _needs_grad(x, topk_weights) else _ops.dispatch(*args)
+        return _DispatchFn.apply(*args) if _needs_grad(x, topk_weights) else _dispatch_op(*args)
 
     result, work = _run(
         run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list, previous_event
@@ -539,7 +554,7 @@ def _cached_dispatch(
 ) -> DispatchOutput:
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         args = (x, x_scales, *_routing(handle), pg.group_name)
-        return _CachedDispatchFn.apply(*args) if _needs_grad(x) else _ops.cached_dispatch(*args)
+        return _CachedDispatchFn.apply(*args) if _needs_grad(x) else _cached_dispatch_op(*args)
 
     # The handle's tensors are inputs too (the op may read them on the device).
     inputs = (x, x_scales, *_routing(handle))
@@ -607,7 +622,7 @@ def combine(
         args = (x, topk_weights, biases[0], biases[1], *_routing(handle), pg.group_name)
         if _needs_grad(x, topk_weights, *biases):
             return _CombineFn.apply(*args)
-        return _ops.combine(*args)
+        return _combine_op(*args)
 
     inputs = (x, topk_weights, *biases, *_routing(handle))  # the handle's too, as for x
     (combined, weights), work = _run(run, inputs, x.device, async_op, list, previous_event)
@@ -815,7 +830,7 @@ class _DispatchFn(torch.autograd.Function):
     def forward(
         ctx, x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
     ):  # type: ignore[override]
-        outs = _ops.dispatch(
+        outs = _dispatch_op(
             x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
         )
         recv_topk_idx = outs[2]
@@ -839,14 +854,14 @@ class _DispatchFn(torch.autograd.Function):
                 grad_w = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=grad_x.device)
             # Weights of other ranks' experts were constants (0): no gradient flows to them.
             weights = torch.where(recv_topk_idx >= 0, grad_w, 0.0).contiguous()
-        gx, gw = _ops.combine(grad_x.contiguous(), weights, None, None, *routing, ctx.group_name)
+        gx, gw = _combine_op(grad_x.contiguous(), weights, None, None, *routing, ctx.group_name)
         return gx, None, None, (gw if ctx.has_weights else None), None, None, None, None, None
 
 
 class _CachedDispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name):  # type: ignore[override]
-        outs = _ops.cached_dispatch(
+        outs = _cached_dispatch_op(
             x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
         )
         ctx.save_for_backward(in_rank, per_rank, recv_per_rank, src_idx, src_rank)
@@ -857,7 +872,7 @@ class _CachedDispatchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x, _gs):  # type: ignore[override]
         routing = ctx.saved_tensors
-        gx, _ = _ops.combine(grad_x.contiguous(), None, None, None, *routing, ctx.group_name)
+        gx, _ = _combine_op(grad_x.contiguous(), None, None, None, *routing, ctx.group_name)
         return gx, None, None, None, None, None, None, None
 
 
@@ -881,7 +896,7 @@ class _CombineFn(torch.autograd.Function):
         src_rank,
         group_name,
     ):  # type: ignore[override]
-        combined, weights = _ops.combine(
+        combined, weights = _combine_op(
             x, topk_weights, bias0, bias1, in_rank, per_rank, recv_per_rank, src_idx, src_rank,
             group_name,
         )  # fmt: skip
@@ -898,7 +913,7 @@ class _CombineFn(torch.autograd.Function):
         # Dispatched rows must be multiples of 16 bytes; combine accepts any H, so pad and slice.
         hidden = grad_combined.shape[1]
         padded_grad = _pad_columns(grad_combined.contiguous(), 16 // grad_combined.element_size())
-        gx, _ = _ops.cached_dispatch(padded_grad, None, *routing, ctx.group_name)
+        gx, _ = _cached_dispatch_op(padded_grad, None, *routing, ctx.group_name)
         gx = gx[:, :hidden].contiguous() if gx.shape[1] != hidden else gx
         gw = None
         if ctx.has_weights:
@@ -909,7 +924,7 @@ class _CombineFn(torch.autograd.Function):
                 )  # fmt: skip
             # Rows must be multiples of 16 bytes: pad K float32 columns to a multiple of 4.
             padded = _pad_columns(grad_weights.contiguous(), 4)
-            gw, _ = _ops.cached_dispatch(padded, None, *routing, ctx.group_name)
+            gw, _ = _cached_dispatch_op(padded, None, *routing, ctx.group_name)
             gw = gw[:, : ctx.num_topk].contiguous()
         g0 = grad_combined if ctx.has_bias[0] else None
         g1 = grad_combined if ctx.has_bias[1] else None

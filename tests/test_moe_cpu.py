@@ -422,6 +422,44 @@ def test_subgroups_and_backend_methods() -> None:
     assert not any(results), format_failures(results)
 
 
+def _group_check_worker(rank: int, world: int) -> list[str]:
+    import ep_backend as ep
+
+    single_thread()
+    m = Mismatches(context="group check")
+    gen = make_generator(5, rank)
+    idx = random_topk(gen, 6, 2, 2 * world)
+    x = torch.randn((6, 32), generator=gen).to(torch.bfloat16)
+    # A group of another backend is refused on this rank, every time (only "ep" groups are
+    # remembered as checked).
+    gloo = dist.new_group(list(range(world)), backend="gloo")
+    for attempt in range(2):
+        try:
+            ep.dispatch(x, idx, None, 2 * world, group=gloo)
+            m.fail(f"dispatch on a gloo group (attempt {attempt}): no error")
+        except ValueError as exc:
+            m.check("backend 'ep', got 'gloo'" in str(exc), f"message: {exc}")
+    # An "ep" group used, then destroyed: a later call raises (it does not run on a dead group).
+    sub = dist.new_group(list(range(world)), backend="ep")
+    got = ep.dispatch(x, idx, None, 2 * world, group=sub)
+    m.bitwise(got.recv_x, ep.dispatch(x, idx, None, 2 * world).recv_x, "sub and WORLD agree")
+    dist.destroy_process_group(sub)
+    try:
+        ep.dispatch(x, idx, None, 2 * world, group=sub)
+        m.fail("dispatch on a destroyed group: no error")
+    except (RuntimeError, ValueError) as exc:
+        m.check(str(exc) != "", "destroyed group: an error with a message")
+    # The world group still works.
+    again = ep.dispatch(x, idx, None, 2 * world)
+    m.bitwise(again.recv_x, got.recv_x, "WORLD after the subgroup's destruction")
+    return m.items
+
+
+def test_collectives_refuse_other_backends_and_destroyed_groups() -> None:
+    results = run_distributed(_group_check_worker, 2, backend="ep", timeout=60)
+    assert not any(results), format_failures(results)
+
+
 def _layout_worker(rank: int, world: int) -> list[str]:
     import ep_backend as ep
     from ep_backend import reference as ref
