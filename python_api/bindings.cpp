@@ -159,6 +159,19 @@ void bindProcessGroup(py::module_& m) {
           "on one host), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), 'none (one rank)' for a group of "
           "one rank, 'undecided' before the first.")
       .def_property_readonly(
+          "high_throughput_transport",
+          [](ep::EPProcessGroup& self) -> std::string {
+#ifdef EP_WITH_CUDA
+            return ep::intranode::transport(self);
+#else
+            (void)self;
+            return "aten: built without CUDA";
+#endif
+          },
+          "How layout, dispatch, cached dispatch and combine run on CUDA tensors: 'nvlink' (the "
+          "NVLink kernels), 'aten: <why not>', or 'undecided' before the group's first such call "
+          "on CUDA. (CPU tensors always take the ATen + Gloo path.)")
+      .def_property_readonly(
           "low_latency_transport",
           [](ep::EPProcessGroup& self) { return ep::lowlatency::transport(self); },
           "How the low-latency ops run on CUDA tensors: 'nvshmem' (the NVSHMEM kernels), "

@@ -759,3 +759,110 @@ def test_a_rank_that_never_arrives_gives_an_error_not_a_hang() -> None:
     assert res[1] == "stayed away"
     assert res[0] != "no error"
     assert "rank(s) 1 never joined it" in res[0], res[0]
+
+
+def _transports(rank: int, world: int) -> dict:
+    """What each group's CUDA calls run on, and the warning a group that falls back gives once.
+
+    Ranks sharing a GPU cannot run the ATen fallback of a multi-rank group (NCCL needs a GPU per
+    rank), so the fallbacks run in groups of one rank: one made while EP_HIGH_THROUGHPUT and
+    EP_LOW_LATENCY ask for ATen (no warning), and two plain ones, of which at most one can own
+    the process's NVSHMEM (the other falls back, with one warning)."""
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    res: dict = {"shared_gpu": world > torch.cuda.device_count()}
+    pg = ep.get_backend()
+    res["before"] = (pg.high_throughput_transport, pg.low_latency_transport)
+    x, idx, w = _inputs(rank, 200 + 17 * rank, seed=70)
+
+    def ht(group=None) -> tuple[bool, list[str]]:
+        """A dispatch: (equal to the spec, ep's warnings)."""
+        want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E, group=group)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = ep.dispatch(x, idx, w, E, group=group)
+            equal = torch.equal(out.recv_x.cpu(), want.recv_x) and torch.equal(
+                out.recv_topk_idx.cpu(), want.recv_topk_idx
+            )
+        return equal, [str(s.message) for s in seen if "ep: " in str(s.message)]
+
+    def ll(group=None) -> list[str]:
+        """Two low-latency dispatches: ep's warnings."""
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                ep.low_latency_dispatch(x[:128], idx[:128], 128, E, use_fp8=False, group=group)
+            torch.cuda.synchronize()
+        return [str(s.message) for s in seen if "ep: " in str(s.message)]
+
+    res["equal"], res["warnings"] = ht()
+    if not res["shared_gpu"]:
+        res["ll_warnings"] = ll()
+    res["after"] = (pg.high_throughput_transport, pg.low_latency_transport)
+
+    def singletons() -> dist.ProcessGroup:
+        groups = [dist.new_group([r], backend="ep") for r in range(world)]
+        return groups[rank]
+
+    os.environ["EP_HIGH_THROUGHPUT"] = "aten"
+    os.environ["EP_LOW_LATENCY"] = "aten"
+    try:
+        asked = singletons()
+        equal, ht_warnings = ht(asked)
+        res["asked"] = (equal, ht_warnings + ll(asked))
+        asked_pg = ep.get_backend(asked)
+        res["asked_transports"] = (
+            asked_pg.high_throughput_transport,
+            asked_pg.low_latency_transport,
+        )
+    finally:
+        del os.environ["EP_HIGH_THROUGHPUT"], os.environ["EP_LOW_LATENCY"]
+    res["plain"] = []
+    for _ in range(2):
+        g = singletons()
+        warned = ll(g)
+        res["plain"].append((ep.get_backend(g).low_latency_transport, warned))
+    torch.cuda.synchronize()
+    return res
+
+
+def _check_fallback(transport: str, warned: list[str], context) -> None:
+    """'nvshmem' and silent, or 'aten: why' with exactly one warning that says why."""
+    if transport == "nvshmem":
+        assert warned == [], context
+    else:
+        assert transport.startswith("aten: ") and len(warned) == 1, context
+        assert "low-latency MoE ops" in warned[0], context
+        assert transport[len("aten: ") :] in warned[0], context
+
+
+def test_transport_properties_and_fallback_warnings() -> None:
+    world = gpu_world_size()
+    for rank, r in enumerate(run_distributed(_transports, world, backend="ep", timeout=300)):
+        context = (rank, r)
+        assert r["before"] == ("undecided", "undecided"), context
+        assert r["equal"] and r["warnings"] == [], context
+        assert r["after"][0] == "nvlink", context
+        if "ll_warnings" in r:
+            _check_fallback(r["after"][1], r["ll_warnings"], context)
+        # Asked for ATen: ATen, correct, and no warning.
+        assert r["asked"] == (True, []), context
+        assert r["asked_transports"] == (
+            "aten: EP_HIGH_THROUGHPUT=aten",
+            "aten: EP_LOW_LATENCY=aten",
+        ), context
+        # One group per process owns NVSHMEM: at most one of the world group and the two plain
+        # one-rank groups runs on it, and every other one warned once.
+        transports = [t for t, _ in r["plain"]] + [r["after"][1]]
+        assert transports.count("nvshmem") <= 1, context
+        for transport, warned in r["plain"]:
+            _check_fallback(transport, warned, context)
+        if nvshmem_built():
+            assert "nvshmem" in transports, context
+            assert any("owns NVSHMEM" in t for t, _ in r["plain"]), context

@@ -23,6 +23,7 @@
 #include <sstream>
 
 #include "ep_process_group.hpp"
+#include "gpu_identity.hpp"
 #include "group_state.hpp"
 #include "intranode_kernels.hpp"
 #include "intranode_runtime.hpp"
@@ -164,6 +165,7 @@ at::Tensor slabOutput(IntranodeRuntime& rt, const std::shared_ptr<SlabLease>& le
 struct GroupState {
   bool decided = false;
   bool usable = false;
+  std::string why;  // when not usable: why the group's CUDA calls run on ATen
   int generation = 0;
   std::unique_ptr<IntranodeRuntime> runtime;
   std::shared_ptr<SlabPool> slabs;  // the runtime's receive slabs (null: none)
@@ -226,41 +228,71 @@ class HostStages {
   std::string line_;
 };
 
-// Every rank decides with the same inputs (all ranks' host names and peer-access verdicts).
-bool decideUsable(EPProcessGroup& pg, const at::Device& device) {
+// Every rank decides with the same inputs (all ranks' host names, GPUs and peer-access verdicts).
+// Returns "" when the NVLink kernels can serve the group, else why not (this rank's words; the
+// verdict itself is the same on every rank).
+std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
   const int num_ranks = pg.getSize();
   const int rank = pg.getRank();
   // A group of one rank (EP=1 beside TP/DP) runs the kernels too: its dispatch is a local
   // permutation, which the ATen path did with host syncs at ~1 ms per call.
   if (num_ranks > kMaxRanks) {
-    return false;
+    return "the group has " + std::to_string(num_ranks) +
+           " ranks; the NVLink kernels serve at most " + std::to_string(kMaxRanks);
   }
+  const char* mode = std::getenv("EP_HIGH_THROUGHPUT");
+  const bool asked_aten = mode != nullptr && std::string(mode) == "aten";
   const std::string prefix = keyPrefix(pg) + "topology/";
-  const std::vector<std::string> posted =
-      allGatherStrings(pg, prefix, hostName() + "|" + std::to_string(int(device.index())),
-                       "ep dispatch (transport setup)");
-  std::vector<std::string> hosts(num_ranks);
+  const std::vector<std::string> posted = allGatherStrings(
+      pg, prefix,
+      hostName() + "|" + std::to_string(int(device.index())) + "|" + gpuBusId(device.index()),
+      "ep dispatch (transport setup)");
+  std::vector<std::string> hosts(num_ranks), buses(num_ranks);
   std::vector<int> devices(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
-    const auto bar = posted[r].rfind('|');
+    const auto bus_bar = posted[r].rfind('|');
+    const auto bar = posted[r].rfind('|', bus_bar - 1);
     hosts[r] = posted[r].substr(0, bar);
-    devices[r] = std::stoi(posted[r].substr(bar + 1));
+    devices[r] = std::stoi(posted[r].substr(bar + 1, bus_bar - bar - 1));
+    buses[r] = posted[r].substr(bus_bar + 1);
   }
-  bool ok = true;
-  for (int r = 0; r < num_ranks; ++r) {
-    ok = ok && hosts[r] == hosts[0];
-    if (ok && r != rank && devices[r] != device.index()) {
+  std::string why = asked_aten ? "EP_HIGH_THROUGHPUT=aten" : "";
+  for (int r = 0; r < num_ranks && why.empty(); ++r) {
+    if (hosts[r] != hosts[0]) {
+      why = "ranks 0 and " + std::to_string(r) + " are on different hosts (" + hosts[0] + ", " +
+            hosts[r] + "); the NVLink kernels need every rank on one host";
+      continue;
+    }
+    // The same GPU (ranks sharing one: CUDA IPC within the device) needs no peer access. The
+    // bus id tells GPUs apart when CUDA_VISIBLE_DEVICES differs per process (each sees its own
+    // as device 0); the index, should the bus id be unknown.
+    const bool same_gpu = buses[r] != "?" && buses[rank] != "?" ? buses[r] == buses[rank]
+                                                                : devices[r] == device.index();
+    if (r != rank && !same_gpu && devices[r] != device.index()) {
+      // Another GPU this process sees: ask for peer access. (Another GPU under our own index:
+      // the peer's GPU is invisible here, so there is nothing to ask; CUDA IPC maps its memory
+      // all the same.)
       int can = 0;
       cudaDeviceCanAccessPeer(&can, device.index(), devices[r]);
-      ok = ok && can;
+      if (!can) {
+        why = "GPU " + std::to_string(int(device.index())) + " (" + buses[rank] +
+              ") has no peer access to rank " + std::to_string(r) + "'s GPU " +
+              std::to_string(devices[r]) + " (" + buses[r] + ")";
+      }
     }
   }
   bool all = true;
-  for (const auto& verdict :
-       allGatherStrings(pg, prefix + "ok/", ok ? "1" : "0", "ep dispatch (transport setup)")) {
-    all = all && verdict == "1";
+  int first_refusing = -1;
+  const std::vector<std::string> verdicts = allGatherStrings(
+      pg, prefix + "ok/", why.empty() ? "1" : "0", "ep dispatch (transport setup)");
+  for (int r = 0; r < num_ranks; ++r) {
+    if (verdicts[r] != "1" && first_refusing < 0) first_refusing = r;
+    all = all && verdicts[r] == "1";
   }
-  return all;
+  if (all) return "";
+  return why.empty() ? "rank " + std::to_string(first_refusing) +
+                           " cannot use them (see its high_throughput_transport)"
+                     : why;
 }
 
 int roundUpPow2(int v, int floor) {
@@ -575,10 +607,23 @@ bool usable(EPProcessGroup& pg, const at::Device& device) {
   auto st = stateOf(pg);
   if (!st->decided) {
     c10::cuda::CUDAGuard guard(device);
-    st->usable = decideUsable(pg, device);
+    st->why = decideUsable(pg, device);
+    st->usable = st->why.empty();
     st->decided = true;
+    if (!st->usable && !fallbackWasAskedFor(st->why)) {
+      TORCH_WARN("ep: the high-throughput MoE ops of group '", pg.options()->group_name,
+                 "' run on ATen + NCCL, not on the NVLink kernels: ", st->why,
+                 " (EPProcessGroup.high_throughput_transport; EP_HIGH_THROUGHPUT=aten asks for "
+                 "this without a warning)");
+    }
   }
   return st->usable;
+}
+
+std::string transport(EPProcessGroup& pg) {
+  auto st = stateOf(pg);
+  if (!st->decided) return "undecided";
+  return st->usable ? "nvlink" : "aten: " + st->why;
 }
 
 namespace {

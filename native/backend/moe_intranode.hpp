@@ -20,8 +20,13 @@ class EPProcessGroup;
 namespace intranode {
 
 // Whether the NVLink kernels can serve this group (CUDA build, every rank a GPU of this host with
-// peer access, 2..8 ranks). Decided once per group, identically on every rank.
+// peer access, 1..8 ranks, EP_HIGH_THROUGHPUT not "aten"). Decided once per group (collective),
+// identically on every rank; a group that falls back to ATen warns once, saying why.
 bool usable(EPProcessGroup& pg, const at::Device& device);
+
+// How the group's high-throughput ops run on CUDA tensors: "nvlink", "aten: <why not>", or
+// "undecided" before its first such call (Python: EPProcessGroup.high_throughput_transport).
+std::string transport(EPProcessGroup& pg);
 
 // get_dispatch_layout on a CUDA topk_idx: the layout kernel (one launch, no host sync). Ids
 // outside [-1, E) count as -1; the first call on the device after that kernel ran raises. num_ranks

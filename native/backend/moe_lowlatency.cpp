@@ -23,6 +23,7 @@
 #include <deque>
 #include <sstream>
 
+#include "gpu_identity.hpp"
 #include "moe_cpu.hpp"
 #include "moe_validation.hpp"
 #include "nvshmem_capi.h"
@@ -200,18 +201,33 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
     }
   }
   const std::string prefix = "ep_ll/" + pg.options()->group_name + "/decide/";
-  const std::vector<std::string> posted = allGatherStrings(
-      pg, prefix,
-      (why.empty() ? "1|" : "0|") + hostName() + "|" + std::to_string(int(device.index())),
-      "ep low_latency_dispatch (transport setup)");
-  std::vector<std::string> seen;
+  const std::vector<std::string> posted =
+      allGatherStrings(pg, prefix,
+                       (why.empty() ? "1|" : "0|") + hostName() + "|" +
+                           std::to_string(int(device.index())) + "|" + gpuBusId(device.index()),
+                       "ep low_latency_dispatch (transport setup)");
+  // Two ranks on one GPU: the same host and the same bus id (the same index where the bus id is
+  // unknown). The same index on different GPUs means CUDA_VISIBLE_DEVICES differs per process,
+  // which NVSHMEM has not been tried with here: those groups stay on ATen, and say so.
+  std::vector<std::array<std::string, 3>> seen;  // host, index, bus id
   bool all = true;
   for (const std::string& s : posted) {
     all = all && s[0] == '1';
-    const std::string where = s.substr(2);
+    const auto bus_bar = s.rfind('|');
+    const auto bar = s.rfind('|', bus_bar - 1);
+    const std::array<std::string, 3> where{
+        s.substr(2, bar - 2), s.substr(bar + 1, bus_bar - bar - 1), s.substr(bus_bar + 1)};
     for (const auto& w : seen) {
-      if (w == where && why.empty()) {
+      if (!why.empty() || w[0] != where[0]) continue;
+      const bool known = w[2] != "?" && where[2] != "?";
+      if (known ? w[2] == where[2] : w[1] == where[1]) {
         why = "ranks share a GPU (NVSHMEM needs one GPU per rank)";
+      } else if (w[1] == where[1]) {
+        why = "ranks see different GPUs (" + w[2] + ", " + where[2] + ") as the same device " +
+              where[1] +
+              " (CUDA_VISIBLE_DEVICES set per process), which ep does not start NVSHMEM with; "
+              "make every GPU visible to every rank and pick one per rank with "
+              "torch.cuda.set_device(local_rank)";
       }
     }
     seen.push_back(where);
@@ -224,6 +240,14 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   st.usable = why.empty();
   st.why = why;
   st.decided = true;
+  if (!st.usable && !fallbackWasAskedFor(why)) {
+    TORCH_WARN("ep: the low-latency MoE ops of group '", pg.options()->group_name,
+               "' run on ATen + NCCL (correct, but neither low-latency nor CUDA-graph capturable), "
+               "not on the NVSHMEM kernels: ",
+               why,
+               " (EPProcessGroup.low_latency_transport; EP_LOW_LATENCY=aten asks for this without "
+               "a warning)");
+  }
   if (st.usable) {
     std::lock_guard<std::mutex> lock(g_owner_mutex);
     g_owner = &pg;

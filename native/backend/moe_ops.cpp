@@ -20,16 +20,19 @@ using DispatchOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// The group's backend, alive: a call on a destroyed (shut down) group raises here, on every rank
+// alike, before any exchange (its agreement step would wait for peers that raised).
 c10::intrusive_ptr<EPProcessGroup> resolveGroup(const std::string& group_name, const char* op) {
-  if (auto registered = EPProcessGroup::byGroupName(group_name)) {
-    return registered;
+  auto ep = EPProcessGroup::byGroupName(group_name);
+  if (!ep) {
+    auto pg = c10d::resolve_process_group(group_name);
+    auto backend = pg->getBackend(c10::DeviceType::CPU);
+    ep = c10::dynamic_intrusive_pointer_cast<EPProcessGroup>(backend);
+    TORCH_CHECK(ep != nullptr, "ep ", op, ": group '", group_name,
+                "' does not use the \"ep\" backend (it uses '", backend->getBackendName(),
+                "'); create it with backend=\"ep\"");
   }
-  auto pg = c10d::resolve_process_group(group_name);
-  auto backend = pg->getBackend(c10::DeviceType::CPU);
-  auto ep = c10::dynamic_intrusive_pointer_cast<EPProcessGroup>(backend);
-  TORCH_CHECK(ep != nullptr, "ep ", op, ": group '", group_name,
-              "' does not use the \"ep\" backend (it uses '", backend->getBackendName(),
-              "'); create it with backend=\"ep\"");
+  TORCH_CHECK(!ep->isShutdown(), "ep: ", op, " called on a process group that was shut down");
   return ep;
 }
 
@@ -148,12 +151,25 @@ Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
   return {q, s};
 }
 
+#ifndef EP_WITH_CUDA
+// A CUDA tensor reached a build without the kernels (a CUDA torch, but no nvcc or EP_WITH_CUDA=0
+// when ep was built): correct results on ATen, but nothing of the kernels' speed. Said once.
+void warnBuiltWithoutCuda(const at::Tensor& x) {
+  if (x.is_cuda()) {
+    TORCH_WARN_ONCE(
+        "ep: this build has no CUDA kernels (EP_WITH_CUDA=0, or no nvcc when it was built), so "
+        "the MoE ops on CUDA tensors run on ATen + NCCL. Rebuild with EP_WITH_CUDA=1 for the "
+        "NVLink and NVSHMEM kernels.");
+  }
+}
+#endif
+
 bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
 #ifdef EP_WITH_CUDA
   return x.is_cuda() && intranode::usable(pg, x.device());
 #else
   (void)pg;
-  (void)x;
+  warnBuiltWithoutCuda(x);
   return false;
 #endif
 }
@@ -237,6 +253,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatenc
     auto r = lowlatency::dispatch(*pg, args, send_only);
     return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
   }
+#else
+  warnBuiltWithoutCuda(x);
 #endif
   return lowLatencyDispatchAtenOp(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                   use_fp8, round_scale, use_ue8m0, group_name, send_only);

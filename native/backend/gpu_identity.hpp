@@ -1,0 +1,27 @@
+// Which physical GPU a rank runs on, as the peers can compare it. CUDA builds only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+namespace ep {
+
+// The device's PCI bus id ("0000:18:00.0"): the same GPU reads the same in every process,
+// whatever CUDA_VISIBLE_DEVICES made its index. "?" when CUDA cannot tell (never seen).
+inline std::string gpuBusId(int device) {
+  char id[32] = {0};
+  if (cudaDeviceGetPCIBusId(id, sizeof(id), device) != cudaSuccess) {
+    cudaGetLastError();  // not sticky; leave no error for the next CUDA call to find
+    return "?";
+  }
+  return id;
+}
+
+// Whether the fallback to ATen that `why` names deserves a warning: not when the user asked
+// for it (an environment switch), since then nothing is lost unexpectedly.
+inline bool fallbackWasAskedFor(const std::string& why) {
+  return why.rfind("EP_", 0) == 0 && why.find("=aten") != std::string::npos;
+}
+
+}  // namespace ep
