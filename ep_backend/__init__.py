@@ -29,6 +29,7 @@ from .handles import (  # noqa: E402
     LowLatencyHandle,
 )
 from .moe import (  # noqa: E402
+    FallbackWarning,
     all_to_all_moe_dispatch,
     combine,
     dispatch,
@@ -96,6 +97,7 @@ __all__ = [
     "DispatchLayout",
     "DispatchOutput",
     "EPProcessGroup",
+    "FallbackWarning",
     "LowLatencyDispatchOutput",
     "LowLatencyHandle",
     "Options",

@@ -38,6 +38,7 @@ from .handles import (
 )
 
 __all__ = [
+    "FallbackWarning",
     "all_to_all_moe_dispatch",
     "combine",
     "dispatch",
@@ -58,10 +59,11 @@ _cached_dispatch_op = torch.ops.ep.cached_dispatch.default
 _combine_op = torch.ops.ep.combine.default
 _layout_op = torch.ops.ep.dispatch_layout.default
 
-# Groups already seen to have backend "ep" (a group's backend never changes). Weak keys: a
-# destroyed group's entry goes with it; a call on a destroyed group still held fails in the op,
-# which resolves the group by name.
-_ep_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+# Groups already seen to have backend "ep" (a group's backend never changes), each with the
+# transports ("high_throughput", "low_latency") whose choice for CUDA tensors is yet to be checked
+# for a fallback to ATen. Weak keys: a destroyed group's entry goes with it; a call on a destroyed
+# group still held fails in the op, which resolves the group by name.
+_ep_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _group(group: Group) -> dist.ProcessGroup:
@@ -73,8 +75,51 @@ def _group(group: Group) -> dist.ProcessGroup:
     backend = dist.get_backend(pg)
     if backend != "ep":
         raise ValueError(f"ep: the MoE collectives need a group with backend 'ep', got {backend!r}")
-    _ep_groups[pg] = True
+    _ep_groups[pg] = {"high_throughput", "low_latency"}
     return pg
+
+
+class FallbackWarning(UserWarning):
+    """A group's MoE ops on CUDA tensors run on ATen + NCCL, not on ep's kernels (said once)."""
+
+
+_FALLBACK_COST = {
+    "high_throughput": "the NVLink kernels",
+    "low_latency": "the NVSHMEM kernels (the ATen path is correct, but neither low-latency nor "
+    "CUDA-graph capturable)",
+}
+
+
+def _check_fallback(pg: dist.ProcessGroup, kind: str, on_cuda: bool) -> None:
+    """Warns once per group if its ``kind`` ops on CUDA tensors fell back to ATen.
+
+    The op decides the transport (collectively) at the group's first call on CUDA tensors; this
+    reads its verdict once, after that call. No warning where the fallback was asked for
+    (``EP_HIGH_THROUGHPUT=aten`` / ``EP_LOW_LATENCY=aten``).
+    """
+    pending = _ep_groups.get(pg)
+    if not on_cuda or not pending or kind not in pending:
+        return
+    if torch.compiler.is_compiling():
+        return
+    from . import get_backend  # the package imports this module first
+
+    transport: str = getattr(get_backend(pg), f"{kind}_transport")
+    if transport == "undecided":
+        return
+    pending.discard(kind)
+    why = transport.removeprefix("aten: ")
+    if why == transport or (why.startswith("EP_") and why.endswith("=aten")):
+        return
+    import warnings
+
+    warnings.warn(
+        f"ep: the {kind.replace('_', '-')} MoE ops of group {pg.group_name!r} run on ATen + "
+        f"NCCL, not on {_FALLBACK_COST[kind]}: {why}. (EPProcessGroup.{kind}_transport; "
+        f"EP_{kind.upper()}=aten asks for this without a warning.)",
+        FallbackWarning,
+        stacklevel=3,
+    )
 
 
 def _reject(pg: dist.ProcessGroup, op: str, exc: Exception) -> NoReturn:
@@ -307,6 +352,7 @@ def reserve(
     held = get_backend(pg)._reserve(
         index, num_tokens, hidden * dtype.itemsize, num_topk, num_scales, num_experts
     )
+    _check_fallback(pg, "high_throughput", index >= 0)
     if held is None:
         return None
     keys = ("num_tokens", "row_bytes", "num_topk", "num_scales", "num_local_experts", "recv_slabs")
@@ -498,6 +544,7 @@ def all_to_all_moe_dispatch(
     result, work = _run(
         run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list, previous_event
     )
+    _check_fallback(pg, "high_throughput", x.is_cuda)
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
      per_rank, recv_per_rank, src_idx, src_rank, per_expert_host) = result  # fmt: skip
     if layout is not None:  # the op returns these inputs empty (no aliasing outputs)
@@ -705,6 +752,7 @@ def low_latency_dispatch(
         return outs
 
     result, work = _run(run, (x, topk_idx), x.device, async_op, list)
+    _check_fallback(pg, "low_latency", x.is_cuda)
     recv_x, recv_scales, recv_count, src_info, layout_range = result
     handle = LowLatencyHandle(
         src_info=src_info,

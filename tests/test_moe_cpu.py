@@ -460,6 +460,59 @@ def test_collectives_refuse_other_backends_and_destroyed_groups() -> None:
     assert not any(results), format_failures(results)
 
 
+def _fallback_warning_worker(rank: int, world: int) -> list[str]:
+    """The once-per-group fallback warning, against a stand-in for the backend's verdicts."""
+    import warnings
+
+    import ep_backend as ep
+    from ep_backend import moe
+
+    m = Mismatches(context="fallback warning")
+
+    class Verdicts:
+        high_throughput_transport = "undecided"
+        low_latency_transport = "undecided"
+
+    verdicts = Verdicts()
+    real = ep.get_backend
+    ep.get_backend = lambda group=None: verdicts
+    try:
+
+        def warned(kind: str, on_cuda: bool = True) -> list[str]:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                moe._check_fallback(pg, kind, on_cuda)
+            return [str(w.message) for w in seen if issubclass(w.category, ep.FallbackWarning)]
+
+        def singleton() -> dist.ProcessGroup:  # every rank creates every group, as torch asks
+            return moe._group([dist.new_group([r], backend="ep") for r in range(world)][rank])
+
+        pg = singleton()
+        m.check(warned("high_throughput") == [], "undecided: no warning yet")
+        verdicts.high_throughput_transport = "aten: the reason"
+        m.check(warned("high_throughput", on_cuda=False) == [], "CPU tensors: never")
+        first = warned("high_throughput")
+        m.check(len(first) == 1 and "the reason" in first[0], f"one warning with why: {first}")
+        m.check("high-throughput MoE ops" in first[0], f"names the ops: {first}")
+        m.check(warned("high_throughput") == [], "said once per group")
+        verdicts.low_latency_transport = "nvshmem"
+        m.check(warned("low_latency") == [], "the kernels: no warning")
+        pg = singleton()
+        verdicts.low_latency_transport = "aten: EP_LOW_LATENCY=aten"
+        m.check(warned("low_latency") == [], "asked for: no warning")
+        verdicts.high_throughput_transport = "aten: built without CUDA"
+        again = warned("high_throughput")
+        m.check(len(again) == 1 and "built without CUDA" in again[0], f"another group: {again}")
+    finally:
+        ep.get_backend = real
+    return m.items
+
+
+def test_fallback_to_aten_warns_once_per_group_unless_asked_for() -> None:
+    results = run_distributed(_fallback_warning_worker, 2, backend="ep", timeout=60)
+    assert not any(results), format_failures(results)
+
+
 def _layout_worker(rank: int, world: int) -> list[str]:
     import ep_backend as ep
     from ep_backend import reference as ref

@@ -18,10 +18,4 @@ inline std::string gpuBusId(int device) {
   return id;
 }
 
-// Whether the fallback to ATen that `why` names deserves a warning: not when the user asked
-// for it (an environment switch), since then nothing is lost unexpectedly.
-inline bool fallbackWasAskedFor(const std::string& why) {
-  return why.rfind("EP_", 0) == 0 && why.find("=aten") != std::string::npos;
-}
-
 }  // namespace ep

@@ -610,12 +610,6 @@ bool usable(EPProcessGroup& pg, const at::Device& device) {
     st->why = decideUsable(pg, device);
     st->usable = st->why.empty();
     st->decided = true;
-    if (!st->usable && !fallbackWasAskedFor(st->why)) {
-      TORCH_WARN("ep: the high-throughput MoE ops of group '", pg.options()->group_name,
-                 "' run on ATen + NCCL, not on the NVLink kernels: ", st->why,
-                 " (EPProcessGroup.high_throughput_transport; EP_HIGH_THROUGHPUT=aten asks for "
-                 "this without a warning)");
-    }
   }
   return st->usable;
 }

@@ -21,7 +21,7 @@ namespace intranode {
 
 // Whether the NVLink kernels can serve this group (CUDA build, every rank a GPU of this host with
 // peer access, 1..8 ranks, EP_HIGH_THROUGHPUT not "aten"). Decided once per group (collective),
-// identically on every rank; a group that falls back to ATen warns once, saying why.
+// identically on every rank (the Python layer warns once where it falls back to ATen).
 bool usable(EPProcessGroup& pg, const at::Device& device);
 
 // How the group's high-throughput ops run on CUDA tensors: "nvlink", "aten: <why not>", or

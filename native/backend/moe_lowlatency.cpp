@@ -240,14 +240,6 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   st.usable = why.empty();
   st.why = why;
   st.decided = true;
-  if (!st.usable && !fallbackWasAskedFor(why)) {
-    TORCH_WARN("ep: the low-latency MoE ops of group '", pg.options()->group_name,
-               "' run on ATen + NCCL (correct, but neither low-latency nor CUDA-graph capturable), "
-               "not on the NVSHMEM kernels: ",
-               why,
-               " (EPProcessGroup.low_latency_transport; EP_LOW_LATENCY=aten asks for this without "
-               "a warning)");
-  }
   if (st.usable) {
     std::lock_guard<std::mutex> lock(g_owner_mutex);
     g_owner = &pg;

@@ -151,25 +151,12 @@ Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
   return {q, s};
 }
 
-#ifndef EP_WITH_CUDA
-// A CUDA tensor reached a build without the kernels (a CUDA torch, but no nvcc or EP_WITH_CUDA=0
-// when ep was built): correct results on ATen, but nothing of the kernels' speed. Said once.
-void warnBuiltWithoutCuda(const at::Tensor& x) {
-  if (x.is_cuda()) {
-    TORCH_WARN_ONCE(
-        "ep: this build has no CUDA kernels (EP_WITH_CUDA=0, or no nvcc when it was built), so "
-        "the MoE ops on CUDA tensors run on ATen + NCCL. Rebuild with EP_WITH_CUDA=1 for the "
-        "NVLink and NVSHMEM kernels.");
-  }
-}
-#endif
-
 bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
 #ifdef EP_WITH_CUDA
   return x.is_cuda() && intranode::usable(pg, x.device());
 #else
   (void)pg;
-  warnBuiltWithoutCuda(x);
+  (void)x;
   return false;
 #endif
 }
@@ -253,8 +240,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatenc
     auto r = lowlatency::dispatch(*pg, args, send_only);
     return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
   }
-#else
-  warnBuiltWithoutCuda(x);
 #endif
   return lowLatencyDispatchAtenOp(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                   use_fp8, round_scale, use_ue8m0, group_name, send_only);
