@@ -263,22 +263,24 @@ std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
             hosts[r] + "); the NVLink kernels need every rank on one host";
       continue;
     }
-    // The same GPU (ranks sharing one: CUDA IPC within the device) needs no peer access. The
-    // bus id tells GPUs apart when CUDA_VISIBLE_DEVICES differs per process (each sees its own
-    // as device 0); the index, should the bus id be unknown.
-    const bool same_gpu = buses[r] != "?" && buses[rank] != "?" ? buses[r] == buses[rank]
-                                                                : devices[r] == device.index();
-    if (r != rank && !same_gpu && devices[r] != device.index()) {
-      // Another GPU this process sees: ask for peer access. (Another GPU under our own index:
-      // the peer's GPU is invisible here, so there is nothing to ask; CUDA IPC maps its memory
-      // all the same.)
-      int can = 0;
-      cudaDeviceCanAccessPeer(&can, device.index(), devices[r]);
-      if (!can) {
-        why = "GPU " + std::to_string(int(device.index())) + " (" + buses[rank] +
-              ") has no peer access to rank " + std::to_string(r) + "'s GPU " +
-              std::to_string(devices[r]) + " (" + buses[r] + ")";
-      }
+    if (r == rank) continue;
+    // The same GPU (ranks sharing one: CUDA IPC within the device) needs no peer access. GPUs
+    // are told apart by bus id, which also holds where CUDA_VISIBLE_DEVICES differs per process
+    // (indices then name different GPUs in different ranks); by index if it is unknown.
+    const bool known = buses[r] != "?" && buses[rank] != "?";
+    if (known ? buses[r] == buses[rank] : devices[r] == device.index()) continue;
+    // The peer's GPU as this process numbers it; invisible here (CUDA_VISIBLE_DEVICES per
+    // process): nothing to ask, CUDA IPC maps its memory all the same.
+    int local = devices[r];
+    if (known && cudaDeviceGetByPCIBusId(&local, buses[r].c_str()) != cudaSuccess) {
+      cudaGetLastError();  // not sticky
+      continue;
+    }
+    int can = 0;
+    cudaDeviceCanAccessPeer(&can, device.index(), local);
+    if (!can) {
+      why = "GPU " + std::to_string(int(device.index())) + " (" + buses[rank] +
+            ") has no peer access to rank " + std::to_string(r) + "'s GPU (" + buses[r] + ")";
     }
   }
   bool all = true;
