@@ -1,9 +1,12 @@
 """Host time of one MoE op call, split into the Python layer and the custom op beneath it.
 
 One rank, one GPU (the op's host path is the same at any rank count up to the exchange):
-    python scripts/host_overhead_probe.py [--iters N]
-Prints medians (µs) of: ep.dispatch / ep.combine as users call them, the registered custom op
-called directly (what the Python layer wraps), and a one-element torch op (this host's floor).
+    python scripts/host_overhead_probe.py [--iters N] [--rounds R]
+Prints, per row, the min and the median over R rounds of each round's median (µs): ep.dispatch /
+ep.combine as users call them, the registered custom op called directly (what the Python layer
+wraps), and a one-element torch op (this host's floor). Rows take turns within each round: the
+host's speed drifts by tens of percent over a run on the GPU VMs, so rows timed one after the
+other are not comparable.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def median_host_us(fn, iters: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--iters", type=int, default=60, help="timed calls per row and round")
+    parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     import ep_backend as ep
     from ep_backend import reference as ref
@@ -65,9 +69,14 @@ def main() -> None:
             out.recv_x, None, None, None, *routing, name
         ),
     }
-    for label, fn in rows.items():
-        median_host_us(fn, 20)  # warm-up
-        print(f"{label:34s} {median_host_us(fn, args.iters):8.1f} µs host", flush=True)
+    samples: dict[str, list[float]] = {label: [] for label in rows}
+    for _ in range(args.rounds):
+        for label, fn in rows.items():
+            median_host_us(fn, 10)  # warm-up
+            samples[label].append(median_host_us(fn, args.iters))
+    for label, values in samples.items():
+        print(f"{label:34s} min {min(values):7.1f}  median {statistics.median(values):7.1f} "
+              "µs host", flush=True)  # fmt: skip
     dist.destroy_process_group()
 
 
