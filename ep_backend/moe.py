@@ -66,17 +66,23 @@ _layout_op = torch.ops.ep.dispatch_layout.default
 _ep_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
 
 
-def _group(group: Group) -> dist.ProcessGroup:
+def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
+    """The ``"ep"`` group (default WORLD) and its transports still to check (``_check_fallback``)."""
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
         raise RuntimeError("ep: torch.distributed is not initialized; call init_process_group")
-    if pg in _ep_groups:
-        return pg
+    pending = _ep_groups.get(pg)
+    if pending is not None:
+        return pg, pending
     backend = dist.get_backend(pg)
     if backend != "ep":
         raise ValueError(f"ep: the MoE collectives need a group with backend 'ep', got {backend!r}")
-    _ep_groups[pg] = {"high_throughput", "low_latency"}
-    return pg
+    pending = _ep_groups[pg] = {"high_throughput", "low_latency"}
+    return pg, pending
+
+
+def _group(group: Group) -> dist.ProcessGroup:
+    return _group_state(group)[0]
 
 
 class FallbackWarning(UserWarning):
@@ -90,15 +96,14 @@ _FALLBACK_COST = {
 }
 
 
-def _check_fallback(pg: dist.ProcessGroup, kind: str, on_cuda: bool) -> None:
+def _check_fallback(pg: dist.ProcessGroup, pending: set[str], kind: str, on_cuda: bool) -> None:
     """Warns once per group if its ``kind`` ops on CUDA tensors fell back to ATen.
 
     The op decides the transport (collectively) at the group's first call on CUDA tensors; this
     reads its verdict once, after that call. No warning where the fallback was asked for
-    (``EP_HIGH_THROUGHPUT=aten`` / ``EP_LOW_LATENCY=aten``).
+    (``EP_HIGH_THROUGHPUT=aten`` / ``EP_LOW_LATENCY=aten``). ``pending``: from ``_group_state``.
     """
-    pending = _ep_groups.get(pg)
-    if not on_cuda or not pending or kind not in pending:
+    if not on_cuda or kind not in pending:
         return
     if torch.compiler.is_compiling():
         return
@@ -322,7 +327,7 @@ def reserve(
             inputs"); on every rank when growing the transport would free buffers a captured
             CUDA graph uses, or for a kernel error an earlier call left.
     """
-    pg = _group(group)
+    pg, pending = _group_state(group)
     try:
         for value, name in (
             (num_tokens, "num_tokens"),
@@ -352,7 +357,7 @@ def reserve(
     held = get_backend(pg)._reserve(
         index, num_tokens, hidden * dtype.itemsize, num_topk, num_scales, num_experts
     )
-    _check_fallback(pg, "high_throughput", index >= 0)
+    _check_fallback(pg, pending, "high_throughput", index >= 0)
     if held is None:
         return None
     keys = ("num_tokens", "row_bytes", "num_topk", "num_scales", "num_local_experts", "recv_slabs")
@@ -501,7 +506,7 @@ def all_to_all_moe_dispatch(
         RuntimeError: on every rank, before any data moves, if any rank's input is invalid or the
             ranks disagree on E, H, K, dtypes or flags.
     """
-    pg = _group(group)
+    pg, pending = _group_state(group)
     op = "dispatch" if handle is None else "cached dispatch"
     try:
         x, x_scales = _split_x(x, x_scales)
@@ -544,7 +549,7 @@ def all_to_all_moe_dispatch(
     result, work = _run(
         run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list, previous_event
     )
-    _check_fallback(pg, "high_throughput", x.is_cuda)
+    _check_fallback(pg, pending, "high_throughput", x.is_cuda)
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
      per_rank, recv_per_rank, src_idx, src_rank, per_expert_host) = result  # fmt: skip
     if layout is not None:  # the op returns these inputs empty (no aliasing outputs)
@@ -720,7 +725,7 @@ def low_latency_dispatch(
         ``recv_count[le]`` slots of expert ``le`` hold rows; the rest are unspecified (zero on the
         reference path, left unwritten by the NVSHMEM kernels, as in DeepEP).
     """
-    pg = _group(group)
+    pg, pending = _group_state(group)
     stats = cumulative_local_expert_recv_stats
     try:
         if async_op and return_recv_hook:
@@ -752,7 +757,7 @@ def low_latency_dispatch(
         return outs
 
     result, work = _run(run, (x, topk_idx), x.device, async_op, list)
-    _check_fallback(pg, "low_latency", x.is_cuda)
+    _check_fallback(pg, pending, "low_latency", x.is_cuda)
     recv_x, recv_scales, recv_count, src_info, layout_range = result
     handle = LowLatencyHandle(
         src_info=src_info,

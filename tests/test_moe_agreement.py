@@ -30,9 +30,26 @@ def _round_trip_exact(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, **kwa
     )
 
 
-def _transport_and_results(rank: int, world: int) -> dict:
+def _rejected_then_exact(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, spoil: bool):
+    """A dispatch whose topk_idx holds an out-of-range id on this rank if ``spoil`` (valid
+    elsewhere), then a valid one: (the first's error message, "" if none; whether the second
+    equals the reference bitwise)."""
     import ep_backend as ep
     from ep_backend import reference as ref
+
+    bad = idx.clone()
+    if spoil:
+        bad[0, 0] = 99
+    try:
+        ep.dispatch(x, bad, w, 6)
+        raised = ""
+    except RuntimeError as exc:
+        raised = str(exc)
+    return raised, torch.equal(ep.dispatch(x, idx, w, 6).recv_x, ref.dispatch(x, idx, w, 6).recv_x)
+
+
+def _transport_and_results(rank: int, world: int) -> dict:
+    import ep_backend as ep
 
     backend = ep.get_backend()
     before = backend.moe_agreement_transport
@@ -43,16 +60,8 @@ def _transport_and_results(rank: int, world: int) -> dict:
     exact = True
     for _ in range(50):  # many calls: both parities of the exchange, many times over
         exact &= _round_trip_exact(x, idx, w)
-    bad = idx.clone()
-    if rank == 1:
-        bad[0, 0] = 99
-    try:
-        ep.dispatch(x, bad, w, 6)
-        raised = ""
-    except RuntimeError as exc:
-        raised = str(exc)
-    after_bad = ep.dispatch(x, idx, w, 6)
-    exact &= torch.equal(after_bad.recv_x, ref.dispatch(x, idx, w, 6).recv_x)
+    raised, after_bad_exact = _rejected_then_exact(x, idx, w, spoil=rank == 1)
+    exact &= after_bad_exact
     sub = dist.new_group([0, 1])
     sub_transport = None
     if rank < 2:
@@ -79,7 +88,6 @@ def test_agreement_transport_and_equal_results(env: dict, expected: str) -> None
 
 def _one_rank(rank: int, world: int) -> dict:
     import ep_backend as ep
-    from ep_backend import reference as ref
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(41, 64, generator=g).bfloat16()
@@ -88,14 +96,8 @@ def _one_rank(rank: int, world: int) -> dict:
     exact = True
     for kwargs in ({}, {"num_worst_tokens": 64}, {"expert_alignment": 4}):
         exact &= _round_trip_exact(x, idx, w, **kwargs)
-    bad = idx.clone()
-    bad[0, 0] = 99
-    try:
-        ep.dispatch(x, bad, w, 6)
-        raised = ""
-    except RuntimeError as exc:
-        raised = str(exc)
-    exact &= torch.equal(ep.dispatch(x, idx, w, 6).recv_x, ref.dispatch(x, idx, w, 6).recv_x)
+    raised, after_bad_exact = _rejected_then_exact(x, idx, w, spoil=True)
+    exact &= after_bad_exact
     return {"transport": ep.get_backend().moe_agreement_transport, "exact": exact, "raised": raised}
 
 

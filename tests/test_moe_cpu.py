@@ -481,7 +481,7 @@ def _fallback_warning_worker(rank: int, world: int) -> list[str]:
         def warned(kind: str, on_cuda: bool = True) -> list[str]:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                moe._check_fallback(pg, kind, on_cuda)
+                moe._check_fallback(*moe._group_state(pg), kind, on_cuda)
             return [str(w.message) for w in seen if issubclass(w.category, ep.FallbackWarning)]
 
         def singleton() -> dist.ProcessGroup:  # every rank creates every group, as torch asks

@@ -244,43 +244,33 @@ std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
   const bool asked_aten = mode != nullptr && std::string(mode) == "aten";
   const std::string prefix = keyPrefix(pg) + "topology/";
   const std::vector<std::string> posted = allGatherStrings(
-      pg, prefix,
-      hostName() + "|" + std::to_string(int(device.index())) + "|" + gpuBusId(device.index()),
-      "ep dispatch (transport setup)");
-  std::vector<std::string> hosts(num_ranks), buses(num_ranks);
-  std::vector<int> devices(num_ranks);
-  for (int r = 0; r < num_ranks; ++r) {
-    const auto bus_bar = posted[r].rfind('|');
-    const auto bar = posted[r].rfind('|', bus_bar - 1);
-    hosts[r] = posted[r].substr(0, bar);
-    devices[r] = std::stoi(posted[r].substr(bar + 1, bus_bar - bar - 1));
-    buses[r] = posted[r].substr(bus_bar + 1);
-  }
+      pg, prefix, GpuPlace::of(device.index()).str(), "ep dispatch (transport setup)");
+  std::vector<GpuPlace> places(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) places[r] = GpuPlace::parse(posted[r]);
+  const GpuPlace& mine = places[rank];
   std::string why = asked_aten ? "EP_HIGH_THROUGHPUT=aten" : "";
   for (int r = 0; r < num_ranks && why.empty(); ++r) {
-    if (hosts[r] != hosts[0]) {
-      why = "ranks 0 and " + std::to_string(r) + " are on different hosts (" + hosts[0] + ", " +
-            hosts[r] + "); the NVLink kernels need every rank on one host";
+    if (places[r].host != places[0].host) {
+      why = "ranks 0 and " + std::to_string(r) + " are on different hosts (" + places[0].host +
+            ", " + places[r].host + "); the NVLink kernels need every rank on one host";
       continue;
     }
-    if (r == rank) continue;
-    // The same GPU (ranks sharing one: CUDA IPC within the device) needs no peer access. GPUs
-    // are told apart by bus id, which also holds where CUDA_VISIBLE_DEVICES differs per process
-    // (indices then name different GPUs in different ranks); by index if it is unknown.
-    const bool known = buses[r] != "?" && buses[rank] != "?";
-    if (known ? buses[r] == buses[rank] : devices[r] == device.index()) continue;
-    // The peer's GPU as this process numbers it; invisible here (CUDA_VISIBLE_DEVICES per
-    // process): nothing to ask, CUDA IPC maps its memory all the same.
-    int local = devices[r];
-    if (known && cudaDeviceGetByPCIBusId(&local, buses[r].c_str()) != cudaSuccess) {
+    // The same GPU (ranks sharing one: CUDA IPC within the device) needs no peer access.
+    if (r == rank || places[r].sameGpu(mine)) continue;
+    // The peer's GPU as this process numbers it (indices differ between processes where
+    // CUDA_VISIBLE_DEVICES does); invisible here: nothing to ask, CUDA IPC maps its memory all
+    // the same.
+    int local = places[r].index;
+    if (places[r].knownBus() &&
+        cudaDeviceGetByPCIBusId(&local, places[r].bus.c_str()) != cudaSuccess) {
       cudaGetLastError();  // not sticky
       continue;
     }
     int can = 0;
     cudaDeviceCanAccessPeer(&can, device.index(), local);
     if (!can) {
-      why = "GPU " + std::to_string(int(device.index())) + " (" + buses[rank] +
-            ") has no peer access to rank " + std::to_string(r) + "'s GPU (" + buses[r] + ")";
+      why = "GPU " + std::to_string(mine.index) + " (" + mine.bus +
+            ") has no peer access to rank " + std::to_string(r) + "'s GPU (" + places[r].bus + ")";
     }
   }
   bool all = true;

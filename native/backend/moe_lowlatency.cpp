@@ -202,29 +202,23 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   }
   const std::string prefix = "ep_ll/" + pg.options()->group_name + "/decide/";
   const std::vector<std::string> posted =
-      allGatherStrings(pg, prefix,
-                       (why.empty() ? "1|" : "0|") + hostName() + "|" +
-                           std::to_string(int(device.index())) + "|" + gpuBusId(device.index()),
+      allGatherStrings(pg, prefix, (why.empty() ? "1|" : "0|") + GpuPlace::of(device.index()).str(),
                        "ep low_latency_dispatch (transport setup)");
-  // Two ranks on one GPU: the same host and the same bus id (the same index where the bus id is
-  // unknown). The same index on different GPUs means CUDA_VISIBLE_DEVICES differs per process,
-  // which NVSHMEM has not been tried with here: those groups stay on ATen, and say so.
-  std::vector<std::array<std::string, 3>> seen;  // host, index, bus id
+  // Two ranks on one GPU share it. The same index on different GPUs of one host means
+  // CUDA_VISIBLE_DEVICES differs per process, which NVSHMEM has not been tried with here: those
+  // groups stay on ATen, and say so.
+  std::vector<GpuPlace> seen;
   bool all = true;
   for (const std::string& s : posted) {
     all = all && s[0] == '1';
-    const auto bus_bar = s.rfind('|');
-    const auto bar = s.rfind('|', bus_bar - 1);
-    const std::array<std::string, 3> where{
-        s.substr(2, bar - 2), s.substr(bar + 1, bus_bar - bar - 1), s.substr(bus_bar + 1)};
+    const GpuPlace where = GpuPlace::parse(s.substr(2));
     for (const auto& w : seen) {
-      if (!why.empty() || w[0] != where[0]) continue;
-      const bool known = w[2] != "?" && where[2] != "?";
-      if (known ? w[2] == where[2] : w[1] == where[1]) {
+      if (!why.empty() || w.host != where.host) continue;
+      if (w.sameGpu(where)) {
         why = "ranks share a GPU (NVSHMEM needs one GPU per rank)";
-      } else if (w[1] == where[1]) {
-        why = "ranks see different GPUs (" + w[2] + ", " + where[2] + ") as the same device " +
-              where[1] +
+      } else if (w.index == where.index) {
+        why = "ranks see different GPUs (" + w.bus + ", " + where.bus + ") as the same device " +
+              std::to_string(where.index) +
               " (CUDA_VISIBLE_DEVICES set per process), which ep does not start NVSHMEM with; "
               "make every GPU visible to every rank and pick one per rank with "
               "torch.cuda.set_device(local_rank)";
