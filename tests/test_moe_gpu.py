@@ -138,6 +138,38 @@ def _moe_cuda(rank: int, world: int, hidden: int, topk: int, num_experts: int) -
         failures.append("combined_x, special values: values differ")
     if want.numel() > 0 and not (nan.any() and want.isinf().any() and (want == 0).any()):
         failures.append("combined_x, special values: the input produced no NaN, inf or zero")
+    # Float16 combine runs the kernels too (in-type pair sums on 2 ranks, float32 otherwise):
+    # random rows with weights, two biases, and the special values of FP16 (subnormals, the
+    # largest finite, sums that overflow, ties), bitwise wherever the reference is not NaN.
+    y16 = (a.recv_x.float() * 0.75).half()
+    bias = [torch.randn(num_tokens, hidden, device=dev, generator=g).half() for _ in range(2)]
+    for name, kwargs, ref_kwargs in (
+        ("", {}, {}),
+        (", two biases", {"bias": tuple(bias)}, {"bias": tuple(t.cpu() for t in bias)}),
+    ):
+        c = ep.combine(y16, a.handle, a.recv_topk_weights, **kwargs)
+        d = ref.combine(y16.cpu(), b.handle, b.recv_topk_weights, **ref_kwargs)
+        check(f"float16 combined_x{name}", c.combined_x, d.combined_x)
+        check(f"float16 combined_w{name}", c.combined_topk_weights, d.combined_topk_weights)
+    specials16 = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 2.0**-24, -(2.0**-23), 6.1e-5,
+         65504.0, -65504.0, 1.0, 1.0 + 2.0**-10, 2.0**-11, 3.0, -1e-3, 40000.0],
+        dtype=torch.float16,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(9 + rank)
+    y16 = specials16[torch.randint(0, len(specials16), tuple(a.recv_x.shape), generator=gen)]
+    bias16 = specials16[torch.randint(0, len(specials16), (num_tokens, hidden), generator=gen)]
+    for name, kwargs, ref_kwargs in (
+        ("", {}, {}),
+        (", bias", {"bias": bias16.to(dev)}, {"bias": bias16}),
+    ):
+        got = ep.combine(y16.to(dev), a.handle, **kwargs).combined_x.cpu()
+        want = ref.combine(y16, b.handle, **ref_kwargs).combined_x
+        nan = want.isnan()
+        if not torch.equal(got.isnan(), nan):
+            failures.append(f"float16 combined_x, special values{name}: NaN in other places")
+        elif not torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]):
+            failures.append(f"float16 combined_x, special values{name}: values differ")
     # async_op: the comm stream and a Work to wait on; the per-expert list needs no device read.
     a = ep.dispatch(x, idx, w, num_experts, async_op=True)
     a.work.wait()

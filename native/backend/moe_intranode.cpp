@@ -654,6 +654,22 @@ ErrorRecord takeLayoutError(int device, cudaStream_t stream) {
   return record;
 }
 
+// The combine kernels' element type of a payload dtype (validation admitted only these).
+CombineElem combineElem(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return CombineElem::kBFloat16;
+    case at::kHalf:
+      return CombineElem::kFloat16;
+    case at::kFloat:
+      return CombineElem::kFloat32;
+    case at::kDouble:
+      return CombineElem::kFloat64;
+    default:
+      TORCH_CHECK(false, "ep combine: no kernel sums ", t, " rows");
+  }
+}
+
 }  // namespace
 
 LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
@@ -1091,7 +1107,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   }
   IntranodeCombineArgs args;
   args.x = a.x.data_ptr();
-  args.elem_bytes = static_cast<int>(a.x.element_size());
+  args.elem = combineElem(a.x.scalar_type());
   args.hidden = static_cast<int>(a.x.size(1));
   args.num_recv_rows = static_cast<int>(a.x.size(0));
   args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;

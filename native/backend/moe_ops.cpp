@@ -209,8 +209,7 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
                        const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
                        const at::Tensor& recv_src_rank, const std::string& group_name) {
   auto pg = resolveGroup(group_name, "combine");
-  // The kernels sum BF16, float32 and float64 rows; float16 takes the ATen path.
-  if (x.scalar_type() == at::kHalf || !useIntranode(*pg, x)) {
+  if (!useIntranode(*pg, x)) {
     return combineAtenOp(x, topk_weights, bias0, bias1, is_token_in_rank, num_tokens_per_rank,
                          num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
   }

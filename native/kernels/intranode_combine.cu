@@ -10,9 +10,9 @@
 //      acc = +0; for r = 0..R-1 ascending: acc += row_r; acc += bias0; acc += bias1
 //    in float32 (float64 for float64 rows) with round-to-nearest adds (no contraction), and
 //    stores acc rounded to nearest-even in the element type. Weights are summed the same way.
-//    BF16 tokens with at most two rows and no bias take add.rn.bf16x2, which gives the same bits
-//    (see device::bf16_pair_sum) with a fifth of the instructions: on 2 ranks the reduction's
-//    instructions bound the owner side (combine kernel 210.7 -> 193.8 us).
+//    BF16 (FP16) tokens with at most two rows and no bias take add.rn.bf16x2 (f16x2), which gives
+//    the same bits (see device::bf16_pair_sum) with a fifth of the instructions: on 2 ranks the
+//    reduction's instructions bound the owner side (BF16 combine kernel 210.7 -> 193.8 us).
 // Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
 // token order and the reduction overlaps the transfer.
 #include "intranode_kernels.hpp"
@@ -29,11 +29,11 @@ __device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kIntranodeThreads / 32;
 
-template <int kElemBytes>
+template <CombineElem kElem>
 struct ElemOps;
 
 template <>
-struct ElemOps<2> {  // bfloat16
+struct ElemOps<CombineElem::kBFloat16> {
   using Acc = float;
   static constexpr int kPerVec = 8;
   static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
@@ -63,10 +63,41 @@ struct ElemOps<2> {  // bfloat16
     }
     return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
   }
+  // (+0 + a) + b in the element type: the float32 reduction's bits (false: take that path).
+  static __device__ __forceinline__ bool pair_sum(const int4& a, const int4& b, int4& out) {
+    return device::bf16_pair_sum(a, b, out);
+  }
 };
 
 template <>
-struct ElemOps<4> {  // float32
+struct ElemOps<CombineElem::kFloat16> {
+  using Acc = float;
+  static constexpr int kPerVec = 8;
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
+    const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] = __fadd_rn(acc[2 * i], device::f16_to_float(w[i] & 0xFFFFu));
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], device::f16_to_float(w[i] >> 16));
+    }
+  }
+  // cvt.rn.f16x2: round to nearest even, subnormals kept, overflow to infinity (a NaN becomes
+  // the canonical 0x7FFF; the contract leaves NaN payloads unspecified).
+  static __device__ __forceinline__ int4 pack(const Acc* acc) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
+    return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+  }
+  static __device__ __forceinline__ bool pair_sum(const int4& a, const int4& b, int4& out) {
+    out = device::f16_pair_sum(a, b);
+    return true;
+  }
+};
+
+template <>
+struct ElemOps<CombineElem::kFloat32> {
   using Acc = float;
   static constexpr int kPerVec = 4;
   static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
@@ -82,7 +113,7 @@ struct ElemOps<4> {  // float32
 };
 
 template <>
-struct ElemOps<8> {  // float64
+struct ElemOps<CombineElem::kFloat64> {
   using Acc = double;
   static constexpr int kPerVec = 2;
   static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
@@ -195,10 +226,11 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
 }
 
 // Owner side: reduce token t whose rows from rank r sit at pos[r] (-1: none).
-template <int kElemBytes, int kRanks>
+template <CombineElem kElem, int kRanks>
 __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
                                               const int (&pos)[kRanks], int local_base, int lane) {
-  using Ops = ElemOps<kElemBytes>;
+  using Ops = ElemOps<kElem>;
+  constexpr int kElemBytes = combine_elem_bytes(kElem);
   using Acc = typename Ops::Acc;
   // 16-byte loads in flight per lane: kRanks * kUnroll, all issued before any add.
   constexpr int kUnroll = kRanks <= 2 ? 8 : (kRanks <= 4 ? 2 : 1);  // no register spills
@@ -233,11 +265,12 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
                        : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
                                                        size_t(t) * hidden_bytes);
   int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
-  // BF16 on 2 ranks: at most two rows per token, summed by device::bf16_pair_sum when no bias.
+  // BF16 / FP16 on 2 ranks: at most two rows per token, summed in the element type (same
+  // bits) when there is no bias.
 #ifdef EP_COMBINE_FLOAT32_ONLY  // A/B switch: the float32 reduction everywhere
   constexpr bool kPairSum = false;
 #else
-  constexpr bool kPairSum = kElemBytes == 2 && kRanks == 2;
+  constexpr bool kPairSum = kElemBytes == 2 && kRanks == 2;  // BF16 and FP16
 #endif
   const bool pair_path = b0 == nullptr && b1 == nullptr;
 
@@ -269,7 +302,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
       if (i + 32 * u >= n16) continue;
       if constexpr (kPairSum) {
         int4 sum;
-        if (pair_path && device::bf16_pair_sum(v[0][u], v[1][u], sum)) {
+        if (pair_path && Ops::pair_sum(v[0][u], v[1][u], sum)) {
           device::st_v4(out + i + 32 * u, sum);
           continue;
         }
@@ -291,12 +324,13 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
 
 // Owner side: 32 tokens per batch, lane j polls the flags of token first + (k0 + j) * stride and
 // the warp reduces every token whose rows have all arrived.
-template <int kElemBytes, int kRanks>
+template <CombineElem kElem, int kRanks>
 __device__ void combine_recv(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
                              int warp, int lane) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
-  const CombineRow row = CombineRow::make(p.hidden * kElemBytes, p.num_topk, c.layout.row_align);
+  const CombineRow row =
+      CombineRow::make(p.hidden * combine_elem_bytes(kElem), p.num_topk, c.layout.row_align);
   const int num_recv_warps = kWarps - p.num_send_warps - 1;
   const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
   const int stride = gridDim.x * num_recv_warps;
@@ -351,13 +385,13 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
         int pos[kRanks];
 #pragma unroll
         for (int r = 0; r < kRanks; ++r) pos[r] = __shfl_sync(kFull, my_pos[r], j);
-        combine_token<kElemBytes, kRanks>(p, first + (k0 + j) * stride, pos, local_base, lane);
+        combine_token<kElem, kRanks>(p, first + (k0 + j) * stride, pos, local_base, lane);
       }
     }
   }
 }
 
-template <int kElemBytes, int kRanks>
+template <CombineElem kElem, int kRanks>
 __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel(CombineParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];
@@ -385,7 +419,7 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
     else if (warp == p.num_send_warps)
       combine_publish(p, ctx, seq, lane, s_progress);
     else
-      combine_recv<kElemBytes, kRanks>(p, ctx, seq, warp, lane);
+      combine_recv<kElem, kRanks>(p, ctx, seq, warp, lane);
   }
   if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
   // Block 0 sees every peer enter (see the dispatch kernel for why).
@@ -402,24 +436,24 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
   }
 }
 
-template <int kElemBytes>
+template <CombineElem kElem>
 cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t stream) {
   const int R = p.comm.num_ranks;
   if (R <= 2)
-    intranode_combine_kernel<kElemBytes, 2><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+    intranode_combine_kernel<kElem, 2><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
   else if (R <= 4)
-    intranode_combine_kernel<kElemBytes, 4><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+    intranode_combine_kernel<kElem, 4><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
   else
-    intranode_combine_kernel<kElemBytes, 8><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+    intranode_combine_kernel<kElem, 8><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <int kElemBytes>
+template <CombineElem kElem>
 cudaError_t preload_for_elem() {
   cudaFuncAttributes attr;
-  cudaError_t e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 2>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 4>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElemBytes, 8>);
+  cudaError_t e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElem, 2>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElem, 4>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, intranode_combine_kernel<kElem, 8>);
   return e;
 }
 
@@ -430,20 +464,23 @@ cudaError_t read_intranode_combine_timeline(uint64_t* out) {
 }
 
 cudaError_t preload_intranode_combine() {
-  cudaError_t e = preload_for_elem<2>();
-  if (e == cudaSuccess) e = preload_for_elem<4>();
-  if (e == cudaSuccess) e = preload_for_elem<8>();
+  cudaError_t e = preload_for_elem<CombineElem::kBFloat16>();
+  if (e == cudaSuccess) e = preload_for_elem<CombineElem::kFloat16>();
+  if (e == cudaSuccess) e = preload_for_elem<CombineElem::kFloat32>();
+  if (e == cudaSuccess) e = preload_for_elem<CombineElem::kFloat64>();
   return e;
 }
 
 cudaError_t launch_intranode_combine(const CombineParams& p, int num_sms, cudaStream_t stream) {
-  switch (p.elem_bytes) {
-    case 2:
-      return launch_for_elem<2>(p, num_sms, stream);
-    case 4:
-      return launch_for_elem<4>(p, num_sms, stream);
-    case 8:
-      return launch_for_elem<8>(p, num_sms, stream);
+  switch (p.elem) {
+    case CombineElem::kBFloat16:
+      return launch_for_elem<CombineElem::kBFloat16>(p, num_sms, stream);
+    case CombineElem::kFloat16:
+      return launch_for_elem<CombineElem::kFloat16>(p, num_sms, stream);
+    case CombineElem::kFloat32:
+      return launch_for_elem<CombineElem::kFloat32>(p, num_sms, stream);
+    case CombineElem::kFloat64:
+      return launch_for_elem<CombineElem::kFloat64>(p, num_sms, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -326,10 +326,18 @@ struct DispatchParams {
   int own_slab;
 };
 
+// Element type of a combine's rows (x, bias, out).
+enum class CombineElem : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
+
+__host__ __device__ constexpr int combine_elem_bytes(CombineElem e) {
+  return e == CombineElem::kFloat64 ? 8 : (e == CombineElem::kFloat32 ? 4 : 2);
+}
+
 struct CombineParams {
   CommContext comm;
-  const void* x;  // [N(cap), H] elements of elem_bytes (2: bf16, 4: f32, 8: f64)
-  int elem_bytes;
+  const void* x;  // [N(cap), H] elements of `elem`
+  CombineElem elem;
+  int elem_bytes;             // combine_elem_bytes(elem)
   int hidden;                 // elements per row
   const float* topk_weights;  // [N, K] or null
   int num_topk;

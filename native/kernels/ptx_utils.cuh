@@ -361,5 +361,28 @@ __device__ __forceinline__ bool bf16_pair_sum(const int4& a, const int4& b, int4
   return nan == 0;
 }
 
+__device__ __forceinline__ float f16_to_float(uint32_t bits16) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(bits16)));
+  return f;
+}
+
+// FP16 rows of at most two ranks, as bf16_pair_sum: (+0 + a) + b with add.rn.f16x2 (no .ftz)
+// rounds the exact sum once, and so does the float32 reduction rounded to FP16: float32 has
+// 24 >= 2 * 11 + 2 significand bits, enough for double rounding of a sum to be innocuous
+// (Figueroa). NaN payloads differ at most (unspecified by the contract).
+__device__ __forceinline__ int4 f16_pair_sum(const int4& a, const int4& b) {
+  const uint32_t x[4] = {uint32_t(a.x), uint32_t(a.y), uint32_t(a.z), uint32_t(a.w)};
+  const uint32_t y[4] = {uint32_t(b.x), uint32_t(b.y), uint32_t(b.z), uint32_t(b.w)};
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t t;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(t) : "r"(0u), "r"(x[i]));
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(w[i]) : "r"(t), "r"(y[i]));
+  }
+  return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+}
+
 }  // namespace device
 }  // namespace ep

@@ -536,9 +536,10 @@ void IntranodeRuntime::cached_dispatch(const IntranodeDispatchArgs& args, cudaSt
 void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t stream) {
   check_ready("combine");
   check_no_dispatch_due("combine");
-  require(a.elem_bytes == 2 || a.elem_bytes == 4 || a.elem_bytes == 8,
-          "combine: elements must be bfloat16, float32 or float64");
-  const long long hidden_bytes = static_cast<long long>(a.hidden) * a.elem_bytes;
+  require(a.elem == CombineElem::kBFloat16 || a.elem == CombineElem::kFloat16 ||
+              a.elem == CombineElem::kFloat32 || a.elem == CombineElem::kFloat64,
+          "combine: elements must be bfloat16, float16, float32 or float64");
+  const long long hidden_bytes = static_cast<long long>(a.hidden) * combine_elem_bytes(a.elem);
   require(a.hidden > 0 && hidden_bytes % 16 == 0,
           "combine: hidden bytes (H * element size) must be a positive multiple of 16");
   require(hidden_bytes <= config_.max_hidden_bytes, "combine: hidden bytes exceed config");
@@ -558,7 +559,8 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   CombineParams p{};
   p.comm = comm_context();
   p.x = a.x;
-  p.elem_bytes = a.elem_bytes;
+  p.elem = a.elem;
+  p.elem_bytes = combine_elem_bytes(a.elem);
   p.hidden = a.hidden;
   p.topk_weights = a.topk_weights;
   p.num_topk = a.topk_weights != nullptr ? a.num_topk : 0;

@@ -26,7 +26,7 @@
 //    every rank, in the same order, and must execute one at a time per rank (same stream, or
 //    streams ordered by events). Each kernel spins on its peers, so all ranks' kernels must be
 //    able to run concurrently (one process/thread per GPU).
-//  * Per call, every rank must pass the same hidden_bytes (combine: hidden, elem_bytes),
+//  * Per call, every rank must pass the same hidden_bytes (combine: hidden, elem),
 //    num_scales, num_topk and (combine) topk_weights present or not: they fix the row layout in
 //    the peers' buffers. num_sms and the send-warp split may differ between ranks.
 //  * Consecutive calls need no resets: each kernel takes a sequence number from a device-side
@@ -120,18 +120,18 @@ struct IntranodeDispatchArgs {
 
 // What a combine call reads and writes.
 struct IntranodeCombineArgs {
-  const void* x = nullptr;              // [num_recv_rows, hidden] of elem_bytes, dispatch order
-  int elem_bytes = 2;                   // 2: bfloat16, 4: float32, 8: float64
-  int hidden = 0;                       // H (elements)
-  int num_recv_rows = 0;                // rows of x: N, or num_worst_tokens
-  const float* topk_weights = nullptr;  // [num_recv_rows, K], optional
+  const void* x = nullptr;                    // [num_recv_rows, hidden] of `elem`, dispatch order
+  CombineElem elem = CombineElem::kBFloat16;  // of x, bias and out
+  int hidden = 0;                             // H (elements)
+  int num_recv_rows = 0;                      // rows of x: N, or num_worst_tokens
+  const float* topk_weights = nullptr;        // [num_recv_rows, K], optional
   int num_topk = 0;
   const int* recv_prefix = nullptr;   // [R+1] of the dispatch
   const int* send_pos = nullptr;      // [T, R] of the dispatch
   int num_tokens = 0;                 // T of this rank
-  const void* bias0 = nullptr;        // [T, H] of elem_bytes, optional
-  const void* bias1 = nullptr;        // [T, H] of elem_bytes, optional
-  void* out = nullptr;                // [T, H] of elem_bytes
+  const void* bias0 = nullptr;        // [T, H] of `elem`, optional
+  const void* bias1 = nullptr;        // [T, H] of `elem`, optional
+  void* out = nullptr;                // [T, H] of `elem`
   float* out_topk_weights = nullptr;  // [T, K], optional (needs topk_weights)
   int num_sms = 0;
 };

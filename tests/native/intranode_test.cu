@@ -115,6 +115,30 @@ float bf16_to_float(uint16_t b) {
   return f;
 }
 
+// IEEE half, round to nearest even as cvt.rn.f16.f32 (subnormals kept, >= 65520 to infinity).
+uint16_t float_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;
+  if (a >= 0x477FF000u) return sign | 0x7C00u;  // 65520 and up round to infinity
+  if (a >= 0x38800000u) {                       // normal: rebias the exponent, round 23 -> 10
+    const uint32_t r = a - 0x38000000u;
+    return sign | static_cast<uint16_t>((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
+  }
+  // Subnormal (or zero): units of 2^-24, rounded to nearest even (may become the least normal).
+  return sign | static_cast<uint16_t>(std::nearbyint(std::fabs(double(f)) * 16777216.0));
+}
+
+float f16_to_float(uint16_t h) {
+  const float sign = (h & 0x8000u) ? -1.0f : 1.0f;
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  if (e == 0) return sign * std::ldexp(float(m), -24);
+  if (e == 31) return m ? std::nanf("") : sign * INFINITY;
+  return sign * std::ldexp(float(1024 + m), e - 25);
+}
+
 // ------------------------------------------------------------------------------------------
 // Cases, inputs and the CPU reference
 // ------------------------------------------------------------------------------------------
@@ -131,8 +155,9 @@ struct CaseSpec {
   bool weights = true;
   double p_none = 0.1;  // probability of a -1 entry
   int alignment = 1;
-  int worst = 0;          // 0: normal mode; > 0: num_worst_tokens; -1: auto (max N + 7)
-  int comb_elem = 2;      // 2 bf16, 4 f32, 8 f64
+  int worst = 0;      // 0: normal mode; > 0: num_worst_tokens; -1: auto (max N + 7)
+  int comb_elem = 2;  // 2 bf16 (f16 with comb_f16), 4 f32, 8 f64
+  bool comb_f16 = false;
   int comb_hidden = 256;  // elements
   bool bias0 = false, bias1 = false;
   uint64_t seed = 1;
@@ -177,7 +202,7 @@ void fill_random_bytes(std::vector<uint8_t>& v, std::mt19937_64& rng) {
 }
 
 // Random finite values of elem bytes, with some -0.0 and +0.0 to exercise the +0 start.
-void fill_random_elems(std::vector<uint8_t>& v, int elem, std::mt19937_64& rng) {
+void fill_random_elems(std::vector<uint8_t>& v, int elem, bool f16, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> u(-4.0, 4.0);
   const size_t n = v.size() / elem;
   for (size_t i = 0; i < n; ++i) {
@@ -185,8 +210,12 @@ void fill_random_elems(std::vector<uint8_t>& v, int elem, std::mt19937_64& rng) 
     const uint64_t pick = rng() % 64;
     if (pick == 0) d = -0.0;
     if (pick == 1) d = 0.0;
-    if (pick == 2) d *= 1e-30;  // tiny, exercises rounding/denormals in float
-    if (elem == 2) {
+    if (pick == 2) d *= f16 ? 1e-5 : 1e-30;  // tiny, exercises rounding/denormals
+    if (pick == 3 && f16) d *= 16000.0;      // large: FP16 sums that overflow to infinity
+    if (elem == 2 && f16) {
+      const uint16_t b = float_to_f16(static_cast<float>(d));
+      std::memcpy(v.data() + i * 2, &b, 2);
+    } else if (elem == 2) {
       const uint16_t b = float_to_bf16(static_cast<float>(d));
       std::memcpy(v.data() + i * 2, &b, 2);
     } else if (elem == 4) {
@@ -238,11 +267,11 @@ CaseData make_case(const CaseSpec& spec) {
     const size_t chb = size_t(spec.comb_hidden) * spec.comb_elem;
     if (spec.bias0) {
       d.bias0.resize(size_t(d.T) * chb);
-      fill_random_elems(d.bias0, spec.comb_elem, rng);
+      fill_random_elems(d.bias0, spec.comb_elem, spec.comb_f16, rng);
     }
     if (spec.bias1) {
       d.bias1.resize(size_t(d.T) * chb);
-      fill_random_elems(d.bias1, spec.comb_elem, rng);
+      fill_random_elems(d.bias1, spec.comb_elem, spec.comb_f16, rng);
     }
     // layout
     d.per_rank.assign(R, 0);
@@ -324,7 +353,7 @@ CaseData make_case(const CaseSpec& spec) {
     // combine input
     const size_t chb = size_t(spec.comb_hidden) * spec.comb_elem;
     d.xc.resize(size_t(rows) * chb);
-    fill_random_elems(d.xc, spec.comb_elem, rng);
+    fill_random_elems(d.xc, spec.comb_elem, spec.comb_f16, rng);
     d.wc.resize(size_t(rows) * K);
     std::uniform_real_distribution<float> uf(-1.0f, 1.0f);
     for (auto& v : d.wc) v = uf(rng);
@@ -357,7 +386,7 @@ CaseData make_case(const CaseSpec& spec) {
           if (el == 2) {
             uint16_t b;
             std::memcpy(&b, base + size_t(h) * 2, 2);
-            return bf16_to_float(b);
+            return spec.comb_f16 ? f16_to_float(b) : bf16_to_float(b);
           }
           if (el == 4) {
             float f;
@@ -371,7 +400,7 @@ CaseData make_case(const CaseSpec& spec) {
         auto store = [&](std::vector<uint8_t>& out, double accd, float accf) {
           uint8_t* p = &out[(size_t(t) * H + h) * el];
           if (el == 2) {
-            const uint16_t b = float_to_bf16(accf);
+            const uint16_t b = spec.comb_f16 ? float_to_f16(accf) : float_to_bf16(accf);
             std::memcpy(p, &b, 2);
           } else if (el == 4) {
             std::memcpy(p, &accf, 4);
@@ -744,7 +773,10 @@ void enqueue_ops(const CaseData& c, const RankData& d, int rank, IntranodeRuntim
 
   IntranodeCombineArgs ca;
   ca.x = b.xc;
-  ca.elem_bytes = sp.comb_elem;
+  ca.elem = sp.comb_elem == 8   ? ep::CombineElem::kFloat64
+            : sp.comb_elem == 4 ? ep::CombineElem::kFloat32
+            : sp.comb_f16       ? ep::CombineElem::kFloat16
+                                : ep::CombineElem::kBFloat16;
   ca.hidden = sp.comb_hidden;
   ca.num_recv_rows = rows;
   ca.topk_weights = b.wc;
@@ -1736,7 +1768,7 @@ void bench(int iters) {
       report(label, time_op([&](int r, cudaStream_t s) {
                IntranodeCombineArgs a;
                a.x = rb[r].xc;
-               a.elem_bytes = 2;
+               a.elem = ep::CombineElem::kBFloat16;
                a.hidden = H;
                a.num_recv_rows = rb[r].N;
                a.recv_prefix = rb[r].b.recv_prefix;
@@ -1794,6 +1826,18 @@ void correctness_suite(int R, int soak_iters) {
   {
     CaseSpec s = spec_of("bf16-H256-K8", R, uneven, 512, 0, 8, E);
     s.bias0 = true;
+    cases.push_back(s);
+  }
+  {
+    CaseSpec s = spec_of("f16-combine-H1000-K8", R, uneven, 512, 0, 8, E);
+    s.comb_f16 = true;
+    s.comb_hidden = 1000;
+    cases.push_back(s);
+  }
+  {
+    CaseSpec s = spec_of("f16-combine-bias", R, uneven, 256, 0, 4, E);
+    s.comb_f16 = true;
+    s.bias0 = s.bias1 = true;
     cases.push_back(s);
   }
   {
@@ -1918,8 +1962,10 @@ void correctness_suite(int R, int soak_iters) {
     s.alignment = 1 + int(rng() % 3) * 3;
     s.worst = rng() % 3 == 0 ? -1 : 0;
     s.slab = s.worst == 0 && rng() % 2 == 0;
-    const int elems[] = {2, 2, 4, 8};
-    s.comb_elem = elems[rng() % 4];
+    const int elems[] = {2, 2, 2, 4, 8};
+    const int pick = int(rng() % 5);
+    s.comb_elem = elems[pick];
+    s.comb_f16 = pick == 2;
     s.comb_hidden = s.comb_elem == 8 ? 2 * (1 + rng() % 64) : 8 * (1 + rng() % 64);
     s.bias0 = rng() % 2;
     s.bias1 = rng() % 3 == 0;
