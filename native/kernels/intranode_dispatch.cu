@@ -341,12 +341,29 @@ __device__ __forceinline__ bool read_notify_slots(const DispatchParams& p,
 // "entered" wait is implied: notify returned only after every peer's notify of this sequence
 // had written to us, and a peer's notify starts only after its earlier kernels have finished
 // (it is not launched early), so no earlier kernel of a peer still reads what we write.
-__device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
-                                                 const device::WaitContext& ctx, uint64_t seq,
-                                                 int lane, uint32_t dest_mask, uint32_t& ready,
-                                                 bool& notified, int& local_base, int& dest_base,
-                                                 int& dest_slab) {
-  const uint32_t need = p.after_notify ? 0u : dest_mask & ~ready;
+// A sender's state for its stores: the peers it has seen enter, whether notify's results are
+// in, and where its rows start (local_base; lane d: dest_base / dest_slab of destination d).
+struct SenderState {
+  uint32_t ready;
+  bool notified;
+  int local_base, dest_base, dest_slab;
+  bool ok;  // false: the warp must stop
+};
+
+// The waits run once per warp: they are kept out of line (EP_INLINE_FIRST_STORE=1 inlines
+// them), so the per-token loop that calls sender_may_store carries only its test.
+#ifndef EP_INLINE_FIRST_STORE
+#define EP_INLINE_FIRST_STORE 0
+#endif
+#if EP_INLINE_FIRST_STORE
+__device__ __forceinline__
+#else
+__device__ __noinline__
+#endif
+    SenderState sender_first_store(const DispatchParams& p, const device::WaitContext& ctx,
+                                   uint64_t seq, int lane, uint32_t dest_mask, SenderState st) {
+  st.ok = false;
+  const uint32_t need = p.after_notify ? 0u : dest_mask & ~st.ready;
   if (need != 0) {
     const uint64_t* entered = reinterpret_cast<const uint64_t*>(p.comm.buffers.ptr[p.comm.rank] +
                                                                 p.comm.layout.entered_offset);
@@ -354,25 +371,44 @@ __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
     if ((need >> lane) & 1u)
       ok = device::spin_wait(ctx, lane,
                              [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
-    if (!__all_sync(kFull, ok)) return false;
-    if (ready == (1u << p.comm.rank) && threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtEnteredSeen);
-    ready |= need;
+    if (!__all_sync(kFull, ok)) return st;
+    if (st.ready == (1u << p.comm.rank) && threadIdx.x == 0)
+      EP_HT_STAMP(g_timeline, kHtEnteredSeen);
+    st.ready |= need;
   }
-  if (!notified && kSenderSlots) {
-    notified = true;
-    if (!read_notify_slots(p, ctx, seq, lane, local_base, dest_base, dest_slab)) return false;
+  if (!st.notified) {
+    st.notified = true;
+    if (kSenderSlots) {
+      if (!read_notify_slots(p, ctx, seq, lane, st.local_base, st.dest_base, st.dest_slab))
+        return st;
+    } else {
+      if (!wait_notified(ctx, seq) ||
+          (p.topk_idx != nullptr && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks)))
+        return st;
+      st.local_base = p.recv_prefix[p.comm.rank];
+      load_dest_slabs(p, lane, st.dest_base, st.dest_slab);
+    }
     if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtNotifiedSeen);
   }
-  if (!notified) {
-    notified = true;
-    if (!wait_notified(ctx, seq) ||
-        (p.topk_idx != nullptr && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks)))
-      return false;
-    if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtNotifiedSeen);
-    local_base = p.recv_prefix[p.comm.rank];
-    load_dest_slabs(p, lane, dest_base, dest_slab);
-  }
-  return true;
+  st.ok = true;
+  return st;
+}
+
+__device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
+                                                 const device::WaitContext& ctx, uint64_t seq,
+                                                 int lane, uint32_t dest_mask, uint32_t& ready,
+                                                 bool& notified, int& local_base, int& dest_base,
+                                                 int& dest_slab) {
+  const uint32_t need = p.after_notify ? 0u : dest_mask & ~ready;
+  if (need == 0 && notified) return true;
+  const SenderState st = sender_first_store(
+      p, ctx, seq, lane, dest_mask, {ready, notified, local_base, dest_base, dest_slab, true});
+  ready = st.ready;
+  notified = st.notified;
+  local_base = st.local_base;
+  dest_base = st.dest_base;
+  dest_slab = st.dest_slab;
+  return st.ok;
 }
 
 // Destination d's lent slab as mapped here (null: d is us or lent none); `lrow` becomes our
@@ -936,7 +972,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
 // its BF16 dispatch ran ~4 us slower.
 template <bool kStaged>
 __global__ void __launch_bounds__(kIntranodeThreads, 1)
-    intranode_dispatch_kernel(DispatchParams p) {
+    intranode_dispatch_kernel(const __grid_constant__ DispatchParams p) {
   static_assert(kWarps <= device::kMaxSenderWarps, "publish queue too small");
   __shared__ uint64_t s_seq;
   __shared__ int s_rejected;

@@ -1441,7 +1441,12 @@ void print_ht_timeline(Team& team, int R, bool combine, int send_warps) {
 }
 
 void bench(int iters) {
-  const int R = 2, T = 4096, H = 7168, K = 8, E = 256;
+  // HT_BENCH_RANKS=1: one rank (a local permutation), to compare with the torch op's rows on one
+  // GPU, where two ranks of a process would share it.
+  const char* ranks_env = std::getenv("HT_BENCH_RANKS");
+  const int R = ranks_env != nullptr ? std::atoi(ranks_env) : 2;
+  const int T = 4096, H = 7168, K = 8, E = 256;
+  if (R < 1 || R > 2) throw std::runtime_error("bench: HT_BENCH_RANKS must be 1 or 2");
   IntranodeConfig cfg;
   cfg.max_tokens_per_rank = T;
   cfg.max_hidden_bytes = H * 2;
@@ -1510,11 +1515,13 @@ void bench(int iters) {
     CUDA_CHECK(cudaStreamSynchronize(s));
   });
 
-  long long remote_tokens[R] = {0, 0};
+  std::vector<long long> remote_tokens(R, 0);
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) remote_tokens[r] += c.r[r].in_rank[size_t(t) * R + (1 - r)];
-  std::printf("bench: remote tokens per rank: %lld / %lld, N = %d / %d\n", remote_tokens[0],
-              remote_tokens[1], c.r[0].N, c.r[1].N);
+    for (int t = 0; t < T && R == 2; ++t)
+      remote_tokens[r] += c.r[r].in_rank[size_t(t) * R + (1 - r)];
+  std::printf("bench: remote tokens per rank:");
+  for (int r = 0; r < R; ++r) std::printf(" %lld (N = %d)", remote_tokens[r], c.r[r].N);
+  std::printf("\n");
 
   // Times `op` on every rank: flush L2, device barrier, events around op. Returns per-rank medians.
   auto time_op = [&](const std::function<void(int, cudaStream_t)>& op) {
@@ -1606,7 +1613,8 @@ void bench(int iters) {
   const BenchShape shapes[2] = {{"BF16", 2 * H, 0}, {"FP8+scales", H, 56}};
   for (const BenchShape& sh : shapes) {
     const double remote_bytes =
-        double(std::max(remote_tokens[0], remote_tokens[1])) * (sh.hidden_bytes + sh.S * 4);
+        double(*std::max_element(remote_tokens.begin(), remote_tokens.end())) *
+        (sh.hidden_bytes + sh.S * 4);
     auto dispatch_args = [&](int r, int cap) {
       RankBuffers& b = rb[r].b;
       IntranodeDispatchArgs a;
@@ -1758,7 +1766,8 @@ void bench(int iters) {
            remote_bytes);
   }
   // Normal-mode notify leaves recv_prefix for N rows; combine on that layout.
-  const double comb_bytes = double(std::max(c.r[0].recv_counts[1], c.r[1].recv_counts[0])) * H * 2;
+  const double comb_bytes =
+      R == 2 ? double(std::max(c.r[0].recv_counts[1], c.r[1].recv_counts[0])) * H * 2 : 0.0;
   std::printf("BF16 combine (num_sms=24; remote bytes = rows x %d B):\n", H * 2);
   for (int round = 0; round < rounds; ++round)
     for (int warps : combine_warps) {
