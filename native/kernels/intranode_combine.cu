@@ -32,17 +32,23 @@ constexpr int kWarps = kIntranodeThreads / 32;
 template <CombineElem kElem>
 struct ElemOps;
 
+// acc[j] += element j of the eight 16-bit elements in v, widened to float32 by `Widen`.
+template <float (*Widen)(uint32_t)>
+__device__ __forceinline__ void add_16bit(float* acc, const int4& v) {
+  const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = __fadd_rn(acc[2 * i], Widen(w[i] & 0xFFFFu));
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], Widen(w[i] >> 16));
+  }
+}
+
 template <>
 struct ElemOps<CombineElem::kBFloat16> {
   using Acc = float;
   static constexpr int kPerVec = 8;
   static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
-    const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc[2 * i] = __fadd_rn(acc[2 * i], device::bf16_to_float(w[i] & 0xFFFFu));
-      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], device::bf16_to_float(w[i] >> 16));
-    }
+    add_16bit<device::bf16_to_float>(acc, v);
   }
   // One cvt.rn.bf16x2 per two elements (round to nearest even, like float_to_bf16_rne, subnormals
   // kept). A NaN takes the slow path so it keeps float_to_bf16_rne's bits (0x7FC0; the hardware
@@ -74,12 +80,7 @@ struct ElemOps<CombineElem::kFloat16> {
   using Acc = float;
   static constexpr int kPerVec = 8;
   static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
-    const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc[2 * i] = __fadd_rn(acc[2 * i], device::f16_to_float(w[i] & 0xFFFFu));
-      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], device::f16_to_float(w[i] >> 16));
-    }
+    add_16bit<device::f16_to_float>(acc, v);
   }
   // cvt.rn.f16x2: round to nearest even, subnormals kept, overflow to infinity (a NaN becomes
   // the canonical 0x7FFF; the contract leaves NaN payloads unspecified).

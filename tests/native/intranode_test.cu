@@ -155,10 +155,9 @@ struct CaseSpec {
   bool weights = true;
   double p_none = 0.1;  // probability of a -1 entry
   int alignment = 1;
-  int worst = 0;      // 0: normal mode; > 0: num_worst_tokens; -1: auto (max N + 7)
-  int comb_elem = 2;  // 2 bf16 (f16 with comb_f16), 4 f32, 8 f64
-  bool comb_f16 = false;
-  int comb_hidden = 256;  // elements
+  int worst = 0;  // 0: normal mode; > 0: num_worst_tokens; -1: auto (max N + 7)
+  ep::CombineElem comb = ep::CombineElem::kBFloat16;  // the combine's element type
+  int comb_hidden = 256;                              // elements
   bool bias0 = false, bias1 = false;
   uint64_t seed = 1;
   bool expect_overflow = false;
@@ -173,7 +172,7 @@ struct RankData {
   std::vector<float> scales, scales2, w;
   std::vector<int64_t> idx;            // stored as int64 always; uploaded per idx_bytes
   std::vector<uint8_t> idx_bytes_buf;  // as uploaded
-  std::vector<uint8_t> bias0, bias1;   // [T, comb_hidden * comb_elem]
+  std::vector<uint8_t> bias0, bias1;   // [T, comb_hidden] of spec.comb
   // expected
   std::vector<int> per_rank, per_expert, send_pos;
   std::vector<uint8_t> in_rank;
@@ -182,7 +181,7 @@ struct RankData {
   std::vector<uint8_t> recv_x, recv_x2, recv_idx;
   std::vector<float> recv_scales, recv_scales2, recv_w;
   std::vector<int> src_idx, src_rank;
-  std::vector<uint8_t> xc;              // combine input [rows, comb_hidden * comb_elem]
+  std::vector<uint8_t> xc;              // combine input [rows, comb_hidden] of spec.comb
   std::vector<float> wc;                // [rows, K]
   std::vector<uint8_t> out, out_plain;  // combine with bias/weights, and plain
   std::vector<float> out_w;
@@ -201,9 +200,11 @@ void fill_random_bytes(std::vector<uint8_t>& v, std::mt19937_64& rng) {
   }
 }
 
-// Random finite values of elem bytes, with some -0.0 and +0.0 to exercise the +0 start.
-void fill_random_elems(std::vector<uint8_t>& v, int elem, bool f16, std::mt19937_64& rng) {
+// Random finite values of type `type`, with some -0.0 and +0.0 to exercise the +0 start.
+void fill_random_elems(std::vector<uint8_t>& v, ep::CombineElem type, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> u(-4.0, 4.0);
+  const int elem = ep::combine_elem_bytes(type);
+  const bool f16 = type == ep::CombineElem::kFloat16;
   const size_t n = v.size() / elem;
   for (size_t i = 0; i < n; ++i) {
     double d = u(rng);
@@ -264,14 +265,14 @@ CaseData make_case(const CaseSpec& spec) {
         std::memcpy(d.idx_bytes_buf.data() + i * 4, &v, 4);
       }
     }
-    const size_t chb = size_t(spec.comb_hidden) * spec.comb_elem;
+    const size_t chb = size_t(spec.comb_hidden) * ep::combine_elem_bytes(spec.comb);
     if (spec.bias0) {
       d.bias0.resize(size_t(d.T) * chb);
-      fill_random_elems(d.bias0, spec.comb_elem, spec.comb_f16, rng);
+      fill_random_elems(d.bias0, spec.comb, rng);
     }
     if (spec.bias1) {
       d.bias1.resize(size_t(d.T) * chb);
-      fill_random_elems(d.bias1, spec.comb_elem, spec.comb_f16, rng);
+      fill_random_elems(d.bias1, spec.comb, rng);
     }
     // layout
     d.per_rank.assign(R, 0);
@@ -351,15 +352,16 @@ CaseData make_case(const CaseSpec& spec) {
       }
     }
     // combine input
-    const size_t chb = size_t(spec.comb_hidden) * spec.comb_elem;
+    const size_t chb = size_t(spec.comb_hidden) * ep::combine_elem_bytes(spec.comb);
     d.xc.resize(size_t(rows) * chb);
-    fill_random_elems(d.xc, spec.comb_elem, spec.comb_f16, rng);
+    fill_random_elems(d.xc, spec.comb, rng);
     d.wc.resize(size_t(rows) * K);
     std::uniform_real_distribution<float> uf(-1.0f, 1.0f);
     for (auto& v : d.wc) v = uf(rng);
   }
   // combine expectations
-  const int H = spec.comb_hidden, el = spec.comb_elem;
+  const int H = spec.comb_hidden, el = ep::combine_elem_bytes(spec.comb);
+  const bool f16 = spec.comb == ep::CombineElem::kFloat16;
   for (int o = 0; o < R; ++o) {
     RankData& d = c.r[o];
     d.out.assign(size_t(d.T) * H * el, 0);
@@ -386,7 +388,7 @@ CaseData make_case(const CaseSpec& spec) {
           if (el == 2) {
             uint16_t b;
             std::memcpy(&b, base + size_t(h) * 2, 2);
-            return spec.comb_f16 ? f16_to_float(b) : bf16_to_float(b);
+            return f16 ? f16_to_float(b) : bf16_to_float(b);
           }
           if (el == 4) {
             float f;
@@ -400,7 +402,7 @@ CaseData make_case(const CaseSpec& spec) {
         auto store = [&](std::vector<uint8_t>& out, double accd, float accf) {
           uint8_t* p = &out[(size_t(t) * H + h) * el];
           if (el == 2) {
-            const uint16_t b = spec.comb_f16 ? float_to_f16(accf) : float_to_bf16(accf);
+            const uint16_t b = f16 ? float_to_f16(accf) : float_to_bf16(accf);
             std::memcpy(p, &b, 2);
           } else if (el == 4) {
             std::memcpy(p, &accf, 4);
@@ -646,7 +648,7 @@ void alloc_inputs(const CaseData& c, const RankData& d, Arena& a, RankBuffers& b
 void alloc_outputs(const CaseData& c, const RankData& d, int rows, Arena& a, RankBuffers& b,
                    cudaStream_t s) {
   const CaseSpec& sp = c.spec;
-  const size_t hb = sp.hidden_bytes, chb = size_t(sp.comb_hidden) * sp.comb_elem;
+  const size_t hb = sp.hidden_bytes, chb = size_t(sp.comb_hidden) * ep::combine_elem_bytes(sp.comb);
   b.recv_x = a.take(rows * hb);
   b.recv_x2 = a.take(rows * hb);
   b.recv_scales = static_cast<float*>(a.take(size_t(rows) * sp.S * 4));
@@ -773,10 +775,7 @@ void enqueue_ops(const CaseData& c, const RankData& d, int rank, IntranodeRuntim
 
   IntranodeCombineArgs ca;
   ca.x = b.xc;
-  ca.elem = sp.comb_elem == 8   ? ep::CombineElem::kFloat64
-            : sp.comb_elem == 4 ? ep::CombineElem::kFloat32
-            : sp.comb_f16       ? ep::CombineElem::kFloat16
-                                : ep::CombineElem::kBFloat16;
+  ca.elem = sp.comb;
   ca.hidden = sp.comb_hidden;
   ca.num_recv_rows = rows;
   ca.topk_weights = b.wc;
@@ -804,7 +803,7 @@ void download_results(const CaseData& c, const RankData& d, const RankBuffers& b
                       cudaStream_t s, RankResult& out) {
   const CaseSpec& sp = c.spec;
   const int R = sp.R;
-  const size_t hb = sp.hidden_bytes, chb = size_t(sp.comb_hidden) * sp.comb_elem;
+  const size_t hb = sp.hidden_bytes, chb = size_t(sp.comb_hidden) * ep::combine_elem_bytes(sp.comb);
   download(out.per_rank, b.per_rank, R, s);
   download(out.per_expert, b.per_expert, sp.E, s);
   download(out.in_rank, b.in_rank, size_t(d.T) * R, s);
@@ -979,7 +978,7 @@ void graph_test(Team& team) {
   spec.K = 6;
   spec.E = 8 * R;
   spec.worst = 100 * R + 37 * R * R;  // >= any N
-  spec.comb_elem = 2;
+  spec.comb = ep::CombineElem::kBFloat16;
   spec.comb_hidden = 512;
   spec.bias0 = true;
   const int replays = 4;
@@ -1266,7 +1265,7 @@ int ipc_test(int R) {
   spec.K = 8;
   spec.E = 32;
   spec.alignment = 4;
-  spec.comb_elem = 2;
+  spec.comb = ep::CombineElem::kBFloat16;
   spec.comb_hidden = 1024;
   spec.bias0 = spec.bias1 = true;
   std::vector<int> to_parent(2 * R), to_child(2 * R);
@@ -1839,13 +1838,13 @@ void correctness_suite(int R, int soak_iters) {
   }
   {
     CaseSpec s = spec_of("f16-combine-H1000-K8", R, uneven, 512, 0, 8, E);
-    s.comb_f16 = true;
+    s.comb = ep::CombineElem::kFloat16;
     s.comb_hidden = 1000;
     cases.push_back(s);
   }
   {
     CaseSpec s = spec_of("f16-combine-bias", R, uneven, 256, 0, 4, E);
-    s.comb_f16 = true;
+    s.comb = ep::CombineElem::kFloat16;
     s.bias0 = s.bias1 = true;
     cases.push_back(s);
   }
@@ -1872,7 +1871,7 @@ void correctness_suite(int R, int soak_iters) {
   {
     CaseSpec s = spec_of("fp8-H7168-S56-K8-worst", R, uneven, 7168, 56, 8, 8 * R * 4);
     s.worst = 700 * R;
-    s.comb_elem = 4;
+    s.comb = ep::CombineElem::kFloat32;
     s.comb_hidden = 1000;
     s.bias0 = true;
     cases.push_back(s);
@@ -1880,7 +1879,7 @@ void correctness_suite(int R, int soak_iters) {
   {
     CaseSpec s = spec_of("fp8-H208-S3-int32idx", R, uneven, 208, 3, 5, E);
     s.idx_bytes = 4;
-    s.comb_elem = 8;
+    s.comb = ep::CombineElem::kFloat64;
     s.comb_hidden = 200;
     s.bias0 = s.bias1 = true;
     cases.push_back(s);
@@ -1888,7 +1887,7 @@ void correctness_suite(int R, int soak_iters) {
   {
     CaseSpec s = spec_of("f64-combine-noweights", R, uneven, 1024, 0, 4, E);
     s.weights = false;
-    s.comb_elem = 8;
+    s.comb = ep::CombineElem::kFloat64;
     s.comb_hidden = 1792;
     cases.push_back(s);
   }
@@ -1971,11 +1970,12 @@ void correctness_suite(int R, int soak_iters) {
     s.alignment = 1 + int(rng() % 3) * 3;
     s.worst = rng() % 3 == 0 ? -1 : 0;
     s.slab = s.worst == 0 && rng() % 2 == 0;
-    const int elems[] = {2, 2, 2, 4, 8};
-    const int pick = int(rng() % 5);
-    s.comb_elem = elems[pick];
-    s.comb_f16 = pick == 2;
-    s.comb_hidden = s.comb_elem == 8 ? 2 * (1 + rng() % 64) : 8 * (1 + rng() % 64);
+    const ep::CombineElem types[] = {ep::CombineElem::kBFloat16, ep::CombineElem::kBFloat16,
+                                     ep::CombineElem::kFloat16, ep::CombineElem::kFloat32,
+                                     ep::CombineElem::kFloat64};
+    s.comb = types[rng() % 5];
+    s.comb_hidden =
+        s.comb == ep::CombineElem::kFloat64 ? 2 * (1 + rng() % 64) : 8 * (1 + rng() % 64);
     s.bias0 = rng() % 2;
     s.bias1 = rng() % 3 == 0;
     s.seed = rng();
