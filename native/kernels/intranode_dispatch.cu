@@ -125,6 +125,13 @@ constexpr int kSkipRemoteMeta = EP_DIAG_NO_REMOTE_META;
 #else
 constexpr int kSkipRemoteMeta = 0;
 #endif
+// Measurement builds only (wrong results, one rank only): EP_DIAG_SENDER bits drop parts of the
+// staged sender's per-token work: 1 scales and metadata, 2 the hand-over to the publisher,
+// 4 the x stores, 8 the token-input loads (send_pos kept).
+#ifndef EP_DIAG_SENDER
+#define EP_DIAG_SENDER 0
+#endif
+constexpr int kDiagSender = EP_DIAG_SENDER;
 
 // Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
 __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
@@ -441,6 +448,67 @@ __device__ __forceinline__ char* dest_row(const DispatchParams& p, const Dispatc
                          : dispatch_row(c, c.buffers.ptr[d], c.rank, d, slot, row.stride);
 }
 
+// Lane d (< R) of a sender warp: where a token's row goes on destination d, computed by that
+// lane alone (the warp then shuffles it to the others once per destination the token has, instead
+// of every lane working out all kMaxRanks destinations with shuffles and branches per token).
+struct LaneDest {
+  char* row;   // the x row (null: d takes nothing from this token)
+  char* slab;  // the slab d lent (null: d is us or lent none)
+  int lrow;    // our output row (d == us) or d's output row in its slab
+};
+
+// Lane d: the start of the region our rows use in peer d's buffer (no slab), once per warp: its
+// index needs a modulo, which per token and destination cost a division sequence each.
+__device__ __forceinline__ char* lane_region(const CommContext& c, int lane) {
+  if (lane >= c.num_ranks || lane == c.rank) return nullptr;
+  return c.buffers.ptr[lane] + c.layout.dispatch_offset +
+         size_t(c.layout.region_index(c.rank, lane)) * c.layout.dispatch_region_bytes;
+}
+
+// Lane d, for a token whose send position there is `pos`: as dest_row (null past a worst-case
+// capacity, or where d takes nothing). dest_slab / dest_base are lane d's own (load_dest_slabs).
+__device__ __forceinline__ LaneDest lane_dest(const DispatchParams& p, const DispatchRow& row,
+                                              int lane, int pos, int local_base, int dest_slab,
+                                              int dest_base, char* region) {
+  const CommContext& c = p.comm;
+  LaneDest ld{nullptr, nullptr, -1};
+  if (lane >= c.num_ranks || pos < 0) return ld;
+  if (lane == c.rank) {
+    const int r = local_base + pos;
+    if (kSkipLocalRows || (p.num_worst_tokens != 0 && r >= p.num_worst_tokens)) return ld;
+    ld.lrow = r;
+    ld.row = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
+  } else if (dest_slab >= 0) {
+    ld.slab = lent_slab(c, lane, dest_slab);
+    ld.lrow = dest_base + pos;
+    ld.row = ld.slab + p.slab.x + size_t(ld.lrow) * p.hidden_bytes;
+  } else {
+    ld.row = region + size_t(pos) * row.stride;
+  }
+  return ld;
+}
+
+template <typename T>
+__device__ __forceinline__ T* shfl_ptr(T* v, int src) {
+  return reinterpret_cast<T*>(
+      __shfl_sync(kFull, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(v)), src));
+}
+
+// The destinations of a store mask in sending order: peers first (their rows cross NVLink, the
+// longer trip), then our own. Returns -1 when none is left.
+__device__ __forceinline__ int next_destination(uint32_t& peers, bool& own, int me) {
+  if (peers != 0) {
+    const int d = __ffs(peers) - 1;
+    peers &= peers - 1;
+    return d;
+  }
+  if (own) {
+    own = false;
+    return me;
+  }
+  return -1;
+}
+
 // Register path: every lane loads 16-byte chunks of x and stores them to every destination. The
 // loads that do not depend on the destinations (send_pos, ids, weights, scales, the first chunks
 // of x) are issued together, so they cost one memory latency instead of one each.
@@ -559,6 +627,7 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
   int dest_base = 0, dest_slab = -1;
   if (notified) load_dest_slabs(p, lane, dest_base, dest_slab);
   uint32_t ready = 1u << me;
+  char* const region = lane_region(c, lane);  // lane d: our rows' region in d's buffer
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
   // Items: whole tokens, then (kTailHalves) the last rounds' tokens as two halves each.
@@ -584,6 +653,7 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     if (ii >= num_items) return in;
     const int tt = item_at(ii, T, split).token;
     if (lane < R) in.pos = p.send_pos[size_t(tt) * R + lane];
+    if (kDiagSender & 8) return in;
     if (with_meta && lane < K) {
       in.idx = load_idx(p.topk_idx, size_t(tt) * K + lane, p.idx_bytes);
       if (p.topk_weights != nullptr) in.w = p.topk_weights[size_t(tt) * K + lane];
@@ -616,34 +686,56 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
                           dest_slab))
       break;
     if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
-    char* dst[kMaxRanks];
-    int local_row = -1;
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      const int slot = __shfl_sync(kFull, cur.pos, d);
-      dst[d] = d < R && slot >= 0
-                   ? dest_row(p, row, d, slot, local_base, dest_slab, dest_base, cur.pos, local_row)
-                   : nullptr;
-    }
-    // Chunks [lo, end[d]) of x go to destination d: all of them for a whole token; a half's own
-    // chunks for us and for a peer that lent a slab (its count takes both halves); for a peer
-    // without one, the whole row with the first half and nothing with the second.
-    const int lo = first_chunk(item);
-    int end[kMaxRanks];
-    int hi = 0;  // the most chunks any destination takes
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      end[d] = n16;
-      if (kTailHalves > 0 && item.kind != kWhole && dst[d] != nullptr) {
-        const bool in_place = d == me || __shfl_sync(kFull, dest_slab, d) >= 0;
-        if (in_place && item.kind == kFirstHalf) end[d] = half;
-        if (!in_place && item.kind == kSecondHalf) end[d] = 0;
+    if constexpr (kTailHalves == 0) {
+      // Each destination in turn: lane d says where the row goes, the warp stores the staged row
+      // there, then its scales and metadata.
+      const LaneDest mine =
+          lane_dest(p, row, lane, cur.pos, local_base, dest_slab, dest_base, region);
+      const uint32_t store_mask = __ballot_sync(kFull, mine.row != nullptr);
+      uint32_t peers = store_mask & ~(1u << me);
+      bool own = (store_mask >> me) & 1u;
+      device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (ii_next's may still travel)
+      const int4* in = stage + (k & 1) * n16;
+      for (int d = next_destination(peers, own, me); d >= 0; d = next_destination(peers, own, me)) {
+        char* to = shfl_ptr(mine.row, d);
+        if (!(kDiagSender & 4)) {
+          int4* to16 = reinterpret_cast<int4*>(to);
+#pragma unroll 4
+          for (int i = lane; i < n16; i += 32) device::st_v4(to16 + i, in[i]);
+        }
+        if (!(kDiagSender & 1))
+          store_token_side(p, row, me, d, to, shfl_ptr(mine.slab, d),
+                           __shfl_sync(kFull, mine.lrow, d), t, lane, cur.sc0, cur.sc1, with_meta,
+                           cur.idx, cur.w);
       }
-      if (dst[d] != nullptr) hi = max(hi, end[d]);
-    }
-    device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (ii_next's may still travel)
-    const int4* in = stage + (k & 1) * n16;
-    if constexpr (kTailHalves > 0) {
+    } else {  // kTailHalves: whole tokens and half rows, every destination per chunk
+      char* dst[kMaxRanks];
+      int local_row = -1;
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        const int slot = __shfl_sync(kFull, cur.pos, d);
+        dst[d] = d < R && slot >= 0 ? dest_row(p, row, d, slot, local_base, dest_slab, dest_base,
+                                               cur.pos, local_row)
+                                    : nullptr;
+      }
+      // Chunks [lo, end[d]) of x go to destination d: all of them for a whole token; a half's own
+      // chunks for us and for a peer that lent a slab (its count takes both halves); for a peer
+      // without one, the whole row with the first half and nothing with the second.
+      const int lo = first_chunk(item);
+      int end[kMaxRanks];
+      int hi = 0;  // the most chunks any destination takes
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d) {
+        end[d] = n16;
+        if (kTailHalves > 0 && item.kind != kWhole && dst[d] != nullptr) {
+          const bool in_place = d == me || __shfl_sync(kFull, dest_slab, d) >= 0;
+          if (in_place && item.kind == kFirstHalf) end[d] = half;
+          if (!in_place && item.kind == kSecondHalf) end[d] = 0;
+        }
+        if (dst[d] != nullptr) hi = max(hi, end[d]);
+      }
+      device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (ii_next's may still travel)
+      const int4* in = stage + (k & 1) * n16;
       for (int i = lo + lane; i < hi; i += 32) {
         const int4 v = in[i];
 #pragma unroll
@@ -651,37 +743,30 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
           if (dst[d] != nullptr && i < end[d])
             device::st_v4(reinterpret_cast<int4*>(dst[d]) + i, v);
       }
-    } else {
-      for (int i = lane; i < n16; i += 32) {
-        const int4 v = in[i];
+      // Scales and metadata go with a whole token or its first half.
+      if (item.kind != kSecondHalf) {
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-          if (dst[d] != nullptr) device::st_v4(reinterpret_cast<int4*>(dst[d]) + i, v);
-      }
-    }
-    // Scales and metadata go with a whole token or its first half.
-    if (item.kind != kSecondHalf) {
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr) continue;
-        int lrow = local_row;
-        char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
-        store_token_side(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1, with_meta,
-                         cur.idx, cur.w);
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (dst[d] == nullptr) continue;
+          int lrow = local_row;
+          char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
+          store_token_side(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1, with_meta,
+                           cur.idx, cur.w);
+        }
       }
     }
     if (kLateClaim && lane == 0 && ii_next < num_items)
       claimed = device::next_item(claim, ctx.ctrl, ii_next, first, stride, 2);
     __syncwarp();
     bool ok = true;
-    if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, item.code());
+    if (lane == 0 && !(kDiagSender & 2)) ok = device::hand_over(ctx, queue, warp, k, item.code());
     if (!__shfl_sync(kFull, ok, 0)) break;
     ii = ii_next;
     cur = nxt;
     ii_next = __shfl_sync(kFull, claimed, 0);
   }
   device::cp_async_wait<0>();  // no copy into shared memory outlives the warp's work
-  if (lane == 0) device::hand_over_done(queue, warp, k);
+  if (lane == 0) device::hand_over_done(queue, warp, (kDiagSender & 2) ? 0 : k);
 }
 
 __device__ void dispatch_publish(const DispatchParams& p, const device::WaitContext& ctx,
