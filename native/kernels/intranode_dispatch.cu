@@ -133,10 +133,23 @@ constexpr int kSkipRemoteMeta = 0;
 #endif
 constexpr int kDiagSender = EP_DIAG_SENDER;
 
-// Copies 16-byte chunks [begin, n16) of a read-only input row to up to kMaxRanks destinations.
-__device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int n16,
-                                               char* const (&dst)[kMaxRanks], int lane, int begin) {
-  for (int i = begin + lane; i < n16; i += 32 * kSendUnroll) {
+// Register path: stores a read-only input row to N destinations (`to`; with kMayBeNull some are
+// null and skipped): chunks [0, 32 * kSendEarly) from `first` (loaded with the token's inputs),
+// the rest loaded kSendUnroll chunks per lane at a time. N = 1 and 2 are the common cases (one
+// rank, or our own row plus one peer's) and get no per-destination tests.
+template <int N, bool kMayBeNull>
+__device__ __forceinline__ void send_row(const int4* __restrict__ src, int n16,
+                                         const int4 (&first)[kSendEarly], int4* const (&to)[N],
+                                         int lane) {
+#pragma unroll
+  for (int u = 0; u < kSendEarly; ++u) {
+    if (lane + 32 * u < n16) {
+#pragma unroll
+      for (int a = 0; a < N; ++a)
+        if (!kMayBeNull || to[a] != nullptr) device::st_v4(to[a] + lane + 32 * u, first[u]);
+    }
+  }
+  for (int i = 32 * kSendEarly + lane; i < n16; i += 32 * kSendUnroll) {
     int4 v[kSendUnroll];
 #pragma unroll
     for (int u = 0; u < kSendUnroll; ++u)
@@ -145,8 +158,8 @@ __device__ __forceinline__ void copy_row_multi(const int4* __restrict__ src, int
     for (int u = 0; u < kSendUnroll; ++u) {
       if (i + 32 * u < n16) {
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-          if (dst[d] != nullptr) device::st_v4(reinterpret_cast<int4*>(dst[d]) + i + 32 * u, v[u]);
+        for (int a = 0; a < N; ++a)
+          if (!kMayBeNull || to[a] != nullptr) device::st_v4(to[a] + i + 32 * u, v[u]);
       }
     }
   }
@@ -523,7 +536,8 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   bool notified = p.after_notify == 0;
   int dest_base = 0, dest_slab = -1;
   if (notified) load_dest_slabs(p, lane, dest_base, dest_slab);
-  uint32_t ready = 1u << me;  // peers known to have entered this sequence
+  uint32_t ready = 1u << me;                  // peers known to have entered this sequence
+  char* const region = lane_region(c, lane);  // lane d: our rows' region in d's buffer
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
   int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride) : 0;
@@ -558,36 +572,37 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       return;
     }
     if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
-    char* dst[kMaxRanks];
-    int local_row = -1;
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      const int slot = __shfl_sync(kFull, pos, d);
-      dst[d] = d < R && slot >= 0
-                   ? dest_row(p, row, d, slot, local_base, dest_slab, dest_base, pos, local_row)
-                   : nullptr;
-    }
+    const LaneDest mine = lane_dest(p, row, lane, pos, local_base, dest_slab, dest_base, region);
+    const uint32_t store_mask = __ballot_sync(kFull, mine.row != nullptr);
 
-    // 3. Stores: first batch of x, the rest of x, scales, metadata.
-    if (dest_mask != 0) {
+    // 3. Stores: x to every destination (peers first), then each one's scales and metadata.
+    const int num_dest = __popc(store_mask);
+    uint32_t peers = store_mask & ~(1u << me);
+    bool own = (store_mask >> me) & 1u;
+    if (num_dest == 1) {
+      int4* const to[1] = {shfl_ptr(reinterpret_cast<int4*>(mine.row), __ffs(store_mask) - 1)};
+      send_row<1, false>(src, n16, v, to, lane);
+    } else if (num_dest == 2) {
+      const int d0 = next_destination(peers, own, me);
+      const int d1 = next_destination(peers, own, me);
+      int4* const to[2] = {shfl_ptr(reinterpret_cast<int4*>(mine.row), d0),
+                           shfl_ptr(reinterpret_cast<int4*>(mine.row), d1)};
+      send_row<2, false>(src, n16, v, to, lane);
+    } else if (num_dest > 2) {
+      int4* to[kMaxRanks];
 #pragma unroll
-      for (int u = 0; u < kSendEarly; ++u) {
-        if (lane + 32 * u < n16) {
-#pragma unroll
-          for (int d = 0; d < kMaxRanks; ++d)
-            if (dst[d] != nullptr)
-              device::st_v4(reinterpret_cast<int4*>(dst[d]) + lane + 32 * u, v[u]);
-        }
+      for (int a = 0; a < kMaxRanks; ++a) {
+        const int d = next_destination(peers, own, me);
+        int4* ptr = shfl_ptr(reinterpret_cast<int4*>(mine.row), d < 0 ? 0 : d);
+        to[a] = d < 0 ? nullptr : ptr;
       }
-      if (n16 > 32 * kSendEarly) copy_row_multi(src, n16, dst, lane, 32 * kSendEarly);
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (dst[d] == nullptr) continue;
-        int lrow = local_row;
-        char* slab = dest_slab_row(c, d, dest_slab, dest_base, pos, lrow);
-        store_token_side(p, row, me, d, dst[d], slab, lrow, t, lane, sc0, sc1, with_meta, idx, w);
-      }
+      send_row<kMaxRanks, true>(src, n16, v, to, lane);
     }
+    peers = store_mask & ~(1u << me);
+    own = (store_mask >> me) & 1u;
+    for (int d = next_destination(peers, own, me); d >= 0; d = next_destination(peers, own, me))
+      store_token_side(p, row, me, d, shfl_ptr(mine.row, d), shfl_ptr(mine.slab, d),
+                       __shfl_sync(kFull, mine.lrow, d), t, lane, sc0, sc1, with_meta, idx, w);
     // Hand the token to the publisher (covers every lane's stores: bar.warp.sync + release).
     __syncwarp();
     bool ok = true;
