@@ -14,13 +14,23 @@
 //    the same bits (see device::bf16_pair_sum) with a fifth of the instructions: on 2 ranks the
 //    reduction's instructions bound the owner side (BF16 combine kernel 210.7 -> 193.8 us).
 // Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
-// token order and the reduction overlaps the transfer.
+// token order and the reduction overlaps the transfer. Rows of at most kStagedCombineRowBytes
+// (BF16 / FP16 at H = 7168) are staged by the senders in shared memory (combine_send_staged).
+#include <atomic>
+
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
 
 namespace ep {
 namespace {
+
+// Staged combine senders (-DEP_COMBINE_STAGE=0: the register path only, for A/Bs).
+#ifndef EP_COMBINE_STAGE
+#define EP_COMBINE_STAGE 1
+#endif
+// At most this much dynamic shared memory for staging (5 send warps x 2 x 14,336 B = 143 KB).
+constexpr size_t kMaxCombineStageBytes = 200 * 1024;
 
 #ifdef EP_HT_TIMELINE
 __device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
@@ -197,6 +207,104 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
     __syncwarp();
     if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
   }
+}
+
+// Staged sender (p.staged: rows of at most kStagedCombineRowBytes): as combine_send, but each
+// warp copies the row after the one it stores into its other shared-memory stage with cp.async
+// while storing the current one from the first, so a row's stores start without a memory
+// latency (the register path waits one latency per 16 loads, two per BF16 row). Items are the
+// warp's (i, destination) pairs in combine_send's order; lane d holds destination d's row count.
+// Each lane reads back only the chunks it copied, so cp.async.wait_group alone orders them.
+__device__ void combine_send_staged(const CombineParams& p, const device::WaitContext& ctx,
+                                    uint64_t seq, int warp, int lane, int* progress, int4* stage) {
+  const CommContext& c = p.comm;
+  const int R = c.num_ranks, me = c.rank, K = p.num_topk;
+  const int hidden_bytes = p.hidden * p.elem_bytes;
+  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
+  const int n16 = hidden_bytes / 16;
+  const int first = blockIdx.x * p.num_send_warps + warp;
+  const int stride = gridDim.x * p.num_send_warps;
+  const int prefix = lane <= R ? p.recv_prefix[lane] : 0;
+  const int next_prefix = __shfl_down_sync(kFull, prefix, 1);
+  const bool peer = lane < R && lane != me;
+  const int count = peer ? next_prefix - prefix : 0;  // rows we return to rank `lane`
+  const int max_count = __reduce_max_sync(kFull, count);
+  const uint64_t* entered =
+      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
+  uint32_t ready = 1u << me;
+
+  // Item (i, s): row i for destination me + s (mod R). The next item after (i, s) in order;
+  // i >= max_count: none.
+  const auto dest_of = [&](int s) { return me + s >= R ? me + s - R : me + s; };
+  const auto next = [&](int i, int s) {
+    while (i < max_count) {
+      for (++s; s < R; ++s)
+        if (i < __shfl_sync(kFull, count, dest_of(s))) return make_int2(i, s);
+      i += stride;
+      s = 0;
+    }
+    return make_int2(i, 0);
+  };
+  // Row of x that item `it` sends (its destination's rows start at recv_prefix[d]).
+  const auto row_of = [&](int2 it) { return __shfl_sync(kFull, prefix, dest_of(it.y)) + it.x; };
+  const auto prefetch = [&](int2 it, int buf) {  // always commits a group (empty for none)
+    if (it.x < max_count) {
+      const int r = row_of(it);
+      if (r < p.num_recv_capacity) {
+        const int4* src =
+            reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(r) * hidden_bytes);
+        for (int j = lane; j < n16; j += 32) device::cp_async_16(stage + buf * n16 + j, src + j);
+      }
+    }
+    device::cp_async_commit();
+  };
+  const auto weight_of = [&](int2 it) {  // every lane calls row_of (a full-warp shuffle)
+    if (it.x >= max_count || p.topk_weights == nullptr) return 0.0f;
+    const int r = row_of(it);
+    return lane < K && r < p.num_recv_capacity ? p.topk_weights[size_t(r) * K + lane] : 0.0f;
+  };
+
+  int2 cur = next(first, 0);
+  prefetch(cur, 0);
+  float w_cur = weight_of(cur);
+  int2 nxt = next(cur.x, cur.y);
+  int k = 0;  // values of i done (the publisher flags each i's rows once told)
+  for (int m = 0; cur.x < max_count; ++m) {
+    prefetch(nxt, (m + 1) & 1);
+    const int d = dest_of(cur.y);
+    if (!((ready >> d) & 1u)) {
+      bool ok = true;
+      if (lane == 0)
+        ok = device::spin_wait(ctx, d, [&] { return device::ld_acquire_sys(entered + d) >= seq; });
+      if (!__shfl_sync(kFull, ok, 0)) {
+        device::cp_async_wait<0>();
+        return;
+      }
+      ready |= 1u << d;
+    }
+    if (m == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
+    const int r = row_of(cur);
+    device::cp_async_wait<1>();  // cur's chunks are in stage m & 1
+    // The next weights after the wait (which global loads issued before it share).
+    const float w_nxt = weight_of(nxt);
+    if (r < p.num_recv_capacity) {  // rows past the capacity never existed (overflow)
+      char* out = combine_row(c, c.buffers.ptr[d], me, d, cur.x, row.stride);
+      const int4* in = stage + (m & 1) * n16;
+      int4* o = reinterpret_cast<int4*>(out);
+#pragma unroll 4
+      for (int j = lane; j < n16; j += 32) device::st_v4(o + j, in[j]);
+      if (p.topk_weights != nullptr && lane < K)
+        reinterpret_cast<float*>(out + row.weights_offset)[lane] = w_cur;
+    }
+    if (nxt.x != cur.x) {  // cur was the last item of its i
+      __syncwarp();
+      if (lane == 0) device::st_release_cta_shared(progress + warp, ++k);
+    }
+    cur = nxt;
+    w_cur = w_nxt;
+    nxt = next(cur.x, cur.y);
+  }
+  device::cp_async_wait<0>();  // no copy into shared memory outlives the warp's work
 }
 
 // Lane l publishes the rows of sender warp l of this block (see the dispatch publisher).
@@ -396,6 +504,7 @@ template <CombineElem kElem, int kRanks>
 __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel(CombineParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];
+  extern __shared__ int4 s_stage[];  // staged senders: [send warps][2][row bytes / 16]
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
@@ -415,7 +524,10 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
         seq);
 
   if (!device::aborted(ctx)) {
-    if (warp < p.num_send_warps)
+    if (warp < p.num_send_warps && p.staged)
+      combine_send_staged(p, ctx, seq, warp, lane, s_progress,
+                          s_stage + size_t(warp) * 2 * (p.hidden * p.elem_bytes / 16));
+    else if (warp < p.num_send_warps)
       combine_send(p, ctx, seq, warp, lane, s_progress);
     else if (warp == p.num_send_warps)
       combine_publish(p, ctx, seq, lane, s_progress);
@@ -437,16 +549,46 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
   }
 }
 
-template <CombineElem kElem>
-cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t stream) {
-  const int R = p.comm.num_ranks;
-  if (R <= 2)
-    intranode_combine_kernel<kElem, 2><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
-  else if (R <= 4)
-    intranode_combine_kernel<kElem, 4><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
-  else
-    intranode_combine_kernel<kElem, 8><<<num_sms, kIntranodeThreads, 0, stream>>>(p);
+// Shared memory the staged combine senders need (0: rows too long, register path).
+size_t combine_stage_bytes(const CombineParams& p) {
+#if EP_COMBINE_STAGE
+  const size_t row_bytes = size_t(p.hidden) * size_t(p.elem_bytes);
+  const size_t bytes = size_t(p.num_send_warps) * 2 * row_bytes;
+  return row_bytes <= size_t(kStagedCombineRowBytes) && bytes <= kMaxCombineStageBytes ? bytes : 0;
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+template <CombineElem kElem, int kRanks>
+cudaError_t launch_one(const CombineParams& p, int num_sms, cudaStream_t stream, size_t smem) {
+  auto* kernel = intranode_combine_kernel<kElem, kRanks>;
+  if (smem > 48 * 1024) {  // opt in to more dynamic shared memory (per device, once)
+    static std::atomic<bool> allowed[64];
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) return e;
+    if (device >= 64 || !allowed[device].load()) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(kMaxCombineStageBytes));
+      if (e != cudaSuccess) return e;
+      if (device < 64) allowed[device].store(true);
+    }
+  }
+  kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <CombineElem kElem>
+cudaError_t launch_for_elem(const CombineParams& params, int num_sms, cudaStream_t stream) {
+  CombineParams p = params;
+  const size_t smem = combine_stage_bytes(p);
+  p.staged = smem > 0 ? 1 : 0;
+  const int R = p.comm.num_ranks;
+  if (R <= 2) return launch_one<kElem, 2>(p, num_sms, stream, smem);
+  if (R <= 4) return launch_one<kElem, 4>(p, num_sms, stream, smem);
+  return launch_one<kElem, 8>(p, num_sms, stream, smem);
 }
 
 template <CombineElem kElem>
