@@ -11,21 +11,10 @@
 //   +packed as +side, the side data stored as one 336-byte record per row
 // Build: nvcc -O3 -arch=sm_90a -o build/local_copy_probe scripts/local_copy_probe.cu
 // Run:   build/local_copy_probe [row_bytes=7168] [rows=4096] [blocks=24] [warps=10]
-#include <cuda_runtime.h>
-
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe_util.cuh"
 
 __device__ __forceinline__ int4 ld_nc(const int4* p) {
   int4 v;
@@ -75,47 +64,8 @@ __global__ void copy_rows(const char* src, char* dst, int rows, int row_bytes, i
   }
 }
 
-__global__ void copy_rows_staged(const char* src, char* dst, int rows, int row_bytes, int warps,
-                                 unsigned* counter) {
-  extern __shared__ int4 smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp >= warps) return;
-  const int G = gridDim.x * warps, n16 = row_bytes / 16;
-  int4* stage = smem + size_t(warp) * 2 * n16;
-  auto prefetch = [&](int r, int buf) {
-    if (r < rows) {
-      const int4* s = reinterpret_cast<const int4*>(src + size_t(r) * row_bytes);
-      for (int i = lane; i < n16; i += 32) {
-        const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(stage + buf * n16 + i));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(s + i) : "memory");
-      }
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  };
-  auto claim = [&]() {
-    int c = 0;
-    if (lane == 0) c = static_cast<int>(atomicAdd(counter, 1u)) + 2 * G;
-    return __shfl_sync(0xffffffffu, c, 0);
-  };
-  int r = blockIdx.x * warps + warp;  // owns its first two rows, claims later ones
-  int r_next = r + G;
-  prefetch(r, 0);
-  for (int k = 0; r < rows; ++k) {
-    prefetch(r_next, (k + 1) & 1);
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
-    const int4* in = stage + (k & 1) * n16;
-    int4* out = reinterpret_cast<int4*>(dst + size_t(r) * row_bytes);
-    for (int i = lane; i < n16; i += 32) st(out + i, in[i]);
-    const int after = r_next < rows ? claim() : rows;
-    r = r_next;
-    r_next = after;
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
-
 // Side data of a row as the dispatch writes it: scales (56 floats), 8 top-k ids (int64),
-// 8 weights, the source index and rank, loaded one row ahead. kPacked: the outputs are one
-// 336-byte record per row instead of five arrays.
+// 8 weights, the source index and rank, loaded one row ahead.
 struct Side {
   const float* scales_in;
   const long long* idx_in;
@@ -128,9 +78,12 @@ struct Side {
   char* packed_out;
 };
 
-template <bool kPacked>
-__global__ void copy_rows_staged_side(const char* src, char* dst, int rows, int row_bytes,
-                                      int warps, unsigned* counter, Side sd) {
+// Staged copy: kSide 0 rows only; 1 with side data in five arrays; 2 with it packed into one
+// 336-byte record per row.
+enum SideMode : int { kNoSide = 0, kSideArrays = 1, kSidePacked = 2 };
+template <int kSide>
+__global__ void copy_rows_staged(const char* src, char* dst, int rows, int row_bytes, int warps,
+                                 unsigned* counter, Side sd) {
   extern __shared__ int4 smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= warps) return;
@@ -152,7 +105,7 @@ __global__ void copy_rows_staged_side(const char* src, char* dst, int rows, int 
   };
   auto load = [&](int r) {
     In in;
-    if (r >= rows) return in;
+    if (kSide == kNoSide || r >= rows) return in;
     in.sc0 = sd.scales_in[size_t(r) * 56 + lane];
     if (lane < 24) in.sc1 = sd.scales_in[size_t(r) * 56 + 32 + lane];
     if (lane < 8) {
@@ -177,7 +130,7 @@ __global__ void copy_rows_staged_side(const char* src, char* dst, int rows, int 
     const int4* in = stage + (k & 1) * n16;
     int4* out = reinterpret_cast<int4*>(dst + size_t(r) * row_bytes);
     for (int i = lane; i < n16; i += 32) st(out + i, in[i]);
-    if (kPacked) {
+    if (kSide == kSidePacked) {
       char* rec = sd.packed_out + size_t(r) * 336;
       reinterpret_cast<float*>(rec)[lane] = cur.sc0;
       if (lane < 24) reinterpret_cast<float*>(rec)[32 + lane] = cur.sc1;
@@ -186,7 +139,7 @@ __global__ void copy_rows_staged_side(const char* src, char* dst, int rows, int 
         reinterpret_cast<float*>(rec + 288)[lane] = cur.w;
       }
       if (lane == 0) reinterpret_cast<int2*>(rec + 320)[0] = make_int2(r, 0);
-    } else {
+    } else if (kSide == kSideArrays) {
       sd.scales_out[size_t(r) * 56 + lane] = cur.sc0;
       if (lane < 24) sd.scales_out[size_t(r) * 56 + 32 + lane] = cur.sc1;
       if (lane < 8) {
@@ -215,23 +168,22 @@ int main(int argc, char** argv) {
   char *src, *dst, *flush;
   unsigned* counter;
   const size_t flush_bytes = size_t(256) << 20;
-  CHECK(cudaMalloc(&src, bytes));
-  CHECK(cudaMalloc(&dst, bytes));
-  CHECK(cudaMalloc(&flush, flush_bytes));
-  CHECK(cudaMalloc(&counter, sizeof(unsigned)));
-  CHECK(cudaMemset(src, 1, bytes));
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMalloc(&flush, flush_bytes));
+  CK(cudaMalloc(&counter, sizeof(unsigned)));
+  CK(cudaMemset(src, 1, bytes));
   const size_t smem = size_t(warps) * 2 * row_bytes;
-  CHECK(cudaFuncSetAttribute(copy_rows_staged, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)));
-  CHECK(cudaFuncSetAttribute(copy_rows_staged_side<false>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  CHECK(cudaFuncSetAttribute(copy_rows_staged_side<true>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  for (const void* k : {reinterpret_cast<const void*>(copy_rows_staged<kNoSide>),
+                        reinterpret_cast<const void*>(copy_rows_staged<kSideArrays>),
+                        reinterpret_cast<const void*>(copy_rows_staged<kSidePacked>)})
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            static_cast<int>(smem)));
   Side sd{};
   {
     char* side;
     const size_t n = size_t(rows);
-    CHECK(cudaMalloc(&side, n * (224 + 64 + 32) * 2 + n * 8 + n * 336 + (8 << 10)));
+    CK(cudaMalloc(&side, n * (224 + 64 + 32) * 2 + n * 8 + n * 336 + (8 << 10)));
     char* q = side;
     auto take = [&](size_t b) {
       char* at = q;
@@ -249,30 +201,31 @@ int main(int argc, char** argv) {
     sd.packed_out = take(n * 336);
   }
   cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
   auto time = [&](int mode) {
     std::vector<double> v;
     for (int i = 0; i < 25; ++i) {
-      CHECK(cudaMemset(flush, i, flush_bytes));
-      CHECK(cudaMemset(counter, 0, sizeof(unsigned)));
-      CHECK(cudaEventRecord(e0));
+      CK(cudaMemset(flush, i, flush_bytes));
+      CK(cudaMemset(counter, 0, sizeof(unsigned)));
+      CK(cudaEventRecord(e0));
       if (mode == 0)
         copy_rows<0><<<blocks, 512>>>(src, dst, rows, row_bytes, warps, counter);
       else if (mode == 1)
         copy_rows<1><<<blocks, 512>>>(src, dst, rows, row_bytes, warps, counter);
       else if (mode == 2)
-        copy_rows_staged<<<blocks, 512, smem>>>(src, dst, rows, row_bytes, warps, counter);
+        copy_rows_staged<kNoSide>
+            <<<blocks, 512, smem>>>(src, dst, rows, row_bytes, warps, counter, sd);
       else if (mode == 3)
-        copy_rows_staged_side<false>
+        copy_rows_staged<kSideArrays>
             <<<blocks, 512, smem>>>(src, dst, rows, row_bytes, warps, counter, sd);
       else
-        copy_rows_staged_side<true>
+        copy_rows_staged<kSidePacked>
             <<<blocks, 512, smem>>>(src, dst, rows, row_bytes, warps, counter, sd);
-      CHECK(cudaEventRecord(e1));
-      CHECK(cudaEventSynchronize(e1));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
       float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      CK(cudaEventElapsedTime(&ms, e0, e1));
       if (i >= 5) v.push_back(ms * 1e3);
     }
     std::sort(v.begin(), v.end());
