@@ -541,9 +541,25 @@ def all_to_all_moe_dispatch(
     if handle is not None:
         return _cached_dispatch(x, x_scales, handle, pg, async_op, previous_event)
 
+    # The count wait of a plain eager call (no autograd, no async_op, no tensor subclass, not
+    # traced) runs last, in `finish`: this function's own result objects are built while the GPU
+    # runs notify, not after the counts came in (where the host's work delays the op's end).
+    finish: Callable[[], list[int]] | None = None
+    deferred = (
+        not async_op
+        and type(x) is torch.Tensor
+        and x.is_cuda
+        and not _needs_grad(x, topk_weights)
+        and not torch.compiler.is_compiling()
+    )
+
     def run() -> tuple[torch.Tensor, ...]:
+        nonlocal finish
         args = (x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
                 num_worst_tokens, pg.group_name, layout_tensors)  # fmt: skip
+        if deferred:
+            result, finish = _native()._dispatch_deferred(*args)
+            return result
         return _DispatchFn.apply(*args) if _needs_grad(x, topk_weights) else _dispatch_op(*args)
 
     result, work = _run(
@@ -564,18 +580,22 @@ def all_to_all_moe_dispatch(
         recv_src_rank=src_rank,
         num_worst_tokens=num_worst_tokens,
     )
-    # The host learnt these counts before it launched the dispatch (a CPU tensor): no device read.
-    per_expert_list: list[int] = per_expert_host.tolist()
-    return DispatchOutput(
+    out = DispatchOutput(
         recv_x=recv_x,
         recv_x_scales=_opt(recv_scales, x_scales is not None),
         recv_topk_idx=recv_topk_idx,
         recv_topk_weights=_opt(recv_topk_weights, topk_weights is not None),
         num_recv_tokens_per_expert=per_expert,
-        num_recv_tokens_per_expert_list=per_expert_list,
+        num_recv_tokens_per_expert_list=[],
         handle=handle,
         work=work,
     )
+    # The host learnt the per-expert counts in its count wait: no device read. A deferred wait
+    # runs now; it also sets the outputs' row counts (until then the worst case).
+    out.num_recv_tokens_per_expert_list = (
+        finish() if finish is not None else per_expert_host.tolist()
+    )
+    return out
 
 
 dispatch = all_to_all_moe_dispatch

@@ -25,25 +25,40 @@ import torch
 import torch.distributed as dist
 
 
+def _parse(line: str) -> tuple[dict[str, float], int]:
+    """An EP_PROFILE_HOST line's stages (cumulative µs) and its start (monotonic ns)."""
+    cells = dict((k, float(v)) for k, v in re.findall(r"(\S+?)=(\S+)", line))
+    start = int(cells.pop("start_ns"))
+    cum, acc = {}, 0.0
+    for k, v in cells.items():
+        if k != "total":
+            acc += v
+            cum[k] = acc
+    return cum, start
+
+
 def _stage_line(path: str, offset: int) -> tuple[dict[str, float], int, int]:
-    """The last "ep dispatch host us:" line after ``offset``: its stages (cumulative µs), start."""
+    """The last dispatch's host stages after ``offset``: cumulative µs from its start, and the
+    start (monotonic ns). A deferred count wait (ep.dispatch's eager path) logs a second line,
+    "dispatch finish", whose stages are put on the same scale (count_wait, remember)."""
     with open(path, errors="replace") as f:
         f.seek(offset)
         text = f.read()
         end = f.tell()
     found: tuple[dict[str, float], int] | None = None
     for line in text.splitlines():
-        m = re.match(r"ep dispatch host us:(.*)", line.strip())
+        m = re.match(r"ep dispatch (finish )?host us:(.*)", line.strip())
         if not m:
             continue
-        cells = dict((k, float(v)) for k, v in re.findall(r"(\S+?)=(\S+)", m.group(1)))
-        start = int(cells.pop("start_ns"))
-        cum, acc = {}, 0.0
-        for k, v in cells.items():
-            if k != "total":
-                acc += v
-                cum[k] = acc
-        found = (cum, start)
+        cum, start = _parse(m.group(2))
+        if m.group(1) and found is not None:
+            base = found[0]
+            shift = (start - found[1]) / 1e3
+            merged = dict(base)
+            merged.update({k: shift + v for k, v in cum.items()})
+            found = (merged, found[1])
+        else:
+            found = (cum, start)
     assert found is not None, "no EP_PROFILE_HOST dispatch line: is EP_PROFILE_HOST set?"
     return found[0], found[1], end
 

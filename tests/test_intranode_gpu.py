@@ -237,6 +237,90 @@ def test_overlapped_dispatch_outputs_are_exact_views_of_worst_case_storage(one_r
             )
 
 
+def _deferred_count_wait(rank: int, world: int) -> dict:
+    """ep.dispatch's eager path defers its count wait (_dispatch_deferred + finish); autograd,
+    async_op and the raw op do not. All must give the spec's outputs and a working handle."""
+    import torch.distributed as dist
+
+    import ep_backend as ep
+    from ep_backend import moe
+    from ep_backend import reference as ref
+
+    counts = [150 + 29 * r for r in range(world)]
+    x, idx, w = _inputs(rank, counts[rank], seed=23)
+    x8, s8 = ref.quantize_fp8_per128(x)
+    want = ref.dispatch(x8.cpu(), idx.cpu(), w.cpu(), E, x_scales=s8.cpu())
+    group = dist.group.WORLD.group_name
+    native = ep._native()
+
+    def same(out) -> bool:
+        return (torch.equal(out.recv_x.view(torch.uint8).cpu(), want.recv_x.view(torch.uint8))
+                and torch.equal(out.recv_x_scales.cpu(), want.recv_x_scales)
+                and torch.equal(out.recv_topk_idx.cpu(), want.recv_topk_idx)
+                and torch.equal(out.recv_topk_weights.cpu(), want.recv_topk_weights)
+                and torch.equal(out.handle.recv_src_idx.cpu(), want.handle.recv_src_idx)
+                and out.num_recv_tokens_per_expert_list == want.num_recv_tokens_per_expert_list
+                and torch.equal(ep.combine(out.recv_x.float().bfloat16(), out.handle)
+                                .combined_x.cpu(),
+                                ref.combine(want.recv_x.float().bfloat16(), want.handle)
+                                .combined_x))  # fmt: skip
+
+    res: dict = {"worst": sum(counts), "rows": want.recv_x.shape[0]}
+    # The binding itself: worst-case rows until finish, then the received rows, in place.
+    outs, finish = native._dispatch_deferred(x8, s8, idx, w, E, 1, 0, group, [])
+    res["before"] = [outs[i].shape[0] for i in (0, 1, 2, 3, 8, 9)]
+    res["host_counts_before"] = outs[10].numel()
+    res["per_expert"] = finish()
+    res["after"] = [outs[i].shape[0] for i in (0, 1, 2, 3, 8, 9)]
+    res["want_per_expert"] = want.num_recv_tokens_per_expert_list
+    res["exact"] = torch.equal(outs[0].view(torch.uint8).cpu(), want.recv_x.view(torch.uint8))
+    # num_worst_tokens: nothing to wait for on the host, so nothing is deferred.
+    _, none = native._dispatch_deferred(x8, s8, idx, w, E, 1, sum(counts), group, [])
+    res["worst_case_finish"] = none is None
+    torch.cuda.synchronize()
+    res["eager"] = same(ep.dispatch(x8, idx, w, E, x_scales=s8))
+    res["layout"] = same(ep.dispatch(x8, idx, w, E, x_scales=s8,
+                                     layout=ep.get_dispatch_layout(idx, E)))  # fmt: skip
+    out = ep.dispatch(x8, idx, w, E, x_scales=s8, async_op=True)
+    out.work.wait()
+    res["async"] = same(out)
+    wg = w.clone().requires_grad_()
+    res["autograd"] = same(ep.dispatch(x8, idx, wg, E, x_scales=s8))
+    raw = moe._dispatch_op(x8, s8, idx, w, E, 1, 0, group, [])
+    res["raw"] = torch.equal(raw[0].view(torch.uint8).cpu(), want.recv_x.view(torch.uint8))
+    # A rejected topk_idx raises from finish, on every rank, and the next call works.
+    bad = idx.clone()
+    if rank == world - 1:
+        bad[0, 0] = E + 5
+    try:
+        ep.dispatch(x8, bad, w, E, x_scales=s8)
+        res["rejected"] = ""
+    except RuntimeError as exc:
+        res["rejected"] = str(exc)
+    res["after_reject"] = same(ep.dispatch(x8, idx, w, E, x_scales=s8))
+    return res
+
+
+@pytest.mark.parametrize("one_rank", WORLDS)
+def test_deferred_count_wait_gives_the_same_outputs_as_every_other_path(one_rank: bool) -> None:
+    res = run_distributed(_deferred_count_wait, _world(one_rank), backend="ep", timeout=120)
+    for rank, r in enumerate(res):
+        assert r["before"] == [r["worst"]] * 6, (rank, r)
+        assert r["host_counts_before"] == 0, (rank, r)
+        assert r["after"] == [r["rows"]] * 6, (rank, r)
+        assert r["per_expert"] == r["want_per_expert"], (rank, r)
+        assert r["exact"] and r["worst_case_finish"], (rank, r)
+        for path in ("eager", "layout", "async", "autograd", "raw", "after_reject"):
+            assert r[path], (rank, path)
+        bad_rank = len(res) - 1
+        expected = (
+            f"got {E + 5} at token 0, slot 0"
+            if rank == bad_rank
+            else f"rank(s) {bad_rank} rejected their inputs"
+        )
+        assert expected in r["rejected"], (rank, r["rejected"])
+
+
 def _slab_lifetimes(rank: int, world: int) -> dict:
     """Outputs written straight into receive slabs (Options.recv_slabs, default 2): held past
     the pool's size, reused once freed, kept alive past their group, equal to the spec and to a

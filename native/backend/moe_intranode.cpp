@@ -574,6 +574,37 @@ at::Tensor layoutWorkspace(int64_t num_tokens, int64_t num_experts, const at::De
                    at::TensorOptions().dtype(at::kByte).device(device));
 }
 
+// A dispatch's outputs, made for the worst case (every rank's tokens) when the host wait overlaps
+// the kernel: their first n rows, in place. Nothing else holds them yet (a deferred dispatch's
+// caller has not used them), so the row count is set on the tensors themselves: no dispatcher
+// call, unlike narrow, on the host's critical path between the count wait and the return.
+void keepRows(DispatchResult& r, int64_t n) {
+  TORCH_INTERNAL_ASSERT(n <= r.recv_x.size(0), "ep dispatch: ", n, " rows received, more than the ",
+                        r.recv_x.size(0), " every rank's tokens add up to");
+  const auto keep = [n](at::Tensor& t) {
+    std::vector<int64_t> sizes = t.sizes().vec();
+    sizes[0] = n;
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  };
+  keep(r.recv_x);
+  if (r.recv_x_scales.has_value()) {
+    keep(*r.recv_x_scales);
+  }
+  keep(r.recv_topk_idx);
+  if (r.recv_topk_weights.has_value()) {
+    keep(*r.recv_topk_weights);
+  }
+  keep(r.routing.recv_src_idx);
+  keep(r.routing.recv_src_rank);
+}
+
+// The counts a later combine of this routing checks across ranks, in routingCounts() order.
+std::vector<int64_t> hostRoutingCounts(const IntranodeRecvCounts& counts) {
+  std::vector<int64_t> out(counts.sent_per_rank.begin(), counts.sent_per_rank.end());
+  out.insert(out.end(), counts.per_rank.begin(), counts.per_rank.end());
+  return out;
+}
+
 // The notify kernel's per-expert counts as a CPU int64 tensor (no device read).
 at::Tensor hostCounts(const std::vector<int>& counts) {
   at::Tensor t =
@@ -725,7 +756,7 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   return {per_rank, per_expert, in_rank, send_pos};
 }
 
-DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCounts* deferred) {
   HostStages stages("dispatch");
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
@@ -879,6 +910,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     args.own_slab = lease != nullptr;
     rt.dispatch(args, stream);
     lease.reset();  // the outputs hold it now
+    out.num_recv_tokens_per_expert = recv_per_expert;
+    out.routing = {in_rank, per_rank, recv_counts, src_idx, src_rank};
   };
   if (overlap) {
     // The kernel reads the receive prefix notify leaves on the device; a rejected routing
@@ -886,51 +919,57 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     allocate_and_launch();
     stages.mark("alloc+launch");
   }
-  std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
-  at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
   st->routings.prune();
-  if (host_counts) {
-    const IntranodeRecvCounts counts = rt.wait_recv_counts(ticket);
-    stages.mark("count_wait");  // the rest is the host's work after the counts arrived
+  // Waits for notify's counts and raises, on every rank alike, when some rank's topk_idx was
+  // rejected. Holds what it needs by value: with `deferred` it runs after dispatch() returned.
+  const IntranodeRuntime* const built = &rt;
+  const auto wait_counts = [st, built, generation = st->generation, ticket, given_layout,
+                            device_index = device.index(), stream, rank = pg.getRank(),
+                            num_experts = a.num_experts, topk] {
+    TORCH_CHECK(st->runtime.get() == built && st->generation == generation,
+                "ep dispatch: the group's transport was shut down or rebuilt before this "
+                "dispatch's receive counts were read");
+    IntranodeRuntime& runtime = *st->runtime;
+    IntranodeRecvCounts counts = runtime.wait_recv_counts(ticket);
     delayAfterCountWait();
     if (counts.rejected_ranks != 0) {
       const auto take_record = [&]() -> ErrorRecord {
         if (given_layout) {
-          return takeLayoutError(device.index(), stream);
+          return takeLayoutError(device_index, stream);
         }
-        const ErrorRecord record = rt.error_record();
-        rt.clear_error();
+        const ErrorRecord record = runtime.error_record();
+        runtime.clear_error();
         return record;
       };
-      raiseRejectedTopk(take_record, counts.rejected_ranks, pg.getRank(), a.num_experts, topk);
+      raiseRejectedTopk(take_record, counts.rejected_ranks, rank, num_experts, topk);
     }
-    TORCH_INTERNAL_ASSERT(!overlap || counts.num_recv_tokens <= rows,
-                          "ep dispatch: ", counts.num_recv_tokens, " rows received, more than the ",
-                          rows, " every rank's tokens add up to");
-    host_routing_counts.assign(counts.sent_per_rank.begin(), counts.sent_per_rank.end());
-    host_routing_counts.insert(host_routing_counts.end(), counts.per_rank.begin(),
-                               counts.per_rank.end());
+    return counts;
+  };
+  if (overlap && deferred != nullptr) {
+    // The count wait and what follows it run when the caller calls *deferred, so that it can
+    // build its own result objects while the GPU still runs notify.
+    out.num_recv_tokens_per_expert_host = at::empty({0}, at::TensorOptions().dtype(at::kLong));
+    *deferred = [wait_counts, res = out, st, send_pos, recv_prefix]() mutable {
+      HostStages finish_stages("dispatch finish");
+      const IntranodeRecvCounts counts = wait_counts();
+      finish_stages.mark("count_wait");
+      keepRows(res, counts.num_recv_tokens);
+      st->routings.remember(res.routing, send_pos, recv_prefix, hostRoutingCounts(counts));
+      finish_stages.mark("remember");
+      return std::vector<int64_t>(counts.per_expert.begin(), counts.per_expert.end());
+    };
+    stages.mark("deferred");
+    return out;
+  }
+  std::vector<int64_t> host_routing_counts;  // routingCounts() order, for later combines
+  at::Tensor host_per_expert = at::empty({0}, at::TensorOptions().dtype(at::kLong));
+  if (host_counts) {
+    const IntranodeRecvCounts counts = wait_counts();
+    stages.mark("count_wait");  // the rest is the host's work after the counts arrived
+    host_routing_counts = hostRoutingCounts(counts);
     host_per_expert = hostCounts(counts.per_expert);
     if (overlap) {
-      // The first n rows: the outputs were made here and nothing else holds them yet, so their
-      // row count is set in place (no dispatcher call, unlike narrow; this runs between the
-      // count wait and the op's return, on the host's critical path).
-      const int64_t n = counts.num_recv_tokens;
-      const auto keep_rows = [n](at::Tensor& t) {
-        std::vector<int64_t> sizes = t.sizes().vec();
-        sizes[0] = n;
-        t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
-      };
-      keep_rows(out.recv_x);
-      if (has_scales) {
-        keep_rows(*out.recv_x_scales);
-      }
-      keep_rows(out.recv_topk_idx);
-      if (has_weights) {
-        keep_rows(*out.recv_topk_weights);
-      }
-      keep_rows(src_idx);
-      keep_rows(src_rank);
+      keepRows(out, counts.num_recv_tokens);
     } else {
       rows = counts.num_recv_tokens;
     }
@@ -940,14 +979,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     allocate_and_launch();
     stages.mark("alloc+launch");
   }
-
-  out.num_recv_tokens_per_expert = recv_per_expert;
   out.num_recv_tokens_per_expert_host = host_per_expert;
-  out.routing.is_token_in_rank = in_rank;
-  out.routing.num_tokens_per_rank = per_rank;
-  out.routing.num_recv_tokens_per_rank = recv_counts;
-  out.routing.recv_src_idx = src_idx;
-  out.routing.recv_src_rank = src_rank;
   st->routings.remember(out.routing, send_pos, recv_prefix, std::move(host_routing_counts));
   stages.mark("remember");
   return out;

@@ -33,7 +33,12 @@ std::string transport(EPProcessGroup& pg);
 // <= 8.
 LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
 
-DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
+// The high-throughput dispatch. With `deferred` and an overlapped host wait (the default, without
+// num_worst_tokens) it returns right after launching the kernels: the outputs have the worst-case
+// row count until *deferred is called, which must happen before they are used. Otherwise (or
+// when `deferred` is left empty) the result is complete.
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args,
+                        DeferredCounts* deferred = nullptr);
 
 // Tensor.record_stream for the dispatch outputs that view a lent receive slab (which PyTorch's
 // caching allocator does not own, so its record_stream ignores them): the slab is lent again only

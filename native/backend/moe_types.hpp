@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -49,6 +50,12 @@ struct DispatchResult {
   at::Tensor num_recv_tokens_per_expert_host;
   DispatchRouting routing;
 };
+
+// What is left of a dispatch whose count wait was deferred (intranode::dispatch): waits for the
+// receive counts (raising on every rank if some rank's topk_idx was rejected), sets the outputs'
+// row counts in place and remembers the routing. Returns num_recv_tokens_per_expert as the host
+// saw it.
+using DeferredCounts = std::function<std::vector<int64_t>()>;
 
 struct CombineArgs {
   at::Tensor x;                            // [N, H]

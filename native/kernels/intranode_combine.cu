@@ -25,9 +25,11 @@
 namespace ep {
 namespace {
 
-// Staged combine senders (-DEP_COMBINE_STAGE=0: the register path only, for A/Bs).
+// Staged combine senders (-DEP_COMBINE_STAGE=1). Off: on NVLink (2 x H200) the staged build's
+// combine ran 227 us at its best split (3 send warps) against the register path's 192 at 5; on one
+// H100 (ranks sharing it) it had been ~7 us faster. See docs/performance.md.
 #ifndef EP_COMBINE_STAGE
-#define EP_COMBINE_STAGE 1
+#define EP_COMBINE_STAGE 0
 #endif
 // At most this much dynamic shared memory for staging (5 send warps x 2 x 14,336 B = 143 KB).
 constexpr size_t kMaxCombineStageBytes = 200 * 1024;

@@ -399,6 +399,7 @@ std::chrono::microseconds host_wait_spin() {
 
 IntranodeRecvCounts IntranodeRuntime::wait_recv_counts(int ticket) {
   require(ticket > 0, "wait_recv_counts: notify was not called with host_counters");
+  require(counters_host_ != nullptr, "wait_recv_counts: the runtime was destroyed");
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::duration<double>(config_.timeout_seconds);
   for (uint64_t iter = 0; counters_host_->ready_ticket != ticket; ++iter) {
