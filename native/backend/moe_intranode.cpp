@@ -407,6 +407,7 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   for (auto [name, field] :
        {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
         std::pair{"EP_DISPATCH_SEND_WARPS_SMALL_ROWS", &cfg.small_row_dispatch_send_warps},
+        std::pair{"EP_DISPATCH_SEND_WARPS_SLAB", &cfg.slab_dispatch_send_warps},
         std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
         std::pair{"EP_ROW_ALIGN", &cfg.row_align},
         std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
@@ -414,10 +415,12 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
       *field = std::atoi(env);
     }
   }
-  // EP_DISPATCH_SEND_WARPS alone sets the dispatch's warps for every row size.
-  if (std::getenv("EP_DISPATCH_SEND_WARPS") != nullptr &&
-      std::getenv("EP_DISPATCH_SEND_WARPS_SMALL_ROWS") == nullptr)
-    cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
+  // EP_DISPATCH_SEND_WARPS alone sets the dispatch's warps for every row size, slab or not.
+  if (std::getenv("EP_DISPATCH_SEND_WARPS") != nullptr) {
+    if (std::getenv("EP_DISPATCH_SEND_WARPS_SMALL_ROWS") == nullptr)
+      cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
+    if (std::getenv("EP_DISPATCH_SEND_WARPS_SLAB") == nullptr) cfg.slab_dispatch_send_warps = 0;
+  }
   if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
   if (const char* env = std::getenv("EP_DISPATCH_STAGE")) {
     cfg.stage_small_dispatch_rows = std::atoi(env) != 0;

@@ -102,7 +102,7 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
           "row_align must be a power of two in [16, 4096]");
   require(config.publish_batch >= 1, "publish_batch must be >= 1");
   set_send_warps(config.dispatch_send_warps, config.combine_send_warps,
-                 config.small_row_dispatch_send_warps);
+                 config.small_row_dispatch_send_warps, config.slab_dispatch_send_warps);
 
   DeviceGuard guard(device_);
   // Load every kernel now (see preload_* in intranode_kernels.hpp: lazy loading can deadlock).
@@ -473,7 +473,7 @@ void IntranodeRuntime::launch_dispatch(const IntranodeDispatchArgs& a, bool cach
   p.recv_x = a.recv_x;
   p.recv_scales = a.num_scales > 0 ? a.recv_x_scales : nullptr;
   p.num_worst_tokens = a.num_worst_tokens;
-  p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales);
+  p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales, a.own_slab);
   p.publish_batch = config_.publish_batch;
   p.claim_items = config_.dispatch_claim ? 1 : 0;
   if (!cached) {
@@ -580,22 +580,27 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   cuda_check(launch_intranode_combine(p, num_sms, stream), "combine launch");
 }
 
-int IntranodeRuntime::dispatch_send_warps(int hidden_bytes, int num_scales) const {
+int IntranodeRuntime::dispatch_send_warps(int hidden_bytes, int num_scales, bool own_slab) const {
+  if (own_slab && config_.slab_dispatch_send_warps > 0) return config_.slab_dispatch_send_warps;
   return hidden_bytes + 4 * num_scales <= kSmallDispatchRowBytes
              ? config_.small_row_dispatch_send_warps
              : config_.dispatch_send_warps;
 }
 
 void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps,
-                                      int small_row_dispatch_send_warps) {
+                                      int small_row_dispatch_send_warps,
+                                      int slab_dispatch_send_warps) {
   const int limit = kIntranodeMaxSendWarps;
   if (small_row_dispatch_send_warps < 0) small_row_dispatch_send_warps = dispatch_send_warps;
   for (int warps : {dispatch_send_warps, combine_send_warps, small_row_dispatch_send_warps})
     require(warps >= 1 && warps <= limit,
             "send warps must be in [1, " + std::to_string(limit) +
                 "] (a block also needs a publisher and a receiver warp)");
+  require(slab_dispatch_send_warps <= limit,
+          "slab send warps must be at most " + std::to_string(limit));
   config_.dispatch_send_warps = dispatch_send_warps;
   config_.small_row_dispatch_send_warps = small_row_dispatch_send_warps;
+  config_.slab_dispatch_send_warps = slab_dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
 }
 

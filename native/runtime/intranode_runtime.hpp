@@ -64,13 +64,18 @@ struct IntranodeConfig {
   double timeout_seconds = 60.0;    // every spin-wait, device and host
   int num_sms = kDefaultNumSms;     // blocks of dispatch/combine when a call passes 0
   // Warps of the 16 of a block that send (one more publishes, the rest receive); at most 14.
-  // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench.
-  int dispatch_send_warps = 11;
+  // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench. BF16 rows with
+  // the senders of 1093575 (which outrun 4 receivers): 10 -> 194.3-194.9 us, 11 -> 217.2.
+  int dispatch_send_warps = 10;
   // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B).
   // Staged senders (stage_small_dispatch_rows) outrun 4 receivers at 12 warps (FP8 kernel 130
   // us); with claiming receivers, which finished senders join, 10 is best: 111.5 us (11: 112.6;
   // harness, 2 x H200). Without staging 12 was best (127.6 vs 131.5).
   int small_row_dispatch_send_warps = 10;
+  // Any row, when this rank's outputs are in its own lent receive slab (its receive warps have
+  // nothing to copy). <= 0: the rules above. 2 x H200, slab kernel: 6 warps BF16 178.5 us, FP8
+  // 101.2; 8: 179.9 / 102.3; 12: 181.4 / 103.0; 14: 180.9 / 103.5 (fewer senders contend less).
+  int slab_dispatch_send_warps = 6;
   // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers). Harness: 208-212
   // us; 4 and 6 slower by 7 to 55 us depending on the machine (docs/performance.md).
   int combine_send_warps = 5;
@@ -238,12 +243,14 @@ class IntranodeRuntime {
   // bias1), accumulated in float32 (float64 for float64 rows); out_topk_weights likewise.
   void combine(const IntranodeCombineArgs& args, cudaStream_t stream);
 
-  // The dispatch's send warps for rows of this shape (the small-row rule of IntranodeConfig).
-  int dispatch_send_warps(int hidden_bytes, int num_scales) const;
+  // The dispatch's send warps for rows of this shape (the small-row and slab rules of
+  // IntranodeConfig); own_slab: the outputs are in this rank's own lent slab.
+  int dispatch_send_warps(int hidden_bytes, int num_scales, bool own_slab = false) const;
   // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
-  // the rest receive). small_row_dispatch_send_warps < 0: dispatch_send_warps for every row.
+  // the rest receive). small_row_dispatch_send_warps < 0: dispatch_send_warps for every row;
+  // slab_dispatch_send_warps <= 0: no separate count for slab dispatches.
   void set_send_warps(int dispatch_send_warps, int combine_send_warps,
-                      int small_row_dispatch_send_warps = -1);
+                      int small_row_dispatch_send_warps = -1, int slab_dispatch_send_warps = 0);
   // How dispatch sender warps split the tokens (IntranodeConfig::dispatch_claim); for sweeps.
   void set_dispatch_claim(bool claim);
   // IntranodeConfig::stage_small_dispatch_rows; for A/B timings.

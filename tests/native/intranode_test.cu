@@ -1564,7 +1564,7 @@ void bench(int iters) {
   // HT_BENCH_QUICK=1: the default configuration's rows only (no send-warp sweeps), for A/Bs of
   // kernel variants (scripts/ht_variants.sh) that need many runs within one device call.
   const bool quick = std::getenv("HT_BENCH_QUICK") != nullptr;
-  std::vector<int> dispatch_warps = {10, 11, 12, 13};
+  std::vector<int> dispatch_warps = {8, 9, 10, 11, 12};
   if (quick) dispatch_warps.clear();
   // HT_COMBINE_WARPS="3,4,6" sweeps other splits (default: 4 and 5).
   std::vector<int> combine_warps = {4, 5};
@@ -1589,7 +1589,8 @@ void bench(int iters) {
   auto configure_defaults = [&](int cw) {
     for (int r = 0; r < R; ++r) {
       team->rt[r]->set_send_warps(defaults.dispatch_send_warps, cw,
-                                  defaults.small_row_dispatch_send_warps);
+                                  defaults.small_row_dispatch_send_warps,
+                                  defaults.slab_dispatch_send_warps);
       team->rt[r]->set_dispatch_claim(defaults.dispatch_claim);
     }
   };
@@ -1687,9 +1688,11 @@ void bench(int iters) {
     report("notify + dispatch kernel", notify_then_dispatch(false), remote_bytes);
     print_ht_timeline(*team, R, false, shape_warps);
     report("notify + dispatch kernel, receive slab", notify_then_dispatch(true), remote_bytes);
-    print_ht_timeline(*team, R, false, shape_warps);
-    // With a slab the receive warps only wait: more of the 16 warps may send.
-    for (int warps : quick ? std::vector<int>{} : std::vector<int>{6, 8, 12, 13, 14}) {
+    print_ht_timeline(*team, R, false,
+                      team->rt[0]->dispatch_send_warps(sh.hidden_bytes, sh.S, true));
+    // With a slab the receive warps have nothing to copy; fewer senders contend less (the
+    // default, IntranodeConfig::slab_dispatch_send_warps, came from this sweep).
+    for (int warps : quick ? std::vector<int>{} : std::vector<int>{4, 5, 6, 8, 12}) {
       configure_claim(warps, default_combine_warps, true);
       char label[96];
       std::snprintf(label, sizeof(label), "dispatch kernel, receive slab, %d send warps", warps);
