@@ -321,6 +321,36 @@ def test_deferred_count_wait_gives_the_same_outputs_as_every_other_path(one_rank
         assert expected in r["rejected"], (rank, r["rejected"])
 
 
+def _shared_memory_near_48_kb(rank: int, world: int) -> dict:
+    """Kernels whose dynamic shared memory is just under or at 48 KB: with their static shared
+    memory they need the opt-in (a launch without it failed with "invalid argument")."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    res: dict = {}
+    # Layout: 4 bytes of shared memory per expert.
+    for experts in (11_776, 12_288):
+        idx = cuda_routing(300, 64, experts, 8, seed=5 + rank)[1]
+        got = ep.get_dispatch_layout(idx, experts)
+        want = ref.get_dispatch_layout(idx.cpu(), experts, world)
+        res[f"layout {experts}"] = torch.equal(
+            got.num_tokens_per_expert.cpu(), want.num_tokens_per_expert
+        ) and torch.equal(got.is_token_in_rank.cpu(), want.is_token_in_rank)
+    # Dispatch of 4 KB rows (BF16, H=2048) into a slab: 6 staging send warps x 2 x 4 KB = 48 KB.
+    x, idx, w = cuda_routing(400 + 13 * rank, 2048, E, K, seed=9 + rank)
+    out = ep.dispatch(x, idx, w, E)
+    want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+    res["dispatch 4 KB rows"] = torch.equal(out.recv_x.cpu(), want.recv_x)
+    return res
+
+
+def test_kernels_with_about_48_kb_of_shared_memory_launch() -> None:
+    for rank, r in enumerate(
+        run_distributed(_shared_memory_near_48_kb, gpu_world_size(), backend="ep", timeout=120)
+    ):
+        assert r and all(r.values()), (rank, r)
+
+
 def _slab_lifetimes(rank: int, world: int) -> dict:
     """Outputs written straight into receive slabs (Options.recv_slabs, default 2): held past
     the pool's size, reused once freed, kept alive past their group, equal to the spec and to a

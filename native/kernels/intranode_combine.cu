@@ -18,6 +18,7 @@
 // (BF16 / FP16 at H = 7168) are staged by the senders in shared memory (combine_send_staged).
 #include <atomic>
 
+#include "dynamic_smem.hpp"
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
@@ -31,8 +32,6 @@ namespace {
 #ifndef EP_COMBINE_STAGE
 #define EP_COMBINE_STAGE 0
 #endif
-// At most this much dynamic shared memory for staging (5 send warps x 2 x 14,336 B = 143 KB).
-constexpr size_t kMaxCombineStageBytes = 200 * 1024;
 
 #ifdef EP_HT_TIMELINE
 __device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
@@ -554,6 +553,8 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
 // Shared memory the staged combine senders need (0: rows too long, register path).
 size_t combine_stage_bytes(const CombineParams& p) {
 #if EP_COMBINE_STAGE
+  // At most this much for staging (5 send warps x 2 x 14,336 B = 143 KB).
+  constexpr size_t kMaxCombineStageBytes = 200 * 1024;
   const size_t row_bytes = size_t(p.hidden) * size_t(p.elem_bytes);
   const size_t bytes = size_t(p.num_send_warps) * 2 * row_bytes;
   return row_bytes <= size_t(kStagedCombineRowBytes) && bytes <= kMaxCombineStageBytes ? bytes : 0;
@@ -566,18 +567,9 @@ size_t combine_stage_bytes(const CombineParams& p) {
 template <CombineElem kElem, int kRanks>
 cudaError_t launch_one(const CombineParams& p, int num_sms, cudaStream_t stream, size_t smem) {
   auto* kernel = intranode_combine_kernel<kElem, kRanks>;
-  if (smem > 48 * 1024) {  // opt in to more dynamic shared memory (per device, once)
-    static std::atomic<bool> allowed[64];
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return e;
-    if (device >= 64 || !allowed[device].load()) {
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(kMaxCombineStageBytes));
-      if (e != cudaSuccess) return e;
-      if (device < 64) allowed[device].store(true);
-    }
-  }
+  static std::atomic<size_t> allowed[64];  // one per instance (kElem, kRanks)
+  const cudaError_t e = allow_dynamic_smem(kernel, smem, allowed);
+  if (e != cudaSuccess) return e;
   kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -32,6 +32,7 @@
 // after notify has, and advances the epoch for both.
 #include <atomic>
 
+#include "dynamic_smem.hpp"
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
@@ -1188,18 +1189,11 @@ size_t intranode_dispatch_stage_bytes(int hidden_bytes, int num_send_warps) {
 cudaError_t launch_intranode_dispatch(const DispatchParams& p, int num_sms, cudaStream_t stream) {
   const size_t smem =
       p.staged ? intranode_dispatch_stage_bytes(p.hidden_bytes, p.num_send_warps) : 0;
-  if (smem > 48 * 1024) {  // opt in to more dynamic shared memory (per device, on demand)
-    static std::atomic<size_t> allowed[64];
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return e;
-    if (device >= 64 || allowed[device].load() < smem) {
-      e = cudaFuncSetAttribute(intranode_dispatch_kernel<true>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      if (e != cudaSuccess) return e;
-      if (device < 64) allowed[device].store(smem);
-    }
-  }
+  // Only the staged instance has dynamic shared memory (a 48 KB stage once failed to launch
+  // without the opt-in: static shared memory counts against the default 48 KB).
+  static std::atomic<size_t> allowed[64];
+  const cudaError_t e = allow_dynamic_smem(intranode_dispatch_kernel<true>, smem, allowed);
+  if (e != cudaSuccess) return e;
   auto* kernel = p.staged ? intranode_dispatch_kernel<true> : intranode_dispatch_kernel<false>;
   if (!p.after_notify) {
     kernel<<<num_sms, kIntranodeThreads, smem, stream>>>(p);

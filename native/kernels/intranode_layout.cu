@@ -14,6 +14,7 @@
 //    before it; the last block also sums every block's counts into the outputs;
 //  * without, one block walks the chunks and carries running totals.
 // Out-of-range expert ids (< -1 or >= E) are reported in the error record and treated as -1.
+#include "dynamic_smem.hpp"
 #include "intranode_kernels.hpp"
 #include "ptx_utils.cuh"
 
@@ -203,12 +204,9 @@ cudaError_t launch_intranode_layout(LayoutParams p, cudaStream_t stream) {
   static std::atomic<unsigned long long> epochs{0};
   p.epoch = ++epochs;  // unique per launch in this process: stale records never match
   const size_t smem = size_t(p.num_experts) * sizeof(int);
-  if (smem > 48 * 1024) {
-    cudaError_t e =
-        cudaFuncSetAttribute(intranode_layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-  }
+  static std::atomic<size_t> allowed[64];
+  const cudaError_t e = allow_dynamic_smem(intranode_layout_kernel, smem, allowed);
+  if (e != cudaSuccess) return e;
   const bool split =
       p.workspace != nullptr && intranode_layout_workspace_bytes(p.num_tokens, p.num_experts) > 0;
   const int blocks = split ? (p.num_tokens + kLayoutThreads - 1) / kLayoutThreads : 1;

@@ -27,6 +27,7 @@
 // count exchange. The two share one sequence number: this kernel leaves the epoch alone and the
 // dispatch, which waits for this kernel before it ends, advances it. A peer therefore still
 // cannot reach our next-but-one notify before this one has finished.
+#include "dynamic_smem.hpp"
 #include "intranode_kernels.hpp"
 #include "intranode_timeline.cuh"
 #include "ptx_utils.cuh"
@@ -198,12 +199,9 @@ cudaError_t preload_intranode_notify() {
 cudaError_t launch_intranode_notify(const NotifyParams& p, cudaStream_t stream) {
   const size_t smem = size_t(p.comm.num_ranks) *
                       NotifyWords::make(p.experts_per_rank, p.comm.num_ranks).total * sizeof(int);
-  if (smem > 48 * 1024) {
-    cudaError_t e =
-        cudaFuncSetAttribute(intranode_notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-  }
+  static std::atomic<size_t> allowed[64];
+  const cudaError_t e = allow_dynamic_smem(intranode_notify_kernel, smem, allowed);
+  if (e != cudaSuccess) return e;
   intranode_notify_kernel<<<1, kNotifyThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
