@@ -15,7 +15,8 @@
 //    reduction's instructions bound the owner side (BF16 combine kernel 210.7 -> 193.8 us).
 // Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
 // token order and the reduction overlaps the transfer. Rows of at most kStagedCombineRowBytes
-// (BF16 / FP16 at H = 7168) are staged by the senders in shared memory (combine_send_staged).
+// (BF16 / FP16 at H = 7168) can be staged by the senders in shared memory (combine_send_staged,
+// -DEP_COMBINE_STAGE=1; off by default, slower on NVLink).
 #include <atomic>
 
 #include "dynamic_smem.hpp"
