@@ -351,6 +351,55 @@ def test_kernels_with_about_48_kb_of_shared_memory_launch() -> None:
         assert r and all(r.values()), (rank, r)
 
 
+def _send_warp_knobs(rank: int, world: int) -> dict:
+    """Groups built with other send-warp splits (EP_DISPATCH_SEND_WARPS[_SMALL_ROWS|_SLAB], read
+    when a group builds its transport) give the spec's bits, into a slab and into the buffer."""
+    import os
+
+    import torch.distributed as dist
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    res: dict = {}
+    knobs = ("EP_DISPATCH_SEND_WARPS", "EP_DISPATCH_SEND_WARPS_SMALL_ROWS",
+             "EP_DISPATCH_SEND_WARPS_SLAB")  # fmt: skip
+    for warps in ("1", "5", "14"):
+        for knob in knobs:
+            os.environ[knob] = warps
+        try:
+            group = dist.new_group(list(range(world)), backend="ep")
+            for hidden in (H, 7168):  # staged rows (<= 8 KB) and, BF16 at 7168, register-path ones
+                x, idx, w = _inputs(rank, 300 + 17 * rank, seed=int(warps) + hidden, hidden=hidden)
+                x8, s8 = ep.reference.quantize_fp8_per128(x)
+                want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+                want8 = ref.dispatch(x8.cpu(), idx.cpu(), w.cpu(), E, x_scales=s8.cpu())
+                held = ep.dispatch(x, idx, w, E, group=group)  # into a slab
+                held8 = ep.dispatch(x8, idx, w, E, x_scales=s8, group=group)  # the second slab
+                buffer = ep.dispatch(x, idx, w, E, group=group)  # none free: the buffer path
+                res[f"{warps} warps, H={hidden}"] = (
+                    torch.equal(held.recv_x.cpu(), want.recv_x)
+                    and torch.equal(buffer.recv_x.cpu(), want.recv_x)
+                    and torch.equal(buffer.recv_topk_idx.cpu(), want.recv_topk_idx)
+                    and torch.equal(held8.recv_x.view(torch.uint8).cpu(),
+                                    want8.recv_x.view(torch.uint8))
+                    and torch.equal(held8.recv_x_scales.cpu(), want8.recv_x_scales)
+                )  # fmt: skip
+                del held, held8, buffer
+            dist.destroy_process_group(group)
+        finally:
+            for knob in knobs:
+                del os.environ[knob]
+    return res
+
+
+def test_send_warp_knobs_give_the_same_bits() -> None:
+    for rank, r in enumerate(
+        run_distributed(_send_warp_knobs, gpu_world_size(), backend="ep", timeout=180)
+    ):
+        assert len(r) == 6 and all(r.values()), (rank, r)
+
+
 def _slab_lifetimes(rank: int, world: int) -> dict:
     """Outputs written straight into receive slabs (Options.recv_slabs, default 2): held past
     the pool's size, reused once freed, kept alive past their group, equal to the spec and to a
