@@ -276,35 +276,13 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensor"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
       "record_stream for dispatch outputs viewing a receive slab; False for any other tensor.");
   // ep_backend.dispatch's eager path without autograd (moe_ops.hpp: dispatchDeferred): the op's
-  // outputs and, where the count wait was deferred, a callable that runs it (else None). Errors
-  // read as the op's do (no C++ backtrace).
-  m.def(
-      "_dispatch_deferred",
-      [](const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
-         const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
-         int64_t expert_alignment, int64_t num_worst_tokens, const std::string& group_name,
-         const std::vector<at::Tensor>& layout) {
-        const auto plain_errors = [](auto&& fn) {
-          try {
-            return fn();
-          } catch (const c10::Error& e) {
-            throw std::runtime_error(e.what_without_backtrace());
-          }
-        };
-        auto [outputs, second] = plain_errors([&] {
-          return ep::dispatchDeferred(x, x_scales, topk_idx, topk_weights, num_experts,
-                                      expert_alignment, num_worst_tokens, group_name, layout);
-        });
-        std::function<std::vector<int64_t>()> finish;
-        if (second) {
-          finish = [plain_errors, second = std::move(second)] { return plain_errors(second); };
-        }
-        return std::make_pair(std::move(outputs), std::move(finish));
-      },
-      py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"),
-      py::arg("num_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
-      py::arg("group_name"), py::arg("layout"),
-      "ep::dispatch with the count wait deferred: (outputs, finish or None); see moe_ops.hpp.");
+  // outputs and, where the count wait was deferred, a callable that runs it (else None). C++
+  // errors become Python exceptions through torch's translator, as the op's do.
+  m.def("_dispatch_deferred", &ep::dispatchDeferred, py::arg("x"), py::arg("x_scales"),
+        py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
+        py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("group_name"),
+        py::arg("layout"),
+        "ep::dispatch with the count wait deferred: (outputs, finish or None); see moe_ops.hpp.");
   // The async_op path's record_stream of every input and output in one call (one Python to C++
   // crossing instead of several per tensor).
   m.def(
