@@ -73,8 +73,10 @@ struct IntranodeConfig {
   // harness, 2 x H200). Without staging 12 was best (127.6 vs 131.5).
   int small_row_dispatch_send_warps = 10;
   // Any row, when this rank's outputs are in its own lent receive slab (its receive warps have
-  // nothing to copy). <= 0: the rules above. 2 x H200, slab kernel: 6 warps BF16 178.5 us, FP8
-  // 101.2; 8: 179.9 / 102.3; 12: 181.4 / 103.0; 14: 180.9 / 103.5 (fewer senders contend less).
+  // nothing to copy). In a group of one rank every dispatch uses kIntranodeMaxSendWarps (no
+  // remote rows, so nothing to receive). <= 0: neither rule, only the two above. 2 x H200, slab
+  // kernel: 6 warps BF16 178.5 us, FP8 101.2; 8: 179.9 / 102.3; 12: 181.4 / 103.0; 14: 180.9 /
+  // 103.5 (fewer senders contend less).
   int slab_dispatch_send_warps = 6;
   // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers). Harness: 208-212
   // us; 4 and 6 slower by 7 to 55 us depending on the machine (docs/performance.md).

@@ -1564,7 +1564,7 @@ void bench(int iters) {
   // HT_BENCH_QUICK=1: the default configuration's rows only (no send-warp sweeps), for A/Bs of
   // kernel variants (scripts/ht_variants.sh) that need many runs within one device call.
   const bool quick = std::getenv("HT_BENCH_QUICK") != nullptr;
-  std::vector<int> dispatch_warps = {8, 9, 10, 11, 12};
+  std::vector<int> dispatch_warps = {8, 9, 10, 11, 12, 14};
   if (quick) dispatch_warps.clear();
   // HT_COMBINE_WARPS="3,4,6" sweeps other splits (default: 4 and 5).
   std::vector<int> combine_warps = {4, 5};
@@ -1692,7 +1692,7 @@ void bench(int iters) {
                       team->rt[0]->dispatch_send_warps(sh.hidden_bytes, sh.S, true));
     // With a slab the receive warps have nothing to copy; fewer senders contend less (the
     // default, IntranodeConfig::slab_dispatch_send_warps, came from this sweep).
-    for (int warps : quick ? std::vector<int>{} : std::vector<int>{4, 5, 6, 8, 12}) {
+    for (int warps : quick ? std::vector<int>{} : std::vector<int>{4, 5, 6, 8, 10, 12, 14}) {
       configure_claim(warps, default_combine_warps, true);
       char label[96];
       std::snprintf(label, sizeof(label), "dispatch kernel, receive slab, %d send warps", warps);
