@@ -1182,6 +1182,13 @@ cudaError_t preload_intranode_dispatch() {
   return e != cudaSuccess ? e : cudaFuncGetAttributes(&attr, intranode_dispatch_kernel<true>);
 }
 
+// The largest stage (every send warp, the longest staged row) fits beside the kernel's static
+// shared memory in the 227 KB a block of sm_90 may opt in to (a group of one rank uses 14 warps).
+static_assert(size_t(kIntranodeMaxSendWarps) * 2 * kStagedRowBytes + sizeof(device::PublishQueue) +
+                      64 <=
+                  227 * 1024,
+              "the staged dispatch's shared memory exceeds what a block may use");
+
 size_t intranode_dispatch_stage_bytes(int hidden_bytes, int num_send_warps) {
   return size_t(num_send_warps) * 2 * size_t(hidden_bytes);
 }
