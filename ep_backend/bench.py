@@ -416,6 +416,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         t_fp8_own = timer.both(lambda: ep.dispatch(x8, idx, weights, num_experts, x_scales=s8))
         out = ep.dispatch(x, idx, weights, num_experts)
         t_cached = timer.both(lambda: ep.dispatch(x, handle=out.handle))
+        # The receive-buffer path (on GPUs: the receivers copy rows out of the buffer): a dispatch
+        # finding every receive slab lent, as in a training step holding more layers' outputs
+        # than Options.recv_slabs; and worst-case mode (no host sync; CUDA graphs).
+        num_slabs = int(os.environ.get("EP_RECV_SLABS", ep.get_backend(group).options.recv_slabs))
+        held = [ep.dispatch(x, idx, weights, num_experts, layout=layout) for _ in range(num_slabs)]
+        t_no_slab = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts, layout=layout))
+        del held
+        worst = num_tokens * world  # every token of every rank: covers any receive
+        t_worst = timer.both(
+            lambda: ep.dispatch(x, idx, weights, num_experts, layout=layout, num_worst_tokens=worst)
+        )
         add("ep layout", t_layout, 0, 0, 0)
         if use_cuda:  # what this timer gives the smallest op: one launch of a 1-element kernel
             tiny = torch.zeros(1, device=device)
@@ -425,6 +436,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             "layout= from get_dispatch_layout (DeepEP's contract)")  # fmt: skip
         add("ep dispatch BF16, own layout", t_dispatch, row_bf16, remote_rows, recv_rows,
             "layout computed inside (as in dispatch+combine)")  # fmt: skip
+        add("ep dispatch BF16, slabs all held", t_no_slab, row_bf16, remote_rows, recv_rows,
+            f"{num_slabs} earlier outputs alive: receive-buffer path (training)")  # fmt: skip
+        add("ep dispatch BF16, worst-case", t_worst, row_bf16, remote_rows, recv_rows,
+            f"num_worst_tokens={worst}: no host sync (CUDA graphs), buffer path")  # fmt: skip
         if use_cuda:  # the same dispatch with the kernel launched after the host wait
             options = ep.get_backend(group).options
             options.overlap_dispatch_host_wait = False

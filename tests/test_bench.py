@@ -18,6 +18,7 @@ def test_bench_runs_on_cpu_and_reports_every_op(tmp_path) -> None:
     ops = {r["op"] for r in rows}
     for op in ("ep layout", "ep dispatch BF16", "ep dispatch FP8", "ep cached dispatch BF16",
                "ep dispatch BF16, own layout", "ep dispatch FP8, own layout",
+               "ep dispatch BF16, slabs all held", "ep dispatch BF16, worst-case",
                "ep combine BF16", "ep dispatch+combine BF16", "baseline a2a pipeline (both ways)",
                "ll dispatch FP8", "ll dispatch BF16", "ll combine BF16",
                "ll dispatch FP8, hook mode: send+recv", "ll dispatch FP8, hook mode: send",
