@@ -9,26 +9,21 @@
 //   +side   staged, plus each row's scales, top-k ids, weights, source index and rank loaded
 //           one row ahead and stored into five arrays, as the dispatch does
 //   +packed as +side, the side data stored as one 336-byte record per row
-// Build: nvcc -O3 -arch=sm_90a -o build/local_copy_probe scripts/local_copy_probe.cu
-// Run:   build/local_copy_probe [row_bytes=7168] [rows=4096] [blocks=24] [warps=10]
+// Build: nvcc -O3 -arch=sm_90a -Inative/kernels -o build/local_copy_probe
+// scripts/local_copy_probe.cu Run:   build/local_copy_probe [row_bytes=7168] [rows=4096]
+// [blocks=24] [warps=10]
 #include <algorithm>
 #include <vector>
 
 #include "probe_util.cuh"
+#include "ptx_utils.cuh"
 
-__device__ __forceinline__ int4 ld_nc(const int4* p) {
-  int4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void st(int4* p, const int4& v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),
-               "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
+// The dispatch's own load, store and cp.async helpers, so the probe issues its instructions.
+using ep::device::cp_async_16;
+using ep::device::cp_async_commit;
+using ep::device::cp_async_wait;
+using ep::device::ld_nc_v4;
+using ep::device::st_v4;
 
 __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane) {
   constexpr int U = 8;
@@ -36,10 +31,10 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, in
     int4 v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (i + 32 * u < n16) v[u] = ld_nc(src + i + 32 * u);
+      if (i + 32 * u < n16) v[u] = ld_nc_v4(src + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (i + 32 * u < n16) st(dst + i + 32 * u, v[u]);
+      if (i + 32 * u < n16) st_v4(dst + i + 32 * u, v[u]);
   }
 }
 
@@ -92,12 +87,9 @@ __global__ void copy_rows_staged(const char* src, char* dst, int rows, int row_b
   auto prefetch = [&](int r, int buf) {
     if (r < rows) {
       const int4* s = reinterpret_cast<const int4*>(src + size_t(r) * row_bytes);
-      for (int i = lane; i < n16; i += 32) {
-        const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(stage + buf * n16 + i));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(s + i) : "memory");
-      }
+      for (int i = lane; i < n16; i += 32) cp_async_16(stage + buf * n16 + i, s + i);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    cp_async_commit();
   };
   struct In {
     float sc0 = 0, sc1 = 0, w = 0;
@@ -126,10 +118,10 @@ __global__ void copy_rows_staged(const char* src, char* dst, int rows, int row_b
   for (int k = 0; r < rows; ++k) {
     prefetch(r_next, (k + 1) & 1);
     const In nxt = load(r_next);
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    cp_async_wait<1>();
     const int4* in = stage + (k & 1) * n16;
     int4* out = reinterpret_cast<int4*>(dst + size_t(r) * row_bytes);
-    for (int i = lane; i < n16; i += 32) st(out + i, in[i]);
+    for (int i = lane; i < n16; i += 32) st_v4(out + i, in[i]);
     if (kSide == kSidePacked) {
       char* rec = sd.packed_out + size_t(r) * 336;
       reinterpret_cast<float*>(rec)[lane] = cur.sc0;
@@ -156,7 +148,7 @@ __global__ void copy_rows_staged(const char* src, char* dst, int rows, int row_b
     r_next = after;
     cur = nxt;
   }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  cp_async_wait<0>();
 }
 
 int main(int argc, char** argv) {
