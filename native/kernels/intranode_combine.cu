@@ -55,6 +55,21 @@ __device__ __forceinline__ void add_16bit(float* acc, const int4& v) {
   }
 }
 
+// Eight float32 sums as eight 16-bit elements (BF16 or FP16), one cvt.rn.<type>x2 per two: round
+// to nearest even, subnormals kept.
+template <bool kBFloat16>
+__device__ __forceinline__ int4 pack_16bit(const float* acc) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kBFloat16)
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
+    else
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
+  }
+  return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+}
+
 template <>
 struct ElemOps<CombineElem::kBFloat16> {
   using Acc = float;
@@ -66,19 +81,16 @@ struct ElemOps<CombineElem::kBFloat16> {
   // kept). A NaN takes the slow path so it keeps float_to_bf16_rne's bits (0x7FC0; the hardware
   // writes 0x7FFF). The reduction's instructions bound the owner side on 2 ranks (-10.6 us).
   static __device__ __forceinline__ int4 pack(const Acc* acc) {
-    uint32_t w[4];
+    const int4 fast = pack_16bit<true>(acc);
     bool nan = false;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
-      nan |= acc[2 * i] != acc[2 * i] || acc[2 * i + 1] != acc[2 * i + 1];
-    }
-    if (nan) {
+    for (int i = 0; i < 4; ++i) nan |= acc[2 * i] != acc[2 * i] || acc[2 * i + 1] != acc[2 * i + 1];
+    if (!nan) return fast;
+    uint32_t w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = uint32_t(device::float_to_bf16_rne(acc[2 * i])) |
-               (uint32_t(device::float_to_bf16_rne(acc[2 * i + 1])) << 16);
-    }
+    for (int i = 0; i < 4; ++i)
+      w[i] = uint32_t(device::float_to_bf16_rne(acc[2 * i])) |
+             (uint32_t(device::float_to_bf16_rne(acc[2 * i + 1])) << 16);
     return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
   }
   // (+0 + a) + b in the element type: the float32 reduction's bits (false: take that path).
@@ -96,13 +108,7 @@ struct ElemOps<CombineElem::kFloat16> {
   }
   // cvt.rn.f16x2: round to nearest even, subnormals kept, overflow to infinity (a NaN becomes
   // the canonical 0x7FFF; the contract leaves NaN payloads unspecified).
-  static __device__ __forceinline__ int4 pack(const Acc* acc) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
-    return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
-  }
+  static __device__ __forceinline__ int4 pack(const Acc* acc) { return pack_16bit<false>(acc); }
   static __device__ __forceinline__ bool pair_sum(const int4& a, const int4& b, int4& out) {
     out = device::f16_pair_sum(a, b);
     return true;
@@ -149,12 +155,26 @@ __device__ __forceinline__ char* combine_row(const CommContext& c, char* buffer,
          c.layout.region_index(src, owner) * c.layout.combine_region_bytes + size_t(slot) * stride;
 }
 
+// A sender warp's first row for rank d waits until d has entered this combine (its word in our
+// `entered` array reaches seq: d's combine area is free); `ready` marks ranks seen. False: the
+// wait gave up (timeout or abort, recorded in ctx).
+__device__ __forceinline__ bool wait_entered(const device::WaitContext& ctx,
+                                             const uint64_t* entered, int d, uint64_t seq, int lane,
+                                             uint32_t& ready) {
+  if ((ready >> d) & 1u) return true;
+  bool ok = true;
+  if (lane == 0)
+    ok = device::spin_wait(ctx, d, [&] { return device::ld_acquire_sys(entered + d) >= seq; });
+  if (!__shfl_sync(kFull, ok, 0)) return false;
+  ready |= 1u << d;
+  return true;
+}
+
 // Expert side: rows held from source s go back into s's combine area; progress to the publisher.
 __device__ void combine_send(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
-                             int warp, int lane, int* progress) {
+                             int hidden_bytes, int warp, int lane, int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
-  const int hidden_bytes = p.hidden * p.elem_bytes;
   const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
   const int n16 = hidden_bytes / 16;
   const int first = blockIdx.x * p.num_send_warps + warp;
@@ -176,14 +196,7 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
       const int base = __shfl_sync(kFull, prefix, dst);
       const int count = __shfl_sync(kFull, prefix, dst + 1) - base;
       if (i >= count) continue;
-      if (!((ready >> dst) & 1u)) {
-        bool ok = true;
-        if (lane == 0)
-          ok = device::spin_wait(ctx, dst,
-                                 [&] { return device::ld_acquire_sys(entered + dst) >= seq; });
-        if (!__shfl_sync(kFull, ok, 0)) return;
-        ready |= 1u << dst;
-      }
+      if (!wait_entered(ctx, entered, dst, seq, lane, ready)) return;
       if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
       char* out = combine_row(c, c.buffers.ptr[dst], me, dst, i, row.stride);
       const int r = base + i;
@@ -218,10 +231,10 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
 // warp's (i, destination) pairs in combine_send's order; lane d holds destination d's row count.
 // Each lane reads back only the chunks it copied, so cp.async.wait_group alone orders them.
 __device__ void combine_send_staged(const CombineParams& p, const device::WaitContext& ctx,
-                                    uint64_t seq, int warp, int lane, int* progress, int4* stage) {
+                                    uint64_t seq, int hidden_bytes, int warp, int lane,
+                                    int* progress, int4* stage) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
-  const int hidden_bytes = p.hidden * p.elem_bytes;
   const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
   const int n16 = hidden_bytes / 16;
   const int first = blockIdx.x * p.num_send_warps + warp;
@@ -274,15 +287,9 @@ __device__ void combine_send_staged(const CombineParams& p, const device::WaitCo
   for (int m = 0; cur.x < max_count; ++m) {
     prefetch(nxt, (m + 1) & 1);
     const int d = dest_of(cur.y);
-    if (!((ready >> d) & 1u)) {
-      bool ok = true;
-      if (lane == 0)
-        ok = device::spin_wait(ctx, d, [&] { return device::ld_acquire_sys(entered + d) >= seq; });
-      if (!__shfl_sync(kFull, ok, 0)) {
-        device::cp_async_wait<0>();
-        return;
-      }
-      ready |= 1u << d;
+    if (!wait_entered(ctx, entered, d, seq, lane, ready)) {
+      device::cp_async_wait<0>();
+      return;
     }
     if (m == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
     const int r = row_of(cur);
@@ -526,11 +533,12 @@ __global__ void __launch_bounds__(kIntranodeThreads, 1) intranode_combine_kernel
         seq);
 
   if (!device::aborted(ctx)) {
+    const int hidden_bytes = p.hidden * combine_elem_bytes(kElem);
     if (warp < p.num_send_warps && p.staged)
-      combine_send_staged(p, ctx, seq, warp, lane, s_progress,
-                          s_stage + size_t(warp) * 2 * (p.hidden * p.elem_bytes / 16));
+      combine_send_staged(p, ctx, seq, hidden_bytes, warp, lane, s_progress,
+                          s_stage + size_t(warp) * 2 * (hidden_bytes / 16));
     else if (warp < p.num_send_warps)
-      combine_send(p, ctx, seq, warp, lane, s_progress);
+      combine_send(p, ctx, seq, hidden_bytes, warp, lane, s_progress);
     else if (warp == p.num_send_warps)
       combine_publish(p, ctx, seq, lane, s_progress);
     else
@@ -556,7 +564,7 @@ size_t combine_stage_bytes(const CombineParams& p) {
 #if EP_COMBINE_STAGE
   // At most this much for staging (5 send warps x 2 x 14,336 B = 143 KB).
   constexpr size_t kMaxCombineStageBytes = 200 * 1024;
-  const size_t row_bytes = size_t(p.hidden) * size_t(p.elem_bytes);
+  const size_t row_bytes = size_t(p.hidden) * size_t(combine_elem_bytes(p.elem));
   const size_t bytes = size_t(p.num_send_warps) * 2 * row_bytes;
   return row_bytes <= size_t(kStagedCombineRowBytes) && bytes <= kMaxCombineStageBytes ? bytes : 0;
 #else

@@ -337,7 +337,6 @@ struct CombineParams {
   CommContext comm;
   const void* x;  // [N(cap), H] elements of `elem`
   CombineElem elem;
-  int elem_bytes;             // combine_elem_bytes(elem)
   int hidden;                 // elements per row
   const float* topk_weights;  // [N, K] or null
   int num_topk;

@@ -151,27 +151,22 @@ template <int N, bool kMayBeNull>
 __device__ __forceinline__ void send_row(const int4* __restrict__ src, int n16,
                                          const int4 (&first)[kSendEarly], int4* const (&to)[N],
                                          int lane) {
+  const auto store_all = [&](int i, int u, const int4& v) {  // chunk i + 32 u to every destination
 #pragma unroll
-  for (int u = 0; u < kSendEarly; ++u) {
-    if (lane + 32 * u < n16) {
+    for (int a = 0; a < N; ++a)
+      if (!kMayBeNull || to[a] != nullptr) device::st_v4(to[a] + i + 32 * u, v);
+  };
 #pragma unroll
-      for (int a = 0; a < N; ++a)
-        if (!kMayBeNull || to[a] != nullptr) device::st_v4(to[a] + lane + 32 * u, first[u]);
-    }
-  }
+  for (int u = 0; u < kSendEarly; ++u)
+    if (lane + 32 * u < n16) store_all(lane, u, first[u]);
   for (int i = 32 * kSendEarly + lane; i < n16; i += 32 * kSendUnroll) {
     int4 v[kSendUnroll];
 #pragma unroll
     for (int u = 0; u < kSendUnroll; ++u)
       if (i + 32 * u < n16) v[u] = device::ld_nc_v4(src + i + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kSendUnroll; ++u) {
-      if (i + 32 * u < n16) {
-#pragma unroll
-        for (int a = 0; a < N; ++a)
-          if (!kMayBeNull || to[a] != nullptr) device::st_v4(to[a] + i + 32 * u, v[u]);
-      }
-    }
+    for (int u = 0; u < kSendUnroll; ++u)
+      if (i + 32 * u < n16) store_all(i, u, v[u]);
   }
 }
 

@@ -561,7 +561,6 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   p.comm = comm_context();
   p.x = a.x;
   p.elem = a.elem;
-  p.elem_bytes = combine_elem_bytes(a.elem);
   p.hidden = a.hidden;
   p.topk_weights = a.topk_weights;
   p.num_topk = a.topk_weights != nullptr ? a.num_topk : 0;
