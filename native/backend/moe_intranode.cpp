@@ -421,6 +421,10 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
       cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
     if (std::getenv("EP_DISPATCH_SEND_WARPS_SLAB") == nullptr) cfg.slab_dispatch_send_warps = 0;
   }
+  // A count set by hand is used in a group of one rank too (no one-rank rule): sweeps at world 1.
+  if (std::getenv("EP_DISPATCH_SEND_WARPS") != nullptr ||
+      std::getenv("EP_COMBINE_SEND_WARPS") != nullptr)
+    cfg.one_rank_send_warps = false;
   if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
   if (const char* env = std::getenv("EP_DISPATCH_STAGE")) {
     cfg.stage_small_dispatch_rows = std::atoi(env) != 0;

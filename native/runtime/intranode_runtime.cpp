@@ -102,7 +102,8 @@ IntranodeRuntime::IntranodeRuntime(int rank, int num_ranks, int device,
           "row_align must be a power of two in [16, 4096]");
   require(config.publish_batch >= 1, "publish_batch must be >= 1");
   set_send_warps(config.dispatch_send_warps, config.combine_send_warps,
-                 config.small_row_dispatch_send_warps, config.slab_dispatch_send_warps);
+                 config.small_row_dispatch_send_warps, config.slab_dispatch_send_warps,
+                 config.one_rank_send_warps);
 
   DeviceGuard guard(device_);
   // Load every kernel now (see preload_* in intranode_kernels.hpp: lazy loading can deadlock).
@@ -572,7 +573,7 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
   p.bias1 = a.bias1;
   p.out = a.out;
   p.out_topk_weights = a.out_topk_weights;
-  p.num_send_warps = config_.combine_send_warps;
+  p.num_send_warps = combine_send_warps();
   p.publish_batch = config_.publish_batch;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
@@ -580,21 +581,22 @@ void IntranodeRuntime::combine(const IntranodeCombineArgs& a, cudaStream_t strea
 }
 
 int IntranodeRuntime::dispatch_send_warps(int hidden_bytes, int num_scales, bool own_slab) const {
-  if (config_.slab_dispatch_send_warps > 0) {  // the separate rules (off in send-warp sweeps)
-    // A group of one rank has no remote rows, so its receive warps never have work: all but the
-    // publisher and one receiver send (one H100, BF16 kernel 89.0 us at 14 warps, 110.1 at 10;
-    // FP8 47.2 vs 49.2).
-    if (num_ranks_ == 1) return kIntranodeMaxSendWarps;
-    if (own_slab) return config_.slab_dispatch_send_warps;
-  }
+  // One rank: all but the publisher and one receiver send (nothing comes from peers).
+  if (num_ranks_ == 1 && config_.one_rank_send_warps) return kIntranodeMaxSendWarps;
+  if (own_slab && config_.slab_dispatch_send_warps > 0) return config_.slab_dispatch_send_warps;
   return hidden_bytes + 4 * num_scales <= kSmallDispatchRowBytes
              ? config_.small_row_dispatch_send_warps
              : config_.dispatch_send_warps;
 }
 
+int IntranodeRuntime::combine_send_warps() const {
+  // One rank: one sender (it has no rows to send; the owner-side reduce takes the other warps).
+  return num_ranks_ == 1 && config_.one_rank_send_warps ? 1 : config_.combine_send_warps;
+}
+
 void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps,
                                       int small_row_dispatch_send_warps,
-                                      int slab_dispatch_send_warps) {
+                                      int slab_dispatch_send_warps, bool one_rank_send_warps) {
   const int limit = kIntranodeMaxSendWarps;
   if (small_row_dispatch_send_warps < 0) small_row_dispatch_send_warps = dispatch_send_warps;
   for (int warps : {dispatch_send_warps, combine_send_warps, small_row_dispatch_send_warps})
@@ -607,6 +609,7 @@ void IntranodeRuntime::set_send_warps(int dispatch_send_warps, int combine_send_
   config_.small_row_dispatch_send_warps = small_row_dispatch_send_warps;
   config_.slab_dispatch_send_warps = slab_dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
+  config_.one_rank_send_warps = one_rank_send_warps;
 }
 
 void IntranodeRuntime::set_dispatch_claim(bool claim) {

@@ -73,14 +73,18 @@ struct IntranodeConfig {
   // harness, 2 x H200). Without staging 12 was best (127.6 vs 131.5).
   int small_row_dispatch_send_warps = 10;
   // Any row, when this rank's outputs are in its own lent receive slab (its receive warps have
-  // nothing to copy). In a group of one rank every dispatch uses kIntranodeMaxSendWarps (no
-  // remote rows, so nothing to receive). <= 0: neither rule, only the two above. 2 x H200, slab
-  // kernel: 6 warps BF16 178.5 us, FP8 101.2; 8: 179.9 / 102.3; 12: 181.4 / 103.0; 14: 180.9 /
-  // 103.5 (fewer senders contend less).
+  // nothing to copy). <= 0: only the two above. 2 x H200, slab kernel: 6 warps BF16 178.5 us,
+  // FP8 101.2; 8: 179.9 / 102.3; 12: 181.4 / 103.0; 14: 180.9 / 103.5 (fewer senders contend
+  // less).
   int slab_dispatch_send_warps = 6;
   // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers). Harness: 208-212
   // us; 4 and 6 slower by 7 to 55 us depending on the machine (docs/performance.md).
   int combine_send_warps = 5;
+  // A group of one rank has no peers: its dispatch receivers and its combine senders never have
+  // a row. true: dispatch sends with kIntranodeMaxSendWarps and combine with 1, whatever the
+  // counts above say. One H100, BF16 at H=7168: dispatch kernel 89.0 us at 14 warps vs 110.1 at
+  // 10 (FP8 47.2 vs 49.2); combine 88.0 at 1 vs 107.9 at 5 (1/2/3/4: 88.0/92.5/96.1/100.0).
+  bool one_rank_send_warps = true;
   int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
   int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
   // Dispatch sender warps claim tokens from a shared counter instead of a static round-robin
@@ -248,11 +252,15 @@ class IntranodeRuntime {
   // The dispatch's send warps for rows of this shape (the small-row and slab rules of
   // IntranodeConfig); own_slab: the outputs are in this rank's own lent slab.
   int dispatch_send_warps(int hidden_bytes, int num_scales, bool own_slab = false) const;
+  // The combine's send warps (IntranodeConfig::combine_send_warps, or the one-rank rule).
+  int combine_send_warps() const;
   // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
   // the rest receive). small_row_dispatch_send_warps < 0: dispatch_send_warps for every row;
-  // slab_dispatch_send_warps <= 0: no separate count for slab dispatches.
+  // slab_dispatch_send_warps <= 0: no separate count for slab dispatches; one_rank_send_warps:
+  // IntranodeConfig's rule for groups of one rank (off: the counts given here, for sweeps).
   void set_send_warps(int dispatch_send_warps, int combine_send_warps,
-                      int small_row_dispatch_send_warps = -1, int slab_dispatch_send_warps = 0);
+                      int small_row_dispatch_send_warps = -1, int slab_dispatch_send_warps = 0,
+                      bool one_rank_send_warps = false);
   // How dispatch sender warps split the tokens (IntranodeConfig::dispatch_claim); for sweeps.
   void set_dispatch_claim(bool claim);
   // IntranodeConfig::stage_small_dispatch_rows; for A/B timings.

@@ -1585,12 +1585,13 @@ void bench(int iters) {
       team->rt[r]->set_dispatch_claim(dclaim);
     }
   };
-  // The defaults: dispatch warps by row size, `cw` combine warps.
-  auto configure_defaults = [&](int cw) {
+  // The defaults: dispatch warps by row size, `cw` combine warps (one_rank: with the rule for
+  // groups of one rank, which overrides both counts there).
+  auto configure_defaults = [&](int cw, bool one_rank = true) {
     for (int r = 0; r < R; ++r) {
-      team->rt[r]->set_send_warps(defaults.dispatch_send_warps, cw,
-                                  defaults.small_row_dispatch_send_warps,
-                                  defaults.slab_dispatch_send_warps);
+      team->rt[r]->set_send_warps(
+          defaults.dispatch_send_warps, cw, defaults.small_row_dispatch_send_warps,
+          defaults.slab_dispatch_send_warps, one_rank && defaults.one_rank_send_warps);
       team->rt[r]->set_dispatch_claim(defaults.dispatch_claim);
     }
   };
@@ -1771,26 +1772,31 @@ void bench(int iters) {
   const double comb_bytes =
       R == 2 ? double(std::max(c.r[0].recv_counts[1], c.r[1].recv_counts[0])) * H * 2 : 0.0;
   std::printf("BF16 combine (num_sms=24; remote bytes = rows x %d B):\n", H * 2);
+  const auto combine_op = [&](int r, cudaStream_t s) {
+    IntranodeCombineArgs a;
+    a.x = rb[r].xc;
+    a.elem = ep::CombineElem::kBFloat16;
+    a.hidden = H;
+    a.num_recv_rows = rb[r].N;
+    a.recv_prefix = rb[r].b.recv_prefix;
+    a.send_pos = rb[r].b.send_pos;
+    a.num_tokens = T;
+    a.out = rb[r].out;
+    team->rt[r]->combine(a, s);
+  };
   for (int round = 0; round < rounds; ++round)
     for (int warps : combine_warps) {
-      configure_defaults(warps);
+      configure_defaults(warps, /*one_rank=*/false);
       char label[96];
       std::snprintf(label, sizeof(label), "combine, %d send warps", warps);
-      report(label, time_op([&](int r, cudaStream_t s) {
-               IntranodeCombineArgs a;
-               a.x = rb[r].xc;
-               a.elem = ep::CombineElem::kBFloat16;
-               a.hidden = H;
-               a.num_recv_rows = rb[r].N;
-               a.recv_prefix = rb[r].b.recv_prefix;
-               a.send_pos = rb[r].b.send_pos;
-               a.num_tokens = T;
-               a.out = rb[r].out;
-               team->rt[r]->combine(a, s);
-             }),
-             comb_bytes);
+      report(label, time_op(combine_op), comb_bytes);
       if (round == 0 && warps == default_combine_warps) print_ht_timeline(*team, R, true, warps);
     }
+  configure_defaults(default_combine_warps);
+  if (team->rt[0]->combine_send_warps() != default_combine_warps) {  // the one-rank rule
+    std::printf("  (below: default %d send warps)\n", team->rt[0]->combine_send_warps());
+    report("combine", time_op(combine_op), comb_bytes);
+  }
   for (int r = 0; r < R; ++r) {
     CUDA_CHECK(cudaSetDevice(team->device[r]));
     CUDA_CHECK(cudaFree(rb[r].flush));
