@@ -194,14 +194,36 @@ bool profilingHost() {
   return on;
 }
 
+// EP_PROFILE_HOST=trace: also one line per stage as it ends, flushed (where a stuck call stands).
+bool tracingHost() {
+  static const bool on = profilingHost() && std::string(std::getenv("EP_PROFILE_HOST")) == "trace";
+  return on;
+}
+
+void traceHost(const char* what) {
+  if (tracingHost()) {
+    std::fprintf(stderr, "ep trace pid %d: %s\n", static_cast<int>(getpid()), what);
+    std::fflush(stderr);
+  }
+}
+
 // EP_PROFILE_HOST=1: one line per call on stderr with the host time of each stage (µs), to find
 // where a call's host time goes.
 class HostStages {
  public:
-  explicit HostStages(const char* op) : op_(op), on_(enabled()), last_(now()), first_(last_) {}
+  explicit HostStages(const char* op) : op_(op), on_(enabled()), last_(now()), first_(last_) {
+    if (on_ && tracingHost()) {
+      std::fprintf(stderr, "ep trace pid %d: %s begins\n", static_cast<int>(getpid()), op_);
+      std::fflush(stderr);
+    }
+  }
   void mark(const char* stage) {
     if (!on_) {
       return;
+    }
+    if (tracingHost()) {
+      std::fprintf(stderr, "ep trace pid %d: %s %s done\n", static_cast<int>(getpid()), op_, stage);
+      std::fflush(stderr);
     }
     const auto t = now();
     line_ += std::string(" ") + stage + "=" +
@@ -388,12 +410,18 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
                    static_cast<long long>(needs.topk), static_cast<long long>(needs.scales),
                    static_cast<long long>(needs.local_experts));
     }
-    // Peers may still run kernels on the old buffers: drain, then agree, then free.
+    // Peers may still run kernels on the old buffers: drain, then agree, then free. The barrier
+    // goes through the store, not Gloo: both ranks of a 2-rank soak sometimes waited in Gloo's
+    // barrier for the whole group timeout (one H100, ranks sharing it; cause not found).
     C10_CUDA_CHECK(cudaDeviceSynchronize());
-    pg.innerBackend(c10::DeviceType::CPU, "intranode rebuild")->barrier()->wait();
+    traceHost("rebuild: device synchronized");
+    allGatherStrings(pg, keyPrefix(pg) + "rebuild/" + std::to_string(st.generation) + "/", "",
+                     std::string("ep ") + op + ": rebuilding the NVLink transport");
+    traceHost("rebuild: barrier passed");
     st.runtime->destroy();
     st.runtime.reset();
     st.slabs.reset();  // outputs still viewing an old slab keep its memory
+    traceHost("rebuild: old transport freed");
   }
   cfg.max_tokens_per_rank = roundUpPow2(static_cast<int>(needs.tokens), 1024);
   cfg.max_hidden_bytes = static_cast<int>(std::max<int64_t>(needs.hidden_bytes, 16));
@@ -431,6 +459,7 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
   }
   cfg.recv_slabs = recvSlabs(pg);
   st.runtime = std::make_unique<IntranodeRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
+  traceHost("transport: buffers allocated");
   if (cfg.recv_slabs > 0) {
     st.slabs =
         std::make_shared<SlabPool>(cfg.recv_slabs, device.index(), st.runtime->recv_slab_owner());
@@ -444,7 +473,9 @@ IntranodeRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::De
     auto v = pg.store()->get(prefix + std::to_string(r));
     all[r] = std::vector<char>(v.begin(), v.end());
   }
+  traceHost("transport: handles exchanged");
   st.runtime->connect(all);
+  traceHost("transport: peers mapped");
   return *st.runtime;
 }
 

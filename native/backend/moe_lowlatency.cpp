@@ -280,7 +280,10 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
     topk = std::max<int64_t>(topk, st.config.max_topk);
     experts = std::max<int64_t>(experts, st.config.num_experts);
     C10_CUDA_CHECK(cudaDeviceSynchronize());
-    pg.innerBackend(c10::DeviceType::CPU, "low-latency rebuild")->barrier()->wait();
+    // Through the store, not Gloo (see the intranode rebuild).
+    allGatherStrings(
+        pg, "ep_ll/" + pg.options()->group_name + "/rebuild/" + std::to_string(st.generation) + "/",
+        "", "ep low_latency_dispatch: rebuilding the NVSHMEM buffers");
     const int rc = lib.destroy(st.runtime, err, sizeof(err));
     st.runtime = nullptr;
     st.recent.clear();
