@@ -196,13 +196,18 @@ bool profilingHost() {
 
 // EP_PROFILE_HOST=trace: also one line per stage as it ends, flushed (where a stuck call stands).
 bool tracingHost() {
-  static const bool on = profilingHost() && std::string(std::getenv("EP_PROFILE_HOST")) == "trace";
+  static const bool on = [] {
+    const char* env = std::getenv("EP_PROFILE_HOST");
+    return env != nullptr && std::strcmp(env, "trace") == 0;
+  }();
   return on;
 }
 
-void traceHost(const char* what) {
+// One flushed line "ep trace pid P: what[ detail]" when tracing.
+void traceHost(const char* what, const char* detail = nullptr) {
   if (tracingHost()) {
-    std::fprintf(stderr, "ep trace pid %d: %s\n", static_cast<int>(getpid()), what);
+    std::fprintf(stderr, "ep trace pid %d: %s%s%s\n", static_cast<int>(getpid()), what,
+                 detail != nullptr ? " " : "", detail != nullptr ? detail : "");
     std::fflush(stderr);
   }
 }
@@ -212,19 +217,13 @@ void traceHost(const char* what) {
 class HostStages {
  public:
   explicit HostStages(const char* op) : op_(op), on_(enabled()), last_(now()), first_(last_) {
-    if (on_ && tracingHost()) {
-      std::fprintf(stderr, "ep trace pid %d: %s begins\n", static_cast<int>(getpid()), op_);
-      std::fflush(stderr);
-    }
+    if (on_) traceHost(op_, "begins");
   }
   void mark(const char* stage) {
     if (!on_) {
       return;
     }
-    if (tracingHost()) {
-      std::fprintf(stderr, "ep trace pid %d: %s %s done\n", static_cast<int>(getpid()), op_, stage);
-      std::fflush(stderr);
-    }
+    traceHost(op_, stage);  // the stage has ended
     const auto t = now();
     line_ += std::string(" ") + stage + "=" +
              std::to_string(std::chrono::duration<double, std::micro>(t - last_).count());
