@@ -4,50 +4,150 @@ Install against the torch already in the environment (never an isolated build en
 
     pip install --no-build-isolation .          # or -e . for development
 
-Environment:
-    EP_WITH_CUDA=auto|0|1   auto (default) builds the CUDA parts where nvcc and a CUDA torch exist.
-    EP_CUDA_ARCH=90a        CUDA architectures of the kernels.
-    EP_BUILD_DIR=path       keep the CMake build tree there (reused by later builds).
-    MAX_JOBS=N              parallel compile jobs.
-    EP_CMAKE_ARGS="..."     extra CMake arguments (e.g. -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda).
+The CUDA build is chosen as torch's own `cpp_extension` would find a toolkit: a CUDA build of
+torch, plus an `nvcc` from `CUDA_HOME` / `CUDA_PATH`, the `nvcc` on PATH (through any wrapper
+script, asking nvcc where it lives) or `/usr/local/cuda`, whose major version matches torch's.
+Where any of that is missing, or the CUDA configure fails, `EP_WITH_CUDA=auto` builds the CPU
+package instead and says why in one line. A GPU is not needed to build.
+
+Environment (docs/configuration.md lists every variable):
+    EP_WITH_CUDA=auto|0|1   auto (default): CUDA where it can be built, else CPU; 1: CUDA or fail.
+    EP_CUDA_ARCH="90a;100a" CUDA architectures of the kernels (default: from TORCH_CUDA_ARCH_LIST
+                            when that is set, else 90a;100a).
+    EP_BUILD_DIR=path       the CMake build tree (default build/<python>-<torch>-<cpu|cuda>/ in
+                            this checkout, kept between builds, so rebuilds are incremental).
+    MAX_JOBS=N              parallel compile jobs (default: the CPU count).
+    EP_CMAKE_ARGS="..."     extra CMake arguments.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+DEFAULT_CUDA_ARCH = "90a;100a"
 
 
-def _cuda_wanted() -> bool:
-    mode = os.environ.get("EP_WITH_CUDA", "auto").strip().lower()
-    if mode in ("0", "off", "false", "no"):
-        return False
-    has_nvcc = (
-        shutil.which("nvcc") is not None
-        or Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc").exists()
-    )
+def _say(line: str) -> None:
+    print(f"[ep_backend] {line}", flush=True)
+
+
+@dataclass
+class TorchInfo:
+    version: str
+    cuda: str | None  # torch.version.cuda, e.g. "13.0"; None for a CPU torch
+
+
+def _torch_info() -> TorchInfo:
     try:
         import torch
+    except ImportError as e:
+        raise RuntimeError(
+            "ep_backend builds against the installed torch: pip install torch first, then "
+            "pip install --no-build-isolation ."
+        ) from e
+    return TorchInfo(version=torch.__version__.split("+")[0], cuda=torch.version.cuda)
 
-        torch_has_cuda = torch.version.cuda is not None
-    except ImportError:
-        torch_has_cuda = False
-    if mode in ("1", "on", "true", "yes"):
-        if not (has_nvcc and torch_has_cuda):
+
+def _nvcc_home(nvcc: Path) -> Path | None:
+    """The toolkit root of an nvcc, also when `nvcc` is a wrapper script outside the toolkit."""
+    real = nvcc.resolve()
+    if (real.parent.parent / "include" / "cuda_runtime.h").exists():
+        return real.parent.parent
+    try:  # a wrapper: nvcc's dry run prints the folder it really runs from
+        out = subprocess.run(
+            [str(nvcc), "--dryrun", "-c", "-x", "cu", "/dev/null", "-o", "/dev/null"],
+            capture_output=True, text=True, timeout=60,
+        ).stderr  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"^#\$ _HERE_=(.+)$", out, re.MULTILINE)
+    if match:
+        home = Path(match.group(1).strip()).parent
+        if (home / "include" / "cuda_runtime.h").exists():
+            return home
+    return None
+
+
+def find_cuda_home() -> tuple[Path | None, str]:
+    """The CUDA toolkit to build with, or None and why not."""
+    candidates: list[tuple[str, Path]] = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append((f"${var}", Path(os.environ[var]) / "bin" / "nvcc"))
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append(("nvcc on PATH", Path(on_path)))
+    candidates.append(("/usr/local/cuda", Path("/usr/local/cuda/bin/nvcc")))
+    for origin, nvcc in candidates:
+        if nvcc.exists():
+            home = _nvcc_home(nvcc)
+            if home is not None:
+                return home, f"{home} (from {origin})"
+    return None, "no nvcc found (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)"
+
+
+def _nvcc_version(home: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            [str(home / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else None
+
+
+def _cuda_plan(torch_info: TorchInfo) -> tuple[Path | None, str]:
+    """(toolkit, "") when a CUDA build should be made; (None, why not) otherwise."""
+    if torch_info.cuda is None:
+        return None, f"torch {torch_info.version} is a CPU build"
+    home, where = find_cuda_home()
+    if home is None:
+        return None, where
+    nvcc_version = _nvcc_version(home)
+    if nvcc_version is None:
+        return None, f"nvcc in {home} did not report its version"
+    if nvcc_version.split(".")[0] != torch_info.cuda.split(".")[0]:
+        return None, f"nvcc {nvcc_version} ({home}) does not match torch's CUDA {torch_info.cuda}"
+    return home, ""
+
+
+def cuda_architectures() -> str:
+    """CMake's CUDA architecture list: EP_CUDA_ARCH, else torch's TORCH_CUDA_ARCH_LIST, else both
+    Hopper and Blackwell. TORCH_CUDA_ARCH_LIST is read as cpp_extension reads it ("9.0a 10.0a",
+    ";"-separated too, "+PTX" adds PTX); names without an "a" suffix get one where the kernels
+    need the architecture-specific features (sm_90a, sm_100a)."""
+    if os.environ.get("EP_CUDA_ARCH"):
+        return os.environ["EP_CUDA_ARCH"]
+    torch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not torch_list:
+        return DEFAULT_CUDA_ARCH
+    archs: list[str] = []
+    for item in re.split(r"[;\s]+", torch_list):
+        match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", item)
+        if not match:
             raise RuntimeError(
-                "EP_WITH_CUDA=1 needs nvcc and a CUDA build of torch "
-                f"(nvcc found: {has_nvcc}, torch CUDA: {torch_has_cuda})"
+                f"TORCH_CUDA_ARCH_LIST: cannot read {item!r} (use e.g. '9.0a 10.0a')"
             )
-        return True
-    return has_nvcc and torch_has_cuda
+        major, minor, suffix, ptx = match.groups()
+        if int(major) < 9:
+            continue  # the kernels need Hopper or newer; older GPUs use the ATen path
+        name = f"{major}{minor}{suffix or 'a'}"
+        archs.append(name if not ptx else f"{name}-real;{major}{minor}-virtual")
+    if not archs:
+        raise RuntimeError(f"TORCH_CUDA_ARCH_LIST={torch_list!r} names no Hopper-or-newer GPU")
+    return ";".join(archs)
 
 
 class CMakeExtension(Extension):
@@ -57,51 +157,79 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        with_cuda = _cuda_wanted()
-        build_dir = Path(os.environ.get("EP_BUILD_DIR", Path(self.build_temp) / "cmake")).resolve()
-        build_dir.mkdir(parents=True, exist_ok=True)
+        mode = os.environ.get("EP_WITH_CUDA", "auto").strip().lower()
+        if mode not in ("auto", "0", "1", "on", "off", "true", "false", "yes", "no"):
+            raise RuntimeError(f"EP_WITH_CUDA={mode!r}: use auto, 0 or 1")
+        torch_info = _torch_info()
+        cuda_home: Path | None = None
+        if mode in ("0", "off", "false", "no"):
+            _say("building the CPU package (EP_WITH_CUDA=0)")
+        else:
+            cuda_home, why_not = _cuda_plan(torch_info)
+            if cuda_home is None:
+                if mode != "auto":
+                    raise RuntimeError(f"EP_WITH_CUDA=1 but no CUDA build can be made: {why_not}")
+                _say(f"building the CPU package: {why_not}")
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
+        if cuda_home is not None:
+            try:
+                build_dir = self._build(torch_info, cuda_home, jobs)
+            except _BuildStepFailed as e:
+                if mode != "auto":
+                    raise
+                _say(f"building the CPU package: the CUDA build failed ({e.output_tail})")
+                cuda_home = None
+        if cuda_home is None:
+            build_dir = self._build(torch_info, None, jobs)
+        self._install(ext, build_dir, cuda_home is not None, jobs)
+
+    def _build_dir(self, torch_info: TorchInfo, with_cuda: bool) -> Path:
+        if os.environ.get("EP_BUILD_DIR"):
+            return Path(os.environ["EP_BUILD_DIR"]).resolve()
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch_info.version}"
+        return ROOT / "build" / f"{tag}-{'cuda' if with_cuda else 'cpu'}"
+
+    def _build(self, torch_info: TorchInfo, cuda_home: Path | None, jobs: str) -> Path:
+        with_cuda = cuda_home is not None
+        build_dir = self._build_dir(torch_info, with_cuda)
+        build_dir.mkdir(parents=True, exist_ok=True)
         cfg = [
-            "cmake",
-            "-S",
-            str(ROOT),
-            "-B",
-            str(build_dir),
+            "cmake", "-S", str(ROOT), "-B", str(build_dir),
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DEP_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
-            f"-DEP_CUDA_ARCHITECTURES={os.environ.get('EP_CUDA_ARCH', '90a')}",
             "-DCMAKE_BUILD_TYPE=Release",
-        ]
+        ]  # fmt: skip
+        if with_cuda:
+            arch = cuda_architectures()
+            cfg += [
+                f"-DEP_CUDA_ARCHITECTURES={arch}",
+                f"-DCMAKE_CUDA_COMPILER={cuda_home / 'bin' / 'nvcc'}",
+                f"-DCUDAToolkit_ROOT={cuda_home}",
+            ]
         cfg += os.environ.get("EP_CMAKE_ARGS", "").split()
-        if shutil.which("ninja"):
+        if shutil.which("ninja") and not (build_dir / "Makefile").exists():
             cfg += ["-G", "Ninja"]
-        if with_cuda and not os.environ.get("CUDACXX"):
-            nvcc = shutil.which("nvcc") or str(
-                Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-            )
-            cfg.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
-        print(f"[ep_backend] CUDA build: {with_cuda}; build dir {build_dir}", flush=True)
-        cache = build_dir / "CMakeCache.txt"
-        if cache.exists() and f"EP_WITH_CUDA:BOOL={'ON' if with_cuda else 'OFF'}" not in (
-            cache.read_text()
-        ):
-            cache.unlink()  # switching CUDA on/off needs a fresh configure
-        subprocess.run(cfg, check=True)
-        subprocess.run(
-            ["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs], check=True
-        )
-        built = sorted(build_dir.glob("_C*.so"))
-        if not built:
-            raise RuntimeError(f"CMake produced no _C module in {build_dir}")
+        _say(f"CUDA build: {with_cuda}; build dir {build_dir}")
+        _run(cfg)
+        _run(["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs])
+        return build_dir
+
+    def _install(self, ext: Extension, build_dir: Path, with_cuda: bool, jobs: str) -> None:
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        built = build_dir / f"_C{suffix}"
+        if not built.exists():
+            raise RuntimeError(f"CMake produced no {built.name} in {build_dir}")
         dest = Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built[0], dest)
+        shutil.copy2(built, dest)
+        targets = [dest.parent]
+        if getattr(self, "editable_mode", False):
+            # An editable install copies only the extension module into the source tree; the
+            # library _C loads from beside itself must land there too.
+            targets.append(ROOT / "ep_backend")
+        for package_dir in targets:  # never load a stale low-latency library
+            (package_dir / "libep_nvshmem.so").unlink(missing_ok=True)
         if with_cuda:
-            targets = [dest.parent]
-            if getattr(self, "editable_mode", False):
-                # An editable install copies only the extension module into the source tree;
-                # the library _C loads from beside itself must land there too.
-                targets.append(ROOT / "ep_backend")
             self._build_low_latency_library(build_dir, jobs, targets)
 
     @staticmethod
@@ -111,21 +239,42 @@ class CMakeBuild(build_ext):
         Optional: where NVSHMEM is missing or the library does not build, the low-latency ops run
         on the ATen path and the rest of ep_backend is unaffected.
         """
-        for package_dir in package_dirs:  # never load a stale one
-            (package_dir / "libep_nvshmem.so").unlink(missing_ok=True)
         result = subprocess.run(
             ["cmake", "--build", str(build_dir), "--target", "ep_nvshmem", "-j", jobs],
             capture_output=True, text=True,
         )  # fmt: skip
-        built = sorted(build_dir.glob("libep_nvshmem.so"))
-        if result.returncode != 0 or not built:
+        built = build_dir / "libep_nvshmem.so"
+        if result.returncode != 0 or not built.exists():
             tail = "\n".join((result.stdout + result.stderr).splitlines()[-15:])
-            print(f"[ep_backend] WARNING: libep_nvshmem.so not built; low-latency ops will use "
-                  f"the ATen path.\n{tail}", flush=True)  # fmt: skip
+            _say(
+                f"WARNING: libep_nvshmem.so not built; low-latency ops will use the ATen path.\n{tail}"
+            )
             return
         for package_dir in package_dirs:
-            shutil.copy2(built[0], package_dir / built[0].name)
-            print(f"[ep_backend] built {package_dir / built[0].name}", flush=True)
+            shutil.copy2(built, package_dir / built.name)
+            _say(f"built {package_dir / built.name}")
 
 
-setup(ext_modules=[CMakeExtension("ep_backend._C")], cmdclass={"build_ext": CMakeBuild})
+class _BuildStepFailed(subprocess.CalledProcessError):
+    """A CMake step that failed; `output_tail` is its last error line, for a one-line message."""
+
+    output_tail: str
+
+
+def _run(cmd: list[str]) -> None:
+    """Runs a CMake step, echoing its output; on failure raises with the step's last error line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        lines.append(line.rstrip())
+    if proc.wait() != 0:
+        err = _BuildStepFailed(proc.returncode, cmd)
+        errors = [ln.strip() for ln in lines if "error" in ln.lower() and ln.strip()]
+        err.output_tail = (errors or [ln for ln in lines if ln.strip()] or ["no output"])[-1]
+        raise err
+
+
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its helpers
+    setup(ext_modules=[CMakeExtension("ep_backend._C")], cmdclass={"build_ext": CMakeBuild})

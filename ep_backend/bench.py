@@ -589,14 +589,52 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
     dist.destroy_process_group()
 
 
-def _print_table(rows: list[dict], header: str) -> None:
+def _print_table(rows: list[dict], header: str, on_gpu: bool) -> None:
+    """Prints rows as an aligned table; "call", "host" and notes are GPU-only columns."""
     print(header)
-    print(f"{'op':38s} {'T':>6s} {'time µs':>10s} {'call µs':>9s} {'host µs':>9s} "
-          f"{'remote GB/s':>12s} {'logical GB/s':>13s}  note")  # fmt: skip
+    width = max([len("op")] + [len(r["op"]) for r in rows])
+    cols = [("T", 6), ("time µs", 10)]
+    if on_gpu:
+        cols += [("call µs", 9), ("host µs", 9)]
+    cols += [("remote GB/s", 12), ("logical GB/s", 13)]
+    line = f"{'op':{width}s} " + " ".join(f"{name:>{w}s}" for name, w in cols)
+    print(line + ("  note" if on_gpu else ""))
     for r in rows:
-        call = f"{r['call_us']:9.1f}" if r.get("call_us") else f"{'-':>9s}"
-        print(f"{r['op']:38s} {r['tokens']:6d} {r['us']:10.1f} {call} {r['host_us']:9.1f} "
-              f"{r['remote_gbps']:12.3f} {r['logical_gbps']:13.3f}  {r['note']}")  # fmt: skip
+        cells = [f"{r['tokens']:6d}", f"{r['us']:10.1f}"]
+        if on_gpu:
+            call = f"{r['call_us']:9.1f}" if r.get("call_us") else f"{'-':>9s}"
+            cells += [call, f"{r['host_us']:9.1f}"]
+        cells += [f"{r['remote_gbps']:12.3f}", f"{r['logical_gbps']:13.3f}"]
+        text = f"{r['op']:{width}s} " + " ".join(cells)
+        print(text + (f"  {r['note']}" if on_gpu and r["note"] else ""))
+
+
+def _check_args(args: argparse.Namespace, nprocs: int, on_gpu: bool) -> str | None:
+    """Why the shape or process count cannot run (None when it can), before any process starts."""
+    if nprocs < 1:
+        return f"--nprocs {nprocs}: need at least 1 process"
+    if on_gpu and nprocs > torch.cuda.device_count() * 8:
+        return f"--nprocs {nprocs}: more than 8 ranks per GPU ({torch.cuda.device_count()} GPUs)"
+    for name in ("tokens", "hidden", "topk", "experts", "iters", "ll_tokens", "ll_max_tokens",
+                 "ll_experts"):  # fmt: skip
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1"
+    if args.warmup < 0:
+        return f"--warmup {args.warmup}: must be at least 0"
+    if args.experts % nprocs:
+        return f"--experts {args.experts} is not divisible by the {nprocs} processes"
+    if args.topk > args.experts:
+        return f"--topk {args.topk} is larger than --experts {args.experts}"
+    if args.hidden * 2 % 16:
+        return f"--hidden {args.hidden}: a BF16 row must be a multiple of 16 bytes (H % 8 == 0)"
+    if args.hidden % 128:
+        return f"--hidden {args.hidden}: the FP8 rows need H % 128 == 0"
+    if args.low_latency:
+        if args.ll_experts % nprocs:
+            return f"--ll-experts {args.ll_experts} is not divisible by the {nprocs} processes"
+        if args.topk > args.ll_experts:
+            return f"--topk {args.topk} is larger than --ll-experts {args.ll_experts}"
+    return None
 
 
 def _plot(rows: list[dict], path: Path) -> bool:
@@ -637,13 +675,14 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens", type=int, default=0, help="T per rank (default 4096 GPU / 256 CPU)"
     )
     parser.add_argument("--hidden", type=int, default=0, help="H (default 7168 GPU / 1024 CPU)")
-    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=8, help="K: experts per token (default 8)")
     parser.add_argument("--experts", type=int, default=0, help="E (default 256 GPU / 16 CPU)")
     parser.add_argument("--iters", type=int, default=0, help="timed calls (default 30 GPU / 5 CPU)")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     parser.add_argument("--sweep", action="store_true", help="also sweep T from 128 (GPU default)")
-    parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--sweep-max", type=int, default=16384)
+    parser.add_argument("--no-sweep", action="store_true", help="no sweep over T, also on GPUs")
+    parser.add_argument("--sweep-max", type=int, default=16384,
+                        help="largest T of the sweep (default 16384 GPU / 1024 CPU)")  # fmt: skip
     parser.add_argument("--no-high-throughput", dest="high_throughput", action="store_false",
                         help="skip the standard-shape section and its sweep")  # fmt: skip
     parser.add_argument("--no-low-latency", dest="low_latency", action="store_false",
@@ -652,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ll-max-tokens", type=int, default=256,
                         help="num_max_dispatch_tokens_per_rank M of the low-latency section")  # fmt: skip
     parser.add_argument("--ll-experts", type=int, default=16, help="low-latency E (default 16)")
-    parser.add_argument("--out", type=str, default="bench_out")
+    parser.add_argument("--out", type=str, default="bench_out",
+                        help="folder for bench.json and the plot (default ./bench_out)")  # fmt: skip
     args = parser.parse_args(argv)
     os.environ.update(_ENV)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 0
@@ -666,6 +706,10 @@ def main(argv: list[str] | None = None) -> int:
     args.sweep = (args.sweep or on_gpu) and not args.no_sweep
     if not on_gpu:
         args.sweep_max = min(args.sweep_max, 1024)
+    problem = _check_args(args, nprocs, on_gpu)
+    if problem is not None:
+        print(f"ep bench: error: {problem}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result_path = out / "bench.json"
@@ -681,13 +725,13 @@ def main(argv: list[str] | None = None) -> int:
     rows_ht = [r for r in rows if r not in ll_rows]
     main_rows = [r for r in rows_ht if r["tokens"] == args.tokens]
     if main_rows:
-        _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==")
+        _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==", on_gpu)
     if ll_rows:
         _print_table(ll_rows, f"\n== low latency (M={args.ll_max_tokens}, top-{args.topk} of "
-                              f"E={args.ll_experts}; GB/s = rows sent x row bytes / time) ==")  # fmt: skip
+                              f"E={args.ll_experts}; GB/s = rows sent x row bytes / time) ==", on_gpu)  # fmt: skip
     sweep_rows = [r for r in rows_ht if "dispatch+combine" in r["op"] or "baseline" in r["op"]]
     if args.sweep and sweep_rows:
-        _print_table(sweep_rows, "\n== sweep over T: dispatch+combine vs baseline ==")
+        _print_table(sweep_rows, "\n== sweep over T: dispatch+combine vs baseline ==", on_gpu)
         png = out / "bench_sweep.png"
         if _plot(sweep_rows, png):
             print(f"plot: {png}")

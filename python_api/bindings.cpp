@@ -252,6 +252,14 @@ void bindProcessGroup(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Native core of ep_backend: the \"ep\" c10d backend and MoE collectives.";
+  // What this build holds (CI checks that a CUDA build really happened; errors name the archs).
+#ifdef EP_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+  m.attr("cuda_architectures") = EP_CUDA_ARCHITECTURES_STRING;
+#else
+  m.attr("built_with_cuda") = false;
+  m.attr("cuda_architectures") = "";
+#endif
   bindOptions(m);
   bindProcessGroup(m);
 #ifdef EP_WITH_CUDA
