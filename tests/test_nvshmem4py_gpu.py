@@ -1,9 +1,9 @@
 """nvshmem4py in the same process as ep's own NVSHMEM runtime (2+ GPUs).
 
-Runs ``scripts/nvshmem4py_trial.py`` in both orders: nvshmem4py bootstraps NVSHMEM by a unique id
+Runs ``tests/nvshmem4py_trial.py`` in both orders: nvshmem4py bootstraps NVSHMEM by a unique id
 through the c10d store, allocates a symmetric torch tensor and writes into the peer's copy, and
 ep's low-latency dispatch + combine run correctly before and after it. Skipped where the
-optional ``nvshmem4py-cu13`` package is not installed (``scripts/gpu_check.sh`` installs it from
+optional ``nvshmem4py-cu13`` package is not installed (``tools/gpu_check.sh`` installs it from
 ``.whl312/`` when those wheels are present).
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("order", ["n4p-first", "ep-first"])
 def test_nvshmem4py_beside_ep(order: str) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "nvshmem4py_trial.py"), "--order", order],
+        [sys.executable, str(ROOT / "tests" / "nvshmem4py_trial.py"), "--order", order],
         capture_output=True,
         text=True,
         timeout=240,

@@ -1,6 +1,6 @@
 """Timeline of the NVLink-path ops: where a call's time goes between the host and the GPU.
 
-Usage (GPU machine): python scripts/trace_ops.py [--tokens 4096] [--out DIR] [--sweep CFG ...]
+Usage (GPU machine): python benchmarks/trace_ops.py [--tokens 4096] [--out DIR] [--sweep CFG ...]
 Runs one process per GPU and calls dispatch (BF16, FP8), cached dispatch and combine the way the
 bench does (L2 flushed, ranks lined up on the host) under torch.profiler. For rank 0 it prints,
 per op, the median over calls of: the host span of the call, when each GPU kernel started after

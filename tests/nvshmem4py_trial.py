@@ -1,6 +1,6 @@
 """Trial of nvshmem4py beside ep's own NVSHMEM runtime (GPU machine, 2+ GPUs).
 
-Usage: python scripts/nvshmem4py_trial.py [--order ep-first|n4p-first] [--world N]
+Usage: python tests/nvshmem4py_trial.py [--order ep-first|n4p-first] [--world N]
 
 Needs the ``nvshmem4py-cu13`` wheel and its cuda-core / cuda-bindings / cuda-pathfinder wheels
 (``pip install --no-deps``). One process per GPU. Prints one ``CHECK <name>: ok|FAILED|ERROR``

@@ -2,7 +2,7 @@
 # Syntax-checks the torch-bound C++ (native/backend, python_api) as the CUDA build compiles it
 # (EP_WITH_CUDA=1), against the installed torch's headers and the CUDA toolkit's: works with a
 # CPU-only torch and no GPU, so an error in the CUDA paths of the backend cannot land unseen in
-# CI (scripts/compile_kernels.sh does the same for the kernels). A CPU torch wheel lacks one
+# CI (tools/compile_kernels.sh does the same for the kernels). A CPU torch wheel lacks one
 # generated header of c10/cuda; a stand-in with the CUDA build's content is supplied for it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

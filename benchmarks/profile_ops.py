@@ -1,6 +1,6 @@
 """Where the host time of the NVLink-path HT ops goes (2 ranks, one GPU each).
 
-Usage: EP_PROFILE_HOST=1 python scripts/profile_ops.py [T]
+Usage: EP_PROFILE_HOST=1 python benchmarks/profile_ops.py [T]
 
 For layout, dispatch, cached dispatch and combine: the median host time of the call and of its
 Python pieces (group lookup, the bare custom op), the GPU time of back-to-back calls, and a

@@ -1,4 +1,4 @@
-// Shared by the standalone CUDA probes in scripts/ (each built alone with nvcc): a check that
+// Shared by the standalone CUDA probes in benchmarks/probes/ (each built alone with nvcc): a check that
 // prints the failing call's place and exits, and the GPU's global nanosecond timer.
 #pragma once
 

@@ -1,6 +1,6 @@
 """Host-time breakdown of the NVLink-path dispatch/combine (2 ranks, one GPU each).
 
-Usage: EP_PROFILE_HOST=1 python scripts/profile_host.py [T] [fp8]   (fp8: FP8 x with scales)
+Usage: EP_PROFILE_HOST=1 python benchmarks/profile_host.py [T] [fp8]   (fp8: FP8 x with scales)
 Each call prints "ep <op> host us: stage=µs ... total=µs" on stderr (see moe_intranode.cpp).
 """
 

@@ -1,6 +1,6 @@
 """What the GPU profiling scripts share: one process per GPU in an "ep" group, standard inputs.
 
-Used as `import local_ranks` by scripts run as `python scripts/<name>.py` (scripts/ is then on
+Used as `import local_ranks` by scripts run as `python benchmarks/<name>.py` (benchmarks/ is then on
 sys.path).
 """
 

@@ -1,6 +1,6 @@
 """Minimal 2-rank CUDA low-latency dispatch+combine, one process per rank, for debuggers.
 
-Usage: python scripts/debug_ll.py RANK [PORT]   (start rank 1 and rank 0 separately)
+Usage: python tools/debug_ll.py RANK [PORT]   (start rank 1 and rank 0 separately)
 """
 
 import datetime

@@ -10,7 +10,7 @@
 //           one row ahead and stored into five arrays, as the dispatch does
 //   +packed as +side, the side data stored as one 336-byte record per row
 // Build: nvcc -O3 -arch=sm_90a -Inative/kernels -o build/local_copy_probe
-// scripts/local_copy_probe.cu Run:   build/local_copy_probe [row_bytes=7168] [rows=4096]
+// benchmarks/probes/local_copy_probe.cu Run:   build/local_copy_probe [row_bytes=7168] [rows=4096]
 // [blocks=24] [warps=10]
 #include <algorithm>
 #include <vector>

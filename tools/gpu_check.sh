@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds ep_backend with CUDA against the installed torch, runs the GPU tests and the benchmark.
-# Usage (on a machine with GPUs): bash scripts/gpu_check.sh [extra pytest args]
+# Usage (on a machine with GPUs): bash tools/gpu_check.sh [extra pytest args]
 # SKIP_TESTS=1 / SKIP_BENCH=1 skip parts, BENCH_ARGS adds bench flags; RUN_NATIVE=1 also runs
 # the torch-free intranode kernel harness, RUN_LL=1 the torch-free NVSHMEM low-latency harness
 # (2 GPUs; LL_QUICK=1: short suite).

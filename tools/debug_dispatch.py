@@ -1,6 +1,6 @@
 """Minimal 2-rank CUDA dispatch+combine, one process per rank: for debuggers (cuda-gdb, sanitizer).
 
-Usage: python scripts/debug_dispatch.py RANK [PORT]   (start rank 1 and rank 0 separately)
+Usage: python tools/debug_dispatch.py RANK [PORT]   (start rank 1 and rank 0 separately)
 """
 
 import datetime

@@ -1,6 +1,6 @@
 """A/B of dispatch modes, interleaved call by call (2 ranks, one GPU each), timed as the bench.
 
-Usage: [EP_AB_PIN=N] python scripts/ab_dispatch.py [T] [iters]   (N: pin each rank to N cores)
+Usage: [EP_AB_PIN=N] python benchmarks/ab_dispatch.py [T] [iters]   (N: pin each rank to N cores)
 
 Each round times one BF16 dispatch per mode (overlapped: the default; host-first:
 Options.overlap_dispatch_host_wait=False), in rotating order, with the bench's L2 flush and

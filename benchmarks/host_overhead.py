@@ -1,7 +1,7 @@
 """Host time of one MoE op call, split into the Python layer and the custom op beneath it.
 
 One rank, one GPU (the op's host path is the same at any rank count up to the exchange):
-    python scripts/host_overhead_probe.py [--iters N] [--rounds R]
+    python benchmarks/host_overhead.py [--iters N] [--rounds R]
 Prints, per row, the min and the median over R rounds of each round's median (µs): ep.dispatch /
 ep.combine as users call them, the registered custom op called directly (what the Python layer
 wraps), and a one-element torch op (this host's floor). Rows take turns within each round: the

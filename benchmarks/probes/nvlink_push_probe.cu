@@ -2,7 +2,7 @@
 // Compares plain 16-byte register stores (the HT kernels' method) with TMA bulk copies
 // (global -> shared by cp.async.bulk, shared -> peer global by cp.async.bulk), both GPUs
 // pushing to each other at the same time, as dispatch and combine do.
-// Build: nvcc -O3 -arch=sm_90a -o build/nvlink_push_probe scripts/nvlink_push_probe.cu
+// Build: nvcc -O3 -arch=sm_90a -o build/nvlink_push_probe benchmarks/probes/nvlink_push_probe.cu
 // Run:   build/nvlink_push_probe [MiB=64] [pull]   (needs 2 GPUs with peer access; "pull": loads
 //        over NVLink and push + pull mixes only)
 #include <cuda_runtime.h>

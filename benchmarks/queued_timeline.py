@@ -11,7 +11,7 @@ Printed per op, medians over samples, µs after the start event on the GPU:
   py_ret   the Python call returned (the end event is recorded right after)
   map_err  check of the mapping: |side-event span - host span| between two host instants
 If end ~ py_ret + a few µs, the host, not the GPU, ends the row.
-Usage: python scripts/queued_timeline.py [T]   (EP_RECV_SLABS etc. as usual)
+Usage: python benchmarks/queued_timeline.py [T]   (EP_RECV_SLABS etc. as usual)
 """
 
 import os

@@ -2,7 +2,7 @@
 # Runs one pytest selection with Python's fault handler on; if it is still running after
 # WATCHDOG_S seconds, sends SIGABRT to every python process below it, so each prints every
 # thread's Python stack (PYTHONFAULTHANDLER) before it dies: where a hung test waits.
-# Usage: WATCHDOG_S=200 bash scripts/soak_watchdog.sh tests/test_x.py -k name
+# Usage: WATCHDOG_S=200 bash tools/soak_watchdog.sh tests/test_x.py -k name
 set -uo pipefail
 export PYTHONFAULTHANDLER=1
 python -m pytest -s -v -p no:cacheprovider -m gpu "$@" &

@@ -2,7 +2,7 @@
 # Builds the intranode (high-throughput) harness once per kernel variant (nvcc -D switches) and
 # prints each variant's kernel times (intranode_test --bench-only: dispatch send-warp sweep,
 # defaults, combine), for comparing kernel changes in one GPU session.
-# Usage: bash scripts/ht_variants.sh "name=-DFLAG ..." ["name2=" ...]   ("base=": no extra flags;
+# Usage: bash benchmarks/ht_variants.sh "name=-DFLAG ..." ["name2=" ...]   ("base=": no extra flags;
 # "name@DIR=..." builds the sources under DIR instead, e.g. an exported older commit). Needs 2 GPUs
 # (HT_BENCH_ONE_GPU=1: both ranks on one GPU, a same-session A/B only, not NVLink figures).
 # HT_COMBINE_WARPS="3,4,6" sweeps those combine send-warp splits instead of 4 and 5.
@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-source scripts/variants_build.sh
+source benchmarks/variants_build.sh
 build_variants tests/native/build_and_run.sh HT_EXTRA_FLAGS ht_variant "$@"
 for ((round = 1; round <= ${HT_VARIANT_ROUNDS:-1}; ++round)); do
   for v in "$@"; do
