@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,3 +30,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         needed = int(marker.kwargs.get("min_gpus", 1))
         if gpus < needed:
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {gpus}"))
+
+
+@pytest.fixture(autouse=True)
+def _one_gpu_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """GPU tests hold an inter-process lock: each one uses every GPU, so pytest-xdist workers
+    (``-n 2``) must not run two at once; CPU tests run beside them."""
+    if request.node.get_closest_marker("gpu") is None or num_gpus() == 0:
+        yield
+        return
+    lock_path = Path(tempfile.gettempdir()) / f"ep_backend_gpu_tests_{os.getuid()}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
