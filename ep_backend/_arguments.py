@@ -1,4 +1,4 @@
-"""Argument checks of the MoE functions, and how a rank that rejects its arguments tells its peers."""
+"""Argument checks of the MoE functions, and how a rank that rejects its input tells its peers."""
 
 from __future__ import annotations
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ._custom_ops import _cached_dispatch_op, _combine_op, _dispatch_op
 
-Tensors = tuple[torch.Tensor, ...]
+Tensors = tuple[Tensor, ...]
+Grads = tuple[Tensor | None, ...]
 
 
 def _needs_grad(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
@@ -26,17 +28,10 @@ def _pad_columns(t: torch.Tensor, multiple: int) -> torch.Tensor:
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        x_scales: torch.Tensor | None,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor | None,
-        num_experts: int,
-        alignment: int,
-        worst: int,
-        group_name: str,
-        layout: list[torch.Tensor],
-    ) -> Tensors:
+        ctx: Any, x: Tensor, x_scales: Tensor | None, topk_idx: Tensor,
+        topk_weights: Tensor | None, num_experts: int, alignment: int, worst: int,
+        group_name: str, layout: list[Tensor],
+    ) -> Tensors:  # fmt: skip
         outs = _dispatch_op(
             x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
         )
@@ -52,13 +47,9 @@ class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any,
-        grad_x: torch.Tensor | None,
-        _gs: torch.Tensor | None,
-        _gi: torch.Tensor | None,
-        grad_w: torch.Tensor | None,
-        *_rest: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, ...]:
+        ctx: Any, grad_x: Tensor | None, _gs: Tensor | None, _gi: Tensor | None,
+        grad_w: Tensor | None, *_rest: Tensor | None,
+    ) -> Grads:  # fmt: skip
         recv_topk_idx, *routing = ctx.saved_tensors
         if grad_x is None:
             grad_x = torch.zeros((routing[3].shape[0], 0))  # unreachable in practice
@@ -75,16 +66,9 @@ class _DispatchFn(torch.autograd.Function):
 class _CachedDispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        x_scales: torch.Tensor | None,
-        in_rank: torch.Tensor,
-        per_rank: torch.Tensor,
-        recv_per_rank: torch.Tensor,
-        src_idx: torch.Tensor,
-        src_rank: torch.Tensor,
-        group_name: str,
-    ) -> Tensors:
+        ctx: Any, x: Tensor, x_scales: Tensor | None, in_rank: Tensor, per_rank: Tensor,
+        recv_per_rank: Tensor, src_idx: Tensor, src_rank: Tensor, group_name: str,
+    ) -> Tensors:  # fmt: skip
         outs = _cached_dispatch_op(
             x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
         )
@@ -94,9 +78,7 @@ class _CachedDispatchFn(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_x: torch.Tensor, _gs: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_x: Tensor, _gs: Tensor | None) -> Grads:  # type: ignore[override]
         routing = ctx.saved_tensors
         gx, _ = _combine_op(grad_x.contiguous(), None, None, None, *routing, ctx.group_name)
         return gx, None, None, None, None, None, None, None
@@ -105,18 +87,10 @@ class _CachedDispatchFn(torch.autograd.Function):
 class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor | None,
-        bias0: torch.Tensor | None,
-        bias1: torch.Tensor | None,
-        in_rank: torch.Tensor,
-        per_rank: torch.Tensor,
-        recv_per_rank: torch.Tensor,
-        src_idx: torch.Tensor,
-        src_rank: torch.Tensor,
-        group_name: str,
-    ) -> Tensors:
+        ctx: Any, x: Tensor, topk_weights: Tensor | None, bias0: Tensor | None,
+        bias1: Tensor | None, in_rank: Tensor, per_rank: Tensor, recv_per_rank: Tensor,
+        src_idx: Tensor, src_rank: Tensor, group_name: str,
+    ) -> Tensors:  # fmt: skip
         combined, weights = _combine_op(
             x, topk_weights, bias0, bias1, in_rank, per_rank, recv_per_rank, src_idx, src_rank,
             group_name,
@@ -130,8 +104,8 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_combined: torch.Tensor, grad_weights: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
+        ctx: Any, grad_combined: Tensor, grad_weights: Tensor | None
+    ) -> Grads:
         routing = ctx.saved_tensors
         # Dispatched rows must be multiples of 16 bytes; combine accepts any H, so pad and slice.
         hidden = grad_combined.shape[1]

@@ -1,4 +1,4 @@
-"""The ``ep`` custom ops (``TORCH_LIBRARY(ep)``, registered by the native module), looked up once."""
+"""The ``ep`` custom ops (``TORCH_LIBRARY(ep)``, from the native module), looked up once."""
 
 from __future__ import annotations
 

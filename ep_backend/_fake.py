@@ -6,8 +6,9 @@ Importing this module registers them.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-Tensors = tuple[torch.Tensor, ...]
+Tensors = tuple[Tensor, ...]
 
 
 def _group_size(group_name: str) -> int:
@@ -15,7 +16,7 @@ def _group_size(group_name: str) -> int:
 
 
 @torch.library.register_fake("ep::dispatch_layout")
-def _dispatch_layout_fake(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> Tensors:
+def _dispatch_layout_fake(topk_idx: Tensor, num_experts: int, num_ranks: int) -> Tensors:
     num_tokens = topk_idx.shape[0]
     return (
         topk_idx.new_empty((num_ranks,), dtype=torch.int32),
@@ -27,16 +28,9 @@ def _dispatch_layout_fake(topk_idx: torch.Tensor, num_experts: int, num_ranks: i
 
 @torch.library.register_fake("ep::dispatch")
 def _dispatch_fake(
-    x: torch.Tensor,
-    x_scales: torch.Tensor | None,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    num_experts: int,
-    alignment: int,
-    worst: int,
-    group_name: str,
-    layout: list[torch.Tensor],
-) -> Tensors:
+    x: Tensor, x_scales: Tensor | None, topk_idx: Tensor, topk_weights: Tensor | None,
+    num_experts: int, alignment: int, worst: int, group_name: str, layout: list[Tensor],
+) -> Tensors:  # fmt: skip
     num_ranks = _group_size(group_name)
     rows = worst if worst > 0 else torch.library.get_ctx().new_dynamic_size()
     num_tokens, topk = topk_idx.shape
@@ -58,15 +52,9 @@ def _dispatch_fake(
 
 @torch.library.register_fake("ep::cached_dispatch")
 def _cached_dispatch_fake(
-    x: torch.Tensor,
-    x_scales: torch.Tensor | None,
-    in_rank: torch.Tensor,
-    per_rank: torch.Tensor,
-    recv_per_rank: torch.Tensor,
-    src_idx: torch.Tensor,
-    src_rank: torch.Tensor,
-    group_name: str,
-) -> Tensors:
+    x: Tensor, x_scales: Tensor | None, in_rank: Tensor, per_rank: Tensor,
+    recv_per_rank: Tensor, src_idx: Tensor, src_rank: Tensor, group_name: str,
+) -> Tensors:  # fmt: skip
     rows = src_idx.shape[0]
     scales = (
         x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,))
@@ -76,17 +64,10 @@ def _cached_dispatch_fake(
 
 @torch.library.register_fake("ep::combine")
 def _combine_fake(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    bias0: torch.Tensor | None,
-    bias1: torch.Tensor | None,
-    in_rank: torch.Tensor,
-    per_rank: torch.Tensor,
-    recv_per_rank: torch.Tensor,
-    src_idx: torch.Tensor,
-    src_rank: torch.Tensor,
+    x: Tensor, topk_weights: Tensor | None, bias0: Tensor | None, bias1: Tensor | None,
+    in_rank: Tensor, per_rank: Tensor, recv_per_rank: Tensor, src_idx: Tensor, src_rank: Tensor,
     group_name: str,
-) -> Tensors:
+) -> Tensors:  # fmt: skip
     num_tokens = in_rank.shape[0]
     weights = (
         x.new_empty((num_tokens, topk_weights.shape[1]), dtype=torch.float32)
@@ -98,16 +79,9 @@ def _combine_fake(
 
 @torch.library.register_fake("ep::low_latency_dispatch")
 def _ll_dispatch_fake(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    max_tokens: int,
-    num_experts: int,
-    use_fp8: bool,
-    round_scale: bool,
-    use_ue8m0: bool,
-    group_name: str,
-    send_only: bool = False,
-) -> Tensors:
+    x: Tensor, topk_idx: Tensor, max_tokens: int, num_experts: int, use_fp8: bool,
+    round_scale: bool, use_ue8m0: bool, group_name: str, send_only: bool = False,
+) -> Tensors:  # fmt: skip
     num_ranks = _group_size(group_name)
     experts_per_rank = num_experts // num_ranks
     slots = num_ranks * max_tokens
@@ -130,12 +104,7 @@ def _ll_dispatch_fake(
 
 @torch.library.register_fake("ep::low_latency_combine")
 def _ll_combine_fake(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    src_info: torch.Tensor,
-    layout_range: torch.Tensor,
-    max_tokens: int,
-    group_name: str,
-) -> torch.Tensor:
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, src_info: Tensor, layout_range: Tensor,
+    max_tokens: int, group_name: str,
+) -> Tensor:  # fmt: skip
     return x.new_empty((topk_idx.shape[0], x.shape[2]))

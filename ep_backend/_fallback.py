@@ -1,4 +1,4 @@
-"""The warning, once per group, that its MoE ops on CUDA tensors run on ATen, not on ep's kernels."""
+"""The warning, once per group, that its MoE ops on CUDA tensors run on ATen, not ep's kernels."""
 
 from __future__ import annotations
 

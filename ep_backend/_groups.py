@@ -1,4 +1,4 @@
-"""The ``"ep"`` process group of a call: its backend object and what this package keeps per group."""
+"""The ``"ep"`` process group of a call: its backend object and the state kept per group."""
 
 from __future__ import annotations
 
