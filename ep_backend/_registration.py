@@ -23,6 +23,14 @@ def _cuda_usable() -> bool:
     )
 
 
+def _name_group(options: Any, group_name: str, global_ranks: list[int] | None) -> None:
+    """Sets the group's name and global ranks, where given, on ep's or NCCL's ``Options``."""
+    if group_name:
+        options.group_name = group_name
+    if global_ranks:
+        options.global_ranks_in_group = list(global_ranks)
+
+
 def _make_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     return dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
 
@@ -39,10 +47,7 @@ def _make_nccl(
 
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    if group_name:
-        opts.group_name = group_name
-    if global_ranks:
-        opts.global_ranks_in_group = list(global_ranks)
+    _name_group(opts, group_name, global_ranks)
     return ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
 
 
@@ -66,10 +71,7 @@ def make_backend(
         )
     if timeout is not None:
         options.timeout = timeout
-    if group_name:
-        options.group_name = group_name
-    if global_ranks:
-        options.global_ranks_in_group = list(global_ranks)
+    _name_group(options, group_name, global_ranks)
     gloo = _make_gloo(store, rank, size, options.timeout)
     nccl = (
         _make_nccl(store, rank, size, options.timeout, group_name, global_ranks)

@@ -1,19 +1,19 @@
-"""The MoE collectives of ``ep``: layout, dispatch, combine, and their low-latency variants.
+"""The high-throughput MoE collectives of ``ep``: layout, dispatch, combine, and ``reserve``.
 
 Each function runs a ``TORCH_LIBRARY(ep)`` custom op on the group's ``"ep"`` backend (CPU tensors
 through the internal Gloo exchange, CUDA tensors through our kernels), so the calls compose with
 autograd and ``torch.compile``. The exact contract, with every shape and dtype, is in
 ``docs/semantics.md``; ``ep_backend.reference`` is its executable form and the results here equal
-it bit for bit.
+it bit for bit. The low-latency variants are in ``ep_backend.low_latency``.
 
 ``async_op=True`` follows torch.distributed: the op runs on the backend's communication stream
 after waiting for the current stream, and the returned ``work.wait()`` makes the *current stream*
 wait for it (the CPU does not block). On CPU tensors the op completes before the call returns.
 
-``previous_event`` (a ``torch.cuda.Event``, the high-throughput ops) is DeepEP's flag of that
-name: with ``async_op=True`` the communication stream waits for that event *instead of* the
-current stream, so the op need not wait for unrelated work queued there; without it the current
-stream waits for the event before the op. Outputs of ``async_op=True`` are allocated on the
+``previous_event`` (a ``torch.cuda.Event``) is DeepEP's flag of that name: with
+``async_op=True`` the communication stream waits for that event *instead of* the current
+stream, so the op need not wait for unrelated work queued there; without it the current stream
+waits for the event before the op. Outputs of ``async_op=True`` are allocated on the
 communication stream and recorded for the current one, as DeepEP's
 ``allocate_on_comm_stream=True``.
 """
@@ -21,136 +21,28 @@ communication stream and recorded for the current one, as DeepEP's
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ._arguments import _reject, _require_int, _require_tensor
+from ._autograd import _CachedDispatchFn, _CombineFn, _DispatchFn, _needs_grad
+from ._custom_ops import _cached_dispatch_op, _combine_op, _dispatch_op, _layout_op
+from ._fallback import _check_fallback
+from ._groups import Group, _group, _group_state, get_backend
 from ._native import native as _native
-from .handles import (
-    CombineOutput,
-    DispatchHandle,
-    DispatchLayout,
-    DispatchOutput,
-    LowLatencyDispatchOutput,
-    LowLatencyHandle,
-)
+from ._streams import _check_previous_event, _run
+from .handles import CombineOutput, DispatchHandle, DispatchLayout, DispatchOutput
 
 __all__ = [
-    "FallbackWarning",
     "all_to_all_moe_dispatch",
     "combine",
     "dispatch",
     "get_dispatch_layout",
-    "get_low_latency_combine_buffer",
-    "low_latency_combine",
-    "low_latency_dispatch",
-    "record_stream",
     "reserve",
 ]
-
-Group = dist.ProcessGroup | None
-_ops = torch.ops.ep
-# The overloads themselves: calling the packet (torch.ops.ep.dispatch) resolves the overload
-# on every call, several µs of host time on a slow host (scripts/host_overhead_probe.py).
-_dispatch_op = torch.ops.ep.dispatch.default
-_cached_dispatch_op = torch.ops.ep.cached_dispatch.default
-_combine_op = torch.ops.ep.combine.default
-_layout_op = torch.ops.ep.dispatch_layout.default
-
-# Groups already seen to have backend "ep" (a group's backend never changes), each with the
-# transports ("high_throughput", "low_latency") whose choice for CUDA tensors is yet to be checked
-# for a fallback to ATen. Weak keys: a destroyed group's entry goes with it; a call on a destroyed
-# group still held fails in the op, which resolves the group by name.
-_ep_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
-
-
-def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
-    """The ``"ep"`` group (default WORLD) and its transports still to check (``_check_fallback``)."""
-    pg = group if group is not None else dist.group.WORLD
-    if pg is None:
-        raise RuntimeError("ep: torch.distributed is not initialized; call init_process_group")
-    pending = _ep_groups.get(pg)
-    if pending is not None:
-        return pg, pending
-    backend = dist.get_backend(pg)
-    if backend != "ep":
-        raise ValueError(f"ep: the MoE collectives need a group with backend 'ep', got {backend!r}")
-    pending = _ep_groups[pg] = {"high_throughput", "low_latency"}
-    return pg, pending
-
-
-def _group(group: Group) -> dist.ProcessGroup:
-    return _group_state(group)[0]
-
-
-class FallbackWarning(UserWarning):
-    """A group's MoE ops on CUDA tensors run on ATen + NCCL, not on ep's kernels (said once)."""
-
-
-_FALLBACK_COST = {
-    "high_throughput": "the NVLink kernels",
-    "low_latency": "the NVSHMEM kernels (the ATen path is correct, but neither low-latency nor "
-    "CUDA-graph capturable)",
-}
-
-
-def _check_fallback(pg: dist.ProcessGroup, pending: set[str], kind: str, on_cuda: bool) -> None:
-    """Warns once per group if its ``kind`` ops on CUDA tensors fell back to ATen.
-
-    The op decides the transport (collectively) at the group's first call on CUDA tensors; this
-    reads its verdict once, after that call. No warning where the fallback was asked for
-    (``EP_HIGH_THROUGHPUT=aten`` / ``EP_LOW_LATENCY=aten``). ``pending``: from ``_group_state``.
-    """
-    if not on_cuda or kind not in pending:
-        return
-    if torch.compiler.is_compiling():
-        return
-    from . import get_backend  # the package imports this module first
-
-    transport: str = getattr(get_backend(pg), f"{kind}_transport")
-    if transport == "undecided":
-        return
-    pending.discard(kind)
-    why = transport.removeprefix("aten: ")
-    if why == transport or (why.startswith("EP_") and why.endswith("=aten")):
-        return
-    import warnings
-
-    warnings.warn(
-        f"ep: the {kind.replace('_', '-')} MoE ops of group {pg.group_name!r} run on ATen + "
-        f"NCCL, not on {_FALLBACK_COST[kind]}: {why}. (EPProcessGroup.{kind}_transport; "
-        f"EP_{kind.upper()}=aten asks for this without a warning.)",
-        FallbackWarning,
-        stacklevel=3,
-    )
-
-
-def _reject(pg: dist.ProcessGroup, op: str, exc: Exception) -> NoReturn:
-    """Raises ``exc`` on this rank after the agreement step of ``op``, so that no peer waits.
-
-    Every argument check of this module that can fail on one rank only goes through here: the
-    peers, already in the C++ op's agreement step, raise "rank(s) ... rejected their inputs"
-    instead of waiting for this rank until the group times out.
-    """
-    try:
-        _ops.reject(op, f"{exc}", pg.group_name)
-    except RuntimeError:
-        pass  # the expected outcome: the agreement step raised on every rank
-    raise exc
-
-
-def _require_tensor(value: Any, name: str, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
-
-
-def _require_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
 def _split_x(
@@ -166,119 +58,6 @@ def _split_x(
 
 def _opt(t: torch.Tensor, present: bool) -> torch.Tensor | None:
     return t if present else None
-
-
-# --------------------------------------------------------------------------------------------
-# async_op: run on the backend's communication stream, hand back a Work
-# --------------------------------------------------------------------------------------------
-
-_comm_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _comm_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _comm_streams:
-        _comm_streams[index] = torch.cuda.Stream(device=index, priority=-1)
-    return _comm_streams[index]
-
-
-def _needs_grad(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether autograd must record the op (else the op runs without the Function's overhead)."""
-    if not torch.is_grad_enabled():
-        return False
-    return x.requires_grad or any(t is not None and t.requires_grad for t in others)
-
-
-def _completed_work(result: list[torch.Tensor]) -> dist.Work:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(fut)
-
-
-def record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    """``tensor.record_stream(stream)`` that also holds for the outputs of a dispatch.
-
-    A dispatch on the NVLink path may return views of a receive slab (``Options.recv_slabs``),
-    memory PyTorch's caching allocator does not own, so ``Tensor.record_stream`` ignores them.
-    This function records ``stream`` on the slab instead: it is lent to a later dispatch only after
-    the work queued on ``stream`` by the time the last of its views is freed. For any other
-    tensor it is ``tensor.record_stream(stream)``.
-
-    Args:
-        tensor: a CUDA tensor (any dispatch output, or any other tensor).
-        stream: a ``torch.cuda.Stream`` of the tensor's device that uses the tensor.
-
-    Raises:
-        TypeError: if ``tensor`` is not a tensor or ``stream`` not a CUDA stream.
-        RuntimeError: if the stream is on another device than the tensor, or (from PyTorch) the
-            tensor is not a CUDA tensor.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a tensor, got {type(tensor).__name__}")
-    if not isinstance(stream, torch.cuda.Stream):
-        raise TypeError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
-    if not _native()._record_slab_stream(
-        tensor, stream.stream_id, stream.device_index, stream.device_type
-    ):
-        tensor.record_stream(stream)
-
-
-def _check_previous_event(previous_event: Any, device: torch.device) -> None:
-    if previous_event is None:
-        return
-    if not isinstance(previous_event, torch.cuda.Event):
-        raise TypeError(
-            f"previous_event must be a torch.cuda.Event, got {type(previous_event).__name__}"
-        )
-    if device.type != "cuda":
-        raise ValueError("previous_event needs CUDA tensors")
-
-
-def _run(
-    fn: Callable[[], Any],
-    inputs: Sequence[torch.Tensor | None],
-    device: torch.device,
-    async_op: bool,
-    outputs_of: Callable[[Any], list[torch.Tensor]],
-    previous_event: torch.cuda.Event | None = None,
-) -> tuple[Any, dist.Work | None]:
-    """Runs ``fn`` synchronously (current stream) or asynchronously (comm stream + Work).
-
-    ``previous_event`` (checked by the caller): what the op waits for; with ``async_op`` instead
-    of the current stream.
-    """
-    if not async_op:
-        if previous_event is not None:
-            torch.cuda.current_stream(device).wait_event(previous_event)
-        return fn(), None
-    if device.type != "cuda":
-        result = fn()
-        return result, _completed_work(outputs_of(result))
-    current = torch.cuda.current_stream(device)
-    comm = _comm_stream(device)
-    if previous_event is not None:
-        comm.wait_event(previous_event)
-    else:
-        comm.wait_stream(current)
-    with torch.cuda.stream(comm):
-        result = fn()
-        outputs = outputs_of(result)
-        fut: torch.futures.Future = torch.futures.Future(devices=[device])
-        fut.set_result(outputs)  # records an event on the comm stream
-    # ep_backend.record_stream of each: inputs stay alive until the comm stream is done with
-    # them; outputs (receive-slab views too: with previous_event a later dispatch's comm stream
-    # need not wait for the current stream, which may still read them) for the current stream.
-    record = _native()._record_streams
-    record(
-        [t for t in inputs if t is not None], comm.stream_id, comm.device_index, comm.device_type
-    )
-    record(list(outputs), current.stream_id, current.device_index, current.device_type)
-    return result, torch._C._distributed_c10d._create_work_from_future(fut)
-
-
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
 
 
 def reserve(
@@ -352,8 +131,6 @@ def reserve(
             )
     except (TypeError, ValueError, RuntimeError) as exc:
         _reject(pg, "reserve", type(exc)(f"ep reserve: {exc}"))
-    from . import get_backend
-
     held = get_backend(pg)._reserve(
         index, num_tokens, hidden * dtype.itemsize, num_topk, num_scales, num_experts
     )
@@ -505,6 +282,8 @@ def all_to_all_moe_dispatch(
     Raises:
         RuntimeError: on every rank, before any data moves, if any rank's input is invalid or the
             ranks disagree on E, H, K, dtypes or flags.
+        TypeError / ValueError: on a rank that passed an argument of the wrong type or form
+            (its peers raise RuntimeError "rank(s) r rejected their inputs").
     """
     pg, pending = _group_state(group)
     op = "dispatch" if handle is None else "cached dispatch"
@@ -668,6 +447,14 @@ def combine(
     Returns:
         ``CombineOutput``: ``combined_x`` ``[T, H]`` of ``x.dtype``: float32 sum starting at +0.0
         over source ranks ascending, then the biases; bitwise deterministic run to run.
+        ``combined_topk_weights``: float32 ``[T, K]``, ``topk_weights`` summed back the same
+        way, or ``None`` without them.
+
+    Raises:
+        RuntimeError: on every rank, before any data moves, if any rank's input is invalid or the
+            ranks disagree on H, dtypes or flags.
+        TypeError / ValueError: on a rank that passed an argument of the wrong type or form
+            (its peers raise RuntimeError "rank(s) r rejected their inputs").
     """
     pg = _group(group)
     biases: list[torch.Tensor | None]
@@ -703,399 +490,3 @@ def combine(
         combined_topk_weights=_opt(weights, topk_weights is not None),
         work=work,
     )
-
-
-def low_latency_dispatch(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    num_max_dispatch_tokens_per_rank: int,
-    num_experts: int,
-    *,
-    use_fp8: bool = True,
-    round_scale: bool = False,
-    use_ue8m0: bool = False,
-    cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-    return_recv_hook: bool = False,
-    group: Group = None,
-    async_op: bool = False,
-) -> LowLatencyDispatchOutput:
-    """Low-latency dispatch (decode): one row per (token, expert) into a padded per-expert layout.
-
-    Args:
-        x: BF16 ``[T, H]`` with ``T <= num_max_dispatch_tokens_per_rank`` and ``H % 128 == 0``.
-        topk_idx: int64 or int32 ``[T, K]`` global expert ids, ``-1`` = none.
-        num_max_dispatch_tokens_per_rank: ``M``, the same on every rank.
-        num_experts: ``E``, a multiple of the group size.
-        use_fp8: quantise to FP8 e4m3 with per-128-channel scales on the sender.
-        round_scale: round the scales up to powers of two.
-        use_ue8m0: pack the scales as UE8M0 bytes (needs ``round_scale`` and ``H % 512 == 0``).
-        cumulative_local_expert_recv_stats: optional int32 ``[E_loc]``, incremented in place by
-            the received counts.
-        return_recv_hook: send now and return at once with ``out.hook``; the outputs (and
-            ``cumulative_local_expert_recv_stats``) are valid once ``out.hook()`` has run on the
-            current stream (every rank must call it, once; at most two dispatches may await
-            their hook). Where the exchange runs on ATen (CPU groups, CUDA without the NVSHMEM
-            kernels) it is complete already and the hook only updates the stats.
-        group: an ``"ep"`` process group (default: WORLD).
-        async_op: see the module docstring.
-
-    Returns:
-        ``LowLatencyDispatchOutput``: ``recv_x`` ``[E_loc, R*M, H]``, scales, ``recv_count``
-        int32 ``[E_loc]`` and the handle for ``low_latency_combine``. Only the first
-        ``recv_count[le]`` slots of expert ``le`` hold rows; the rest are unspecified (zero on the
-        reference path, left unwritten by the NVSHMEM kernels, as in DeepEP).
-    """
-    pg, pending = _group_state(group)
-    stats = cumulative_local_expert_recv_stats
-    try:
-        if async_op and return_recv_hook:
-            raise ValueError("async_op and return_recv_hook exclude each other")
-        _require_tensor(x, "x")
-        _require_tensor(topk_idx, "topk_idx")
-        _require_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
-        _require_int(num_experts, "num_experts")
-        _require_tensor(stats, "cumulative_local_expert_recv_stats", optional=True)
-        # Checked before the exchange: raising after it on one rank would desynchronise the
-        # ranks. (An invalid num_experts is left to the op's own check.)
-        if stats is not None and num_experts > 0 and num_experts % pg.size() == 0:
-            experts_per_rank = num_experts // pg.size()
-            if stats.dtype != torch.int32 or tuple(stats.shape) != (experts_per_rank,):
-                raise ValueError(
-                    "cumulative_local_expert_recv_stats must be int32 "
-                    f"[E_loc={experts_per_rank}], got {stats.dtype} {tuple(stats.shape)}"
-                )
-    except (TypeError, ValueError) as exc:
-        _reject(pg, "low_latency_dispatch", type(exc)(f"ep low_latency_dispatch: {exc}"))
-
-    def run() -> tuple[torch.Tensor, ...]:
-        outs = _ops.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
-            use_ue8m0, pg.group_name, return_recv_hook,
-        )  # fmt: skip
-        if stats is not None and not return_recv_hook:  # on the op's stream (comm with async_op)
-            stats.add_(outs[2].to(stats.device))
-        return outs
-
-    result, work = _run(run, (x, topk_idx), x.device, async_op, list)
-    _check_fallback(pg, pending, "low_latency", x.is_cuda)
-    recv_x, recv_scales, recv_count, src_info, layout_range = result
-    handle = LowLatencyHandle(
-        src_info=src_info,
-        layout_range=layout_range,
-        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        hidden=x.shape[1],
-        num_experts=num_experts,
-        num_ranks=pg.size(),
-    )
-    hook = None
-    if return_recv_hook:
-        from . import get_backend  # the package imports this module first
-
-        backend = get_backend(pg)
-
-        def hook() -> None:
-            """Receives this dispatch's rows (every rank must call it once, on any stream)."""
-            backend._low_latency_receive(layout_range)
-            if stats is not None:
-                stats.add_(recv_count.to(stats.device))
-
-    return LowLatencyDispatchOutput(
-        recv_x=recv_x,
-        recv_x_scales=recv_scales if use_fp8 else None,
-        recv_count=recv_count,
-        handle=handle,
-        hook=hook,
-        work=work,
-    )
-
-
-def low_latency_combine(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    handle: LowLatencyHandle,
-    *,
-    out: torch.Tensor | None = None,
-    group: Group = None,
-    async_op: bool = False,
-) -> torch.Tensor:
-    """Low-latency combine: ``out[t] = sum_k w[t,k] * y(t, expert_k)`` (-1 skipped), float32.
-
-    The ATen path adds in ``k`` order, bit for bit the reference. The NVSHMEM kernels add the
-    same products per expert rank first (``k`` order), then the ranks: within float32-accumulation
-    tolerance of the reference and deterministic run to run (docs/semantics.md).
-
-    Args:
-        x: BF16 ``[E_loc, R*M, H]`` expert outputs in the layout of the dispatch.
-        topk_idx: the ``[T, K]`` ids given to that dispatch on this rank.
-        topk_weights: float32 ``[T, K]``.
-        handle: that dispatch's ``LowLatencyHandle``.
-        out: optional BF16 ``[T, H]`` output.
-        group: an ``"ep"`` process group (default: WORLD).
-        async_op: see the module docstring. A tensor has no ``work`` field: the ``Work`` is
-            attached to the returned tensor as its attribute ``work``; call
-            ``result.work.wait()`` before using it.
-
-    Returns:
-        BF16 ``[T, H]`` (``out`` when given).
-    """
-    pg = _group(group)
-    try:
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
-        _require_tensor(x, "x")
-        _require_tensor(topk_idx, "topk_idx")
-        _require_tensor(topk_weights, "topk_weights")
-        _require_tensor(out, "out", optional=True)
-        if out is not None:
-            expected = (topk_idx.shape[0], handle.hidden) if topk_idx.dim() >= 1 else None
-            if out.dtype != torch.bfloat16 or tuple(out.shape) != expected:
-                raise ValueError(
-                    f"out must be BF16 {list(expected or ())}, got {out.dtype} {list(out.shape)}"
-                )
-    except (TypeError, ValueError) as exc:
-        _reject(pg, "low_latency_combine", type(exc)(f"ep low_latency_combine: {exc}"))
-
-    def run() -> torch.Tensor:
-        result = _ops.low_latency_combine(
-            x, topk_idx, topk_weights, handle.src_info, handle.layout_range,
-            handle.num_max_dispatch_tokens_per_rank, pg.group_name,
-        )  # fmt: skip
-        if out is not None:  # on the stream of the op (the comm stream with async_op)
-            out.copy_(result)
-            return out
-        return result
-
-    result, work = _run(run, (x, topk_idx, topk_weights), x.device, async_op, lambda r: [r])
-    if work is not None:
-        result.work = work
-    return result
-
-
-def get_low_latency_combine_buffer(handle: LowLatencyHandle, group: Group = None) -> torch.Tensor:
-    """Where to write expert outputs for a zero-copy ``low_latency_combine``.
-
-    Returns a BF16 ``[E_loc, R*M, H]`` tensor. With the NVSHMEM kernels it is a view of the send
-    buffer of ``handle``'s dispatch: write the expert outputs into it and pass it as ``x`` to
-    ``low_latency_combine`` with the same handle, and combine skips copying them in. Elsewhere
-    it is a fresh tensor (combine then works as usual). The view stays valid until the group's
-    low-latency transport is rebuilt (a call with another ``M``, or a larger ``H``, top-k or
-    ``E``); do not keep it across such calls.
-    """
-    pg = _group(group)
-    if not isinstance(handle, LowLatencyHandle):
-        raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
-    from . import get_backend  # the package imports this module first
-
-    return get_backend(pg)._low_latency_combine_buffer(
-        handle.layout_range, handle.num_max_dispatch_tokens_per_rank, handle.num_experts,
-        handle.hidden,
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
-# Autograd: dispatch and combine are each other's adjoints
-# --------------------------------------------------------------------------------------------
-
-
-class _DispatchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
-    ):  # type: ignore[override]
-        outs = _dispatch_op(
-            x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
-        )
-        recv_topk_idx = outs[2]
-        routing = outs[5:10]  # (outs[10]: the per-expert counts on the host)
-        if layout:  # is_token_in_rank and num_tokens_per_rank are the layout's (see dispatch)
-            routing = (layout[2], layout[0], *routing[2:])
-        ctx.save_for_backward(recv_topk_idx, *routing)
-        ctx.group_name = group_name
-        ctx.has_weights = topk_weights is not None
-        ctx.mark_non_differentiable(*outs[1:3], *outs[4:])
-        return outs
-
-    @staticmethod
-    def backward(ctx, grad_x, _gs, _gi, grad_w, *_rest):  # type: ignore[override]
-        recv_topk_idx, *routing = ctx.saved_tensors
-        if grad_x is None:
-            grad_x = torch.zeros((routing[3].shape[0], 0))  # unreachable in practice
-        weights = None
-        if ctx.has_weights:
-            if grad_w is None:
-                grad_w = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=grad_x.device)
-            # Weights of other ranks' experts were constants (0): no gradient flows to them.
-            weights = torch.where(recv_topk_idx >= 0, grad_w, 0.0).contiguous()
-        gx, gw = _combine_op(grad_x.contiguous(), weights, None, None, *routing, ctx.group_name)
-        return gx, None, None, (gw if ctx.has_weights else None), None, None, None, None, None
-
-
-class _CachedDispatchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name):  # type: ignore[override]
-        outs = _cached_dispatch_op(
-            x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
-        )
-        ctx.save_for_backward(in_rank, per_rank, recv_per_rank, src_idx, src_rank)
-        ctx.group_name = group_name
-        ctx.mark_non_differentiable(outs[1])
-        return outs
-
-    @staticmethod
-    def backward(ctx, grad_x, _gs):  # type: ignore[override]
-        routing = ctx.saved_tensors
-        gx, _ = _combine_op(grad_x.contiguous(), None, None, None, *routing, ctx.group_name)
-        return gx, None, None, None, None, None, None, None
-
-
-def _pad_columns(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    extra = (-t.shape[1]) % multiple
-    return torch.nn.functional.pad(t, (0, extra)) if extra else t
-
-
-class _CombineFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        x,
-        topk_weights,
-        bias0,
-        bias1,
-        in_rank,
-        per_rank,
-        recv_per_rank,
-        src_idx,
-        src_rank,
-        group_name,
-    ):  # type: ignore[override]
-        combined, weights = _combine_op(
-            x, topk_weights, bias0, bias1, in_rank, per_rank, recv_per_rank, src_idx, src_rank,
-            group_name,
-        )  # fmt: skip
-        ctx.save_for_backward(in_rank, per_rank, recv_per_rank, src_idx, src_rank)
-        ctx.group_name = group_name
-        ctx.has_weights = topk_weights is not None
-        ctx.num_topk = topk_weights.shape[1] if topk_weights is not None else 0
-        ctx.has_bias = (bias0 is not None, bias1 is not None)
-        return combined, weights
-
-    @staticmethod
-    def backward(ctx, grad_combined, grad_weights):  # type: ignore[override]
-        routing = ctx.saved_tensors
-        # Dispatched rows must be multiples of 16 bytes; combine accepts any H, so pad and slice.
-        hidden = grad_combined.shape[1]
-        padded_grad = _pad_columns(grad_combined.contiguous(), 16 // grad_combined.element_size())
-        gx, _ = _cached_dispatch_op(padded_grad, None, *routing, ctx.group_name)
-        gx = gx[:, :hidden].contiguous() if gx.shape[1] != hidden else gx
-        gw = None
-        if ctx.has_weights:
-            if grad_weights is None:
-                grad_weights = torch.zeros(
-                    (routing[0].shape[0], ctx.num_topk), dtype=torch.float32,
-                    device=grad_combined.device,
-                )  # fmt: skip
-            # Rows must be multiples of 16 bytes: pad K float32 columns to a multiple of 4.
-            padded = _pad_columns(grad_weights.contiguous(), 4)
-            gw, _ = _cached_dispatch_op(padded, None, *routing, ctx.group_name)
-            gw = gw[:, : ctx.num_topk].contiguous()
-        g0 = grad_combined if ctx.has_bias[0] else None
-        g1 = grad_combined if ctx.has_bias[1] else None
-        return gx, gw, g0, g1, None, None, None, None, None, None
-
-
-# --------------------------------------------------------------------------------------------
-# Fake (meta) kernels, for torch.compile
-# --------------------------------------------------------------------------------------------
-
-
-def _group_size(group_name: str) -> int:
-    return torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
-
-
-@torch.library.register_fake("ep::dispatch_layout")
-def _dispatch_layout_fake(topk_idx, num_experts, num_ranks):
-    num_tokens = topk_idx.shape[0]
-    return (
-        topk_idx.new_empty((num_ranks,), dtype=torch.int32),
-        topk_idx.new_empty((num_experts,), dtype=torch.int32),
-        topk_idx.new_empty((num_tokens, num_ranks), dtype=torch.bool),
-        topk_idx.new_empty((num_tokens, num_ranks), dtype=torch.int32),
-    )
-
-
-@torch.library.register_fake("ep::dispatch")
-def _dispatch_fake(
-    x, x_scales, topk_idx, topk_weights, num_experts, alignment, worst, group_name, layout
-):
-    num_ranks = _group_size(group_name)
-    rows = worst if worst > 0 else torch.library.get_ctx().new_dynamic_size()
-    num_tokens, topk = topk_idx.shape
-    empty = x.new_empty((0,))
-    return (
-        x.new_empty((rows, x.shape[1])),
-        x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else empty,
-        topk_idx.new_empty((rows, topk)),
-        x.new_empty((rows, topk), dtype=torch.float32) if topk_weights is not None else empty,
-        x.new_empty((num_experts // num_ranks,), dtype=torch.int32),
-        x.new_empty((0 if layout else num_tokens, num_ranks), dtype=torch.bool),
-        x.new_empty((0 if layout else num_ranks,), dtype=torch.int32),
-        x.new_empty((num_ranks,), dtype=torch.int32),
-        x.new_empty((rows,), dtype=torch.int32),
-        x.new_empty((rows,), dtype=torch.int32),
-        torch.empty((0 if worst > 0 else num_experts // num_ranks,), dtype=torch.int64),
-    )
-
-
-@torch.library.register_fake("ep::cached_dispatch")
-def _cached_dispatch_fake(
-    x, x_scales, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
-):
-    rows = src_idx.shape[0]
-    scales = (
-        x_scales.new_empty((rows, x_scales.shape[1])) if x_scales is not None else x.new_empty((0,))
-    )
-    return x.new_empty((rows, x.shape[1])), scales
-
-
-@torch.library.register_fake("ep::combine")
-def _combine_fake(
-    x, topk_weights, bias0, bias1, in_rank, per_rank, recv_per_rank, src_idx, src_rank, group_name
-):
-    num_tokens = in_rank.shape[0]
-    weights = (
-        x.new_empty((num_tokens, topk_weights.shape[1]), dtype=torch.float32)
-        if topk_weights is not None
-        else x.new_empty((0,))
-    )
-    return x.new_empty((num_tokens, x.shape[1])), weights
-
-
-@torch.library.register_fake("ep::low_latency_dispatch")
-def _ll_dispatch_fake(
-    x, topk_idx, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, group_name,
-    send_only=False,
-):  # fmt: skip
-    num_ranks = _group_size(group_name)
-    experts_per_rank = num_experts // num_ranks
-    slots = num_ranks * max_tokens
-    hidden = x.shape[1]
-    dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-    if use_fp8 and use_ue8m0:
-        scales = x.new_empty((experts_per_rank, slots, hidden // 512), dtype=torch.int32)
-    elif use_fp8:
-        scales = x.new_empty((experts_per_rank, slots, hidden // 128), dtype=torch.float32)
-    else:
-        scales = x.new_empty((0,))
-    return (
-        x.new_empty((experts_per_rank, slots, hidden), dtype=dtype),
-        scales,
-        x.new_empty((experts_per_rank,), dtype=torch.int32),
-        x.new_empty((experts_per_rank, slots), dtype=torch.int32),
-        x.new_empty((experts_per_rank, num_ranks), dtype=torch.int64),
-    )
-
-
-@torch.library.register_fake("ep::low_latency_combine")
-def _ll_combine_fake(x, topk_idx, topk_weights, src_info, layout_range, max_tokens, group_name):
-    return x.new_empty((topk_idx.shape[0], x.shape[2]))

@@ -886,7 +886,7 @@ def _previous_event(rank: int, world: int) -> dict:
 
     import ep_backend as ep
     from ep_backend import reference as ref
-    from ep_backend.moe import _comm_stream
+    from ep_backend._streams import _comm_stream
 
     x, idx, w = _inputs(rank, 300 + 5 * rank, seed=401)
     want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)

@@ -1,6 +1,6 @@
 """``torch.compile(fullgraph=True)`` over dispatch + combine on 2 CPU ranks.
 
-The custom ops have fake kernels (``ep_backend/moe.py``), so dynamo captures them in one graph
+The custom ops have fake kernels (``ep_backend/_fake.py``), so dynamo captures them in one graph
 with no break: with ``num_worst_tokens`` every shape is static; without it the received row
 count is an unbacked size and ``num_recv_tokens_per_expert_list`` becomes unbacked ints (one
 ``.item()`` per local expert). The compiled results, gradients included, must equal eager mode

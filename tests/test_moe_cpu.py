@@ -465,7 +465,7 @@ def _fallback_warning_worker(rank: int, world: int) -> list[str]:
     import warnings
 
     import ep_backend as ep
-    from ep_backend import moe
+    from ep_backend import _fallback, _groups
 
     m = Mismatches(context="fallback warning")
 
@@ -474,18 +474,18 @@ def _fallback_warning_worker(rank: int, world: int) -> list[str]:
         low_latency_transport = "undecided"
 
     verdicts = Verdicts()
-    real = ep.get_backend
-    ep.get_backend = lambda group=None: verdicts
+    real = _fallback.get_backend
+    _fallback.get_backend = lambda group=None: verdicts
     try:
 
         def warned(kind: str, on_cuda: bool = True) -> list[str]:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                moe._check_fallback(*moe._group_state(pg), kind, on_cuda)
+                _fallback._check_fallback(*_groups._group_state(pg), kind, on_cuda)
             return [str(w.message) for w in seen if issubclass(w.category, ep.FallbackWarning)]
 
         def singleton() -> dist.ProcessGroup:  # every rank creates every group, as torch asks
-            return moe._group([dist.new_group([r], backend="ep") for r in range(world)][rank])
+            return _groups._group([dist.new_group([r], backend="ep") for r in range(world)][rank])
 
         pg = singleton()
         m.check(warned("high_throughput") == [], "undecided: no warning yet")
@@ -504,7 +504,7 @@ def _fallback_warning_worker(rank: int, world: int) -> list[str]:
         again = warned("high_throughput")
         m.check(len(again) == 1 and "built without CUDA" in again[0], f"another group: {again}")
     finally:
-        ep.get_backend = real
+        _fallback.get_backend = real
     return m.items
 
 

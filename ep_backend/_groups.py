@@ -1,0 +1,87 @@
+"""The ``"ep"`` process group of a call: its backend object and the state kept per group."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._native import native
+from ._registration import BACKEND_NAME
+
+Group = dist.ProcessGroup | None
+EPProcessGroup = native().EPProcessGroup
+
+# Groups already seen to have backend "ep" (a group's backend never changes), each with the
+# transports ("high_throughput", "low_latency") whose choice for CUDA tensors is yet to be checked
+# for a fallback to ATen. Weak keys: a destroyed group's entry goes with it; a call on a destroyed
+# group still held fails in the op, which resolves the group by name.
+_ep_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
+
+
+def get_backend(group: Group = None) -> EPProcessGroup:
+    """The ``EPProcessGroup`` behind ``group`` (default: the WORLD group).
+
+    Raises:
+        ValueError: if the group does not use the ``"ep"`` backend.
+        RuntimeError: if torch.distributed is not initialized.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("ep: torch.distributed is not initialized")
+    backend = pg._get_backend(torch.device("cpu"))
+    wrapped = getattr(backend, "wrapped_pg", None)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper
+    if wrapped is not None:
+        backend = wrapped
+    if not isinstance(backend, EPProcessGroup):
+        raise ValueError(f"ep: group uses backend {dist.get_backend(pg)!r}, not {BACKEND_NAME!r}")
+    return backend
+
+
+def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
+    """The ``"ep"`` group (default WORLD) and its transports still to check (``_check_fallback``)."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("ep: torch.distributed is not initialized; call init_process_group")
+    pending = _ep_groups.get(pg)
+    if pending is not None:
+        return pg, pending
+    backend = dist.get_backend(pg)
+    if backend != "ep":
+        raise ValueError(f"ep: the MoE collectives need a group with backend 'ep', got {backend!r}")
+    pending = _ep_groups[pg] = {"high_throughput", "low_latency"}
+    return pg, pending
+
+
+def _group(group: Group) -> dist.ProcessGroup:
+    return _group_state(group)[0]
+
+
+def _group_of(backend: EPProcessGroup) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name = backend.options.group_name
+    if not name:
+        raise RuntimeError("ep: this backend is not attached to a named process group")
+    return _resolve_process_group(name)
+
+
+def _bind_method(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: EPProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("group") is not None:
+            raise TypeError("ep: the group of a backend method is the backend's own group")
+        kwargs["group"] = _group_of(self)
+        return fn(*args, **kwargs)
+
+    method.__name__ = fn.__name__
+    method.__doc__ = fn.__doc__
+    return method
+
+
+def _bind_backend_methods(functions: tuple[Callable[..., Any], ...]) -> None:
+    """Makes each of ``functions`` (which take ``group=``) a method of the group's backend."""
+    for fn in functions:
+        setattr(EPProcessGroup, fn.__name__, _bind_method(fn))
