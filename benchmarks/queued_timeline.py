@@ -68,7 +68,7 @@ def worker(rank: int, tokens: int, port: int) -> None:
     fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 2)
     import ep_backend as ep
-    from ep_backend import moe
+    from ep_backend import _custom_ops
 
     local_ranks.join_group(rank, 2, port)
     x, idx, w = local_ranks.standard_inputs(tokens, rank)
@@ -81,7 +81,7 @@ def worker(rank: int, tokens: int, port: int) -> None:
           layout.send_pos]  # fmt: skip
     calls = {
         "FP8, layout given": lambda: ep.dispatch(x8, idx, w, 256, x_scales=s8, layout=layout),
-        "FP8, layout, raw op": lambda: moe._ops.dispatch(x8, s8, idx, w, 256, 1, 0, group, lt),
+        "FP8, layout, raw op": lambda: _custom_ops._ops.dispatch(x8, s8, idx, w, 256, 1, 0, group, lt),
         "BF16, layout given": lambda: ep.dispatch(x, idx, w, 256, layout=layout),
         "FP8": lambda: ep.dispatch(x8, idx, w, 256, x_scales=s8),
         "BF16": lambda: ep.dispatch(x, idx, w, 256),

@@ -6,7 +6,7 @@ import torch
 
 _ops = torch.ops.ep
 # The overloads themselves: calling the packet (torch.ops.ep.dispatch) resolves the overload
-# on every call, several µs of host time on a slow host (scripts/host_overhead_probe.py).
+# on every call, several µs of host time on a slow host (benchmarks/host_overhead.py).
 _dispatch_op = torch.ops.ep.dispatch.default
 _cached_dispatch_op = torch.ops.ep.cached_dispatch.default
 _combine_op = torch.ops.ep.combine.default
