@@ -81,7 +81,9 @@ def worker(rank: int, tokens: int, port: int) -> None:
           layout.send_pos]  # fmt: skip
     calls = {
         "FP8, layout given": lambda: ep.dispatch(x8, idx, w, 256, x_scales=s8, layout=layout),
-        "FP8, layout, raw op": lambda: _custom_ops._ops.dispatch(x8, s8, idx, w, 256, 1, 0, group, lt),
+        "FP8, layout, raw op": lambda: _custom_ops._ops.dispatch(
+            x8, s8, idx, w, 256, 1, 0, group, lt
+        ),
         "BF16, layout given": lambda: ep.dispatch(x, idx, w, 256, layout=layout),
         "FP8": lambda: ep.dispatch(x8, idx, w, 256, x_scales=s8),
         "BF16": lambda: ep.dispatch(x, idx, w, 256),
