@@ -5,12 +5,12 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "ep_process_group.hpp"
-#include "moe_lowlatency.hpp"
-#include "moe_ops.hpp"
-#include "moe_validation.hpp"
+#include "backend/ep_process_group.hpp"
+#include "backend/moe_ops.hpp"
+#include "backend/moe_validation.hpp"
+#include "transports/nvshmem/nvshmem_transport.hpp"
 #ifdef EP_WITH_CUDA
-#include "moe_intranode.hpp"
+#include "transports/nvlink/nvlink_transport.hpp"
 #endif
 
 namespace py = pybind11;
@@ -66,7 +66,7 @@ Args:
         before the host waits for the receive counts (default True), so the wait overlaps the
         transfer; its outputs are then views of storage sized for the worst case (the sum of
         all ranks' tokens rows). False: storage of the exact size, kernel after the host wait.
-    recv_slabs: receive slabs per GPU (default 2; 0: none). The intranode dispatch (without
+    recv_slabs: receive slabs per GPU (default 2; 0: none). The nvlink dispatch (without
         ``num_worst_tokens``, outside CUDA-graph capture) lends one to its peers, which write
         its outputs there directly instead of into a buffer the GPU then copies them out of;
         the outputs are views of the slab, which is lent again once all of them are freed
@@ -163,7 +163,7 @@ void bindProcessGroup(py::module_& m) {
           "high_throughput_transport",
           [](ep::EPProcessGroup& self) -> std::string {
 #ifdef EP_WITH_CUDA
-            return ep::intranode::transport(self);
+            return ep::nvlink::transport(self);
 #else
             (void)self;
             return "aten: built without CUDA";
@@ -207,10 +207,10 @@ void bindProcessGroup(py::module_& m) {
 #ifdef EP_WITH_CUDA
             // An earlier kernel's error is this call's, on every rank (a rank raising alone
             // would leave its peers in a rebuild's barrier).
-            const std::string pending = ep::intranode::takePendingError(self, "reserve");
+            const std::string pending = ep::nvlink::takePendingError(self, "reserve");
             if (ok && !pending.empty()) error = pending;
             fields.push_back({"a CUDA graph captured on the NVLink transport",
-                              ep::intranode::graphCaptured(self) ? 1 : 0});
+                              ep::nvlink::graphCaptured(self) ? 1 : 0});
 #endif
             const at::Tensor gathered =
                 ep::agreeAcrossRanks(self, "reserve", error, fields,
@@ -218,10 +218,10 @@ void bindProcessGroup(py::module_& m) {
                                       ok ? num_scales : 0, ok ? num_experts / self.getSize() : 0});
 #ifdef EP_WITH_CUDA
             const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
-            if (device_index < 0 || !ep::intranode::usable(self, device)) {
+            if (device_index < 0 || !ep::nvlink::usable(self, device)) {
               return std::nullopt;
             }
-            return ep::intranode::reserve(self, device, gathered);
+            return ep::nvlink::reserve(self, device, gathered);
 #else
             (void)gathered;
             return std::nullopt;  // no NVLink transport without CUDA
@@ -267,7 +267,7 @@ PYBIND11_MODULE(_C, m) {
         const auto stream =
             c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
                                  static_cast<c10::DeviceType>(device_type));
-        return ep::intranode::recordSlabStream(tensor, stream);
+        return ep::nvlink::recordSlabStream(tensor, stream);
 #else
         (void)tensor, (void)stream_id, (void)device_index, (void)device_type;
         return false;  // no receive slabs without CUDA
@@ -294,7 +294,7 @@ PYBIND11_MODULE(_C, m) {
                                  static_cast<c10::DeviceType>(device_type));
 #ifdef EP_WITH_CUDA
         for (const at::Tensor& t : tensors) {
-          if (t.defined() && t.is_cuda() && !ep::intranode::recordSlabStream(t, stream)) {
+          if (t.defined() && t.is_cuda() && !ep::nvlink::recordSlabStream(t, stream)) {
             t.record_stream(stream);
           }
         }

@@ -21,12 +21,13 @@ if [ -z "$nvshmem_inc" ] && compgen -G "native/**/*nvshmem*" >/dev/null; then
     echo "WARNING: the nvidia-nvshmem-cu13 wheel could not be installed: NVSHMEM sources NOT compiled" >&2
   fi
 fi
-flags=(-std=c++17 -O3 -arch=sm_90a -I native/kernels -I native/runtime -I "$CUDA_HOME/include/cccl")
+flags=(-std=c++17 -O3 -arch=sm_90a -I native -I "$CUDA_HOME/include/cccl")
 [ -n "$nvshmem_inc" ] && flags+=(-I "$nvshmem_inc")
 n=0
 skipped=0
-# .cu files, plus the host runtimes that include NVSHMEM headers (compiled as CUDA, -rdc).
-for f in native/kernels/*.cu native/runtime/*.cu native/runtime/nvshmem_*.cpp; do
+# .cu files, plus the torch-free host runtimes beside them (compiled as CUDA; -rdc where they
+# include NVSHMEM headers).
+for f in native/transports/*/cuda/*.cu native/transports/*/cuda/*.cpp; do
   [ -e "$f" ] || continue
   rdc=()
   lang=()

@@ -34,7 +34,7 @@ struct EPOptions : c10d::Backend::Options {
   // sized for the worst case (every token of every rank). False: exact storage, and the kernel
   // starts only after the host has the counts.
   bool overlap_dispatch_host_wait = true;
-  // Receive slabs per GPU for the intranode dispatch: peer-mapped memory the senders write a
+  // Receive slabs per GPU for the nvlink dispatch: peer-mapped memory the senders write a
   // dispatch's outputs into directly (no copy out of the receive buffer). Each holds one
   // dispatch's outputs at the largest shape seen (every token of every rank); a slab is lent
   // again once every output tensor viewing it is freed, and a dispatch finding none free writes

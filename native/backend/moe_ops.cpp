@@ -7,12 +7,12 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "ep_process_group.hpp"
-#include "moe_cpu.hpp"
-#include "moe_intranode.hpp"
-#include "moe_lowlatency.hpp"
-#include "moe_ops.hpp"
-#include "moe_validation.hpp"
+#include "backend/ep_process_group.hpp"
+#include "backend/moe_ops.hpp"
+#include "backend/moe_validation.hpp"
+#include "transports/aten/aten_transport.hpp"
+#include "transports/nvlink/nvlink_transport.hpp"
+#include "transports/nvshmem/nvshmem_transport.hpp"
 
 namespace ep {
 namespace {
@@ -48,9 +48,9 @@ DispatchRouting routingOf(const at::Tensor& is_token_in_rank, const at::Tensor& 
 
 LayoutTensors dispatchLayoutOp(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
 #ifdef EP_WITH_CUDA
-  // The layout kernel serves up to 8 ranks (intranode); larger groups use the ATen version.
+  // The layout kernel serves up to 8 ranks (nvlink); larger groups use the ATen version.
   if (topk_idx.is_cuda() && num_ranks <= 8) {
-    return intranode::dispatchLayout(topk_idx, num_experts, num_ranks);
+    return nvlink::dispatchLayout(topk_idx, num_experts, num_ranks);
   }
 #endif
   return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
@@ -150,9 +150,9 @@ Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
   return {q, s};
 }
 
-bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
+bool useNvlink(EPProcessGroup& pg, const at::Tensor& x) {
 #ifdef EP_WITH_CUDA
-  return x.is_cuda() && intranode::usable(pg, x.device());
+  return x.is_cuda() && nvlink::usable(pg, x.device());
 #else
   (void)pg;
   (void)x;
@@ -166,14 +166,14 @@ DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tens
                                int64_t expert_alignment, int64_t num_worst_tokens,
                                const std::string& group_name, at::TensorList layout) {
   auto pg = resolveGroup(group_name, "dispatch");
-  if (!useIntranode(*pg, x)) {
+  if (!useNvlink(*pg, x)) {
     return dispatchAtenOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
                           num_worst_tokens, group_name, layout);
   }
 #ifdef EP_WITH_CUDA
   DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
                     num_experts, expert_alignment, num_worst_tokens, layout.vec()};
-  return packDispatch(intranode::dispatch(*pg, args), x, !layout.empty());
+  return packDispatch(nvlink::dispatch(*pg, args), x, !layout.empty());
 #else
   TORCH_CHECK(false, "unreachable");
 #endif
@@ -191,11 +191,11 @@ std::pair<DispatchOutputs, DeferredCounts> dispatchDeferred(
 #ifdef EP_WITH_CUDA
   if (x.is_cuda()) {
     auto pg = resolveGroup(group_name, "dispatch");
-    if (useIntranode(*pg, x)) {
+    if (useNvlink(*pg, x)) {
       DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
                         num_experts, expert_alignment, num_worst_tokens, layout};
       DispatchOutputs outputs =
-          packDispatch(intranode::dispatch(*pg, args, &second), x, !layout.empty());
+          packDispatch(nvlink::dispatch(*pg, args, &second), x, !layout.empty());
       return {std::move(outputs), std::move(second)};
     }
   }
@@ -214,15 +214,15 @@ Tensors2 cachedDispatchCudaOp(const at::Tensor& x, const std::optional<at::Tenso
                               const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
                               const std::string& group_name) {
   auto pg = resolveGroup(group_name, "cached dispatch");
-  if (!useIntranode(*pg, x)) {
+  if (!useNvlink(*pg, x)) {
     return cachedDispatchAtenOp(x, x_scales, is_token_in_rank, num_tokens_per_rank,
                                 num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
   }
 #ifdef EP_WITH_CUDA
   auto [recv_x, recv_scales] =
-      intranode::cachedDispatch(*pg, x, x_scales,
-                                routingOf(is_token_in_rank, num_tokens_per_rank,
-                                          num_recv_tokens_per_rank, recv_src_idx, recv_src_rank));
+      nvlink::cachedDispatch(*pg, x, x_scales,
+                             routingOf(is_token_in_rank, num_tokens_per_rank,
+                                       num_recv_tokens_per_rank, recv_src_idx, recv_src_rank));
   return {recv_x, orEmpty(recv_scales, x)};
 #else
   TORCH_CHECK(false, "unreachable");
@@ -236,7 +236,7 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
                        const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
                        const at::Tensor& recv_src_rank, const std::string& group_name) {
   auto pg = resolveGroup(group_name, "combine");
-  if (!useIntranode(*pg, x)) {
+  if (!useNvlink(*pg, x)) {
     return combineAtenOp(x, topk_weights, bias0, bias1, is_token_in_rank, num_tokens_per_rank,
                          num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
   }
@@ -244,7 +244,7 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
   CombineArgs args{x, topk_weights, bias0, bias1,
                    routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
                              recv_src_idx, recv_src_rank)};
-  auto [combined, weights] = intranode::combine(*pg, args);
+  auto [combined, weights] = nvlink::combine(*pg, args);
   return {combined, orEmpty(weights, x)};
 #else
   TORCH_CHECK(false, "unreachable");
@@ -252,7 +252,7 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
 }
 
 // Low-latency ops on CUDA: the NVSHMEM kernels where the group can use them (see
-// moe_lowlatency.hpp), else ATen + NCCL; results are identical either way.
+// nvshmem_transport.hpp), else ATen + NCCL; results are identical either way.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCudaOp(
     const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
     int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
