@@ -15,8 +15,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "probe_util.cuh"
 #include "common/ptx.cuh"
+#include "probe_util.cuh"
 
 // The dispatch's own load, store and cp.async helpers, so the probe issues its instructions.
 using ep::ptx::cp_async_16;
