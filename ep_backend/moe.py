@@ -109,12 +109,12 @@ def _check_fallback(pg: dist.ProcessGroup, pending: set[str], kind: str, on_cuda
         return
     from . import get_backend  # the package imports this module first
 
-    transport: str = getattr(get_backend(pg), f"{kind}_transport")
-    if transport == "undecided":
+    choice = getattr(get_backend(pg), f"{kind}_transport_choice")
+    if choice.kind.name == "undecided":
         return
     pending.discard(kind)
-    why = transport.removeprefix("aten: ")
-    if why == transport or (why.startswith("EP_") and why.endswith("=aten")):
+    why: str = choice.reason
+    if choice.kind.name != "aten" or choice.requested:
         return
     import warnings
 

@@ -8,6 +8,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_ops.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/transport.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 #ifdef EP_WITH_CUDA
 #include "transports/nvlink/nvlink_transport.hpp"
@@ -135,7 +136,25 @@ ep::EPProcessGroup::SplitFactory wrapSplitFactory(py::function factory) {
   };
 }
 
+// The transport choice of a group's op family, as the properties *_transport_choice return it.
+void bindTransportChoice(py::module_& m) {
+  py::enum_<ep::TransportKind>(m, "TransportKind", "Which transport serves an op family.")
+      .value("undecided", ep::TransportKind::kUndecided)
+      .value("nvlink", ep::TransportKind::kNvlink)
+      .value("nvshmem", ep::TransportKind::kNvshmem)
+      .value("aten", ep::TransportKind::kAten);
+  py::class_<ep::TransportChoice>(m, "TransportChoice",
+                                  "Which transport serves an op family of a group, and why.")
+      .def_readonly("kind", &ep::TransportChoice::kind)
+      .def_readonly("reason", &ep::TransportChoice::reason,
+                    "Why a faster transport does not serve it ('' when none was passed over).")
+      .def_readonly("requested", &ep::TransportChoice::requested,
+                    "The user asked for ATen (EP_HIGH_THROUGHPUT=aten / EP_LOW_LATENCY=aten).")
+      .def("__str__", &ep::TransportChoice::describe);
+}
+
 void bindProcessGroup(py::module_& m) {
+  bindTransportChoice(m);
   py::class_<ep::EPProcessGroup, c10d::Backend, ep::NoGilReleasePtr<ep::EPProcessGroup>>(
       m, "EPProcessGroup", "The C++ backend behind a torch.distributed group of backend \"ep\".")
       .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int, c10::intrusive_ptr<ep::EPOptions>,
@@ -161,22 +180,31 @@ void bindProcessGroup(py::module_& m) {
           "one rank, 'undecided' before the first.")
       .def_property_readonly(
           "high_throughput_transport",
-          [](ep::EPProcessGroup& self) -> std::string {
-#ifdef EP_WITH_CUDA
-            return ep::nvlink::transport(self);
-#else
-            (void)self;
-            return "aten: built without CUDA";
-#endif
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kHighThroughput).describe();
           },
           "How layout, dispatch, cached dispatch and combine run on CUDA tensors: 'nvlink' (the "
           "NVLink kernels), 'aten: <why not>', or 'undecided' before the group's first such call "
           "on CUDA. (CPU tensors always take the ATen + Gloo path.)")
       .def_property_readonly(
           "low_latency_transport",
-          [](ep::EPProcessGroup& self) { return ep::lowlatency::transport(self); },
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kLowLatency).describe();
+          },
           "How the low-latency ops run on CUDA tensors: 'nvshmem' (the NVSHMEM kernels), "
           "'aten: <why not>', or 'undecided' before the group's first low-latency call on CUDA.")
+      .def_property_readonly(
+          "high_throughput_transport_choice",
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kHighThroughput);
+          },
+          "high_throughput_transport as a TransportChoice (kind, reason, requested).")
+      .def_property_readonly(
+          "low_latency_transport_choice",
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kLowLatency);
+          },
+          "low_latency_transport as a TransportChoice (kind, reason, requested).")
       .def(
           "_low_latency_receive",
           [](ep::EPProcessGroup& self, const at::Tensor& layout_range) {

@@ -2,11 +2,13 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <numeric>
 #include <sstream>
 
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/transport.hpp"
 
 namespace ep::cpu {
 namespace {
@@ -554,3 +556,51 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
 }
 
 }  // namespace ep::cpu
+
+namespace ep {
+namespace {
+
+// The ATen transport behind the Transport interface (backend/transport.hpp): serves every call,
+// so the registry lists it last.
+class AtenTransport final : public Transport {
+ public:
+  TransportKind kind() const override { return TransportKind::kAten; }
+  bool serves(OpFamily) const override { return true; }
+  int64_t maxLayoutRanks() const override { return INT64_MAX; }
+  Verdict usable(EPProcessGroup&, const at::Device&) override { return {}; }
+  std::optional<Verdict> verdict(EPProcessGroup&) override { return Verdict{}; }
+  LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts,
+                       int64_t num_ranks) override {
+    return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
+  }
+  DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args, DeferredCounts*) override {
+    return cpu::dispatch(pg, args);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+      EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+      const DispatchRouting& routing) override {
+    return cpu::cachedDispatch(pg, x, x_scales, routing);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                           const CombineArgs& args) override {
+    return cpu::combine(pg, args);
+  }
+  LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
+                                              const LowLatencyDispatchInputs& args,
+                                              bool /*send_only*/) override {
+    return cpu::lowLatencyDispatch(pg, args);  // complete on return: a recv hook has nothing left
+  }
+  std::optional<at::Tensor> lowLatencyCombine(EPProcessGroup& pg,
+                                              const LowLatencyCombineInputs& args) override {
+    return cpu::lowLatencyCombine(pg, args);
+  }
+};
+
+}  // namespace
+
+Transport& atenTransport() {
+  static AtenTransport transport;
+  return transport;
+}
+
+}  // namespace ep

@@ -252,6 +252,9 @@ class HostStages {
 // Every rank decides with the same inputs (all ranks' host names, GPUs and peer-access verdicts).
 // Returns "" when the NVLink kernels can serve the group, else why not (this rank's words; the
 // verdict itself is the same on every rank).
+// The reason recorded when the user asked for the ATen path.
+constexpr const char* kAskedAten = "EP_HIGH_THROUGHPUT=aten";
+
 std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
   const int num_ranks = pg.getSize();
   const int rank = pg.getRank();
@@ -269,7 +272,7 @@ std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
   std::vector<GpuPlace> places(num_ranks);
   for (int r = 0; r < num_ranks; ++r) places[r] = GpuPlace::parse(posted[r]);
   const GpuPlace& mine = places[rank];
-  std::string why = asked_aten ? "EP_HIGH_THROUGHPUT=aten" : "";
+  std::string why = asked_aten ? kAskedAten : "";
   for (int r = 0; r < num_ranks && why.empty(); ++r) {
     if (places[r].host != places[0].host) {
       why = "ranks 0 and " + std::to_string(r) + " are on different hosts (" + places[0].host +
@@ -1194,5 +1197,51 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
 }
 
 }  // namespace ep::nvlink
+
+namespace ep {
+namespace {
+
+// The NVLink transport behind the Transport interface (backend/transport.hpp).
+class NvlinkTransport final : public Transport {
+ public:
+  TransportKind kind() const override { return TransportKind::kNvlink; }
+  bool serves(OpFamily family) const override { return family == OpFamily::kHighThroughput; }
+  int64_t maxLayoutRanks() const override { return kMaxRanks; }
+  Verdict usable(EPProcessGroup& pg, const at::Device& device) override {
+    nvlink::usable(pg, device);
+    return *verdict(pg);
+  }
+  std::optional<Verdict> verdict(EPProcessGroup& pg) override {
+    const auto st = nvlink::stateOf(pg);
+    if (!st->decided) return std::nullopt;
+    return Verdict{st->why, st->why == nvlink::kAskedAten};
+  }
+  LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts,
+                       int64_t num_ranks) override {
+    return nvlink::dispatchLayout(topk_idx, num_experts, num_ranks);
+  }
+  DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args,
+                          DeferredCounts* deferred) override {
+    return nvlink::dispatch(pg, args, deferred);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+      EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+      const DispatchRouting& routing) override {
+    return nvlink::cachedDispatch(pg, x, x_scales, routing);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                           const CombineArgs& args) override {
+    return nvlink::combine(pg, args);
+  }
+};
+
+}  // namespace
+
+Transport& nvlinkTransport() {
+  static NvlinkTransport transport;
+  return transport;
+}
+
+}  // namespace ep
 
 #endif  // EP_WITH_CUDA

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/moe_types.hpp"
+#include "backend/transport.hpp"
 
 namespace ep {
 
@@ -71,4 +72,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
                                                          const CombineArgs& args);
 
 }  // namespace nvlink
+
+// The NVLink transport (registered in backend/transport_registry.cpp).
+Transport& nvlinkTransport();
+
 }  // namespace ep

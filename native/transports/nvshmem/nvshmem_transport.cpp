@@ -185,13 +185,17 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
 
 #ifdef EP_WITH_CUDA
 
+// The reason recorded when the user asked for the ATen path.
+constexpr const char* kAskedAten = "EP_LOW_LATENCY=aten";
+
 // Collective: every rank posts whether it can run the kernels; usable only if all can, each on
 // a GPU of its own.
+
 void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   std::string why;
   const char* mode = std::getenv("EP_LOW_LATENCY");
   if (mode != nullptr && std::string(mode) == "aten") {
-    why = "EP_LOW_LATENCY=aten";
+    why = kAskedAten;
   } else if (!library().ok) {
     why = library().error;
   } else {
@@ -666,3 +670,42 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
 #endif  // EP_WITH_CUDA
 
 }  // namespace ep::lowlatency
+
+#ifdef EP_WITH_CUDA
+namespace ep {
+namespace {
+
+// The NVSHMEM transport behind the Transport interface (backend/transport.hpp).
+class NvshmemTransport final : public Transport {
+ public:
+  TransportKind kind() const override { return TransportKind::kNvshmem; }
+  bool serves(OpFamily family) const override { return family == OpFamily::kLowLatency; }
+  Verdict usable(EPProcessGroup& pg, const at::Device& device) override {
+    lowlatency::usable(pg, device);
+    return *verdict(pg);
+  }
+  std::optional<Verdict> verdict(EPProcessGroup& pg) override {
+    const auto st = lowlatency::stateOf(pg);
+    if (!st->decided) return std::nullopt;
+    return Verdict{st->why, st->why == lowlatency::kAskedAten};
+  }
+  LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
+                                              const LowLatencyDispatchInputs& args,
+                                              bool send_only) override {
+    return lowlatency::dispatch(pg, args, send_only);
+  }
+  std::optional<at::Tensor> lowLatencyCombine(EPProcessGroup& pg,
+                                              const LowLatencyCombineInputs& args) override {
+    return lowlatency::combine(pg, args);
+  }
+};
+
+}  // namespace
+
+Transport& nvshmemTransport() {
+  static NvshmemTransport transport;
+  return transport;
+}
+
+}  // namespace ep
+#endif  // EP_WITH_CUDA

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "backend/moe_types.hpp"
+#include "backend/transport.hpp"
 
 namespace ep {
 class EPProcessGroup;
@@ -53,4 +54,10 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
 #endif  // EP_WITH_CUDA
 
 }  // namespace lowlatency
+
+#ifdef EP_WITH_CUDA
+// The NVSHMEM transport (registered in backend/transport_registry.cpp).
+Transport& nvshmemTransport();
+#endif
+
 }  // namespace ep
