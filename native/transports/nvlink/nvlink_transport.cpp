@@ -32,6 +32,11 @@
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
 #include "transports/nvlink/cuda/nvlink_runtime.hpp"
 
+// The CUDA architectures of the build (CMake passes EP_CUDA_ARCHS), for messages.
+#ifndef EP_CUDA_ARCHS
+#define EP_CUDA_ARCHS "90a"
+#endif
+
 namespace ep::nvlink {
 namespace {
 
@@ -252,6 +257,28 @@ class HostStages {
 // Every rank decides with the same inputs (all ranks' host names, GPUs and peer-access verdicts).
 // Returns "" when the NVLink kernels can serve the group, else why not (this rank's words; the
 // verdict itself is the same on every rank).
+// "" when this build holds a kernel image for `device`, else why not (the call then takes the ATen
+// path with its FallbackWarning instead of failing at launch). Cached per device.
+std::string kernelImageMissing(int device) {
+  static std::mutex mutex;
+  static std::map<int, std::string> verdicts;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = verdicts.find(device);
+  if (it != verdicts.end()) return it->second;
+  std::string why;
+  const cudaError_t e = preload_nvlink_layout();  // cudaFuncGetAttributes on a kernel
+  if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
+    cudaGetLastError();  // not sticky
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    why = "ep's kernels were built for sm_" EP_CUDA_ARCHS "; this GPU is sm_" +
+          std::to_string(major) + std::to_string(minor);
+  }
+  verdicts.emplace(device, why);
+  return why;
+}
+
 // The reason recorded when the user asked for the ATen path.
 constexpr const char* kAskedAten = "EP_HIGH_THROUGHPUT=aten";
 
@@ -272,7 +299,7 @@ std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
   std::vector<GpuPlace> places(num_ranks);
   for (int r = 0; r < num_ranks; ++r) places[r] = GpuPlace::parse(posted[r]);
   const GpuPlace& mine = places[rank];
-  std::string why = asked_aten ? kAskedAten : "";
+  std::string why = asked_aten ? kAskedAten : kernelImageMissing(device.index());
   for (int r = 0; r < num_ranks && why.empty(); ++r) {
     if (places[r].host != places[0].host) {
       why = "ranks 0 and " + std::to_string(r) + " are on different hosts (" + places[0].host +
