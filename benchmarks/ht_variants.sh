@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the intranode (high-throughput) harness once per kernel variant (nvcc -D switches) and
-# prints each variant's kernel times (intranode_test --bench-only: dispatch send-warp sweep,
+# Builds the nvlink (high-throughput) harness once per kernel variant (nvcc -D switches) and
+# prints each variant's kernel times (nvlink_test --bench-only: dispatch send-warp sweep,
 # defaults, combine), for comparing kernel changes in one GPU session.
 # Usage: bash benchmarks/ht_variants.sh "name=-DFLAG ..." ["name2=" ...]   ("base=": no extra flags;
 # "name@DIR=..." builds the sources under DIR instead, e.g. an exported older commit). Needs 2 GPUs
@@ -17,7 +17,7 @@ for ((round = 1; round <= ${HT_VARIANT_ROUNDS:-1}; ++round)); do
   for v in "$@"; do
     name=$(variant_name "$v")
     echo "== variant $name (round $round): ${v#*=}"
-    timeout 300 "build/ht_variant_$name/intranode_test" --bench-only |
+    timeout 300 "build/ht_variant_$name/nvlink_test" --bench-only |
       grep -E "kernel|dispatch|combine|FAIL" | grep -v "^[A-Z0-9]* dispatch (num_sms"
   done
 done

@@ -24,15 +24,14 @@ def _transport_verdict(backend: EPProcessGroup, kind: str) -> tuple[bool, str | 
 
     ``why`` is the reason the ops fell back to ATen without being asked to, else ``None`` (they
     run on ep's kernels, or ``EP_HIGH_THROUGHPUT=aten`` / ``EP_LOW_LATENCY=aten`` asked for
-    ATen). The only place that reads how the backend reports its choice.
+    ATen). Reads the backend's ``TransportChoice`` (kind, reason, requested).
     """
-    transport: str = getattr(backend, f"{kind}_transport")
-    if transport == "undecided":
+    choice = getattr(backend, f"{kind}_transport_choice")
+    if choice.kind.name == "undecided":
         return False, None
-    why = transport.removeprefix("aten: ")
-    if why == transport or (why.startswith("EP_") and why.endswith("=aten")):
+    if choice.kind.name != "aten" or choice.requested:
         return True, None
-    return True, why
+    return True, choice.reason
 
 
 def _check_fallback(pg: dist.ProcessGroup, pending: set[str], kind: str, on_cuda: bool) -> None:

@@ -5,12 +5,13 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "ep_process_group.hpp"
-#include "moe_lowlatency.hpp"
-#include "moe_ops.hpp"
-#include "moe_validation.hpp"
+#include "backend/ep_process_group.hpp"
+#include "backend/moe_ops.hpp"
+#include "backend/moe_validation.hpp"
+#include "backend/transport.hpp"
+#include "transports/nvshmem/nvshmem_transport.hpp"
 #ifdef EP_WITH_CUDA
-#include "moe_intranode.hpp"
+#include "transports/nvlink/nvlink_transport.hpp"
 #endif
 
 namespace py = pybind11;
@@ -66,7 +67,7 @@ Args:
         before the host waits for the receive counts (default True), so the wait overlaps the
         transfer; its outputs are then views of storage sized for the worst case (the sum of
         all ranks' tokens rows). False: storage of the exact size, kernel after the host wait.
-    recv_slabs: receive slabs per GPU (default 2; 0: none). The intranode dispatch (without
+    recv_slabs: receive slabs per GPU (default 2; 0: none). The nvlink dispatch (without
         ``num_worst_tokens``, outside CUDA-graph capture) lends one to its peers, which write
         its outputs there directly instead of into a buffer the GPU then copies them out of;
         the outputs are views of the slab, which is lent again once all of them are freed
@@ -135,7 +136,25 @@ ep::EPProcessGroup::SplitFactory wrapSplitFactory(py::function factory) {
   };
 }
 
+// The transport choice of a group's op family, as the properties *_transport_choice return it.
+void bindTransportChoice(py::module_& m) {
+  py::enum_<ep::TransportKind>(m, "TransportKind", "Which transport serves an op family.")
+      .value("undecided", ep::TransportKind::kUndecided)
+      .value("nvlink", ep::TransportKind::kNvlink)
+      .value("nvshmem", ep::TransportKind::kNvshmem)
+      .value("aten", ep::TransportKind::kAten);
+  py::class_<ep::TransportChoice>(m, "TransportChoice",
+                                  "Which transport serves an op family of a group, and why.")
+      .def_readonly("kind", &ep::TransportChoice::kind)
+      .def_readonly("reason", &ep::TransportChoice::reason,
+                    "Why a faster transport does not serve it ('' when none was passed over).")
+      .def_readonly("requested", &ep::TransportChoice::requested,
+                    "The user asked for ATen (EP_HIGH_THROUGHPUT=aten / EP_LOW_LATENCY=aten).")
+      .def("__str__", &ep::TransportChoice::describe);
+}
+
 void bindProcessGroup(py::module_& m) {
+  bindTransportChoice(m);
   py::class_<ep::EPProcessGroup, c10d::Backend, ep::NoGilReleasePtr<ep::EPProcessGroup>>(
       m, "EPProcessGroup", "The C++ backend behind a torch.distributed group of backend \"ep\".")
       .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int, c10::intrusive_ptr<ep::EPOptions>,
@@ -161,22 +180,31 @@ void bindProcessGroup(py::module_& m) {
           "one rank, 'undecided' before the first.")
       .def_property_readonly(
           "high_throughput_transport",
-          [](ep::EPProcessGroup& self) -> std::string {
-#ifdef EP_WITH_CUDA
-            return ep::intranode::transport(self);
-#else
-            (void)self;
-            return "aten: built without CUDA";
-#endif
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kHighThroughput).describe();
           },
           "How layout, dispatch, cached dispatch and combine run on CUDA tensors: 'nvlink' (the "
           "NVLink kernels), 'aten: <why not>', or 'undecided' before the group's first such call "
           "on CUDA. (CPU tensors always take the ATen + Gloo path.)")
       .def_property_readonly(
           "low_latency_transport",
-          [](ep::EPProcessGroup& self) { return ep::lowlatency::transport(self); },
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kLowLatency).describe();
+          },
           "How the low-latency ops run on CUDA tensors: 'nvshmem' (the NVSHMEM kernels), "
           "'aten: <why not>', or 'undecided' before the group's first low-latency call on CUDA.")
+      .def_property_readonly(
+          "high_throughput_transport_choice",
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kHighThroughput);
+          },
+          "high_throughput_transport as a TransportChoice (kind, reason, requested).")
+      .def_property_readonly(
+          "low_latency_transport_choice",
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kLowLatency);
+          },
+          "low_latency_transport as a TransportChoice (kind, reason, requested).")
       .def(
           "_low_latency_receive",
           [](ep::EPProcessGroup& self, const at::Tensor& layout_range) {
@@ -207,10 +235,10 @@ void bindProcessGroup(py::module_& m) {
 #ifdef EP_WITH_CUDA
             // An earlier kernel's error is this call's, on every rank (a rank raising alone
             // would leave its peers in a rebuild's barrier).
-            const std::string pending = ep::intranode::takePendingError(self, "reserve");
+            const std::string pending = ep::nvlink::takePendingError(self, "reserve");
             if (ok && !pending.empty()) error = pending;
             fields.push_back({"a CUDA graph captured on the NVLink transport",
-                              ep::intranode::graphCaptured(self) ? 1 : 0});
+                              ep::nvlink::graphCaptured(self) ? 1 : 0});
 #endif
             const at::Tensor gathered =
                 ep::agreeAcrossRanks(self, "reserve", error, fields,
@@ -218,10 +246,10 @@ void bindProcessGroup(py::module_& m) {
                                       ok ? num_scales : 0, ok ? num_experts / self.getSize() : 0});
 #ifdef EP_WITH_CUDA
             const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
-            if (device_index < 0 || !ep::intranode::usable(self, device)) {
+            if (device_index < 0 || !ep::nvlink::usable(self, device)) {
               return std::nullopt;
             }
-            return ep::intranode::reserve(self, device, gathered);
+            return ep::nvlink::reserve(self, device, gathered);
 #else
             (void)gathered;
             return std::nullopt;  // no NVLink transport without CUDA
@@ -255,7 +283,7 @@ PYBIND11_MODULE(_C, m) {
   // What this build holds (CI checks that a CUDA build really happened; errors name the archs).
 #ifdef EP_WITH_CUDA
   m.attr("built_with_cuda") = true;
-  m.attr("cuda_architectures") = EP_CUDA_ARCHITECTURES_STRING;
+  m.attr("cuda_architectures") = EP_CUDA_ARCHS;
 #else
   m.attr("built_with_cuda") = false;
   m.attr("cuda_architectures") = "";
@@ -275,7 +303,7 @@ PYBIND11_MODULE(_C, m) {
         const auto stream =
             c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
                                  static_cast<c10::DeviceType>(device_type));
-        return ep::intranode::recordSlabStream(tensor, stream);
+        return ep::nvlink::recordSlabStream(tensor, stream);
 #else
         (void)tensor, (void)stream_id, (void)device_index, (void)device_type;
         return false;  // no receive slabs without CUDA
@@ -302,7 +330,7 @@ PYBIND11_MODULE(_C, m) {
                                  static_cast<c10::DeviceType>(device_type));
 #ifdef EP_WITH_CUDA
         for (const at::Tensor& t : tensors) {
-          if (t.defined() && t.is_cuda() && !ep::intranode::recordSlabStream(t, stream)) {
+          if (t.defined() && t.is_cuda() && !ep::nvlink::recordSlabStream(t, stream)) {
             t.record_stream(stream);
           }
         }

@@ -469,9 +469,17 @@ def _fallback_warning_worker(rank: int, world: int) -> list[str]:
 
     m = Mismatches(context="fallback warning")
 
+    from ep_backend._C import TransportKind
+
+    class Choice:  # as EPProcessGroup.*_transport_choice: ep_backend._C.TransportChoice
+        def __init__(self, kind: str, reason: str = "", requested: bool = False) -> None:
+            self.kind = getattr(TransportKind, kind)
+            self.reason = reason
+            self.requested = requested
+
     class Verdicts:
-        high_throughput_transport = "undecided"
-        low_latency_transport = "undecided"
+        high_throughput_transport_choice = Choice("undecided")
+        low_latency_transport_choice = Choice("undecided")
 
     verdicts = Verdicts()
     real = _fallback.get_backend
@@ -489,18 +497,18 @@ def _fallback_warning_worker(rank: int, world: int) -> list[str]:
 
         pg = singleton()
         m.check(warned("high_throughput") == [], "undecided: no warning yet")
-        verdicts.high_throughput_transport = "aten: the reason"
+        verdicts.high_throughput_transport_choice = Choice("aten", "the reason")
         m.check(warned("high_throughput", on_cuda=False) == [], "CPU tensors: never")
         first = warned("high_throughput")
         m.check(len(first) == 1 and "the reason" in first[0], f"one warning with why: {first}")
         m.check("high-throughput MoE ops" in first[0], f"names the ops: {first}")
         m.check(warned("high_throughput") == [], "said once per group")
-        verdicts.low_latency_transport = "nvshmem"
+        verdicts.low_latency_transport_choice = Choice("nvshmem")
         m.check(warned("low_latency") == [], "the kernels: no warning")
         pg = singleton()
-        verdicts.low_latency_transport = "aten: EP_LOW_LATENCY=aten"
+        verdicts.low_latency_transport_choice = Choice("aten", "EP_LOW_LATENCY=aten", True)
         m.check(warned("low_latency") == [], "asked for: no warning")
-        verdicts.high_throughput_transport = "aten: built without CUDA"
+        verdicts.high_throughput_transport_choice = Choice("aten", "built without CUDA")
         again = warned("high_throughput")
         m.check(len(again) == 1 and "built without CUDA" in again[0], f"another group: {again}")
     finally:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Syntax-checks the torch-bound C++ (native/backend, python_api) as the CUDA build compiles it
+# Syntax-checks the torch-bound C++ (native/backend, native/transports/*/*.cpp, python_api) as the CUDA build compiles it
 # (EP_WITH_CUDA=1), against the installed torch's headers and the CUDA toolkit's: works with a
 # CPU-only torch and no GPU, so an error in the CUDA paths of the backend cannot land unseen in
 # CI (tools/compile_kernels.sh does the same for the kernels). A CPU torch wheel lacks one
@@ -27,9 +27,9 @@ fi
 # As CMakeLists.txt compiles them (C++20); third-party headers as system headers (no warnings).
 flags=(-std=c++20 -fsyntax-only -DEP_WITH_CUDA=1 "-D_GLIBCXX_USE_CXX11_ABI=$abi" -isystem "$stub"
   -isystem "$torch_inc" -isystem "$torch_inc/torch/csrc/api/include" -isystem "$cuda_inc"
-  -isystem "$py_inc" -I native/backend -I native/runtime -I native/kernels)
+  -isystem "$py_inc" -I native)
 pids=()
-files=(native/backend/*.cpp python_api/*.cpp)
+files=(native/backend/*.cpp native/transports/*/*.cpp python_api/*.cpp)
 for f in "${files[@]}"; do
   "$CXX" "${flags[@]}" "$f" &
   pids+=($!)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles every CUDA source of native/ for sm_90a, compile only (works without a GPU).
+# Compiles every CUDA source of native/ for EP_CUDA_ARCH (default sm_90a), compile only (works without a GPU).
 # NVSHMEM headers come from the nvidia-nvshmem-cu13 wheel (installed here if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,12 +21,17 @@ if [ -z "$nvshmem_inc" ] && compgen -G "native/**/*nvshmem*" >/dev/null; then
     echo "WARNING: the nvidia-nvshmem-cu13 wheel could not be installed: NVSHMEM sources NOT compiled" >&2
   fi
 fi
-flags=(-std=c++17 -O3 -arch=sm_90a -I native/kernels -I native/runtime -I "$CUDA_HOME/include/cccl")
+# EP_CUDA_ARCH: the architectures, ";"-separated (as setup.py takes it), e.g. "90a;100a".
+archs=()
+IFS=";" read -r -a _archs <<<"${EP_CUDA_ARCH:-90a}"
+for a in "${_archs[@]}"; do archs+=("-gencode=arch=compute_${a},code=sm_${a}"); done
+flags=(-std=c++17 -O3 "${archs[@]}" -I native -I "$CUDA_HOME/include/cccl")
 [ -n "$nvshmem_inc" ] && flags+=(-I "$nvshmem_inc")
 n=0
 skipped=0
-# .cu files, plus the host runtimes that include NVSHMEM headers (compiled as CUDA, -rdc).
-for f in native/kernels/*.cu native/runtime/*.cu native/runtime/nvshmem_*.cpp; do
+# .cu files, plus the torch-free host runtimes beside them (compiled as CUDA; -rdc where they
+# include NVSHMEM headers).
+for f in native/transports/*/cuda/*.cu native/transports/*/cuda/*.cpp; do
   [ -e "$f" ] || continue
   rdc=()
   lang=()
@@ -41,4 +46,4 @@ for f in native/kernels/*.cu native/runtime/*.cu native/runtime/nvshmem_*.cpp; d
   "$NVCC" "${flags[@]}" "${rdc[@]}" "${lang[@]}" -c "$f" -o /dev/null
   n=$((n + 1))
 done
-echo "compiled $n CUDA sources for sm_90a${skipped:+}$([ "$skipped" -gt 0 ] && echo "; SKIPPED $skipped NVSHMEM sources (no NVSHMEM headers)")"
+echo "compiled $n CUDA sources for sm_${EP_CUDA_ARCH:-90a}${skipped:+}$([ "$skipped" -gt 0 ] && echo "; SKIPPED $skipped NVSHMEM sources (no NVSHMEM headers)")"

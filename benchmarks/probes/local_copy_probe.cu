@@ -9,21 +9,21 @@
 //   +side   staged, plus each row's scales, top-k ids, weights, source index and rank loaded
 //           one row ahead and stored into five arrays, as the dispatch does
 //   +packed as +side, the side data stored as one 336-byte record per row
-// Build: nvcc -O3 -arch=sm_90a -Inative/kernels -o build/local_copy_probe
+// Build: nvcc -O3 -arch=sm_90a -Inative -o build/local_copy_probe
 // benchmarks/probes/local_copy_probe.cu Run:   build/local_copy_probe [row_bytes=7168] [rows=4096]
 // [blocks=24] [warps=10]
 #include <algorithm>
 #include <vector>
 
+#include "common/ptx.cuh"
 #include "probe_util.cuh"
-#include "ptx_utils.cuh"
 
 // The dispatch's own load, store and cp.async helpers, so the probe issues its instructions.
-using ep::device::cp_async_16;
-using ep::device::cp_async_commit;
-using ep::device::cp_async_wait;
-using ep::device::ld_nc_v4;
-using ep::device::st_v4;
+using ep::ptx::cp_async_16;
+using ep::ptx::cp_async_commit;
+using ep::ptx::cp_async_wait;
+using ep::ptx::ld_nc_v4_l2_prefetch_256b;
+using ep::ptx::st_v4_no_l1_allocate;
 
 __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane) {
   constexpr int U = 8;
@@ -31,10 +31,10 @@ __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, in
     int4 v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (i + 32 * u < n16) v[u] = ld_nc_v4(src + i + 32 * u);
+      if (i + 32 * u < n16) v[u] = ld_nc_v4_l2_prefetch_256b(src + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (i + 32 * u < n16) st_v4(dst + i + 32 * u, v[u]);
+      if (i + 32 * u < n16) st_v4_no_l1_allocate(dst + i + 32 * u, v[u]);
   }
 }
 
@@ -121,7 +121,7 @@ __global__ void copy_rows_staged(const char* src, char* dst, int rows, int row_b
     cp_async_wait<1>();
     const int4* in = stage + (k & 1) * n16;
     int4* out = reinterpret_cast<int4*>(dst + size_t(r) * row_bytes);
-    for (int i = lane; i < n16; i += 32) st_v4(out + i, in[i]);
+    for (int i = lane; i < n16; i += 32) st_v4_no_l1_allocate(out + i, in[i]);
     if (kSide == kSidePacked) {
       char* rec = sd.packed_out + size_t(r) * 336;
       reinterpret_cast<float*>(rec)[lane] = cur.sc0;

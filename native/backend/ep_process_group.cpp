@@ -1,4 +1,4 @@
-#include "ep_process_group.hpp"
+#include "backend/ep_process_group.hpp"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -5,6 +5,7 @@
 // handed in). Reductions Gloo lacks (AVG, PREMUL_SUM) are composed here from SUM.
 #pragma once
 
+#include <array>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -16,6 +17,8 @@
 #include <vector>
 
 namespace ep {
+
+class Transport;
 
 constexpr std::chrono::milliseconds kEPDefaultTimeout = std::chrono::minutes(30);
 
@@ -34,7 +37,7 @@ struct EPOptions : c10d::Backend::Options {
   // sized for the worst case (every token of every rank). False: exact storage, and the kernel
   // starts only after the host has the counts.
   bool overlap_dispatch_host_wait = true;
-  // Receive slabs per GPU for the intranode dispatch: peer-mapped memory the senders write a
+  // Receive slabs per GPU for the nvlink dispatch: peer-mapped memory the senders write a
   // dispatch's outputs into directly (no copy out of the receive buffer). Each holds one
   // dispatch's outputs at the largest shape seen (every token of every rank); a slab is lent
   // again once every output tensor viewing it is freed, and a dispatch finding none free writes
@@ -144,6 +147,10 @@ class EPProcessGroup : public c10d::Backend {
   void addShutdownHook(std::function<void()> hook);
   bool isShutdown() const { return shutdown_.load(); }
 
+  // The transport serving each op family (backend/transport.hpp, indexed by OpFamily), chosen
+  // at the family's first call on CUDA tensors; null before.
+  std::array<Transport*, 2>& chosenTransports() { return chosen_transports_; }
+
  private:
   c10::intrusive_ptr<c10d::Backend> route(const at::Tensor& tensor, const char* op);
   c10::intrusive_ptr<c10d::Backend> route(const std::vector<at::Tensor>& tensors, const char* op);
@@ -168,6 +175,7 @@ class EPProcessGroup : public c10d::Backend {
   std::mutex hooks_mutex_;
   std::vector<std::function<void()>> shutdown_hooks_;
   void runShutdownHooks();
+  std::array<Transport*, 2> chosen_transports_{};
 };
 
 }  // namespace ep

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "store_exchange.hpp"
+#include "backend/store_exchange.hpp"
 
 namespace ep {
 

@@ -11,7 +11,7 @@
 #include <memory>
 #include <mutex>
 
-#include "ep_process_group.hpp"
+#include "backend/ep_process_group.hpp"
 
 namespace ep {
 

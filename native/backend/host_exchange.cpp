@@ -1,4 +1,4 @@
-#include "host_exchange.hpp"
+#include "backend/host_exchange.hpp"
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
@@ -12,8 +12,8 @@
 #include <sstream>
 #include <thread>
 
-#include "ep_process_group.hpp"
-#include "store_exchange.hpp"
+#include "backend/ep_process_group.hpp"
+#include "backend/store_exchange.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

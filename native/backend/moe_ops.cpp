@@ -7,12 +7,13 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "ep_process_group.hpp"
-#include "moe_cpu.hpp"
-#include "moe_intranode.hpp"
-#include "moe_lowlatency.hpp"
-#include "moe_ops.hpp"
-#include "moe_validation.hpp"
+#include "backend/ep_process_group.hpp"
+#include "backend/moe_ops.hpp"
+#include "backend/moe_validation.hpp"
+#include "backend/transport.hpp"
+#include "transports/aten/aten_transport.hpp"
+#include "transports/nvlink/nvlink_transport.hpp"
+#include "transports/nvshmem/nvshmem_transport.hpp"
 
 namespace ep {
 namespace {
@@ -47,13 +48,8 @@ DispatchRouting routingOf(const at::Tensor& is_token_in_rank, const at::Tensor& 
 }
 
 LayoutTensors dispatchLayoutOp(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
-#ifdef EP_WITH_CUDA
-  // The layout kernel serves up to 8 ranks (intranode); larger groups use the ATen version.
-  if (topk_idx.is_cuda() && num_ranks <= 8) {
-    return intranode::dispatchLayout(topk_idx, num_experts, num_ranks);
-  }
-#endif
-  return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
+  Transport& t = topk_idx.is_cuda() ? layoutTransport(num_ranks) : atenTransport();
+  return t.layout(topk_idx, num_experts, num_ranks);
 }
 
 // With a layout passed in, is_token_in_rank and num_tokens_per_rank are those inputs: they come
@@ -150,14 +146,9 @@ Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
   return {q, s};
 }
 
-bool useIntranode(EPProcessGroup& pg, const at::Tensor& x) {
-#ifdef EP_WITH_CUDA
-  return x.is_cuda() && intranode::usable(pg, x.device());
-#else
-  (void)pg;
-  (void)x;
-  return false;
-#endif
+// The transport for a call on `x`: CUDA tensors ask the registry, CPU tensors take ATen.
+Transport& transportOf(EPProcessGroup& pg, OpFamily family, const at::Tensor& x) {
+  return x.is_cuda() ? transportFor(pg, family, x.device()) : atenTransport();
 }
 
 DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
@@ -166,17 +157,10 @@ DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tens
                                int64_t expert_alignment, int64_t num_worst_tokens,
                                const std::string& group_name, at::TensorList layout) {
   auto pg = resolveGroup(group_name, "dispatch");
-  if (!useIntranode(*pg, x)) {
-    return dispatchAtenOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                          num_worst_tokens, group_name, layout);
-  }
-#ifdef EP_WITH_CUDA
   DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
                     num_experts, expert_alignment, num_worst_tokens, layout.vec()};
-  return packDispatch(intranode::dispatch(*pg, args), x, !layout.empty());
-#else
-  TORCH_CHECK(false, "unreachable");
-#endif
+  Transport& t = transportOf(*pg, OpFamily::kHighThroughput, x);
+  return packDispatch(t.dispatch(*pg, args, nullptr), x, !layout.empty());
 }
 
 }  // namespace
@@ -188,21 +172,12 @@ std::pair<DispatchOutputs, DeferredCounts> dispatchDeferred(
     const std::vector<at::Tensor>& layout) {
   RECORD_FUNCTION("ep::dispatch", std::vector<c10::IValue>());  // as the op shows in a profile
   DeferredCounts second;
-#ifdef EP_WITH_CUDA
-  if (x.is_cuda()) {
-    auto pg = resolveGroup(group_name, "dispatch");
-    if (useIntranode(*pg, x)) {
-      DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
-                        num_experts, expert_alignment, num_worst_tokens, layout};
-      DispatchOutputs outputs =
-          packDispatch(intranode::dispatch(*pg, args, &second), x, !layout.empty());
-      return {std::move(outputs), std::move(second)};
-    }
-  }
-#endif
-  return {dispatchAtenOp(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                         num_worst_tokens, group_name, layout),
-          std::move(second)};
+  auto pg = resolveGroup(group_name, "dispatch");
+  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
+                    num_experts, expert_alignment, num_worst_tokens, layout};
+  Transport& t = transportOf(*pg, OpFamily::kHighThroughput, x);
+  DispatchOutputs outputs = packDispatch(t.dispatch(*pg, args, &second), x, !layout.empty());
+  return {std::move(outputs), std::move(second)};
 }
 
 namespace {
@@ -214,19 +189,12 @@ Tensors2 cachedDispatchCudaOp(const at::Tensor& x, const std::optional<at::Tenso
                               const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
                               const std::string& group_name) {
   auto pg = resolveGroup(group_name, "cached dispatch");
-  if (!useIntranode(*pg, x)) {
-    return cachedDispatchAtenOp(x, x_scales, is_token_in_rank, num_tokens_per_rank,
-                                num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
-  }
-#ifdef EP_WITH_CUDA
+  Transport& t = transportOf(*pg, OpFamily::kHighThroughput, x);
   auto [recv_x, recv_scales] =
-      intranode::cachedDispatch(*pg, x, x_scales,
-                                routingOf(is_token_in_rank, num_tokens_per_rank,
-                                          num_recv_tokens_per_rank, recv_src_idx, recv_src_rank));
+      t.cachedDispatch(*pg, x, x_scales,
+                       routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
+                                 recv_src_idx, recv_src_rank));
   return {recv_x, orEmpty(recv_scales, x)};
-#else
-  TORCH_CHECK(false, "unreachable");
-#endif
 }
 
 Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
@@ -236,39 +204,24 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
                        const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
                        const at::Tensor& recv_src_rank, const std::string& group_name) {
   auto pg = resolveGroup(group_name, "combine");
-  if (!useIntranode(*pg, x)) {
-    return combineAtenOp(x, topk_weights, bias0, bias1, is_token_in_rank, num_tokens_per_rank,
-                         num_recv_tokens_per_rank, recv_src_idx, recv_src_rank, group_name);
-  }
-#ifdef EP_WITH_CUDA
   CombineArgs args{x, topk_weights, bias0, bias1,
                    routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
                              recv_src_idx, recv_src_rank)};
-  auto [combined, weights] = intranode::combine(*pg, args);
+  auto [combined, weights] = transportOf(*pg, OpFamily::kHighThroughput, x).combine(*pg, args);
   return {combined, orEmpty(weights, x)};
-#else
-  TORCH_CHECK(false, "unreachable");
-#endif
 }
 
 // Low-latency ops on CUDA: the NVSHMEM kernels where the group can use them (see
-// moe_lowlatency.hpp), else ATen + NCCL; results are identical either way.
+// nvshmem_transport.hpp), else ATen + NCCL; results are identical either way.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCudaOp(
     const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
     int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
     const std::string& group_name, bool send_only) {
-#ifdef EP_WITH_CUDA
   auto pg = resolveGroup(group_name, "low_latency_dispatch");
-  if (x.is_cuda() && lowlatency::usable(*pg, x.device())) {
-    LowLatencyDispatchInputs args{x,           topk_idx, num_max_dispatch_tokens_per_rank,
-                                  num_experts, use_fp8,  round_scale,
-                                  use_ue8m0};
-    auto r = lowlatency::dispatch(*pg, args, send_only);
-    return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
-  }
-#endif
-  return lowLatencyDispatchAtenOp(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                  use_fp8, round_scale, use_ue8m0, group_name, send_only);
+  LowLatencyDispatchInputs args{
+      x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0};
+  auto r = transportOf(*pg, OpFamily::kLowLatency, x).lowLatencyDispatch(*pg, args, send_only);
+  return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
 }
 
 at::Tensor lowLatencyCombineCudaOp(const at::Tensor& x, const at::Tensor& topk_idx,
@@ -276,16 +229,12 @@ at::Tensor lowLatencyCombineCudaOp(const at::Tensor& x, const at::Tensor& topk_i
                                    const at::Tensor& layout_range,
                                    int64_t num_max_dispatch_tokens_per_rank,
                                    const std::string& group_name) {
-#ifdef EP_WITH_CUDA
   auto pg = resolveGroup(group_name, "low_latency_combine");
-  if (x.is_cuda() && lowlatency::usable(*pg, x.device())) {
-    LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
-                                 src_info, layout_range, num_max_dispatch_tokens_per_rank};
-    if (auto out = lowlatency::combine(*pg, args)) {
-      return *out;
-    }
+  LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
+                               src_info, layout_range, num_max_dispatch_tokens_per_rank};
+  if (auto out = transportOf(*pg, OpFamily::kLowLatency, x).lowLatencyCombine(*pg, args)) {
+    return *out;
   }
-#endif
   return lowLatencyCombineAtenOp(x, topk_idx, topk_weights, src_info, layout_range,
                                  num_max_dispatch_tokens_per_rank, group_name);
 }

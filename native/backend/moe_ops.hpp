@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "moe_types.hpp"
+#include "backend/moe_types.hpp"
 
 namespace ep {
 

@@ -51,7 +51,7 @@ struct DispatchResult {
   DispatchRouting routing;
 };
 
-// What is left of a dispatch whose count wait was deferred (intranode::dispatch): waits for the
+// What is left of a dispatch whose count wait was deferred (nvlink::dispatch): waits for the
 // receive counts (raising on every rank if some rank's topk_idx was rejected), sets the outputs'
 // row counts in place and remembers the routing. Returns num_recv_tokens_per_expert as the host
 // saw it.

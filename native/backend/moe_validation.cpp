@@ -1,4 +1,4 @@
-#include "moe_validation.hpp"
+#include "backend/moe_validation.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -9,10 +9,10 @@
 #include <sstream>
 #include <thread>
 
-#include "ep_process_group.hpp"
-#include "group_state.hpp"
-#include "host_exchange.hpp"
-#include "moe_cpu.hpp"
+#include "backend/ep_process_group.hpp"
+#include "backend/group_state.hpp"
+#include "backend/host_exchange.hpp"
+#include "transports/aten/aten_transport.hpp"
 
 namespace ep {
 namespace {

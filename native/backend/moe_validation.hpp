@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "moe_types.hpp"
+#include "backend/moe_types.hpp"
 
 namespace ep {
 

@@ -1,8 +1,8 @@
-#include "routing_memory.hpp"
+#include "backend/routing_memory.hpp"
 
 #include <utility>
 
-namespace ep::intranode {
+namespace ep::nvlink {
 namespace {
 
 // Inference tensors carry no version counter (in-place edits of a handle are not tracked then).
@@ -81,4 +81,4 @@ void RoutingMemory::prune() {
   }
 }
 
-}  // namespace ep::intranode
+}  // namespace ep::nvlink

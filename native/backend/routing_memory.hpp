@@ -17,9 +17,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "moe_types.hpp"
+#include "backend/moe_types.hpp"
 
-namespace ep::intranode {
+namespace ep::nvlink {
 
 struct KernelRouting {
   using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
@@ -64,4 +64,4 @@ class RoutingMemory {
   std::unordered_map<const c10::TensorImpl*, Entries::iterator> by_counts_;
 };
 
-}  // namespace ep::intranode
+}  // namespace ep::nvlink

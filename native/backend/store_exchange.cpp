@@ -1,11 +1,11 @@
-#include "store_exchange.hpp"
+#include "backend/store_exchange.hpp"
 
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
 #include <chrono>
 
-#include "ep_process_group.hpp"
+#include "backend/ep_process_group.hpp"
 
 namespace ep {
 

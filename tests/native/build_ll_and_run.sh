@@ -2,6 +2,7 @@
 # Builds the low-latency (NVSHMEM) kernels + runtime + 2-process harness with nvcc alone (no
 # CMake, no torch) and runs the harness. NVSHMEM comes from the nvidia-nvshmem-cu13 Python wheel
 # of $PYTHON (default: python), or from NVSHMEM_HOME (its include/ and lib/).
+# (The binary keeps its name ll_test: scripts/gpu_check.sh runs it.)
 # Usage: tests/native/build_ll_and_run.sh [harness args...]   e.g. --timeout-test, --no-p2p, --quick
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,15 +24,16 @@ CCCL=$CUDA_HOME/include/cccl
 BUILD=${BUILD:-build/native_ll_test}
 mkdir -p "$BUILD"
 FLAGS=(-arch=sm_90a -std=c++17 -O3 -rdc=true -lineinfo -Xcompiler -ffp-contract=off
-  -Inative/kernels -Inative/runtime -I"$NVSHMEM_HOME/include" -I"$CCCL")
+  -Inative -I"$NVSHMEM_HOME/include" -I"$CCCL")
 # Per-stage kernel timeline in the harness's latency report (LL_TIMELINE=0 builds without it).
 if [[ "${LL_TIMELINE:-1}" == 1 ]]; then FLAGS+=(-DEP_LL_TIMELINE); fi
 # Extra nvcc flags (e.g. -D switches of a kernel variant being measured).
 if [[ -n "${LL_EXTRA_FLAGS:-}" ]]; then read -r -a extra <<<"$LL_EXTRA_FLAGS"; FLAGS+=("${extra[@]}"); fi
 objs=()
 pids=()
-for src in native/kernels/ll_dispatch.cu native/kernels/ll_combine.cu \
-  native/runtime/nvshmem_runtime.cpp tests/native/ll_test.cu; do
+for src in native/transports/nvshmem/cuda/nvshmem_dispatch.cu \
+  native/transports/nvshmem/cuda/nvshmem_combine.cu \
+  native/transports/nvshmem/cuda/nvshmem_runtime.cpp tests/native/nvshmem_test.cu; do
   obj="$BUILD/$(basename "$src").o"
   if [[ $src == *.cpp ]]; then lang=(-x cu); else lang=(); fi
   "$NVCC" "${FLAGS[@]}" "${lang[@]}" -c "$src" -o "$obj" &

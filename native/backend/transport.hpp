@@ -1,0 +1,104 @@
+// The transport interface: what serves a group's MoE collectives on CUDA tensors. Each transport
+// lives in its own folder under native/transports/ and implements this class; the registry
+// (transport_registry.cpp) lists them fastest first, with ATen last, and the ops ask it for the
+// first one that can serve the group. Adding a transport: its folder, plus one line in
+// transport_registry.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "backend/moe_types.hpp"
+
+namespace ep {
+
+class EPProcessGroup;
+
+// One name per transport, in native code and in Python (ep_backend._C.TransportKind).
+enum class TransportKind : int8_t {
+  kUndecided = 0,  // the group has not made its first call of that family on CUDA yet
+  kNvlink = 1,     // native/transports/nvlink: CUDA IPC peer buffers, one host, <= 8 GPUs
+  kNvshmem = 2,    // native/transports/nvshmem: NVSHMEM symmetric heap (low-latency ops)
+  kAten = 3,       // native/transports/aten: ATen + the inner Gloo/NCCL group, serves every call
+};
+
+const char* transportName(TransportKind kind);
+
+// The two op families a transport may serve.
+enum class OpFamily : int8_t {
+  kHighThroughput = 0,  // layout, dispatch, cached dispatch, combine, reserve
+  kLowLatency = 1,      // low_latency_dispatch / low_latency_combine
+};
+
+// Which transport serves a family of a group's ops, and why: `reason` says why a faster
+// transport does not serve it (empty when the first transport does); `requested` when that is
+// because the user asked for ATen (EP_HIGH_THROUGHPUT=aten / EP_LOW_LATENCY=aten).
+struct TransportChoice {
+  TransportKind kind = TransportKind::kUndecided;
+  std::string reason;
+  bool requested = false;
+  // As the Python properties high_throughput_transport / low_latency_transport read:
+  // "nvlink", "nvshmem", "undecided" or "aten: <reason>".
+  std::string describe() const;
+};
+
+// A transport's answer to "can you serve this group?": yes (empty), or why not.
+struct Verdict {
+  std::string why_not;
+  bool requested_aten = false;  // the user asked for the ATen fallback
+  bool yes() const { return why_not.empty(); }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual TransportKind kind() const = 0;
+  virtual bool serves(OpFamily family) const = 0;
+  // The largest group the transport's layout kernel serves (larger groups: the ATen layout).
+  virtual int64_t maxLayoutRanks() const { return 0; }
+
+  // Whether this transport serves `pg`'s calls on tensors of `device`. Collective the first time
+  // (every rank reaches the same verdict), remembered for the group after.
+  virtual Verdict usable(EPProcessGroup& pg, const at::Device& device) = 0;
+  // The verdict so far, without deciding: nullopt before the group's first call.
+  virtual std::optional<Verdict> verdict(EPProcessGroup& pg) = 0;
+
+  // High-throughput ops (OpFamily::kHighThroughput).
+  virtual LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+  virtual DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args,
+                                  DeferredCounts* deferred);
+  virtual std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+      EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+      const DispatchRouting& routing);
+  virtual std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                                   const CombineArgs& args);
+
+  // Low-latency ops (OpFamily::kLowLatency). lowLatencyCombine: nullopt hands the call to the
+  // next transport (the handle came from it).
+  virtual LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
+                                                      const LowLatencyDispatchInputs& args,
+                                                      bool send_only);
+  virtual std::optional<at::Tensor> lowLatencyCombine(EPProcessGroup& pg,
+                                                      const LowLatencyCombineInputs& args);
+};
+
+// The ATen transport: serves every call (CPU tensors always take it).
+Transport& atenTransport();
+
+// The transport that serves `pg`'s `family` ops on tensors of `device` (CUDA): the first of the
+// registry whose usable() says yes, ATen last. Decided at the group's first call of the family
+// (collectively), then one pointer read per call.
+Transport& transportFor(EPProcessGroup& pg, OpFamily family, const at::Device& device);
+
+// The transport whose layout kernel serves a group of `num_ranks` ranks on CUDA tensors (the
+// layout op takes no group: the first transport whose maxLayoutRanks() admits it).
+Transport& layoutTransport(int64_t num_ranks);
+
+// What serves the family, and why (without deciding).
+TransportChoice transportChoice(EPProcessGroup& pg, OpFamily family);
+
+}  // namespace ep

@@ -1,0 +1,113 @@
+// The transports, fastest first, ATen last (it serves every call). Adding a transport: one line
+// here, plus its folder under native/transports/.
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <vector>
+
+#include "backend/ep_process_group.hpp"
+#include "backend/transport.hpp"
+#include "transports/aten/aten_transport.hpp"
+#include "transports/nvlink/nvlink_transport.hpp"
+#include "transports/nvshmem/nvshmem_transport.hpp"
+
+namespace ep {
+namespace {
+
+const std::vector<Transport*>& registry() {
+  static const std::vector<Transport*> transports = {
+#ifdef EP_WITH_CUDA
+      &nvlinkTransport(),
+      &nvshmemTransport(),
+#endif
+      &atenTransport(),
+  };
+  return transports;
+}
+
+}  // namespace
+
+const char* transportName(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kNvlink:
+      return "nvlink";
+    case TransportKind::kNvshmem:
+      return "nvshmem";
+    case TransportKind::kAten:
+      return "aten";
+    case TransportKind::kUndecided:
+      break;
+  }
+  return "undecided";
+}
+
+std::string TransportChoice::describe() const {
+  if (kind == TransportKind::kAten) return "aten: " + reason;
+  return transportName(kind);
+}
+
+Transport& transportFor(EPProcessGroup& pg, OpFamily family, const at::Device& device) {
+  Transport*& chosen = pg.chosenTransports()[static_cast<size_t>(family)];
+  if (chosen != nullptr) return *chosen;
+  for (Transport* t : registry()) {
+    if (!t->serves(family)) continue;
+    if (t->kind() == TransportKind::kAten || t->usable(pg, device).yes()) {
+      chosen = t;
+      break;
+    }
+  }
+  return *chosen;
+}
+
+Transport& layoutTransport(int64_t num_ranks) {
+  for (Transport* t : registry()) {
+    if (t->serves(OpFamily::kHighThroughput) && num_ranks <= t->maxLayoutRanks()) return *t;
+  }
+  return atenTransport();
+}
+
+TransportChoice transportChoice(EPProcessGroup& pg, OpFamily family) {
+  TransportChoice choice{TransportKind::kAten, "built without CUDA", false};
+  bool first = true;
+  for (Transport* t : registry()) {
+    if (!t->serves(family) || t->kind() == TransportKind::kAten) continue;
+    const std::optional<Verdict> v = t->verdict(pg);
+    if (!v.has_value()) return {TransportKind::kUndecided, "", false};
+    if (v->yes()) return {t->kind(), first ? "" : choice.reason, false};
+    if (first) choice = {TransportKind::kAten, v->why_not, v->requested_aten};
+    first = false;
+  }
+  return choice;
+}
+
+// An op a transport does not serve: the registry never hands it such a call.
+namespace {
+[[noreturn]] void notServed(const Transport& t, const char* op) {
+  TORCH_CHECK(false, "ep: the ", transportName(t.kind()), " transport does not serve ", op);
+}
+}  // namespace
+
+LayoutTensors Transport::layout(const at::Tensor&, int64_t, int64_t) {
+  notServed(*this, "dispatch_layout");
+}
+DispatchResult Transport::dispatch(EPProcessGroup&, const DispatchArgs&, DeferredCounts*) {
+  notServed(*this, "dispatch");
+}
+std::pair<at::Tensor, std::optional<at::Tensor>> Transport::cachedDispatch(
+    EPProcessGroup&, const at::Tensor&, const std::optional<at::Tensor>&, const DispatchRouting&) {
+  notServed(*this, "cached dispatch");
+}
+std::pair<at::Tensor, std::optional<at::Tensor>> Transport::combine(EPProcessGroup&,
+                                                                    const CombineArgs&) {
+  notServed(*this, "combine");
+}
+LowLatencyDispatchResult Transport::lowLatencyDispatch(EPProcessGroup&,
+                                                       const LowLatencyDispatchInputs&, bool) {
+  notServed(*this, "low_latency_dispatch");
+}
+std::optional<at::Tensor> Transport::lowLatencyCombine(EPProcessGroup&,
+                                                       const LowLatencyCombineInputs&) {
+  notServed(*this, "low_latency_combine");
+}
+
+}  // namespace ep

@@ -1,0 +1,27 @@
+// The record a kernel leaves for its host when it hits an error, shared by the nvlink and
+// low-latency kernel families. Torch-free and includable from plain C++.
+#pragma once
+
+namespace ep {
+
+enum ErrorCode : int {
+  kErrorNone = 0,
+  kErrorTimeout = 1,         // peer = the rank waited for; value_a = the timeout (nvlink: cycles,
+                             // low latency: ns)
+  kErrorCapacity = 2,        // value_a = rows needed, value_b = room (nvlink: rows to receive and
+                             // num_worst_tokens; low latency: rows for one expert and M)
+  kErrorInvalidTopkIdx = 3,  // value_a = offending value, value_b = flat (t*K+k) position
+};
+
+// Host-mapped (cudaHostAllocMapped) record of the first error a kernel hit. `code` is written
+// last, so a non-zero code means the other fields are complete.
+struct ErrorRecord {
+  int code;
+  int op;
+  int rank;
+  int peer;
+  long long value_a;
+  long long value_b;
+};
+
+}  // namespace ep

@@ -1,0 +1,49 @@
+// Host helpers shared by the torch-free runtimes (nvlink_runtime, nvshmem_runtime): CUDA error
+// and argument checks that throw with the component's name, and a scoped device switch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace ep::runtime {
+
+// Throws std::runtime_error "<component>: <what> failed: <CUDA error>".
+inline void cuda_check(cudaError_t e, const char* component, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(component) + ": " + what +
+                             " failed: " + cudaGetErrorString(e));
+  }
+}
+
+// Throws std::invalid_argument "<component>: <message>".
+inline void require(bool ok, const char* component, const std::string& message) {
+  if (!ok) throw std::invalid_argument(std::string(component) + ": " + message);
+}
+
+inline bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// Makes `device` current for a scope and restores the caller's device after it.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cuda_check(cudaSetDevice(device), "ep", "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int current = -1;
+    cudaGetDevice(&current);
+    if (current != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace ep::runtime

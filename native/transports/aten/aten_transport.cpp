@@ -1,0 +1,606 @@
+#include "transports/aten/aten_transport.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <numeric>
+#include <sstream>
+
+#include "backend/ep_process_group.hpp"
+#include "backend/moe_validation.hpp"
+#include "backend/transport.hpp"
+
+namespace ep::cpu {
+namespace {
+
+using at::indexing::Slice;
+
+constexpr double kFp8Max = 448.0;
+constexpr int64_t kFp8Group = 128;
+
+int64_t productOfRowDims(const at::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) {
+    n *= t.size(d);
+  }
+  return n;
+}
+
+// [n, ...] of any dtype -> uint8 [n, row_bytes] (a bitwise view of a contiguous copy).
+at::Tensor rowsAsBytes(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  const int64_t row_bytes = productOfRowDims(c) * c.element_size();
+  if (c.size(0) == 0) {
+    return at::empty({0, row_bytes}, c.options().dtype(at::kByte));
+  }
+  return c.reshape({c.size(0), productOfRowDims(c)}).view(at::kByte);
+}
+
+// Columns [offset, offset + nbytes) of packed rows, reinterpreted as `dtype` rows of `row_shape`.
+at::Tensor bytesToRows(const at::Tensor& bytes, int64_t offset, int64_t nbytes,
+                       at::ScalarType dtype, std::vector<int64_t> row_shape) {
+  const int64_t n = bytes.size(0);
+  std::vector<int64_t> shape{n};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  if (n == 0) {
+    return at::empty(shape, bytes.options().dtype(dtype));
+  }
+  // clone, not contiguous(): a single row is contiguous already, and contiguous() would keep
+  // the block's byte offset in the storage, which view(dtype) needs divisible by the element size.
+  return bytes.narrow(1, offset, nbytes)
+      .clone(at::MemoryFormat::Contiguous)
+      .view(dtype)
+      .reshape(shape);
+}
+
+// Packs per-row byte blocks side by side; records each block's (offset, size).
+struct RowPacker {
+  std::vector<at::Tensor> blocks;
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  int64_t width = 0;
+
+  size_t add(const at::Tensor& rows) {
+    at::Tensor b = rowsAsBytes(rows);
+    spans.emplace_back(width, b.size(1));
+    width += b.size(1);
+    blocks.push_back(b);
+    return spans.size() - 1;
+  }
+  at::Tensor packed() const { return at::cat(blocks, 1); }
+};
+
+std::vector<int64_t> toVector(const at::Tensor& t) {
+  at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+int64_t sum(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
+
+// Exchanges packed rows: rows [off_r, off_r + send_counts[r]) go to rank r. The exchange runs
+// on flat byte buffers that always own storage (Gloo dislikes null pointers of empty tensors).
+at::Tensor allToAllRows(EPProcessGroup& pg, const char* op, const at::Tensor& send,
+                        int64_t row_bytes, const std::vector<int64_t>& send_counts,
+                        const std::vector<int64_t>& recv_counts) {
+  const int64_t num_recv = sum(recv_counts);
+  const auto bytes = send.options().dtype(at::kByte);
+  at::Tensor recv = at::empty({num_recv * row_bytes + 1}, bytes).narrow(0, 0, num_recv * row_bytes);
+  at::Tensor send_flat =
+      send.numel() > 0 ? send.contiguous().view(-1) : at::empty({1}, bytes).narrow(0, 0, 0);
+  std::vector<int64_t> in_splits, out_splits;
+  for (int64_t c : send_counts) {
+    in_splits.push_back(c * row_bytes);
+  }
+  for (int64_t c : recv_counts) {
+    out_splits.push_back(c * row_bytes);
+  }
+  c10d::AllToAllOptions opts;
+  opts.timeout = pg.options()->timeout;
+  opts.asyncOp = false;  // on CUDA: enqueue on the current stream, like the surrounding ops
+  auto work = pg.innerBackend(send.device().type(), op)
+                  ->alltoall_base(recv, send_flat, out_splits, in_splits, opts);
+  if (work) {  // NCCL returns no Work for a synchronous op: it is already on the current stream
+    work->wait();
+  }
+  return recv.view({num_recv, row_bytes});
+}
+
+// [0]*counts[0] ++ [1]*counts[1] ++ ...: the segment of every row. Built on the host: counts are
+// per-rank vectors, and ATen's repeat_interleave is slow for them on CPU (thread wake-ups).
+at::Tensor segmentIds(const std::vector<int64_t>& counts, const at::TensorOptions& options) {
+  std::vector<int64_t> ids;
+  ids.reserve(static_cast<size_t>(sum(counts)));
+  for (size_t s = 0; s < counts.size(); ++s) {
+    ids.insert(ids.end(), static_cast<size_t>(counts[s]), static_cast<int64_t>(s));
+  }
+  return at::tensor(ids, at::kLong).to(options.device(), options.dtype().toScalarType());
+}
+
+// Pads the first dimension of `t` to `rows` with `fill`.
+at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill) {
+  if (t.size(0) == rows) {
+    return t;
+  }
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape[0] = rows;
+  at::Tensor out = at::full(shape, fill, t.options());
+  out.narrow(0, 0, t.size(0)).copy_(t);
+  return out;
+}
+
+// Token indices sent to each rank (ascending), concatenated in rank order, and the counts.
+std::pair<at::Tensor, std::vector<int64_t>> sendPlan(const at::Tensor& is_token_in_rank) {
+  const int64_t num_ranks = is_token_in_rank.size(1);
+  std::vector<at::Tensor> tokens;
+  std::vector<int64_t> counts;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    at::Tensor t = is_token_in_rank.select(1, r).nonzero().squeeze(1);
+    counts.push_back(t.numel());
+    tokens.push_back(t);
+  }
+  return {at::cat(tokens), counts};
+}
+
+}  // namespace
+
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
+  const int64_t experts_per_rank = num_experts / num_ranks;
+  at::Tensor idx = topk_idx.to(at::kLong);
+  at::Tensor valid = idx.ge(0);
+  // Invalid entries go to a spare column/bin that is dropped afterwards.
+  at::Tensor rank_of = at::where(valid, idx.div(experts_per_rank, "floor"), num_ranks);
+  at::Tensor in_rank = at::zeros({idx.size(0), num_ranks + 1}, idx.options().dtype(at::kBool));
+  in_rank.scatter_(1, rank_of, true);
+  at::Tensor is_token_in_rank = in_rank.narrow(1, 0, num_ranks).contiguous();
+  at::Tensor per_rank = is_token_in_rank.sum(0).to(at::kInt);
+  at::Tensor experts = at::where(valid, idx, num_experts).reshape(-1);
+  at::Tensor per_expert = at::zeros({num_experts + 1}, idx.options());
+  per_expert.scatter_add_(0, experts, at::ones_like(experts));
+  // Exclusive scan over tokens of each rank's column; -1 where the token is not sent.
+  at::Tensor sent = is_token_in_rank.to(at::kInt);
+  at::Tensor send_pos =
+      at::where(is_token_in_rank, sent.cumsum(0, at::kInt) - 1, -1).to(at::kInt).contiguous();
+  return {per_rank, per_expert.narrow(0, 0, num_experts).to(at::kInt), is_token_in_rank, send_pos};
+}
+
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
+  const int64_t num_ranks = pg.getSize();
+  const int64_t rank = pg.getRank();
+  const std::string error = validateDispatch(a, num_ranks);
+  const bool ok = error.empty();
+
+  at::Tensor is_token_in_rank, send_token;
+  std::vector<int64_t> send_counts(num_ranks, 0);
+  if (ok) {
+    // A given layout: on CPU validateDispatch compared it with topk_idx's; on CUDA it is trusted,
+    // as on the NVLink path (the caller's check ties it to this topk_idx).
+    is_token_in_rank = a.layout.empty()
+                           ? std::get<2>(dispatchLayout(a.topk_idx, a.num_experts, num_ranks))
+                           : a.layout[2];
+    std::tie(send_token, send_counts) = sendPlan(is_token_in_rank);
+  }
+  const bool has_scales = a.x_scales.has_value();
+  const bool has_weights = a.topk_weights.has_value();
+  at::Tensor matrix = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok),
+                                       send_counts);  // [src, dst] // [src, dst]
+  std::vector<int64_t> recv_counts(num_ranks);
+  auto m = matrix.accessor<int64_t, 2>();
+  int64_t max_recv = 0;
+  for (int64_t d = 0; d < num_ranks; ++d) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_ranks; ++s) {
+      total += m[s][d];
+    }
+    max_recv = std::max(max_recv, total);
+  }
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    recv_counts[s] = m[s][rank];
+  }
+  const int64_t num_recv = sum(recv_counts);
+  TORCH_CHECK(a.num_worst_tokens == 0 || max_recv <= a.num_worst_tokens,
+              "ep dispatch: num_worst_tokens=", a.num_worst_tokens,
+              " is smaller than the rows a rank receives (up to ", max_recv,
+              "); nothing was exchanged");
+
+  const int64_t experts_per_rank = a.num_experts / num_ranks;
+  const auto dev = a.x.options();
+  at::Tensor dest = segmentIds(send_counts, dev.dtype(at::kLong));
+  at::Tensor sent_topk = a.topk_idx.index_select(0, send_token).to(at::kLong);
+  at::Tensor dest_col = dest.unsqueeze(1);
+  at::Tensor on_dest =
+      sent_topk.ge(0).logical_and(sent_topk.div(experts_per_rank, "floor").eq(dest_col));
+  at::Tensor sent_local = at::where(on_dest, sent_topk - dest_col * experts_per_rank, -1);
+
+  RowPacker packer;
+  const size_t x_block = packer.add(a.x.index_select(0, send_token));
+  const size_t s_block = has_scales ? packer.add(a.x_scales->index_select(0, send_token)) : 0;
+  const size_t i_block = packer.add(sent_local);
+  const size_t w_block =
+      has_weights ? packer.add(at::where(on_dest, a.topk_weights->index_select(0, send_token), 0.0))
+                  : 0;
+  const size_t src_block = packer.add(send_token.to(at::kInt));
+  at::Tensor recv =
+      allToAllRows(pg, "dispatch", packer.packed(), packer.width, send_counts, recv_counts);
+
+  const int64_t hidden = a.x.size(1);
+  const int64_t topk = a.topk_idx.size(1);
+  DispatchResult out;
+  out.recv_x = bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
+                           a.x.scalar_type(), {hidden});
+  if (has_scales) {
+    out.recv_x_scales = bytesToRows(recv, packer.spans[s_block].first, packer.spans[s_block].second,
+                                    a.x_scales->scalar_type(), {a.x_scales->size(1)});
+  }
+  at::Tensor recv_local = bytesToRows(recv, packer.spans[i_block].first,
+                                      packer.spans[i_block].second, at::kLong, {topk});
+  if (has_weights) {
+    out.recv_topk_weights = bytesToRows(recv, packer.spans[w_block].first,
+                                        packer.spans[w_block].second, at::kFloat, {topk});
+  }
+  at::Tensor recv_src_idx = bytesToRows(recv, packer.spans[src_block].first,
+                                        packer.spans[src_block].second, at::kInt, {1})
+                                .reshape({num_recv});
+  at::Tensor recv_src_rank = segmentIds(recv_counts, dev.dtype(at::kInt));
+
+  at::Tensor selected = recv_local.masked_select(recv_local.ge(0));
+  at::Tensor per_expert = at::bincount(selected, {}, experts_per_rank);
+  const int64_t align = a.expert_alignment;
+  out.num_recv_tokens_per_expert =
+      (per_expert + (align - 1)).div(align, "floor").mul(align).to(at::kInt);
+
+  // ATen path: the counts are on the device of x; reading them back is one more sync of a path
+  // that synchronises anyway.
+  out.num_recv_tokens_per_expert_host =
+      a.num_worst_tokens > 0 ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
+                             : out.num_recv_tokens_per_expert.to(at::kCPU, at::kLong);
+  out.recv_topk_idx = recv_local.to(a.topk_idx.scalar_type());
+  if (a.num_worst_tokens > 0) {
+    const int64_t cap = a.num_worst_tokens;
+    out.recv_x = padRows(out.recv_x, cap, 0);
+    if (out.recv_x_scales) {
+      out.recv_x_scales = padRows(*out.recv_x_scales, cap, 0);
+    }
+    out.recv_topk_idx = padRows(out.recv_topk_idx, cap, -1);
+    if (out.recv_topk_weights) {
+      out.recv_topk_weights = padRows(*out.recv_topk_weights, cap, 0);
+    }
+    recv_src_idx = padRows(recv_src_idx, cap, -1);
+    recv_src_rank = padRows(recv_src_rank, cap, -1);
+  }
+  out.routing.is_token_in_rank = is_token_in_rank;
+  out.routing.num_tokens_per_rank = at::tensor(send_counts, at::kLong).to(dev.device(), at::kInt);
+  out.routing.num_recv_tokens_per_rank =
+      at::tensor(recv_counts, at::kLong).to(dev.device(), at::kInt);
+  out.routing.recv_src_idx = recv_src_idx;
+  out.routing.recv_src_rank = recv_src_rank;
+  return out;
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+    const DispatchRouting& routing) {
+  const int64_t num_ranks = pg.getSize();
+  const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
+  const bool ok = error.empty();
+  at::Tensor gathered =
+      agreeAcrossRanks(pg, "cached dispatch", error, cachedDispatchFields(x, x_scales, ok),
+                       routingCounts(routing, num_ranks));
+  checkRoutingAgrees("cached dispatch", gathered, 0, pg.getRank());
+
+  auto [send_token, send_counts] = sendPlan(routing.is_token_in_rank);
+  std::vector<int64_t> recv_counts = toVector(routing.num_recv_tokens_per_rank);
+  RowPacker packer;
+  const size_t x_block = packer.add(x.index_select(0, send_token));
+  const size_t s_block = x_scales ? packer.add(x_scales->index_select(0, send_token)) : 0;
+  at::Tensor recv =
+      allToAllRows(pg, "cached dispatch", packer.packed(), packer.width, send_counts, recv_counts);
+  const int64_t cap = routing.recv_src_idx.size(0);
+  at::Tensor recv_x =
+      padRows(bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
+                          x.scalar_type(), {x.size(1)}),
+              cap, 0);
+  std::optional<at::Tensor> recv_scales;
+  if (x_scales) {
+    recv_scales =
+        padRows(bytesToRows(recv, packer.spans[s_block].first, packer.spans[s_block].second,
+                            x_scales->scalar_type(), {x_scales->size(1)}),
+                cap, 0);
+  }
+  return {recv_x, recv_scales};
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
+  const int64_t num_ranks = pg.getSize();
+  const std::string error = validateCombine(a, num_ranks);
+  const bool ok = error.empty();
+  const bool has_weights = a.topk_weights.has_value();
+  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, combineFields(a, ok),
+                                         routingCounts(a.routing, num_ranks));
+  checkRoutingAgrees("combine", gathered, 0, pg.getRank());
+
+  const auto& r = a.routing;
+  std::vector<int64_t> held = toVector(r.num_recv_tokens_per_rank);
+  std::vector<int64_t> back = toVector(r.num_tokens_per_rank);
+  const int64_t num_valid = sum(held);
+  RowPacker packer;
+  const size_t x_block = packer.add(a.x.narrow(0, 0, num_valid));
+  const size_t w_block = has_weights ? packer.add(a.topk_weights->narrow(0, 0, num_valid)) : 0;
+  at::Tensor returned = allToAllRows(pg, "combine", packer.packed(), packer.width, held, back);
+
+  const int64_t num_tokens = r.is_token_in_rank.size(0);
+  const int64_t hidden = a.x.size(1);
+  at::Tensor rows = bytesToRows(returned, packer.spans[x_block].first, packer.spans[x_block].second,
+                                a.x.scalar_type(), {hidden});
+  const auto acc_dtype = a.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor acc = at::zeros({num_tokens, hidden}, a.x.options().dtype(acc_dtype));
+  std::optional<at::Tensor> acc_w;
+  at::Tensor w_rows;
+  if (has_weights) {
+    const int64_t topk = a.topk_weights->size(1);
+    w_rows = bytesToRows(returned, packer.spans[w_block].first, packer.spans[w_block].second,
+                         at::kFloat, {topk});
+    acc_w = at::zeros({num_tokens, topk}, a.x.options().dtype(at::kFloat));
+  }
+  // Fixed order: ranks ascending, each adding once into the tokens it served.
+  int64_t offset = 0;
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    at::Tensor tokens = r.is_token_in_rank.select(1, s).nonzero().squeeze(1);
+    const int64_t n = tokens.numel();
+    at::Tensor part = rows.narrow(0, offset, n).to(acc_dtype);
+    acc.index_put_({tokens}, acc.index({tokens}) + part);
+    if (acc_w) {
+      acc_w->index_put_({tokens}, acc_w->index({tokens}) + w_rows.narrow(0, offset, n));
+    }
+    offset += n;
+  }
+  for (const auto* b : {&a.bias0, &a.bias1}) {
+    if (b->has_value()) {
+      acc = acc + (*b)->to(acc_dtype);
+    }
+  }
+  return {acc.to(a.x.scalar_type()), acc_w};
+}
+
+std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(const at::Tensor& x, bool round_scale,
+                                                    bool use_ue8m0) {
+  const int64_t hidden = x.size(-1);
+  const int64_t groups = hidden / kFp8Group;
+  std::vector<int64_t> grouped(x.sizes().begin(), x.sizes().end() - 1);
+  grouped.push_back(groups);
+  grouped.push_back(kFp8Group);
+  at::Tensor xf = x.to(at::kFloat).reshape(grouped);
+  at::Tensor amax = xf.abs().amax(-1).clamp_min(1e-4);
+  // A true IEEE division (not a multiply by 1/448), as the contract states.
+  at::Tensor scale = amax / at::full_like(amax, kFp8Max);
+  if (round_scale) {
+    at::Tensor bits = scale.view(at::kInt).to(at::kLong);
+    bits = (bits + 0x7FFFFF).bitwise_and(0x7F800000);
+    scale = bits.to(at::kInt).view(at::kFloat);
+  }
+  at::Tensor inv = at::reciprocal(scale);
+  at::Tensor q =
+      (xf * inv.unsqueeze(-1)).clamp(-kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn).reshape(x.sizes());
+  if (!use_ue8m0) {
+    return {q, scale.contiguous()};
+  }
+  at::Tensor exps =
+      scale.contiguous().view(at::kInt).bitwise_right_shift(23).bitwise_and(0xFF).to(at::kLong);
+  std::vector<int64_t> packed_shape(scale.sizes().begin(), scale.sizes().end() - 1);
+  packed_shape.push_back(groups / 4);
+  std::vector<int64_t> four = packed_shape;
+  four.push_back(4);
+  exps = exps.reshape(four);
+  at::Tensor packed = at::zeros(packed_shape, x.options().dtype(at::kLong));
+  for (int64_t j = 0; j < 4; ++j) {
+    packed.bitwise_or_(exps.select(-1, j).bitwise_left_shift(8 * j));
+  }
+  packed = at::where(packed.ge(int64_t{1} << 31), packed - (int64_t{1} << 32), packed);
+  return {q, packed.to(at::kInt)};
+}
+
+LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a) {
+  const int64_t num_ranks = pg.getSize();
+  const int64_t rank = pg.getRank();
+  std::string error = validateLowLatencyDispatch(a, num_ranks);
+  const int64_t max_tokens = a.num_max_dispatch_tokens_per_rank;
+  at::Tensor entry_token, per_expert;
+  if (error.empty()) {
+    const int64_t topk = a.topk_idx.size(1);
+    at::Tensor flat = a.topk_idx.to(at::kLong).reshape(-1);
+    at::Tensor positions = flat.ge(0).nonzero().squeeze(1);
+    at::Tensor experts = flat.index_select(0, positions);
+    at::Tensor order = std::get<1>(experts.sort(/*stable=*/true, 0, false));
+    positions = positions.index_select(0, order);
+    per_expert = at::bincount(experts, {}, a.num_experts);
+    entry_token = positions.div(topk, "floor");
+    if (per_expert.numel() > 0 && per_expert.max().item<int64_t>() > max_tokens) {
+      error =
+          "ep low_latency_dispatch: a rank may send at most num_max_dispatch_tokens_per_rank "
+          "rows to one expert (a token lists the same expert more than once?)";
+    }
+  }
+  const bool ok = error.empty();
+  const std::vector<AgreedField> fields = lowLatencyDispatchFields(a, ok);
+  std::vector<int64_t> payload =
+      ok ? toVector(per_expert) : std::vector<int64_t>(a.num_experts > 0 ? a.num_experts : 0, 0);
+  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
+
+  const int64_t experts_per_rank = a.num_experts / num_ranks;
+  const int64_t slots = num_ranks * max_tokens;
+  const int64_t hidden = a.x.size(1);
+  // recv_matrix [src rank, local expert]
+  at::Tensor recv_matrix =
+      gathered.narrow(1, rank * experts_per_rank, experts_per_rank).contiguous().to(a.x.device());
+  at::Tensor send_matrix = per_expert.reshape({num_ranks, experts_per_rank});
+  std::vector<int64_t> send_counts = toVector(send_matrix.sum(1));
+  std::vector<int64_t> recv_counts = toVector(recv_matrix.sum(1));
+
+  RowPacker packer;
+  at::Tensor x_q, scales;
+  size_t x_block, s_block = 0;
+  if (a.use_fp8) {
+    std::tie(x_q, scales) = quantizeFp8Per128(a.x, a.round_scale, a.use_ue8m0);
+    x_block = packer.add(x_q.index_select(0, entry_token));
+    s_block = packer.add(scales.index_select(0, entry_token));
+  } else {
+    x_block = packer.add(a.x.index_select(0, entry_token));
+  }
+  const size_t src_block = packer.add(entry_token.to(at::kInt));
+  at::Tensor recv = allToAllRows(pg, "low_latency_dispatch", packer.packed(), packer.width,
+                                 send_counts, recv_counts);
+  const int64_t num_entries = recv.size(0);
+
+  // Received segments are (src rank, local expert) in that order; segment (s, le) lands at
+  // slots begin[s, le] .. of expert le, where begin stacks the source ranks of one expert.
+  at::Tensor seg_count = recv_matrix.reshape(-1);
+  at::Tensor seg_begin = (recv_matrix.cumsum(0) - recv_matrix).reshape(-1);
+  at::Tensor seg_offset = seg_count.cumsum(0) - seg_count;
+  const auto dev = a.x.options();
+  at::Tensor seg_expert = at::arange(experts_per_rank, dev.dtype(at::kLong)).repeat({num_ranks});
+  at::Tensor entry_seg = segmentIds(toVector(seg_count), dev.dtype(at::kLong));
+  at::Tensor entry_pos = at::arange(num_entries, dev.dtype(at::kLong));
+  at::Tensor entry_slot =
+      seg_begin.index_select(0, entry_seg) + entry_pos - seg_offset.index_select(0, entry_seg);
+  at::Tensor entry_expert = seg_expert.index_select(0, entry_seg);
+
+  LowLatencyDispatchResult out;
+  const auto x_dtype = a.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16;
+  at::Tensor rows = bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
+                                x_dtype, {hidden});
+  out.recv_x = at::zeros({experts_per_rank, slots, hidden}, dev.dtype(x_dtype));
+  out.recv_x.index_put_({entry_expert, entry_slot}, rows);
+  if (a.use_fp8) {
+    const int64_t cols = scales.size(1);
+    at::Tensor scale_rows = bytesToRows(recv, packer.spans[s_block].first,
+                                        packer.spans[s_block].second, scales.scalar_type(), {cols});
+    out.recv_x_scales = at::zeros({experts_per_rank, slots, cols}, scales.options());
+    out.recv_x_scales->index_put_({entry_expert, entry_slot}, scale_rows);
+  }
+  at::Tensor recv_src = bytesToRows(recv, packer.spans[src_block].first,
+                                    packer.spans[src_block].second, at::kInt, {1})
+                            .reshape({num_entries});
+  out.src_info = at::full({experts_per_rank, slots}, -1, dev.dtype(at::kInt));
+  out.src_info.index_put_({entry_expert, entry_slot}, recv_src);
+  at::Tensor begin = (recv_matrix.cumsum(0) - recv_matrix).t();
+  out.layout_range = begin.bitwise_left_shift(32).bitwise_or(recv_matrix.t()).contiguous();
+  out.recv_count = recv_matrix.sum(0).to(at::kInt);
+  return out;
+}
+
+at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& a) {
+  const int64_t num_ranks = pg.getSize();
+  const int64_t rank = pg.getRank();
+  const std::string error = validateLowLatencyCombine(a, num_ranks);
+  const bool ok = error.empty();
+  const int64_t experts_per_rank = ok ? a.x.size(0) : 0;
+  const int64_t num_experts = experts_per_rank * num_ranks;
+
+  // Expert side: what goes back to each source rank; token side: what comes back from each.
+  std::vector<int64_t> send_back(num_ranks, 0), expect(num_ranks, 0);
+  at::Tensor begin, count, entry_token, entry_k;
+  if (ok) {
+    begin = a.layout_range.bitwise_right_shift(32);
+    count = a.layout_range.bitwise_and(0xFFFFFFFFLL);
+    send_back = toVector(count.sum(0));
+    const int64_t topk = a.topk_idx.size(1);
+    at::Tensor flat = a.topk_idx.to(at::kLong).reshape(-1);
+    at::Tensor positions = flat.ge(0).nonzero().squeeze(1);
+    at::Tensor experts = flat.index_select(0, positions);
+    at::Tensor order = std::get<1>(experts.sort(/*stable=*/true, 0, false));
+    positions = positions.index_select(0, order);
+    entry_token = positions.div(topk, "floor");
+    entry_k = positions.remainder(topk);
+    at::Tensor per_expert = at::bincount(experts, {}, num_experts);
+    expect = toVector(per_expert.reshape({num_ranks, experts_per_rank}).sum(1));
+  }
+  std::vector<int64_t> payload = send_back;
+  payload.insert(payload.end(), expect.begin(), expect.end());
+  std::vector<AgreedField> fields{
+      {"num_max_dispatch_tokens_per_rank", a.num_max_dispatch_tokens_per_rank},
+      {"hidden size H", ok ? a.x.size(2) : -1},
+      {"experts per rank", experts_per_rank},
+  };
+  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, payload);
+  checkRoutingAgrees("low_latency_combine", gathered, 0, rank);
+
+  const int64_t hidden = a.x.size(2);
+  std::vector<at::Tensor> back_rows;
+  at::Tensor begin_host = begin.cpu();
+  at::Tensor count_host = count.cpu();
+  auto b = begin_host.accessor<int64_t, 2>();
+  auto c = count_host.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < num_ranks; ++s) {
+    for (int64_t le = 0; le < experts_per_rank; ++le) {
+      back_rows.push_back(a.x.select(0, le).narrow(0, b[le][s], c[le][s]));
+    }
+  }
+  RowPacker packer;
+  packer.add(at::cat(back_rows));
+  at::Tensor returned =
+      allToAllRows(pg, "low_latency_combine", packer.packed(), packer.width, send_back, expect);
+  at::Tensor rows = bytesToRows(returned, 0, packer.width, at::kBFloat16, {hidden});
+
+  const int64_t num_tokens = a.topk_idx.size(0);
+  const int64_t topk = a.topk_idx.size(1);
+  at::Tensor y = at::zeros({num_tokens, topk, hidden}, a.x.options().dtype(at::kFloat));
+  y.index_put_({entry_token, entry_k}, rows.to(at::kFloat));
+  at::Tensor valid = a.topk_idx.ge(0);
+  at::Tensor acc = at::zeros({num_tokens, hidden}, a.x.options().dtype(at::kFloat));
+  for (int64_t k = 0; k < topk; ++k) {
+    at::Tensor weighted = a.topk_weights.select(1, k).unsqueeze(1) * y.select(1, k);
+    acc = at::where(valid.select(1, k).unsqueeze(1), acc + weighted, acc);
+  }
+  return acc.to(at::kBFloat16);
+}
+
+}  // namespace ep::cpu
+
+namespace ep {
+namespace {
+
+// The ATen transport behind the Transport interface (backend/transport.hpp): serves every call,
+// so the registry lists it last.
+class AtenTransport final : public Transport {
+ public:
+  TransportKind kind() const override { return TransportKind::kAten; }
+  bool serves(OpFamily) const override { return true; }
+  int64_t maxLayoutRanks() const override { return INT64_MAX; }
+  Verdict usable(EPProcessGroup&, const at::Device&) override { return {}; }
+  std::optional<Verdict> verdict(EPProcessGroup&) override { return Verdict{}; }
+  LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts,
+                       int64_t num_ranks) override {
+    return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
+  }
+  DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args, DeferredCounts*) override {
+    return cpu::dispatch(pg, args);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+      EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+      const DispatchRouting& routing) override {
+    return cpu::cachedDispatch(pg, x, x_scales, routing);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                           const CombineArgs& args) override {
+    return cpu::combine(pg, args);
+  }
+  LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
+                                              const LowLatencyDispatchInputs& args,
+                                              bool /*send_only*/) override {
+    return cpu::lowLatencyDispatch(pg, args);  // complete on return: a recv hook has nothing left
+  }
+  std::optional<at::Tensor> lowLatencyCombine(EPProcessGroup& pg,
+                                              const LowLatencyCombineInputs& args) override {
+    return cpu::lowLatencyCombine(pg, args);
+  }
+};
+
+}  // namespace
+
+Transport& atenTransport() {
+  static AtenTransport transport;
+  return transport;
+}
+
+}  // namespace ep

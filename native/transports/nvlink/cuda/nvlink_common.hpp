@@ -1,0 +1,356 @@
+// Types shared by the nvlink kernels and their host launchers: buffer layout, row layouts,
+// control/error records and the kernel parameter blocks. Torch-free and includable from plain C++
+// (the CUDA qualifiers below compile away outside nvcc).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/error_record.hpp"
+#include "common/host_device.hpp"
+
+namespace ep {
+
+constexpr int kMaxRanks = 8;  // nvlink: at most 8 GPUs of one host
+constexpr int kMaxTopk = 32;  // top-k entries per token the kernels handle
+constexpr int kDefaultNumSms = 24;
+
+// Op codes in error records and messages.
+enum NvlinkOp : int {
+  kOpNone = 0,
+  kOpLayout = 1,
+  kOpNotify = 2,
+  kOpDispatch = 3,
+  kOpCachedDispatch = 4,
+  kOpCombine = 5,
+  kOpBarrier = 6,
+};
+
+// Private per-rank control words at the start of the rank's buffer. Peers never touch these.
+struct ControlBlock {
+  uint64_t epoch;             // sequence number of the last communicating kernel that finished
+  unsigned int blocks_done;   // arrival counter used by finish_block(), back to 0 after each kernel
+  int abort;                  // set on timeout: every later spin-wait gives up at once
+  int error_lock;             // first-error-wins lock of the ErrorRecord
+  unsigned int work_claimed;  // dispatch tokens claimed by sender warps; finish_block zeroes it
+  int rejected_ranks;  // set by notify in normal mode: bit s = rank s's topk_idx was invalid; the
+                       // dispatch kernel that follows it then moves nothing
+  int pad0;
+  // Sequence number of the last notify whose results (recv_counts, recv_prefix, rejected_ranks)
+  // are written: a dispatch launched behind its notify waits for this, not for the whole notify.
+  uint64_t notified;
+  // Dispatch rows of each source claimed by receiving warps; finish_block zeroes them.
+  unsigned int recv_claimed[kMaxRanks];
+  int pad[14];
+};
+static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
+
+// Host-mapped counters written by the notify kernel in normal (host-synchronised) mode.
+struct HostCounters {
+  volatile int ready_ticket;  // equals the ticket passed to notify once the fields below are set
+  volatile int num_recv_tokens;
+  volatile int num_recv_tokens_per_rank[kMaxRanks];
+  volatile int rejected_ranks;  // bit s: rank s found an invalid topk_idx value (its layout)
+  volatile int num_send_tokens_per_rank[kMaxRanks];  // this rank's layout: rows sent to each rank
+  volatile int pad[13];
+  // followed in the same allocation by int num_recv_tokens_per_expert[max_local_experts]
+};
+static_assert(sizeof(HostCounters) == 128, "per-expert counters start 128 bytes in");
+
+// Row of the dispatch receive area: [x: hidden_bytes][scales: S*4, padded to 16]
+// [meta: 8 reserved bytes, src_idx i32, pad i32, local idx i32 x K, weight f32 x K; padded to 16].
+// A row's arrival flag is not in the row: it lives in the region's flag array (BufferLayout),
+// at a place that does not move with the row layout. A flag inside the row would sit where an
+// earlier call with another layout (hidden size, K, scales; a cached dispatch has no metadata)
+// left payload bytes, and those bytes can equal the sequence number being waited for.
+struct DispatchRow {
+  int stride;
+  int scales_offset;
+  int meta_offset;
+  // `align` (BufferLayout::row_align): rows start on this boundary, so a warp's 512-byte stores
+  // cover whole 32-byte sectors and 128-byte lines instead of splitting some across two writes.
+  EP_HOST_DEVICE static DispatchRow make(int hidden_bytes, int num_scales, int num_topk,
+                                         int align) {
+    DispatchRow r;
+    r.scales_offset = hidden_bytes;
+    r.meta_offset = r.scales_offset + static_cast<int>(align_up(size_t(num_scales) * 4, 16));
+    r.stride = static_cast<int>(
+        align_up(r.meta_offset + align_up(16 + size_t(num_topk) * 8, 16), size_t(align)));
+    return r;
+  }
+};
+
+// Row of the combine receive area: [x: hidden_bytes][weights f32 x K, padded to 16]. Its
+// arrival flag is in the region's flag array, as for dispatch rows.
+struct CombineRow {
+  int stride;
+  int weights_offset;
+  EP_HOST_DEVICE static CombineRow make(int hidden_bytes, int num_topk, int align) {
+    CombineRow r;
+    r.weights_offset = hidden_bytes;
+    r.stride = static_cast<int>(
+        align_up(r.weights_offset + align_up(size_t(num_topk) * 4, 16), size_t(align)));
+    return r;
+  }
+};
+
+// Where everything lives inside each rank's IPC buffer (identical on all ranks).
+//   [control 128 B][entered u64 x 8][slab arrivals u64 x 8]
+//   [notify u64 x 2 parity x R src x (1 + max_local_experts)]
+//   [dispatch area: source regions][combine area: source regions]
+//   [dispatch flags: x max_tokens u64][combine flags: x max_tokens u64]
+// A flag is only ever written with a sequence number, which grows with every kernel, so a stale
+// flag never equals the sequence a receiver waits for.
+// Source regions are indexed relative to the receiver: source s lands in region
+// (s - receiver - 1 + R) % R, so no region is wasted on the receiver itself.
+struct BufferLayout {
+  int num_ranks;
+  int max_tokens;  // rows a region holds (max tokens of any rank)
+  int max_local_experts;
+  int row_align;  // bytes; dispatch and combine rows start on this boundary (16 or 128)
+  size_t entered_offset;
+  // u64 per source: rows it has written into the receive slab we lent, added by its publishers
+  // (after their fence) instead of per-row flags; the dispatch kernel zeroes them once all came.
+  size_t arrivals_offset;
+  size_t notify_offset;
+  size_t dispatch_offset;
+  size_t dispatch_region_bytes;
+  size_t combine_offset;
+  size_t combine_region_bytes;
+  size_t dispatch_flags_offset;
+  size_t combine_flags_offset;
+  size_t total_bytes;
+
+  EP_HOST_DEVICE int region_index(int src, int receiver) const {
+    return (src - receiver - 1 + num_ranks) % num_ranks;
+  }
+  // Arrival flag of row `slot` that `src` writes into `receiver`'s dispatch / combine area.
+  EP_HOST_DEVICE size_t dispatch_flag_offset(int src, int receiver, int slot) const {
+    return dispatch_flags_offset +
+           (size_t(region_index(src, receiver)) * max_tokens + size_t(slot)) * sizeof(uint64_t);
+  }
+  EP_HOST_DEVICE size_t combine_flag_offset(int src, int receiver, int slot) const {
+    return combine_flags_offset +
+           (size_t(region_index(src, receiver)) * max_tokens + size_t(slot)) * sizeof(uint64_t);
+  }
+  // A notify slot: [token count][count per local expert x max_local_experts]
+  // [tokens the source sends to each rank x R][the receive slab the source lends, or -1].
+  EP_HOST_DEVICE size_t notify_slot_words() const {  // NotifyWords::total at the most experts
+    return 2 + size_t(max_local_experts) + size_t(num_ranks);
+  }
+  // Slot (parity, src) of the notify area, in u64 words from the area's start.
+  EP_HOST_DEVICE size_t notify_slot(int parity, int src) const {
+    return (size_t(parity) * num_ranks + src) * notify_slot_words();
+  }
+};
+
+// Pointers to every rank's buffer as mapped in this process (peers: IPC/peer mappings).
+struct PeerBuffers {
+  char* ptr[kMaxRanks];
+};
+
+// Receive slabs: a second IPC allocation per rank of `count` slabs, each able to hold every
+// output of a dispatch (rows: every token of every rank). A receiver that lends one for a
+// dispatch (notify tells the senders which) gets its rows written there by every sender, so the
+// outputs are views of the slab and nothing is copied out of the receive buffer.
+struct PeerSlabs {
+  char* ptr[kMaxRanks];  // each rank's slab array as mapped here (null: no slabs)
+  size_t slab_bytes;
+  int count;
+};
+
+// The output arrays inside one slab for one call's row shape (byte offsets from the slab's
+// start; the same on every rank, which is what lets a sender address a peer's slab).
+struct SlabLayout {
+  size_t x;             // [rows, hidden_bytes]
+  size_t scales;        // [rows, S] float32
+  size_t topk_idx;      // [rows, K] of idx_bytes
+  size_t topk_weights;  // [rows, K] float32
+  size_t src_idx;       // [rows] int32
+  size_t src_rank;      // [rows] int32
+  size_t total;
+  EP_HOST_DEVICE static SlabLayout make(size_t rows, int hidden_bytes, int num_scales, int num_topk,
+                                        int idx_bytes) {
+    SlabLayout l;
+    l.x = 0;
+    l.scales = align_up(l.x + rows * size_t(hidden_bytes), 256);
+    l.topk_idx = align_up(l.scales + rows * size_t(num_scales) * 4, 256);
+    l.topk_weights = align_up(l.topk_idx + rows * size_t(num_topk) * size_t(idx_bytes), 256);
+    l.src_idx = align_up(l.topk_weights + rows * size_t(num_topk) * 4, 256);
+    l.src_rank = align_up(l.src_idx + rows * 4, 256);
+    const size_t off = align_up(l.src_rank + rows * 4, 256);
+    l.total = off;
+    return l;
+  }
+};
+
+// Everything a communicating kernel needs to find buffers and report problems.
+struct CommContext {
+  PeerBuffers buffers;
+  PeerSlabs slabs;
+  BufferLayout layout;
+  ErrorRecord* error;  // host-mapped, device pointer
+  long long timeout_cycles;
+  int rank;
+  int num_ranks;
+};
+
+struct LayoutParams {
+  const void* topk_idx;  // [T, K] int64 or int32 (idx_bytes), -1 = none
+  int idx_bytes;
+  int num_tokens;
+  int num_topk;
+  int num_experts;
+  int num_ranks;
+  int* num_tokens_per_rank;    // [R]
+  int* num_tokens_per_expert;  // [E]
+  bool* is_token_in_rank;      // [T, R]
+  int* send_pos;               // [T, R], or null (get_dispatch_layout)
+  ControlBlock* ctrl;
+  ErrorRecord* error;
+  int rank;
+  // Several blocks (one chunk of tokens each) need a workspace of
+  // nvlink_layout_workspace_bytes() bytes (any contents: blocks tag what they publish with
+  // `epoch`, unique per launch); null: one block walks every chunk.
+  void* workspace;
+  unsigned long long epoch;
+};
+
+// Where a layout kernel computed outside the runtime (get_dispatch_layout) records an invalid
+// topk_idx: its host-mapped record and the device-memory lock it takes before writing it.
+struct LayoutErrorRef {
+  const ErrorRecord* record;
+  const int* lock;
+};
+
+struct NotifyParams {
+  CommContext comm;
+  const int* num_tokens_per_rank;    // [R] from layout
+  const int* num_tokens_per_expert;  // [E] from layout
+  int experts_per_rank;
+  int expert_alignment;
+  int num_worst_tokens;             // > 0: capacity check only
+  int* recv_counts;                 // [R]   rows from each source rank
+  int* recv_prefix;                 // [R+1] exclusive prefix of recv_counts
+  int* num_recv_tokens_per_expert;  // [E_loc] aligned
+  HostCounters* host;               // device pointer of the host-mapped counters, or null
+  int* host_per_expert;             // device pointer of the host-mapped per-expert counters
+  int host_ticket;
+  // Error state of the layout the counts come from when the caller computed it earlier
+  // (get_dispatch_layout); null: comm.error and our control block's lock, which the runtime's
+  // own layout kernel uses.
+  const ErrorRecord* layout_error;  // host-mapped
+  const int* layout_error_lock;     // device memory: non-zero once a record is written
+  // 1: the dispatch kernel is launched right behind this one (programmatic dependent launch)
+  // and takes this kernel's sequence number, so notify does not advance the epoch.
+  int dispatch_follows;
+  int lend_slab;    // the receive slab this rank lends the dispatch that follows, or -1
+  int* dest_slabs;  // [2R] or null: for each rank d, {our first row there, d's lent slab or -1}
+};
+
+// The words of one notify slot: what source s announces to receiver d for a call with E_loc
+// local experts, each stored as (sequence << 32 | value): [count] rows s sends d (bit 31:
+// kNotifyRejected), [per_expert + e] entries of s for d's local expert e, [sent + r] rows s sends
+// rank r (for every r: receivers derive where their rows start in r's outputs), [slab] the
+// receive slab s lends the dispatch that follows (-1: none).
+constexpr uint32_t kNotifyRejected = 0x80000000u;  // in [count]: "my topk_idx was invalid"
+struct NotifyWords {
+  static constexpr int count = 0;
+  static constexpr int per_expert = 1;
+  int sent;
+  int slab;
+  int total;
+  EP_HOST_DEVICE static NotifyWords make(int experts_per_rank, int num_ranks) {
+    NotifyWords w;
+    w.sent = 1 + experts_per_rank;
+    w.slab = w.sent + num_ranks;
+    w.total = w.slab + 1;
+    return w;
+  }
+};
+
+// Rows of x of at most this many bytes may be staged (DispatchParams::staged): two stages per
+// send warp must fit the block's shared memory.
+constexpr int kStagedRowBytes = 8192;
+
+struct DispatchParams {
+  CommContext comm;
+  const void* x;  // [T, hidden_bytes] raw rows
+  int hidden_bytes;
+  const float* scales;  // [T, S] raw 4-byte words, or null
+  int num_scales;
+  const void* topk_idx;  // [T, K] (null: cached dispatch, no metadata)
+  int idx_bytes;
+  const float* topk_weights;  // [T, K] or null
+  int num_topk;
+  int num_tokens;
+  int experts_per_rank;
+  const int* send_pos;       // [T, R]
+  const int* recv_prefix;    // [R+1]
+  void* recv_x;              // [cap, hidden_bytes]
+  float* recv_scales;        // [cap, S] or null
+  void* recv_topk_idx;       // [cap, K] or null
+  float* recv_topk_weights;  // [cap, K] or null
+  int* recv_src_idx;         // [cap] or null
+  int* recv_src_rank;        // [cap] or null
+  int num_worst_tokens;      // 0: exact N rows; > 0: capacity, padding rows filled
+  int num_send_warps;
+  int publish_batch;  // tokens a sender warp reports before the publisher fences (>= 1)
+  int claim_items;    // 1: senders claim tokens from a shared counter; 0: static round-robin
+  // 1: launched behind its notify (NotifyParams::dispatch_follows), which may still be running:
+  // the receive prefix and the rejection verdict are read only after waiting for it.
+  int after_notify;
+  // Behind its notify: 1 when that notify reports invalid routings (normal mode: NotifyParams::
+  // host set), so kNotifyRejected in an announced count means "move nothing".
+  int notify_rejects;
+  // 1: senders stage x in shared memory (rows of at most kStagedRowBytes; launched with
+  // nvlink_dispatch_stage_bytes of dynamic shared memory), and receivers claim rows (finished
+  // senders join them).
+  int staged;
+  // Receive slabs (PeerSlabs): dest_slabs [2R] as notify wrote them (null: no rank lent one);
+  // senders write a token's rows for a rank that lent a slab straight into it, at the offsets
+  // of `slab`, and count them into its arrivals word instead of flagging each. own_slab: this
+  // rank's outputs are its lent slab (the senders wrote them): one warp waits for the counts,
+  // the receive warps have nothing to do.
+  const int* dest_slabs;
+  SlabLayout slab;
+  int own_slab;
+};
+
+// Element type of a combine's rows (x, bias, out).
+enum class CombineElem : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
+
+__host__ __device__ constexpr int combine_elem_bytes(CombineElem e) {
+  return e == CombineElem::kFloat64 ? 8 : (e == CombineElem::kFloat32 ? 4 : 2);
+}
+
+struct CombineParams {
+  CommContext comm;
+  const void* x;  // [N(cap), H] elements of `elem`
+  CombineElem elem;
+  int hidden;                 // elements per row
+  const float* topk_weights;  // [N, K] or null
+  int num_topk;
+  const int* recv_prefix;   // [R+1] of the dispatch (expert side)
+  int num_recv_capacity;    // rows of x (rows past it are never read)
+  int num_tokens;           // T of this rank (owner side)
+  const int* send_pos;      // [T, R] of the dispatch (owner side)
+  const void* bias0;        // [T, H] or null
+  const void* bias1;        // [T, H] or null
+  void* out;                // [T, H]
+  float* out_topk_weights;  // [T, K] or null (needs topk_weights)
+  int num_send_warps;
+  int publish_batch;  // rows a sender warp reports before the publisher fences (>= 1)
+  // Set by launch_nvlink_combine: 1 when senders stage rows in shared memory (rows of at
+  // most kStagedCombineRowBytes; the launch then gives them combine_stage_bytes of it).
+  int staged;
+};
+
+// Combine rows of at most this many bytes (x, e.g. BF16 at H = 7168) may be staged.
+constexpr int kStagedCombineRowBytes = 16384;
+
+struct BarrierParams {
+  CommContext comm;
+};
+
+}  // namespace ep

@@ -1,0 +1,79 @@
+// The high-throughput MoE collectives on CUDA tensors over NVLink (one host, 2-8 GPUs), through
+// the torch-free NvlinkRuntime of cuda/nvlink_runtime.hpp. Only built with EP_WITH_CUDA.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Stream.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backend/moe_types.hpp"
+#include "backend/transport.hpp"
+
+namespace ep {
+
+class EPProcessGroup;
+
+namespace nvlink {
+
+// Whether the NVLink kernels can serve this group (CUDA build, every rank a GPU of this host with
+// peer access, 1..8 ranks, EP_HIGH_THROUGHPUT not "aten"). Decided once per group (collective),
+// identically on every rank (the Python layer warns once where it falls back to ATen).
+bool usable(EPProcessGroup& pg, const at::Device& device);
+
+// How the group's high-throughput ops run on CUDA tensors: "nvlink", "aten: <why not>", or
+// "undecided" before its first such call (Python: EPProcessGroup.high_throughput_transport).
+std::string transport(EPProcessGroup& pg);
+
+// get_dispatch_layout on a CUDA topk_idx: the layout kernel (one launch, no host sync). Ids
+// outside [-1, E) count as -1; the first call on the device after that kernel ran raises. num_ranks
+// <= 8.
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+
+// The high-throughput dispatch. With `deferred` and an overlapped host wait (the default, without
+// num_worst_tokens) it returns right after launching the kernels: the outputs have the worst-case
+// row count until *deferred is called, which must happen before they are used. Otherwise (or
+// when `deferred` is left empty) the result is complete.
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args,
+                        DeferredCounts* deferred = nullptr);
+
+// Tensor.record_stream for the dispatch outputs that view a lent receive slab (which PyTorch's
+// caching allocator does not own, so its record_stream ignores them): the slab is lent again only
+// after the work queued on `stream` when the last of its views is freed. False (nothing done)
+// for any other tensor.
+bool recordSlabStream(const at::Tensor& tensor, const c10::Stream& stream);
+
+// ep_backend.reserve on the NVLink path, after its agreement step (`gathered`, see
+// moe_validation.hpp: reserveSizes): builds the transport, or grows it, for calls up to those
+// shapes (the max over ranks), so that later calls and CUDA graph captures do not. Collective.
+// Raises on every rank when growing it would free buffers a captured CUDA graph uses. Returns the
+// capacity it holds: tokens per rank, bytes per row, top-k, scales per row, experts per rank,
+// receive slabs.
+std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
+                             const at::Tensor& gathered);
+
+// The error a kernel of an earlier call left (a timeout naming the stalled peer, an overflow),
+// taken so that the next call reports it: "" when none.
+std::string takePendingError(EPProcessGroup& pg, const char* op);
+
+// Whether a CUDA graph was captured with kernels on this group's transport (which then never
+// grows); every call agrees on it across ranks.
+bool graphCaptured(EPProcessGroup& pg);
+
+std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+    EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+    const DispatchRouting& routing);
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                         const CombineArgs& args);
+
+}  // namespace nvlink
+
+// The NVLink transport (registered in backend/transport_registry.cpp).
+Transport& nvlinkTransport();
+
+}  // namespace ep

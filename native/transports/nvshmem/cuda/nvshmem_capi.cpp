@@ -1,0 +1,135 @@
+// C entry points of libep_nvshmem.so, for ep_backend._C to load with dlopen: _C never links
+// NVSHMEM, so `import ep_backend` works where NVSHMEM is missing or cannot initialise, and the
+// low-latency ops fall back to the ATen path there. Structs cross the boundary by pointer; both
+// sides are built from the same headers by the same build.
+//
+// Every function returns 0 on success, or -1 with a message in `err` (NUL-terminated, at most
+// `err_len` bytes); no C++ exception crosses the boundary.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <stdexcept>
+
+#include "transports/nvshmem/cuda/nvshmem_capi.h"
+#include "transports/nvshmem/cuda/nvshmem_runtime.hpp"
+
+namespace {
+
+int fail(const std::exception& e, char* err, size_t err_len) {
+  if (err != nullptr && err_len > 0) {
+    std::snprintf(err, err_len, "%s", e.what());
+  }
+  return -1;
+}
+
+ep::NvshmemRuntime* runtime(void* handle) {
+  return static_cast<ep::NvshmemRuntime*>(handle);
+}
+
+}  // namespace
+
+extern "C" {
+
+int ep_nvshmem_abi_version() {
+  return EP_NVSHMEM_ABI_VERSION;
+}
+
+int ep_nvshmem_unique_id(const ep::NvshmemConfig* config, uint8_t* out, size_t out_len,
+                         size_t* written, char* err, size_t err_len) {
+  try {
+    const std::vector<uint8_t> id = ep::NvshmemRuntime::unique_id(*config);
+    if (id.size() > out_len) {
+      throw std::invalid_argument("unique id buffer too small");
+    }
+    std::memcpy(out, id.data(), id.size());
+    *written = id.size();
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_nvshmem_create(int rank, int num_ranks, int device, const uint8_t* uid, size_t uid_len,
+                      const ep::NvshmemConfig* config, void** out, char* err, size_t err_len) {
+  try {
+    std::vector<uint8_t> id(uid, uid + uid_len);
+    *out = new ep::NvshmemRuntime(rank, num_ranks, device, id, *config);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_nvshmem_dispatch(void* handle, const ep::NvshmemDispatchArgs* args, cudaStream_t stream,
+                        int* buffer_index, char* err, size_t err_len) {
+  try {
+    *buffer_index = runtime(handle)->dispatch(*args, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_nvshmem_combine(void* handle, const ep::NvshmemCombineArgs* args, cudaStream_t stream,
+                       char* err, size_t err_len) {
+  try {
+    runtime(handle)->combine(*args, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_nvshmem_combine_buffer(void* handle, int buffer_index, int num_experts, int hidden,
+                              ep::NvshmemBufferView* out, char* err, size_t err_len) {
+  try {
+    *out = runtime(handle)->combine_buffer(buffer_index, num_experts, hidden);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_nvshmem_config(void* handle, ep::NvshmemConfig* out) {
+  *out = runtime(handle)->config();
+  return 0;
+}
+
+int ep_nvshmem_check_error(void* handle, char* msg, size_t msg_len, int* failed) {
+  const std::string e = runtime(handle)->check_error();
+  *failed = runtime(handle)->failed() ? 1 : 0;
+  if (msg != nullptr && msg_len > 0) {
+    std::snprintf(msg, msg_len, "%s", e.c_str());
+  }
+  return e.empty() ? 0 : 1;
+}
+
+void ep_nvshmem_clear_error(void* handle) {
+  runtime(handle)->clear_error();
+}
+
+int ep_nvshmem_destroy(void* handle, char* err, size_t err_len) {
+  try {
+    runtime(handle)->destroy();
+    delete runtime(handle);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+}  // extern "C"
+
+// The definitions above must match the pointer types _C casts dlsym's results to.
+#include <type_traits>
+static_assert(std::is_same_v<decltype(&ep_nvshmem_abi_version), ep_nvshmem_abi_version_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_unique_id), ep_nvshmem_unique_id_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_create), ep_nvshmem_create_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_dispatch), ep_nvshmem_dispatch_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_combine), ep_nvshmem_combine_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_combine_buffer), ep_nvshmem_combine_buffer_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_config), ep_nvshmem_config_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_check_error), ep_nvshmem_check_error_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_clear_error), ep_nvshmem_clear_error_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_destroy), ep_nvshmem_destroy_fn>);

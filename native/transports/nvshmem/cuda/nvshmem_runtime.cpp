@@ -1,0 +1,458 @@
+// Host side of the low-latency runtime: NVSHMEM bootstrap, the symmetric region, argument
+// checks, launches, error records. Must be linked into the same shared object as the kernels
+// and libnvshmem_device.a: nvshmemx_init_attr (inline) initialises the device state of the
+// module it is compiled into.
+#include "transports/nvshmem/cuda/nvshmem_runtime.hpp"
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "common/runtime_util.hpp"
+#include "transports/nvshmem/cuda/nvshmem_kernels.hpp"
+
+namespace ep {
+namespace {
+
+std::atomic<bool> g_runtime_alive{false};
+
+constexpr const char* kComponent = "ep low_latency";
+
+void cuda_check(cudaError_t e, const char* what) {
+  runtime::cuda_check(e, kComponent, what);
+}
+
+void require(bool ok, const std::string& message) {
+  runtime::require(ok, kComponent, message);
+}
+
+using runtime::aligned16;
+using runtime::DeviceGuard;
+
+const char* op_name(int op) {
+  switch (op) {
+    case nvshmem::kOpDispatch:
+      return "low_latency_dispatch";
+    case nvshmem::kOpCombine:
+      return "low_latency_combine";
+    default:
+      return "low_latency";
+  }
+}
+
+struct PrivateLayout {
+  size_t send_route_offset;   // [2][M * max_topk] int32
+  size_t recv_tokens_offset;  // [2][R] int32
+  size_t bytes;
+  static PrivateLayout make(const NvshmemConfig& c, int num_ranks) {
+    PrivateLayout l{};
+    l.send_route_offset = sizeof(nvshmem::ControlBlock);
+    const size_t route = size_t(c.max_tokens_per_rank) * c.max_topk * sizeof(int);
+    l.recv_tokens_offset = align_up(l.send_route_offset + 2 * route, 128);
+    l.bytes = align_up(l.recv_tokens_offset + 2 * size_t(num_ranks) * sizeof(int), 128);
+    return l;
+  }
+};
+
+// Ranks a config's buffers are sized for (an upper bound when the config does not say).
+int sized_ranks(const NvshmemConfig& c) {
+  return c.num_ranks > 0 ? c.num_ranks : std::max(1, c.num_experts);
+}
+
+nvshmem::BufferLayout buffer_layout(const NvshmemConfig& c) {
+  return nvshmem::BufferLayout::make(c.max_tokens_per_rank, c.max_hidden, c.num_experts, c.max_topk,
+                                     sized_ranks(c));
+}
+
+}  // namespace
+
+void NvshmemRuntime::set_environment(const NvshmemConfig& config) {
+  // Never NVLink multicast. Size the heap for our region unless the user chose a size.
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  static bool we_set_size = false;
+  if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr || we_set_size) {
+    const size_t heap = symmetric_bytes(config) + (size_t(256) << 20);
+    setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 1);
+    we_set_size = true;
+  }
+}
+
+std::vector<uint8_t> NvshmemRuntime::unique_id(const NvshmemConfig& config) {
+  set_environment(config);
+  return unique_id();
+}
+
+std::vector<uint8_t> NvshmemRuntime::unique_id() {
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (nvshmemx_get_uniqueid(&id) != 0)
+    throw std::runtime_error("ep low_latency: nvshmemx_get_uniqueid failed");
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(&id);
+  return std::vector<uint8_t>(p, p + sizeof(id));
+}
+
+size_t NvshmemRuntime::symmetric_bytes(const NvshmemConfig& c) {
+  return 2 * buffer_layout(c).bytes;
+}
+
+NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::vector<uint8_t>& uid,
+                               const NvshmemConfig& config)
+    : rank_(rank), num_ranks_(num_ranks), device_(device), config_(config) {
+  require(config.num_ranks == 0 || config.num_ranks == num_ranks,
+          "config.num_ranks must be 0 or the number of ranks");
+  config_.num_ranks = num_ranks;
+  require(num_ranks >= 1 && num_ranks <= nvshmem::kMaxExperts, "num_ranks must be in [1, 1024]");
+  require(rank >= 0 && rank < num_ranks, "rank out of range");
+  require(uid.size() == sizeof(nvshmemx_uniqueid_t), "the unique id must be 128 bytes");
+  require(config.max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1");
+  require(config.max_hidden >= nvshmem::kGroupSize &&
+              config.max_hidden % nvshmem::kGroupSize == 0 &&
+              config.max_hidden <= nvshmem::kMaxHidden,
+          "max_hidden must be a multiple of 128 in [128, 8192]");
+  require(config.max_topk >= 1 && config.max_topk <= nvshmem::kMaxTopk,
+          "max_topk must be in [1, 32]");
+  require(config.num_experts >= num_ranks && config.num_experts % num_ranks == 0 &&
+              config.num_experts <= nvshmem::kMaxExperts,
+          "num_experts must be a multiple of the number of ranks, at most 1024");
+  require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
+  require(config.num_sms >= 0, "num_sms must be >= 0");
+  bool expected = false;
+  require(g_runtime_alive.compare_exchange_strong(expected, true),
+          "only one low-latency runtime per process (NVSHMEM is process-global)");
+
+  try {
+    DeviceGuard guard(device_);
+    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    // Preloads both kernels (lazy loading could wait for a spinning kernel) and sizes grids.
+    int dmax = 0, cmax = 0;
+    cuda_check(nvshmem::max_dispatch_blocks(&dmax), "querying the dispatch kernel");
+    cuda_check(nvshmem::max_combine_blocks(&cmax), "querying the combine kernel");
+    int sms = 0;
+    cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_),
+               "cudaDeviceGetAttribute(SMs)");
+    const int want = config_.num_sms > 0 ? config_.num_sms : sms;
+    dispatch_blocks_ = std::max(1, std::min(want, dmax));
+    combine_blocks_ = std::max(1, std::min(want, cmax));
+
+    layout_ = buffer_layout(config_);
+    const size_t bytes = 2 * layout_.bytes;
+    set_environment(config_);
+
+    nvshmemx_uniqueid_t id;
+    std::memcpy(&id, uid.data(), sizeof(id));
+    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+    if (nvshmemx_set_attr_uniqueid_args(rank_, num_ranks_, &id, &attr) != 0)
+      throw std::runtime_error("ep low_latency: nvshmemx_set_attr_uniqueid_args failed");
+    // nvshmemx_init_attr exits the process on failure (NVSHMEM's NONZERO_EXIT).
+    nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+    initialized_ = true;
+    if (nvshmem_my_pe() != rank_ || nvshmem_n_pes() != num_ranks_) {
+      std::ostringstream os;
+      os << "ep low_latency: NVSHMEM says PE " << nvshmem_my_pe() << " of " << nvshmem_n_pes()
+         << ", expected rank " << rank_ << " of " << num_ranks_;
+      throw std::runtime_error(os.str());
+    }
+
+    symmetric_ = static_cast<char*>(nvshmem_malloc(bytes));  // collective
+    if (symmetric_ == nullptr) {
+      std::ostringstream os;
+      os << "ep low_latency: nvshmem_malloc(" << bytes
+         << ") failed; NVSHMEM_SYMMETRIC_SIZE must exceed it (set it, or unset it to let the "
+            "runtime size the heap)";
+      throw std::runtime_error(os.str());
+    }
+    cuda_check(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
+
+    const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&private_), pl.bytes), "cudaMalloc(private)");
+    cuda_check(cudaMemset(private_, 0, pl.bytes), "cudaMemset(private)");
+
+    peer_base_.assign(num_ranks_, nullptr);
+    std::vector<char*> table(2 * size_t(num_ranks_), nullptr);
+    for (int pe = 0; pe < num_ranks_; ++pe) {
+      char* base = static_cast<char*>(nvshmem_ptr(symmetric_, pe));
+      if (!config_.p2p_fast_path) base = nullptr;
+      peer_base_[pe] = base;
+      for (int b = 0; b < 2; ++b)
+        table[size_t(b) * num_ranks_ + pe] = base != nullptr ? base + b * layout_.bytes : nullptr;
+    }
+    // Known once here rather than on every launch (context() runs per kernel).
+    all_p2p_ = std::all_of(peer_base_.begin(), peer_base_.end(),
+                           [](char* base) { return base != nullptr; });
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&peer_table_), sizeof(char*) * table.size()),
+               "cudaMalloc(peer table)");
+    cuda_check(
+        cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(), cudaMemcpyHostToDevice),
+        "cudaMemcpy(peer table)");
+
+    cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(nvshmem::ErrorRecord),
+                             cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc(error)");
+    std::memset(static_cast<void*>(error_host_), 0, sizeof(nvshmem::ErrorRecord));
+    cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+               "cudaHostGetDevicePointer(error)");
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    nvshmem_barrier_all();  // every rank's region is zeroed before anyone signals into it
+  } catch (...) {
+    destroy();
+    // destroy() returns early when nothing was initialised or allocated yet (e.g. a failing
+    // kernel query): release the one-runtime-per-process slot here too, or no runtime could
+    // ever be created again in this process.
+    g_runtime_alive.store(false);
+    throw;
+  }
+}
+
+NvshmemRuntime::~NvshmemRuntime() {
+  try {
+    destroy();
+  } catch (...) {
+  }
+}
+
+void NvshmemRuntime::destroy() {
+  if (!initialized_ && symmetric_ == nullptr && private_ == nullptr && error_host_ == nullptr &&
+      peer_table_ == nullptr) {
+    return;
+  }
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();
+  if (initialized_) {
+    if (symmetric_ != nullptr) nvshmem_free(symmetric_);  // collective, includes a barrier
+    nvshmem_finalize();
+  }
+  if (private_ != nullptr) cudaFree(private_);
+  if (peer_table_ != nullptr) cudaFree(peer_table_);
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  symmetric_ = nullptr;
+  private_ = nullptr;
+  peer_table_ = nullptr;
+  error_host_ = error_dev_ = nullptr;
+  peer_base_.clear();
+  all_p2p_ = false;
+  initialized_ = false;
+  g_runtime_alive.store(false);
+  cudaSetDevice(previous);
+}
+
+bool NvshmemRuntime::peer_is_p2p(int pe) const {
+  require(pe >= 0 && pe < num_ranks_, "peer_is_p2p: rank out of range");
+  return !peer_base_.empty() && peer_base_[pe] != nullptr;
+}
+
+void NvshmemRuntime::check_ready(const char* op) const {
+  require(symmetric_ != nullptr, std::string(op) + ": runtime destroyed");
+  if (failed()) throw std::runtime_error(check_error());
+}
+
+nvshmem::Context NvshmemRuntime::context(int buffer) const {
+  const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
+  nvshmem::Context c{};
+  c.local = symmetric_ + size_t(buffer) * layout_.bytes;
+  c.peer = peer_table_ + size_t(buffer) * num_ranks_;
+  c.layout = layout_;
+  c.ctrl = reinterpret_cast<nvshmem::ControlBlock*>(private_);
+  c.error = error_dev_;
+  c.send_route = reinterpret_cast<int*>(private_ + pl.send_route_offset) +
+                 size_t(buffer) * config_.max_tokens_per_rank * config_.max_topk;
+  c.recv_tokens =
+      reinterpret_cast<int*>(private_ + pl.recv_tokens_offset) + size_t(buffer) * num_ranks_;
+  c.timeout_ns = static_cast<long long>(config_.timeout_seconds * 1e9);
+  c.buffer = buffer;
+  c.rank = rank_;
+  c.num_ranks = num_ranks_;
+  c.max_tokens = config_.max_tokens_per_rank;
+  c.all_p2p = all_p2p_ ? 1 : 0;
+  return c;
+}
+
+int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) {
+  check_ready("dispatch");
+  const std::string pre = "dispatch: ";
+  require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
+              a.phases == nvshmem::kPhaseBoth,
+          pre + "phases must be SEND (1), RECV (2) or both (3)");
+  require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
+          pre + "num_tokens (T=" + std::to_string(a.num_tokens) +
+              ") must be in [0, max_tokens_per_rank=" +
+              std::to_string(config_.max_tokens_per_rank) + "]");
+  require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
+              a.hidden <= config_.max_hidden,
+          pre + "H=" + std::to_string(a.hidden) + " must be a multiple of 128 in [128, " +
+              std::to_string(config_.max_hidden) + "]");
+  require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
+          pre + "K must be in [1, max_topk=" + std::to_string(config_.max_topk) + "]");
+  require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
+  require(
+      a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
+          a.num_experts <= config_.num_experts,
+      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+  require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale),
+          pre + "use_ue8m0 requires use_fp8 and round_scale");
+  require(!a.use_ue8m0 || a.hidden % (4 * nvshmem::kGroupSize) == 0,
+          pre + "use_ue8m0 needs H % 512 == 0");
+  require(!a.round_scale || a.use_fp8, pre + "round_scale requires use_fp8");
+  if (a.phases & nvshmem::kPhaseSend) {
+    require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x) && a.topk_idx != nullptr),
+            pre + "x (16-byte aligned) and topk_idx are required");
+  }
+  if (a.phases & nvshmem::kPhaseRecv) {
+    require(a.recv_x != nullptr && aligned16(a.recv_x), pre + "recv_x must be 16-byte aligned");
+    require(!a.use_fp8 || a.recv_x_scales != nullptr, pre + "recv_x_scales is required with FP8");
+    require(a.recv_count != nullptr && a.src_info != nullptr && a.layout_range != nullptr,
+            pre + "recv_count, src_info and layout_range are required");
+  }
+  int buffer = a.buffer_index;
+  if (a.phases == nvshmem::kPhaseRecv) {
+    require(buffer == 0 || buffer == 1, pre + "the RECV phase needs the SEND's buffer_index");
+  } else {
+    require(buffer >= -1 && buffer <= 1, pre + "buffer_index must be -1, 0 or 1");
+    if (buffer < 0) buffer = next_buffer_;
+    next_buffer_ = buffer ^ 1;
+  }
+  nvshmem::DispatchParams p{};
+  p.ctx = context(buffer);
+  p.x = static_cast<const uint16_t*>(a.x);
+  static const long long kEmpty = -1;
+  p.topk_idx = a.topk_idx != nullptr ? a.topk_idx : &kEmpty;
+  p.idx_bytes = a.idx_bytes;
+  p.num_tokens = a.num_tokens;
+  p.num_topk = a.num_topk;
+  p.hidden = a.hidden;
+  p.num_experts = a.num_experts;
+  p.fp8 = a.use_fp8;
+  p.round_scale = a.round_scale;
+  p.ue8m0 = a.use_ue8m0;
+  p.phases = a.phases;
+  p.recv_x = a.recv_x;
+  p.recv_scales = a.recv_x_scales;
+  p.recv_count = a.recv_count;
+  p.src_info = a.src_info;
+  p.layout_range = reinterpret_cast<long long*>(a.layout_range);
+  p.cumulative_stats = a.cumulative_local_expert_recv_stats;
+  p.zero_padding = a.zero_padding;
+  DeviceGuard guard(device_);
+  cuda_check(nvshmem::launch_dispatch(p, dispatch_blocks_, stream), "low_latency_dispatch launch");
+  return buffer;
+}
+
+void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
+  check_ready("combine");
+  const std::string pre = "combine: ";
+  require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
+              a.phases == nvshmem::kPhaseBoth,
+          pre + "phases must be SEND (1), RECV (2) or both (3)");
+  require(a.buffer_index == 0 || a.buffer_index == 1,
+          pre + "buffer_index must be the dispatch's (0 or 1)");
+  require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
+              a.hidden <= config_.max_hidden,
+          pre + "H must be a multiple of 128 in [128, max_hidden]");
+  require(
+      a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
+          a.num_experts <= config_.num_experts,
+      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+  require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
+          pre + "num_tokens must be in [0, max_tokens_per_rank]");
+  require(a.num_topk >= 1 && a.num_topk <= config_.max_topk, pre + "K must be in [1, max_topk]");
+  const nvshmem::Context ctx = context(a.buffer_index);
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  if (a.phases & nvshmem::kPhaseSend) {
+    require(a.layout_range != nullptr, pre + "layout_range of the dispatch is required");
+    if (a.zero_copy) {
+      x = reinterpret_cast<const uint16_t*>(ctx.local + layout_.comb_send_offset);
+    } else {
+      require(a.x != nullptr && aligned16(a.x), pre + "x must be 16-byte aligned");
+    }
+  }
+  if (a.phases & nvshmem::kPhaseRecv) {
+    require(a.num_tokens == 0 || (a.out != nullptr && aligned16(a.out)),
+            pre + "out (16-byte aligned) is required");
+  }
+  nvshmem::CombineParams p{};
+  p.ctx = ctx;
+  p.x = x;
+  p.layout_range = reinterpret_cast<const long long*>(a.layout_range);
+  p.topk_weights = a.topk_weights;
+  p.num_tokens = a.num_tokens;
+  p.num_topk = a.num_topk;
+  p.hidden = a.hidden;
+  p.phases = a.phases;
+  p.out = static_cast<uint16_t*>(a.out);
+  DeviceGuard guard(device_);
+  cuda_check(nvshmem::launch_combine(p, combine_blocks_, stream), "low_latency_combine launch");
+}
+
+NvshmemBufferView NvshmemRuntime::combine_buffer(int buffer_index, int num_experts,
+                                                 int hidden) const {
+  require(symmetric_ != nullptr, "combine_buffer: runtime destroyed");
+  require(buffer_index == 0 || buffer_index == 1, "combine_buffer: buffer_index must be 0 or 1");
+  require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0 &&
+              num_experts <= config_.num_experts,
+          "combine_buffer: bad num_experts");
+  require(hidden >= nvshmem::kGroupSize && hidden % nvshmem::kGroupSize == 0 &&
+              hidden <= config_.max_hidden,
+          "combine_buffer: bad hidden");
+  NvshmemBufferView v;
+  v.ptr = symmetric_ + size_t(buffer_index) * layout_.bytes + layout_.comb_send_offset;
+  v.shape[0] = num_experts / num_ranks_;
+  v.shape[1] = int64_t(num_ranks_) * config_.max_tokens_per_rank;
+  v.shape[2] = hidden;
+  return v;
+}
+
+void NvshmemRuntime::barrier() {
+  require(symmetric_ != nullptr, "barrier: runtime destroyed");
+  DeviceGuard guard(device_);
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  nvshmem_barrier_all();
+}
+
+std::string NvshmemRuntime::check_error() const {
+  if (error_host_ == nullptr) return "";
+  const volatile nvshmem::ErrorRecord* e = error_host_;
+  const int code = e->code;
+  if (code == nvshmem::kErrorNone) return "";
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::ostringstream os;
+  os << "ep " << op_name(e->op) << ": rank " << e->rank;
+  switch (code) {
+    case nvshmem::kErrorTimeout:
+      os << " timed out after " << config_.timeout_seconds << " s waiting for rank " << e->peer;
+      break;
+    case nvshmem::kErrorCapacity:
+      os << " would send " << e->value_a << " rows to one expert, more than M=" << e->value_b
+         << " (extra rows dropped)";
+      break;
+    case nvshmem::kErrorInvalidTopkIdx:
+      os << " got topk_idx value " << e->value_a << " at flat position " << e->value_b
+         << ", outside [-1, num_experts)";
+      break;
+    default:
+      os << " failed with error code " << code;
+  }
+  return os.str();
+}
+
+bool NvshmemRuntime::failed() const {
+  return error_host_ != nullptr && error_host_->code == nvshmem::kErrorTimeout;
+}
+
+void NvshmemRuntime::clear_error() {
+  require(!failed(), "clear_error: a timeout is fatal, rebuild the runtime");
+  if (error_host_ == nullptr) return;
+  DeviceGuard guard(device_);
+  nvshmem::ControlBlock* ctrl = reinterpret_cast<nvshmem::ControlBlock*>(private_);
+  cuda_check(cudaMemset(&ctrl->error_lock, 0, sizeof(int)), "cudaMemset(error_lock)");
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  std::memset(static_cast<void*>(error_host_), 0, sizeof(nvshmem::ErrorRecord));
+}
+
+}  // namespace ep

@@ -1,0 +1,711 @@
+#include "transports/nvshmem/nvshmem_transport.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "backend/ep_process_group.hpp"
+#include "backend/group_state.hpp"
+#include "backend/store_exchange.hpp"
+
+#ifdef EP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdlib>
+#include <deque>
+#include <sstream>
+
+#include "backend/gpu_identity.hpp"
+#include "backend/moe_validation.hpp"
+#include "backend/stream_capture.hpp"
+#include "transports/aten/aten_transport.hpp"
+#include "transports/nvshmem/cuda/nvshmem_capi.h"
+#include "transports/nvshmem/cuda/nvshmem_runtime.hpp"
+#endif
+
+namespace ep::lowlatency {
+namespace {
+
+#ifdef EP_WITH_CUDA
+
+// ---- libep_nvshmem.so, loaded once per process -------------------------------------------------
+
+struct Library {
+  bool ok = false;
+  std::string error;  // why it is not usable
+  ep_nvshmem_unique_id_fn unique_id = nullptr;
+  ep_nvshmem_create_fn create = nullptr;
+  ep_nvshmem_dispatch_fn dispatch = nullptr;
+  ep_nvshmem_combine_fn combine = nullptr;
+  ep_nvshmem_combine_buffer_fn combine_buffer = nullptr;
+  ep_nvshmem_config_fn config = nullptr;
+  ep_nvshmem_check_error_fn check_error = nullptr;
+  ep_nvshmem_clear_error_fn clear_error = nullptr;
+  ep_nvshmem_destroy_fn destroy = nullptr;
+};
+
+// Next to _C (the build copies it there), or EP_NVSHMEM_LIB.
+std::string libraryPath() {
+  if (const char* env = std::getenv("EP_NVSHMEM_LIB")) {
+    return env;
+  }
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&libraryPath), &info) == 0 || info.dli_fname == nullptr) {
+    return "libep_nvshmem.so";
+  }
+  std::string self = info.dli_fname;
+  const auto slash = self.rfind('/');
+  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) +
+         "libep_nvshmem.so";
+}
+
+template <typename Fn>
+bool lookup(void* dl, const char* name, Fn& fn, std::string& error) {
+  fn = reinterpret_cast<Fn>(dlsym(dl, name));
+  if (fn == nullptr) {
+    error = std::string("libep_nvshmem.so lacks ") + name;
+  }
+  return fn != nullptr;
+}
+
+const Library& library() {
+  static const Library lib = [] {
+    Library l;
+    const std::string path = libraryPath();
+    void* dl = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (dl == nullptr) {
+      const char* e = dlerror();
+      l.error = "cannot load " + path + " (" + (e ? e : "?") + ")";
+      return l;
+    }
+    ep_nvshmem_abi_version_fn version = nullptr;
+    if (!lookup(dl, "ep_nvshmem_abi_version", version, l.error)) {
+      return l;
+    }
+    if (version() != EP_NVSHMEM_ABI_VERSION) {
+      l.error = path + " was built for another version of ep_backend (rebuild it)";
+      return l;
+    }
+    l.ok = lookup(dl, "ep_nvshmem_unique_id", l.unique_id, l.error) &&
+           lookup(dl, "ep_nvshmem_create", l.create, l.error) &&
+           lookup(dl, "ep_nvshmem_dispatch", l.dispatch, l.error) &&
+           lookup(dl, "ep_nvshmem_combine", l.combine, l.error) &&
+           lookup(dl, "ep_nvshmem_combine_buffer", l.combine_buffer, l.error) &&
+           lookup(dl, "ep_nvshmem_config", l.config, l.error) &&
+           lookup(dl, "ep_nvshmem_check_error", l.check_error, l.error) &&
+           lookup(dl, "ep_nvshmem_clear_error", l.clear_error, l.error) &&
+           lookup(dl, "ep_nvshmem_destroy", l.destroy, l.error);
+    return l;  // the handle stays open for the life of the process
+  }();
+  return lib;
+}
+
+// Throws a c10::Error with the library's message when `rc` is non-zero.
+void check(int rc, const char* what, const char* err) {
+  TORCH_CHECK(rc == 0, "ep ", what, ": ", err);
+}
+
+// A dispatch handle's buffer, remembered so its combine finds the dispatch's NVSHMEM state.
+struct RememberedHandle {
+  at::Tensor layout_range;  // held: its address stays its own
+  uint32_t version = 0;
+  int buffer = 0;
+  uint64_t seq = 0;        // the group's dispatch number
+  int64_t num_tokens = 0;  // T and K of the dispatch: its combine must pass the same topk_idx
+  int64_t num_topk = 0;
+  bool combined = false;  // its combine ran: the buffer's dispatch state is spent
+  // A send-only dispatch awaiting its receive phase: its arguments, and the tensors they point
+  // into, kept alive until then.
+  bool pending = false;
+  ep::NvshmemDispatchArgs args;
+  std::vector<at::Tensor> keep_alive;
+  std::optional<c10::cuda::CUDAStream> stream;  // of the send phase: the receive runs there too
+};
+
+// The runtime alternates two buffers: a third dispatch would reuse the buffer of one still
+// awaiting its receive.
+constexpr int kMaxPendingReceives = 2;
+
+constexpr size_t kRecentHandles = 8;
+
+#endif  // EP_WITH_CUDA
+
+struct GroupState {
+  bool decided = false;
+  bool usable = false;
+  std::string why;  // when not usable
+#ifdef EP_WITH_CUDA
+  void* runtime = nullptr;
+  NvshmemConfig config;
+  int generation = 0;
+  std::deque<RememberedHandle> recent;
+  uint64_t dispatches = 0;  // kernel dispatches so far
+  // A CUDA graph was captured with kernels on these buffers: a rebuild would free what it
+  // replays into, so from then on there is none (an agreed field of every dispatch).
+  bool graph_captured = false;
+#endif
+};
+
+// NVSHMEM is process-global: the one group whose low-latency ops use it.
+std::mutex g_owner_mutex;
+EPProcessGroup* g_owner = nullptr;
+
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+  static auto* states = new GroupStates<GroupState>([](EPProcessGroup* key, GroupState& state) {
+    {
+      std::lock_guard<std::mutex> lock(g_owner_mutex);
+      if (g_owner == key) {
+        g_owner = nullptr;
+      }
+    }
+#ifdef EP_WITH_CUDA
+    if (state.runtime != nullptr) {
+      // Collective in NVSHMEM terms; at shutdown every rank tears its group down too.
+      char err[512] = {0};
+      cudaDeviceSynchronize();
+      if (library().destroy(state.runtime, err, sizeof(err)) != 0) {
+        TORCH_WARN("ep: releasing the NVSHMEM low-latency runtime: ", err);
+      }
+      state.runtime = nullptr;
+    }
+#else
+    (void)state;
+#endif
+  });
+  return states->of(pg);
+}
+
+#ifdef EP_WITH_CUDA
+
+// The reason recorded when the user asked for the ATen path.
+constexpr const char* kAskedAten = "EP_LOW_LATENCY=aten";
+
+// Collective: every rank posts whether it can run the kernels; usable only if all can, each on
+// a GPU of its own.
+
+void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
+  std::string why;
+  const char* mode = std::getenv("EP_LOW_LATENCY");
+  if (mode != nullptr && std::string(mode) == "aten") {
+    why = kAskedAten;
+  } else if (!library().ok) {
+    why = library().error;
+  } else {
+    std::lock_guard<std::mutex> lock(g_owner_mutex);
+    if (g_owner != nullptr && g_owner != &pg) {
+      why = "another group of this process owns NVSHMEM (one group per process)";
+    }
+  }
+  const std::string prefix = "ep_ll/" + pg.options()->group_name + "/decide/";
+  const std::vector<std::string> posted =
+      allGatherStrings(pg, prefix, (why.empty() ? "1|" : "0|") + GpuPlace::of(device.index()).str(),
+                       "ep low_latency_dispatch (transport setup)");
+  // Two ranks on one GPU share it. The same index on different GPUs of one host means
+  // CUDA_VISIBLE_DEVICES differs per process, which NVSHMEM has not been tried with here: those
+  // groups stay on ATen, and say so.
+  std::vector<GpuPlace> seen;
+  bool all = true;
+  for (const std::string& s : posted) {
+    all = all && s[0] == '1';
+    const GpuPlace where = GpuPlace::parse(s.substr(2));
+    for (const auto& w : seen) {
+      if (!why.empty() || w.host != where.host) continue;
+      if (w.sameGpu(where)) {
+        why = "ranks share a GPU (NVSHMEM needs one GPU per rank)";
+      } else if (w.index == where.index) {
+        why = "ranks see different GPUs (" + w.bus + ", " + where.bus + ") as the same device " +
+              std::to_string(where.index) +
+              " (CUDA_VISIBLE_DEVICES set per process), which ep does not start NVSHMEM with; "
+              "make every GPU visible to every rank and pick one per rank with "
+              "torch.cuda.set_device(local_rank)";
+      }
+    }
+    seen.push_back(where);
+  }
+  if (why.empty() && !all) {
+    why = "another rank cannot use NVSHMEM (see its low_latency_transport)";
+  }
+  // `why` may differ between ranks, the verdict cannot: it is a function of the posted flags and
+  // of the (host, device) pairs, which every rank read alike.
+  st.usable = why.empty();
+  st.why = why;
+  st.decided = true;
+  if (st.usable) {
+    std::lock_guard<std::mutex> lock(g_owner_mutex);
+    g_owner = &pg;
+  }
+}
+
+bool fits(const NvshmemConfig& c, int64_t m, int64_t hidden, int64_t topk, int64_t experts) {
+  return c.max_tokens_per_rank == m && c.max_hidden >= hidden && c.max_topk >= topk &&
+         c.num_experts >= experts;
+}
+
+// Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not
+// (every input agreed, graph_captured included). Never while a CUDA graph is captured, nor after
+// one was: that graph's kernels keep the buffers' addresses.
+void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, int64_t m,
+                    int64_t hidden, int64_t topk, int64_t experts) {
+  const bool capture = streamCapturing();
+  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts)) {
+    st.graph_captured = st.graph_captured || capture;
+    return st.runtime;
+  }
+  const auto shape = [&] {
+    std::ostringstream os;
+    os << "M=" << m << ", H=" << hidden << ", top-" << topk << ", E=" << experts;
+    if (st.runtime != nullptr) {
+      os << "; the buffers hold M=" << st.config.max_tokens_per_rank
+         << ", H=" << st.config.max_hidden << ", top-" << st.config.max_topk
+         << ", E=" << st.config.num_experts;
+    }
+    return os.str();
+  };
+  TORCH_CHECK(!capture, "ep low_latency_dispatch: the NVSHMEM buffers cannot be ",
+              st.runtime != nullptr ? "rebuilt" : "set up", " while a CUDA graph is captured (",
+              shape(), "); run one call of this shape before capturing (nothing was exchanged)");
+  TORCH_CHECK(!st.graph_captured, "ep low_latency_dispatch: ", shape(),
+              ": new NVSHMEM buffers would be needed, but a CUDA graph captured earlier replays "
+              "kernels on these (M must stay the same, H, top-k and E within them; nothing was "
+              "exchanged)");
+  const Library& lib = library();
+  char err[1024] = {0};
+  NvshmemConfig cfg;
+  if (st.runtime != nullptr) {
+    hidden = std::max<int64_t>(hidden, st.config.max_hidden);
+    topk = std::max<int64_t>(topk, st.config.max_topk);
+    experts = std::max<int64_t>(experts, st.config.num_experts);
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    // Through the store, not Gloo (see the nvlink rebuild).
+    allGatherStrings(
+        pg, "ep_ll/" + pg.options()->group_name + "/rebuild/" + std::to_string(st.generation) + "/",
+        "", "ep low_latency_dispatch: rebuilding the NVSHMEM buffers");
+    const int rc = lib.destroy(st.runtime, err, sizeof(err));
+    st.runtime = nullptr;
+    st.recent.clear();
+    check(rc, "low_latency rebuild", err);
+  }
+  cfg.max_tokens_per_rank = static_cast<int>(m);
+  cfg.max_hidden = static_cast<int>(hidden);
+  cfg.max_topk = static_cast<int>(std::max<int64_t>(topk, 1));
+  cfg.num_experts = static_cast<int>(experts);
+  cfg.num_ranks = static_cast<int>(pg.getSize());
+  cfg.timeout_seconds = pg.options()->kernel_timeout_s;
+  const std::string key =
+      "ep_ll/" + pg.options()->group_name + "/uid/" + std::to_string(++st.generation);
+  if (pg.getRank() == 0) {
+    std::array<uint8_t, 1024> uid{};
+    size_t written = 0;
+    const int rc = lib.unique_id(&cfg, uid.data(), uid.size(), &written, err, sizeof(err));
+    // Posted even on failure (empty): the other ranks wait for this key, and would otherwise
+    // wait out the store timeout.
+    pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + (rc == 0 ? written : 0)));
+    check(rc, "low_latency setup", err);
+  }
+  const std::vector<uint8_t> uid = pg.store()->get(key);
+  TORCH_CHECK(!uid.empty(),
+              "ep low_latency setup: rank 0 could not get an NVSHMEM unique id (see "
+              "its error)");
+  void* rt = nullptr;
+  check(lib.create(pg.getRank(), pg.getSize(), device.index(), uid.data(), uid.size(), &cfg, &rt,
+                   err, sizeof(err)),
+        "low_latency setup", err);
+  st.runtime = rt;
+  lib.config(rt, &st.config);
+  return rt;
+}
+
+// A kernel error of an earlier call (timeout naming the stalled peer, capacity), "" if none; a
+// non-fatal one is forgotten once read. It is only ever seen by the rank that recorded it (and
+// when the device got to write it), so callers pass it to the agreement as their local error:
+// every rank then raises together instead of this one leaving its peers waiting in a collective.
+std::string pendingError(GroupState& st, const char* op) {
+  if (st.runtime == nullptr) {
+    return "";
+  }
+  char msg[1024] = {0};
+  int failed = 0;
+  if (library().check_error(st.runtime, msg, sizeof(msg), &failed) == 0) {
+    return "";
+  }
+  if (!failed) {
+    C10_CUDA_CHECK(cudaDeviceSynchronize());  // clear_error needs an idle device
+    library().clear_error(st.runtime);
+  }
+  return std::string(msg) + " (reported by the next call, " + op + ")";
+}
+
+uint32_t versionOf(const at::Tensor& t) {
+  return t.is_inference() ? 0 : t._version();
+}
+
+int pendingReceives(const GroupState& st) {
+  int n = 0;
+  for (const auto& h : st.recent) {
+    n += h.pending ? 1 : 0;
+  }
+  return n;
+}
+
+// Inference tensors carry no version counter: such handles are remembered by identity alone.
+void remember(GroupState& st, RememberedHandle h) {
+  h.version = versionOf(h.layout_range);
+  st.recent.push_front(std::move(h));
+  // Forget the oldest handles beyond the limit, never one whose receive is still pending.
+  for (size_t i = st.recent.size(); i > kRecentHandles; --i) {
+    auto it = st.recent.begin() + static_cast<std::ptrdiff_t>(i - 1);
+    if (!it->pending) {
+      st.recent.erase(it);
+    }
+  }
+}
+
+RememberedHandle* find(GroupState& st, const at::Tensor& layout_range) {
+  for (auto& h : st.recent) {
+    if (h.layout_range.is_same(layout_range) && h.version == versionOf(layout_range)) {
+      return &h;
+    }
+  }
+  return nullptr;
+}
+
+// The buffer of a handle whose dispatch state is still in it: one of the group's last two
+// dispatches (they alternate the two buffers; an older one's buffer has been reused since),
+// received, and not combined yet (one combine per dispatch, as the kernels allow).
+int recall(GroupState& st, const at::Tensor& layout_range) {
+  const RememberedHandle* h = find(st, layout_range);
+  return h != nullptr && !h->pending && !h->combined && h->seq + 1 >= st.dispatches ? h->buffer
+                                                                                    : -1;
+}
+
+#endif  // EP_WITH_CUDA
+
+}  // namespace
+
+void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
+  auto st = stateOf(pg);
+  if (!st->usable || !layout_range.is_cuda()) {
+    return;  // the ATen path (also CPU tensors of this group): the exchange completed already
+  }
+#ifdef EP_WITH_CUDA
+  // By identity alone (the hook holds the dispatch's own tensor): a pending receive must run.
+  RememberedHandle* h = nullptr;
+  for (auto& r : st->recent) {
+    if (r.layout_range.is_same(layout_range)) {
+      h = &r;
+      break;
+    }
+  }
+  if (h == nullptr) {
+    return;  // a dispatch that took the ATen path (sizes beyond the kernels' buffers)
+  }
+  TORCH_CHECK(h->pending,
+              "ep low_latency_dispatch hook: this dispatch has no receive pending (was the hook "
+              "called twice?)");
+  // No pendingError() here: the hook is not collective, and a rank that skipped its receive would
+  // leave the buffer's arrival counters unreset; an earlier kernel error surfaces at the group's
+  // next dispatch or combine (a timeout makes the library refuse this call anyway).
+  c10::cuda::CUDAGuard guard(layout_range.device());
+  // The receive runs on the send's stream, so the runtime's calls stay in issue order whatever
+  // stream the hook is called on; the caller's stream then waits for it.
+  const c10::cuda::CUDAStream stream = *h->stream;
+  int buffer = 0;
+  char err[1024] = {0};
+  check(library().dispatch(st->runtime, &h->args, stream.stream(), &buffer, err, sizeof(err)),
+        "low_latency_dispatch hook", err);
+  h->pending = false;
+  // The stream still reads the inputs and writes the outputs: hand them to the allocator as
+  // used on this stream before letting go.
+  for (const auto& t : h->keep_alive) {
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+  }
+  h->keep_alive.clear();
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(stream.device_index());
+  if (current != stream) {
+    cudaEvent_t received = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&received, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(received, stream.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), received, 0));
+    C10_CUDA_CHECK(cudaEventDestroy(received));  // released once the wait is satisfied
+  }
+#endif
+}
+
+at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
+                         int64_t num_max_dispatch_tokens_per_rank, int64_t num_experts,
+                         int64_t hidden) {
+  const int64_t num_ranks = pg.getSize();
+  TORCH_CHECK(num_experts > 0 && num_experts % num_ranks == 0 && hidden > 0 &&
+                  num_max_dispatch_tokens_per_rank > 0,
+              "ep low_latency combine buffer: bad handle");
+  const std::vector<int64_t> shape{num_experts / num_ranks,
+                                   num_ranks * num_max_dispatch_tokens_per_rank, hidden};
+  const auto options = layout_range.options().dtype(at::kBFloat16);
+#ifdef EP_WITH_CUDA
+  auto st = stateOf(pg);
+  const int buffer = st->usable ? recall(*st, layout_range) : -1;
+  if (buffer >= 0 && st->config.max_tokens_per_rank == num_max_dispatch_tokens_per_rank) {
+    ep::NvshmemBufferView view;
+    char err[1024] = {0};
+    check(library().combine_buffer(st->runtime, buffer, static_cast<int>(num_experts),
+                                   static_cast<int>(hidden), &view, err, sizeof(err)),
+          "low_latency combine buffer", err);
+    return at::from_blob(view.ptr, shape, options);
+  }
+#endif
+  return at::empty(shape, options);
+}
+
+std::string transport(EPProcessGroup& pg) {
+  auto st = stateOf(pg);
+  if (!st->decided) {
+#ifdef EP_WITH_CUDA
+    return "undecided";
+#else
+    return "aten: built without CUDA";
+#endif
+  }
+  return st->usable ? "nvshmem" : "aten: " + st->why;
+}
+
+#ifdef EP_WITH_CUDA
+
+bool usable(EPProcessGroup& pg, const at::Device& device) {
+  auto st = stateOf(pg);
+  if (!st->decided) {
+    c10::cuda::CUDAGuard guard(device);
+    decide(pg, *st, device);
+  }
+  return st->usable;
+}
+
+LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a,
+                                  bool send_only) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  std::string error = pendingError(*st, "low_latency_dispatch");
+  if (error.empty()) {
+    error = validateLowLatencyDispatch(a, num_ranks);
+  }
+  if (error.empty() && pendingReceives(*st) >= kMaxPendingReceives) {
+    error =
+        "ep low_latency_dispatch: two dispatches still await their recv hook; call one "
+        "before the next dispatch (their buffers alternate)";
+  }
+  const bool ok = error.empty();
+  const int64_t m = a.num_max_dispatch_tokens_per_rank;
+  std::vector<AgreedField> fields = lowLatencyDispatchFields(a, ok);
+  fields.push_back({"a CUDA graph captured on the NVSHMEM buffers", st->graph_captured ? 1 : 0});
+  const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0, pendingReceives(*st)};
+  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
+  int64_t max_topk = 1;
+  int64_t pending = 0;  // receives still awaited, over all ranks
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    max_topk = std::max(max_topk, g[r][0]);
+    pending += g[r][1];
+  }
+
+  const int64_t hidden = a.x.size(1);
+  // Sizes beyond what the kernels' buffers can ever hold: the ATen path, on every rank alike
+  // (H and E are agreed). Its handle is unknown to the kernels, so its combine and hook do too.
+  if (hidden > nvshmem::kMaxHidden || a.num_experts > nvshmem::kMaxExperts) {
+    return cpu::lowLatencyDispatch(pg, a);
+  }
+  // A rebuild frees both buffers, and with them the rows of a dispatch awaiting its receive.
+  // Every input of this decision is agreed, so every rank raises alike.
+  TORCH_CHECK(st->runtime == nullptr || fits(st->config, m, hidden, max_topk, a.num_experts) ||
+                  pending == 0,
+              "ep low_latency_dispatch: M=", m, ", H=", hidden, ", top-k=", max_topk,
+              ", E=", a.num_experts,
+              " need new NVSHMEM buffers, but a dispatch still awaits its recv hook (on some "
+              "rank); call the hooks first (nothing was exchanged)");
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
+  // The kernels read x with 16-byte loads (a contiguous slice may start anywhere).
+  const at::Tensor x = reinterpret_cast<uintptr_t>(a.x.data_ptr()) % 16 == 0 ? a.x : a.x.clone();
+  const int64_t experts_per_rank = a.num_experts / num_ranks;
+  const int64_t slots = num_ranks * m;
+  const auto opts = a.x.options();
+  LowLatencyDispatchResult out;
+  out.recv_x = at::empty({experts_per_rank, slots, hidden},
+                         opts.dtype(a.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+  if (a.use_fp8) {
+    out.recv_x_scales =
+        a.use_ue8m0 ? at::empty({experts_per_rank, slots, hidden / 512}, opts.dtype(at::kInt))
+                    : at::empty({experts_per_rank, slots, hidden / 128}, opts.dtype(at::kFloat));
+  }
+  out.recv_count = at::empty({experts_per_rank}, opts.dtype(at::kInt));
+  out.src_info = at::empty({experts_per_rank, slots}, opts.dtype(at::kInt));
+  out.layout_range = at::empty({experts_per_rank, num_ranks}, opts.dtype(at::kLong));
+
+  ep::NvshmemDispatchArgs args;
+  args.x = x.data_ptr();
+  args.num_tokens = static_cast<int>(x.size(0));
+  args.hidden = static_cast<int>(hidden);
+  args.topk_idx = a.topk_idx.data_ptr();
+  args.idx_bytes = static_cast<int>(a.topk_idx.element_size());
+  args.num_topk = static_cast<int>(a.topk_idx.size(1));
+  args.num_experts = static_cast<int>(a.num_experts);
+  args.use_fp8 = a.use_fp8;
+  args.round_scale = a.round_scale;
+  args.use_ue8m0 = a.use_ue8m0;
+  args.recv_x = out.recv_x.data_ptr();
+  args.recv_x_scales = a.use_fp8 ? out.recv_x_scales->data_ptr() : nullptr;
+  args.recv_count = out.recv_count.data_ptr<int>();
+  args.src_info = out.src_info.data_ptr<int>();
+  args.layout_range = out.layout_range.data_ptr<int64_t>();
+  // Slots past recv_count are unspecified (docs/semantics.md), as in DeepEP: zero-filling them
+  // would write up to E_loc*R*M*H*2 bytes per call (58 MB at M=256, H=7168, E_loc=8).
+  args.zero_padding = false;
+  args.phases = send_only ? nvshmem::kPhaseSend : nvshmem::kPhaseBoth;
+  int buffer = 0;
+  char err[1024] = {0};
+  check(library().dispatch(rt, &args, c10::cuda::getCurrentCUDAStream(device.index()).stream(),
+                           &buffer, err, sizeof(err)),
+        "low_latency_dispatch", err);
+  RememberedHandle h;
+  h.layout_range = out.layout_range;
+  h.buffer = buffer;
+  h.seq = ++st->dispatches;
+  h.num_tokens = a.topk_idx.size(0);
+  h.num_topk = a.topk_idx.size(1);
+  if (send_only) {
+    h.pending = true;
+    h.args = args;
+    h.args.phases = nvshmem::kPhaseRecv;
+    h.args.buffer_index = buffer;
+    h.stream = c10::cuda::getCurrentCUDAStream(device.index());
+    h.keep_alive = {x, a.topk_idx, out.recv_x, out.recv_count, out.src_info, out.layout_range};
+    if (out.recv_x_scales) {
+      h.keep_alive.push_back(*out.recv_x_scales);
+    }
+  }
+  remember(*st, std::move(h));
+  return out;
+}
+
+std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a) {
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  std::string error = pendingError(*st, "low_latency_combine");
+  if (error.empty()) {
+    error = validateLowLatencyCombine(a, num_ranks);
+  }
+  const bool ok = error.empty();
+  int buffer = ok ? recall(*st, a.layout_range) : -1;
+  const RememberedHandle* handle = buffer >= 0 ? find(*st, a.layout_range) : nullptr;
+  // Whatever the library would refuse after the agreement (on this rank only, leaving its peers
+  // in the kernel until the timeout) takes the ATen path instead, on every rank alike: another
+  // T or K than the dispatch's (the kernel reads the dispatch's send positions), an H beyond the
+  // buffers, x not 16-byte aligned, topk_weights not contiguous (the kernel reads them [T, K]).
+  bool zero_copy = false;
+  if (handle != nullptr) {
+    ep::NvshmemBufferView view;
+    char err[1024] = {0};
+    const bool fits_buffer =
+        library().combine_buffer(st->runtime, buffer, static_cast<int>(a.x.size(0) * num_ranks),
+                                 static_cast<int>(a.x.size(2)), &view, err, sizeof(err)) == 0;
+    // x written straight into the send buffer (combineBuffer): no copy-in.
+    zero_copy = fits_buffer && view.ptr == a.x.data_ptr();
+    const bool aligned = reinterpret_cast<uintptr_t>(a.x.data_ptr()) % 16 == 0;
+    if (!fits_buffer || a.topk_idx.size(0) != handle->num_tokens ||
+        a.topk_idx.size(1) != handle->num_topk || !a.topk_weights.is_contiguous() ||
+        !(zero_copy || aligned)) {
+      buffer = -1;
+    }
+  }
+  std::vector<AgreedField> fields{
+      {"num_max_dispatch_tokens_per_rank", a.num_max_dispatch_tokens_per_rank},
+      {"hidden size H", ok ? a.x.size(2) : -1},
+  };
+  // Every rank's buffer index and dispatch number: a handle this group's kernels did not make
+  // on every rank (a copy, an older one, another dispatch's) sends every rank down the ATen path
+  // together, which reads the same handle format.
+  const int64_t seq = buffer >= 0 ? static_cast<int64_t>(handle->seq) : -1;
+  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, {buffer, seq});
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < g.size(0); ++r) {
+    if (g[r][0] < 0 || g[r][0] != buffer || g[r][1] != seq) {
+      return std::nullopt;  // every rank sees the same gathered rows: all take the ATen path
+    }
+  }
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  const int64_t num_tokens = a.topk_idx.size(0);
+  at::Tensor out = at::empty({num_tokens, a.x.size(2)}, a.x.options().dtype(at::kBFloat16));
+  ep::NvshmemCombineArgs args;
+  args.zero_copy = zero_copy;
+  args.x = a.x.data_ptr();
+  args.hidden = static_cast<int>(a.x.size(2));
+  args.topk_weights = a.topk_weights.data_ptr<float>();
+  args.num_tokens = static_cast<int>(num_tokens);
+  args.num_topk = static_cast<int>(a.topk_idx.size(1));
+  args.num_experts = static_cast<int>(a.x.size(0) * num_ranks);
+  args.layout_range = a.layout_range.data_ptr<int64_t>();
+  args.buffer_index = buffer;
+  args.out = out.data_ptr();
+  args.phases = nvshmem::kPhaseBoth;
+  char err[1024] = {0};
+  check(
+      library().combine(st->runtime, &args,
+                        c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err)),
+      "low_latency_combine", err);
+  if (RememberedHandle* h = find(*st, a.layout_range)) {
+    h->combined = true;
+  }
+  return out;
+}
+
+#endif  // EP_WITH_CUDA
+
+}  // namespace ep::lowlatency
+
+#ifdef EP_WITH_CUDA
+namespace ep {
+namespace {
+
+// The NVSHMEM transport behind the Transport interface (backend/transport.hpp).
+class NvshmemTransport final : public Transport {
+ public:
+  TransportKind kind() const override { return TransportKind::kNvshmem; }
+  bool serves(OpFamily family) const override { return family == OpFamily::kLowLatency; }
+  Verdict usable(EPProcessGroup& pg, const at::Device& device) override {
+    lowlatency::usable(pg, device);
+    return *verdict(pg);
+  }
+  std::optional<Verdict> verdict(EPProcessGroup& pg) override {
+    const auto st = lowlatency::stateOf(pg);
+    if (!st->decided) return std::nullopt;
+    return Verdict{st->why, st->why == lowlatency::kAskedAten};
+  }
+  LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
+                                              const LowLatencyDispatchInputs& args,
+                                              bool send_only) override {
+    return lowlatency::dispatch(pg, args, send_only);
+  }
+  std::optional<at::Tensor> lowLatencyCombine(EPProcessGroup& pg,
+                                              const LowLatencyCombineInputs& args) override {
+    return lowlatency::combine(pg, args);
+  }
+};
+
+}  // namespace
+
+Transport& nvshmemTransport() {
+  static NvshmemTransport transport;
+  return transport;
+}
+
+}  // namespace ep
+#endif  // EP_WITH_CUDA

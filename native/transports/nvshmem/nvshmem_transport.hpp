@@ -1,0 +1,63 @@
+// Low-latency dispatch/combine on CUDA tensors through the NVSHMEM kernels of libep_nvshmem.so
+// (cuda/nvshmem_runtime.hpp), which _C loads at run time (dlopen), never links: where
+// the library or NVSHMEM is missing the ops keep the ATen + NCCL path.
+//
+// A group uses the kernels when, at its first low-latency call on CUDA, every rank has loaded the
+// library, no other group of the process owns NVSHMEM (it is process-global: one group per
+// process), every rank has a GPU of its own, and EP_LOW_LATENCY is not "aten" — decided
+// collectively through the group's store, so all ranks take the same path.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+#include "backend/moe_types.hpp"
+#include "backend/transport.hpp"
+
+namespace ep {
+class EPProcessGroup;
+
+namespace lowlatency {
+
+// How this group's low-latency ops on CUDA run: "nvshmem", "aten: <why>", or "undecided" before
+// the group's first low-latency call on CUDA (Python: EPProcessGroup.low_latency_transport).
+std::string transport(EPProcessGroup& pg);
+
+// Where to write the expert outputs of the dispatch with `layout_range` for a zero-copy combine:
+// a BF16 [E_loc, R*M, H] view of the kernels' send buffer for that dispatch (combine then skips
+// its copy-in), or a fresh tensor of that shape where the kernels are not in use. The view is
+// valid until the group's low-latency transport is rebuilt (a call with another M, or larger
+// H, K or E).
+at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
+                         int64_t num_max_dispatch_tokens_per_rank, int64_t num_experts,
+                         int64_t hidden);
+
+// The receive phase of the send-only dispatch whose handle has `layout_range` (see dispatch
+// below); a no-op where the group's low-latency ops do not use the kernels (their exchange is
+// complete when the dispatch returns).
+void receive(EPProcessGroup& pg, const at::Tensor& layout_range);
+
+#ifdef EP_WITH_CUDA
+bool usable(EPProcessGroup& pg, const at::Device& device);
+
+// Same contract as cpu::lowLatencyDispatch / cpu::lowLatencyCombine (bitwise equal results).
+// send_only: only the send phase runs now; the outputs are complete once receive() has run on
+// the stream (the Python recv hook). At most two dispatches may await their receive. combine
+// returns nullopt, on every rank alike, when the handle's dispatch state is no longer in the
+// kernels' buffers (not one of the group's last two kernel dispatches, or already combined): the
+// caller then runs the ATen path, which gives the same result.
+LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a,
+                                  bool send_only);
+std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a);
+#endif  // EP_WITH_CUDA
+
+}  // namespace lowlatency
+
+#ifdef EP_WITH_CUDA
+// The NVSHMEM transport (registered in backend/transport_registry.cpp).
+Transport& nvshmemTransport();
+#endif
+
+}  // namespace ep
