@@ -401,9 +401,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
                             "not run: ranks share a GPU (NCCL needs one per rank)"))  # fmt: skip
         else:
             t_base = timer.both(_nccl_pipeline(x, idx, weights, num_experts, group))
+            idle = f" ({t_base[2] / t_both[2]:.2f}x called on an idle GPU)" if use_cuda else ""
             add("baseline a2a pipeline (both ways)", t_base, row_bf16, 2 * remote_entries, 0,
-                f"ep is {t_base[0] / t_both[0]:.2f}x faster "
-                f"({t_base[2] / t_both[2]:.2f}x called on an idle GPU)")  # fmt: skip
+                f"ep is {t_base[0] / t_both[0]:.2f}x faster{idle}")  # fmt: skip
         if not full:
             return
         x8, s8 = ep.reference.quantize_fp8_per128(x)
@@ -590,7 +590,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
 
 
 def _print_table(rows: list[dict], header: str, on_gpu: bool) -> None:
-    """Prints rows as an aligned table; "call", "host" and notes are GPU-only columns."""
+    """Prints rows as an aligned table; "call" and "host" are GPU-only columns."""
     print(header)
     width = max([len("op")] + [len(r["op"]) for r in rows])
     cols = [("T", 6), ("time µs", 10)]
@@ -598,7 +598,7 @@ def _print_table(rows: list[dict], header: str, on_gpu: bool) -> None:
         cols += [("call µs", 9), ("host µs", 9)]
     cols += [("remote GB/s", 12), ("logical GB/s", 13)]
     line = f"{'op':{width}s} " + " ".join(f"{name:>{w}s}" for name, w in cols)
-    print(line + ("  note" if on_gpu else ""))
+    print(line + "  note")
     for r in rows:
         cells = [f"{r['tokens']:6d}", f"{r['us']:10.1f}"]
         if on_gpu:
@@ -606,7 +606,7 @@ def _print_table(rows: list[dict], header: str, on_gpu: bool) -> None:
             cells += [call, f"{r['host_us']:9.1f}"]
         cells += [f"{r['remote_gbps']:12.3f}", f"{r['logical_gbps']:13.3f}"]
         text = f"{r['op']:{width}s} " + " ".join(cells)
-        print(text + (f"  {r['note']}" if on_gpu and r["note"] else ""))
+        print(text + (f"  {r['note']}" if r["note"] else ""))
 
 
 def _check_args(args: argparse.Namespace, nprocs: int, on_gpu: bool) -> str | None:
