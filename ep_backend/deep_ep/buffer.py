@@ -172,6 +172,8 @@ class Buffer:
         self.rank = dist.get_rank(self.ep_group)
         self.group_size = self.ep_group.size()
         self._backend = ep_backend.get_backend(self.ep_group)
+        if self._backend.high_throughput_transport == "undecided":  # a group given as "ep"
+            self._backend.options.num_sms = Buffer.num_sms
         self._streams = CommStreams()
         # The last get_dispatch_layout: (its ep layout, weak ref to topk_idx, topk_idx version).
         self._last_layout: tuple[ep_backend.DispatchLayout, weakref.ref, int | None] | None = None
@@ -345,6 +347,8 @@ class Buffer:
         _require_tensor(topk_idx, "topk_idx", dim=2)
         _require_int(num_experts, "num_experts", 1)
         check_flags(previous_event, async_finish, allocate_on_comm_stream)
+        # The first layout on CUDA may decide the group's transport: fix its SMs before.
+        self._apply_config(None, Buffer.get_dispatch_config, topk_idx.is_cuda)
         layout, event = self._streams.run(
             lambda: ep_backend.get_dispatch_layout(topk_idx, num_experts, group=self.ep_group),
             topk_idx.device,
