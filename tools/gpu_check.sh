@@ -2,8 +2,9 @@
 # Builds ep_backend with CUDA against the installed torch, runs the GPU tests and the benchmark.
 # Usage (on a machine with GPUs): bash tools/gpu_check.sh [extra pytest args]
 # SKIP_TESTS=1 / SKIP_BENCH=1 skip parts, BENCH_ARGS adds bench flags; RUN_NATIVE=1 also runs
-# the torch-free intranode kernel harness, RUN_LL=1 the torch-free NVSHMEM low-latency harness
-# (2 GPUs; LL_QUICK=1: short suite).
+# the torch-free nvlink kernel harnesses (nvlink_test, then nvlink_bench), RUN_LL=1 the torch-free
+# NVSHMEM low-latency harness (nvshmem_test; 2 GPUs; LL_QUICK=1: short suite). Both are built by
+# CMake (tests/native/native_tests.cmake) into build/native.
 # The GPU tests run one rank per GPU (EP4 on 4 GPUs); EP_TEST_WORLD_SIZE=N sets the rank count.
 # Logs go to $OUT (default ./out). Repeat the figures in docs/performance.md with this script.
 set -uo pipefail
@@ -18,10 +19,17 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.
 python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' | tee -a "$OUT/gpus.txt"
 
 start=$(date +%s)
-if [ "${RUN_LL:-0}" = "1" ]; then  # build the torch-free NVSHMEM harness alongside the package
-  export PYTHON=$(command -v python) NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
-  BUILD_ONLY=1 bash tests/native/build_ll_and_run.sh >"$OUT/ll_build.log" 2>&1 &
-  ll_build=$!
+native_targets=()
+[ "${RUN_NATIVE:-0}" = "1" ] && native_targets+=(nvlink_test nvlink_bench)
+[ "${RUN_LL:-0}" = "1" ] && native_targets+=(nvshmem_test)
+if [ ${#native_targets[@]} -gt 0 ]; then  # build the torch-free harnesses alongside the package
+  export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
+  {
+    cmake -S . -B build/native -DEP_WITH_CUDA=ON -DEP_BUILD_NATIVE_TESTS=ON \
+      -DEP_CUDA_ARCHITECTURES=90a -DPython3_EXECUTABLE="$(command -v python)" &&
+      cmake --build build/native -j "$MAX_JOBS" --target "${native_targets[@]}"
+  } >"$OUT/native_build.log" 2>&1 &
+  native_build=$!
 fi
 if ! python -m pip install -v --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
@@ -43,13 +51,14 @@ fi
 
 rc=0
 if [ "${RUN_LL:-0}" = "1" ]; then  # NVSHMEM low-latency kernels (correctness, soak, latency)
-  wait "$ll_build" || { echo "LL HARNESS BUILD FAILED"; tail -30 "$OUT/ll_build.log"; rc=1; }
-  ll=build/native_ll_test/ll_test
+  wait "$native_build" || { echo "NATIVE HARNESS BUILD FAILED"; tail -30 "$OUT/native_build.log"; rc=1; }
+  native_build_waited=1
+  ll=build/native/nvshmem_test
   run_ll() {  # run_ll SECONDS ARGS...: one harness run, logged; a failure does not stop the rest
     local t=$1; shift
-    echo "== ll_test $*"
+    echo "== nvshmem_test $*"
     timeout "$t" "$ll" "$@"
-    local r=$?; echo "== ll_test $* -> rc=$r"; return $r
+    local r=$?; echo "== nvshmem_test $* -> rc=$r"; return $r
   }
   if [ -x "$ll" ]; then
     if [ "${LL_QUICK:-0}" = "1" ]; then  # short suite + latency only
@@ -71,9 +80,16 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
   rc=$(( rc | PIPESTATUS[0] ))
   grep -E "^[0-9]+ (passed|failed)|passed|failed" "$OUT/gpu_tests.log" | tail -1
 fi
-if [ "${RUN_NATIVE:-0}" = "1" ]; then  # the torch-free kernel harness (correctness + kernel timings)
-  timeout 400 bash tests/native/build_and_run.sh 2>&1 | tee "$OUT/native_harness.log" | tail -30
-  rc=$(( rc | PIPESTATUS[0] ))
+if [ "${RUN_NATIVE:-0}" = "1" ]; then  # the torch-free nvlink harnesses (correctness, then kernel timings)
+  if [ "${native_build_waited:-0}" != "1" ]; then
+    wait "$native_build" || { echo "NATIVE HARNESS BUILD FAILED"; tail -30 "$OUT/native_build.log"; rc=1; }
+  fi
+  if [ -x build/native/nvlink_test ]; then
+    timeout 300 build/native/nvlink_test 2>&1 | tee "$OUT/native_harness.log" | tail -30
+    rc=$(( rc | PIPESTATUS[0] ))
+    timeout 300 build/native/nvlink_bench 2>&1 | tee "$OUT/native_bench.log" | tail -30
+    rc=$(( rc | PIPESTATUS[0] ))
+  fi
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   python -m ep_backend.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60

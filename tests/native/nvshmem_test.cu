@@ -6,9 +6,9 @@
 // float32-accumulation tolerance (the kernel adds the same float32 products per expert rank
 // first, then the ranks) and bitwise identical from run to run.
 //
-// Usage: ll_test [--timeout-test] [--no-p2p] [--soak N] [--graph N] [--quick] [--no-bench]
-//                [--bench-only] [--no-recreate]
-// (--bench-only: latency and the timeline only, no correctness cases, for trying kernel variants)
+// Usage: nvshmem_test [--timeout-test] [--no-p2p] [--soak N] [--graph N] [--quick] [--no-bench]
+//                     [--bench-only] [--no-recreate]
+// (--bench-only: latency only, no correctness cases, for trying kernel variants)
 // Prints one line per case, timings, and "ALL PASSED" when both ranks pass.
 #include <cuda_runtime.h>
 #include <sys/prctl.h>
@@ -790,51 +790,6 @@ struct Harness {
     return ms[ms.size() / 2] * 1000.0 / calls;
   }
 
-  // -DEP_LL_TIMELINE builds: where the last call's time went, per stage: earliest / median /
-  // latest block stamp, µs after the earliest block started (stages in nvshmem_common.hpp).
-  void print_timeline(int mode, const char* op, bool combine) {
-#ifdef EP_LL_TIMELINE
-    static const char* const kDispatchNames[] = {
-        "start",    "ready",     "staged",    "stored", "counted",    "counts-sent", "header",
-        "released", "send-done", "counts-in", "prefix", "first-flag", "copied",      "end"};
-    static const char* const kCombineNames[] = {
-        "start",    "ready",     "weights-sent", "weights-in",  "stored",
-        "released", "send-done", "handshake",    "first-flags", "end"};
-    static_assert(sizeof(kDispatchNames) / sizeof(char*) == ep::nvshmem::kDsStages, "names");
-    static_assert(sizeof(kCombineNames) / sizeof(char*) == ep::nvshmem::kCsStages, "names");
-    std::vector<uint64_t> tl(size_t(ep::nvshmem::kTimelineBlocks) * ep::nvshmem::kTimelineStages);
-    CUDA_OK(cudaDeviceSynchronize());
-    CUDA_OK(combine ? ep::nvshmem::read_combine_timeline(tl.data())
-                    : ep::nvshmem::read_dispatch_timeline(tl.data()));
-    const int stages = combine ? int(ep::nvshmem::kCsStages) : int(ep::nvshmem::kDsStages);
-    const char* const* names = combine ? kCombineNames : kDispatchNames;
-    const int blocks = std::min(ep::nvshmem::kTimelineBlocks, rt->dispatch_blocks());
-    uint64_t t0 = ~0ull;
-    for (int b = 0; b < blocks; ++b)
-      t0 = std::min(t0, tl[size_t(b) * ep::nvshmem::kTimelineStages]);
-    std::string line = "timeline " + std::string(mode_name(mode)) + " " + op + " rank " +
-                       std::to_string(rank) + " (us: first/median/last block):";
-    for (int st = 0; st < stages; ++st) {
-      std::vector<double> v;
-      for (int b = 0; b < blocks; ++b) {
-        const uint64_t x = tl[size_t(b) * ep::nvshmem::kTimelineStages + st];
-        if (x >= t0) v.push_back((x - t0) / 1e3);  // older stamps: not stamped in this call
-      }
-      if (v.empty()) continue;
-      std::sort(v.begin(), v.end());
-      char part[96];
-      std::snprintf(part, sizeof(part), " %s %.1f/%.1f/%.1f", names[st], v.front(), v[v.size() / 2],
-                    v.back());
-      line += part;
-    }
-    std::printf("%s\n", line.c_str());
-#else
-    (void)mode;
-    (void)op;
-    (void)combine;
-#endif
-  }
-
   void bench() {
     for (int mode : {kBf16, kFp8}) {
       Case c;
@@ -885,13 +840,11 @@ struct Harness {
         da.buffer_index = -1;
         rt->dispatch(da, stream);
       });
-      print_timeline(mode, "dispatch", /*combine=*/false);
       const double gp_us = graph_us(calls, [&] {
         da.buffer_index = -1;
         ca.buffer_index = rt->dispatch(da, stream);
         rt->combine(ca, stream);
       });
-      print_timeline(mode, "combine", /*combine=*/true);
       sync_and_check_error(c, "bench (graphs)");
       rt->barrier();
       if (rank == 0)

@@ -3,14 +3,9 @@
 // announced it too. Used to line up the ranks' streams (e.g. before timing) without the host.
 #include "transports/nvlink/cuda/nvlink_device.cuh"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
-#include "transports/nvlink/cuda/nvlink_timeline.cuh"
 
 namespace ep {
 namespace {
-
-#ifdef EP_HT_TIMELINE
-__device__ uint64_t g_timeline[1];
-#endif
 
 __global__ void __launch_bounds__(32, 1) nvlink_barrier_kernel(BarrierParams p) {
   const CommContext& c = p.comm;
@@ -27,15 +22,10 @@ __global__ void __launch_bounds__(32, 1) nvlink_barrier_kernel(BarrierParams p) 
       device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered) >= seq; });
   }
   __syncwarp();
-  if (lane == 0) EP_HT_STAMP(g_timeline, 0);
   if (lane == 0) device::finish_block(ctrl, seq);
 }
 
 }  // namespace
-
-cudaError_t read_nvlink_barrier_timeline(uint64_t* out) {
-  return EP_HT_READ_TIMELINE(g_timeline, out);
-}
 
 cudaError_t preload_nvlink_barrier() {
   cudaFuncAttributes attr;

@@ -12,31 +12,16 @@
 //    stores acc rounded to nearest-even in the element type. Weights are summed the same way.
 //    BF16 (FP16) tokens with at most two rows and no bias take add.rn.bf16x2 (f16x2), which gives
 //    the same bits (see device::bf16_pair_sum) with a fifth of the instructions: on 2 ranks the
-//    reduction's instructions bound the owner side (BF16 combine kernel 210.7 -> 193.8 us).
+//    reduction's instructions bound the owner side (combine rows of tests/native/nvlink_bench.cu).
 // Global warps walk rows/tokens interleaved, so arrivals and reductions both proceed roughly in
-// token order and the reduction overlaps the transfer. Rows of at most kStagedCombineRowBytes
-// (BF16 / FP16 at H = 7168) can be staged by the senders in shared memory (combine_send_staged,
-// -DEP_COMBINE_STAGE=1; off by default, slower on NVLink).
-#include <atomic>
-
-#include "common/dynamic_smem.hpp"
+// token order and the reduction overlaps the transfer. Senders store from registers: senders that
+// staged rows in shared memory (cp.async) were slower on NVLink (combine rows of the harness's
+// benchmark, 2 GPUs), though faster with two ranks on one GPU; see docs/history/.
 #include "transports/nvlink/cuda/nvlink_device.cuh"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
-#include "transports/nvlink/cuda/nvlink_timeline.cuh"
 
 namespace ep {
 namespace {
-
-// Staged combine senders (-DEP_COMBINE_STAGE=1). Off: on NVLink (2 x H200) the staged build's
-// combine ran 227 us at its best split (3 send warps) against the register path's 192 at 5; on one
-// H100 (ranks sharing it) it had been ~7 us faster. See docs/performance.md.
-#ifndef EP_COMBINE_STAGE
-#define EP_COMBINE_STAGE 0
-#endif
-
-#ifdef EP_HT_TIMELINE
-__device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
-#endif
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kNvlinkThreads / 32;
@@ -79,7 +64,7 @@ struct ElemOps<CombineElem::kBFloat16> {
   }
   // One cvt.rn.bf16x2 per two elements (round to nearest even, like float_to_bf16_rne, subnormals
   // kept). A NaN takes the slow path so it keeps float_to_bf16_rne's bits (0x7FC0; the hardware
-  // writes 0x7FFF). The reduction's instructions bound the owner side on 2 ranks (-10.6 us).
+  // writes 0x7FFF). The reduction's instructions bound the owner side on 2 ranks.
   static __device__ __forceinline__ int4 pack(const Acc* acc) {
     const int4 fast = pack_16bit<true>(acc);
     bool nan = false;
@@ -197,7 +182,6 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
       const int count = __shfl_sync(kFull, prefix, dst + 1) - base;
       if (i >= count) continue;
       if (!wait_entered(ctx, entered, dst, seq, lane, ready)) return;
-      if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
       char* out = combine_row(c, c.buffers.ptr[dst], me, dst, i, row.stride);
       const int r = base + i;
       if (r < p.num_recv_capacity) {  // rows past the capacity never existed (overflow)
@@ -222,98 +206,6 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
     __syncwarp();
     if (lane == 0) device::st_release_cta_shared(progress + warp, k + 1);
   }
-}
-
-// Staged sender (p.staged: rows of at most kStagedCombineRowBytes): as combine_send, but each
-// warp copies the row after the one it stores into its other shared-memory stage with cp.async
-// while storing the current one from the first, so a row's stores start without a memory
-// latency (the register path waits one latency per 16 loads, two per BF16 row). Items are the
-// warp's (i, destination) pairs in combine_send's order; lane d holds destination d's row count.
-// Each lane reads back only the chunks it copied, so cp.async.wait_group alone orders them.
-__device__ void combine_send_staged(const CombineParams& p, const device::WaitContext& ctx,
-                                    uint64_t seq, int hidden_bytes, int warp, int lane,
-                                    int* progress, int4* stage) {
-  const CommContext& c = p.comm;
-  const int R = c.num_ranks, me = c.rank, K = p.num_topk;
-  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
-  const int n16 = hidden_bytes / 16;
-  const int first = blockIdx.x * p.num_send_warps + warp;
-  const int stride = gridDim.x * p.num_send_warps;
-  const int prefix = lane <= R ? p.recv_prefix[lane] : 0;
-  const int next_prefix = __shfl_down_sync(kFull, prefix, 1);
-  const bool peer = lane < R && lane != me;
-  const int count = peer ? next_prefix - prefix : 0;  // rows we return to rank `lane`
-  const int max_count = __reduce_max_sync(kFull, count);
-  const uint64_t* entered =
-      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.entered_offset);
-  uint32_t ready = 1u << me;
-
-  // Item (i, s): row i for destination me + s (mod R). The next item after (i, s) in order;
-  // i >= max_count: none.
-  const auto dest_of = [&](int s) { return me + s >= R ? me + s - R : me + s; };
-  const auto next = [&](int i, int s) {
-    while (i < max_count) {
-      for (++s; s < R; ++s)
-        if (i < __shfl_sync(kFull, count, dest_of(s))) return make_int2(i, s);
-      i += stride;
-      s = 0;
-    }
-    return make_int2(i, 0);
-  };
-  // Row of x that item `it` sends (its destination's rows start at recv_prefix[d]).
-  const auto row_of = [&](int2 it) { return __shfl_sync(kFull, prefix, dest_of(it.y)) + it.x; };
-  const auto prefetch = [&](int2 it, int buf) {  // always commits a group (empty for none)
-    if (it.x < max_count) {
-      const int r = row_of(it);
-      if (r < p.num_recv_capacity) {
-        const int4* src =
-            reinterpret_cast<const int4*>(static_cast<const char*>(p.x) + size_t(r) * hidden_bytes);
-        for (int j = lane; j < n16; j += 32) device::cp_async_16(stage + buf * n16 + j, src + j);
-      }
-    }
-    device::cp_async_commit();
-  };
-  const auto weight_of = [&](int2 it) {  // every lane calls row_of (a full-warp shuffle)
-    if (it.x >= max_count || p.topk_weights == nullptr) return 0.0f;
-    const int r = row_of(it);
-    return lane < K && r < p.num_recv_capacity ? p.topk_weights[size_t(r) * K + lane] : 0.0f;
-  };
-
-  int2 cur = next(first, 0);
-  prefetch(cur, 0);
-  float w_cur = weight_of(cur);
-  int2 nxt = next(cur.x, cur.y);
-  int k = 0;  // values of i done (the publisher flags each i's rows once told)
-  for (int m = 0; cur.x < max_count; ++m) {
-    prefetch(nxt, (m + 1) & 1);
-    const int d = dest_of(cur.y);
-    if (!wait_entered(ctx, entered, d, seq, lane, ready)) {
-      device::cp_async_wait<0>();
-      return;
-    }
-    if (m == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
-    const int r = row_of(cur);
-    device::cp_async_wait<1>();  // cur's chunks are in stage m & 1
-    // The next weights after the wait (which global loads issued before it share).
-    const float w_nxt = weight_of(nxt);
-    if (r < p.num_recv_capacity) {  // rows past the capacity never existed (overflow)
-      char* out = combine_row(c, c.buffers.ptr[d], me, d, cur.x, row.stride);
-      const int4* in = stage + (m & 1) * n16;
-      int4* o = reinterpret_cast<int4*>(out);
-#pragma unroll 4
-      for (int j = lane; j < n16; j += 32) device::st_v4_no_l1_allocate(o + j, in[j]);
-      if (p.topk_weights != nullptr && lane < K)
-        reinterpret_cast<float*>(out + row.weights_offset)[lane] = w_cur;
-    }
-    if (nxt.x != cur.x) {  // cur was the last item of its i
-      __syncwarp();
-      if (lane == 0) device::st_release_cta_shared(progress + warp, ++k);
-    }
-    cur = nxt;
-    w_cur = w_nxt;
-    nxt = next(cur.x, cur.y);
-  }
-  device::cp_async_wait<0>();  // no copy into shared memory outlives the warp's work
 }
 
 // Lane l publishes the rows of sender warp l of this block (see the dispatch publisher).
@@ -385,11 +277,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
   int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
   // BF16 / FP16 on 2 ranks: at most two rows per token, summed in the element type (same
   // bits) when there is no bias.
-#ifdef EP_COMBINE_FLOAT32_ONLY  // A/B switch: the float32 reduction everywhere
-  constexpr bool kPairSum = false;
-#else
   constexpr bool kPairSum = kElemBytes == 2 && kRanks == 2;  // BF16 and FP16
-#endif
   const bool pair_path = b0 == nullptr && b1 == nullptr;
 
   // Weights first: their loads overlap the row loads below.
@@ -455,7 +343,6 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
   const int stride = gridDim.x * num_recv_warps;
   char* const own = c.buffers.ptr[me];
   const int local_base = p.recv_prefix[me];
-  bool first_reduce = true;  // timeline builds stamp the first reduction
 
   for (int k0 = 0; first + k0 * stride < p.num_tokens; k0 += 32) {
     const int my_t = first + (k0 + lane) * stride;
@@ -484,8 +371,6 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
       pending &= ~ready;
       if (ready != 0) {
         idle = 0;
-        if (first_reduce && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
-        first_reduce = false;
       } else {
         if (idle++ == 0) idle_since = clock64();
         __nanosleep(64);  // leave the issue slots to the working warps of this SM
@@ -514,19 +399,14 @@ template <CombineElem kElem, int kRanks>
 __global__ void __launch_bounds__(kNvlinkThreads, 1) nvlink_combine_kernel(CombineParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];
-  extern __shared__ int4 s_stage[];  // staged senders: [send warps][2][row bytes / 16]
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks;
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
-  if (threadIdx.x == 0) {
-    EP_HT_STAMP(g_timeline, kHtKernelEntry);
-    s_seq = device::read_sequence(ctrl);
-  }
+  if (threadIdx.x == 0) s_seq = device::read_sequence(ctrl);
   if (threadIdx.x < kWarps) s_progress[threadIdx.x] = 0;
   __syncthreads();
   const uint64_t seq = s_seq;
-  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockStart);
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles, kOpCombine, me};
   if (blockIdx.x == 0 && threadIdx.x < R && int(threadIdx.x) != me)
     device::st_release_sys(
@@ -535,17 +415,13 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1) nvlink_combine_kernel(Combi
 
   if (!device::aborted(ctx)) {
     const int hidden_bytes = p.hidden * combine_elem_bytes(kElem);
-    if (warp < p.num_send_warps && p.staged)
-      combine_send_staged(p, ctx, seq, hidden_bytes, warp, lane, s_progress,
-                          s_stage + size_t(warp) * 2 * (hidden_bytes / 16));
-    else if (warp < p.num_send_warps)
+    if (warp < p.num_send_warps)
       combine_send(p, ctx, seq, hidden_bytes, warp, lane, s_progress);
     else if (warp == p.num_send_warps)
       combine_publish(p, ctx, seq, lane, s_progress);
     else
       combine_recv<kElem, kRanks>(p, ctx, seq, warp, lane);
   }
-  if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
   // Block 0 sees every peer enter (see the dispatch kernel for why).
   if (blockIdx.x == 0 && warp == 0 && lane < R && lane != me && !device::aborted(ctx)) {
     const uint64_t* entered =
@@ -553,46 +429,21 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1) nvlink_combine_kernel(Combi
     device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
   }
   __syncthreads();
-  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
-  if (threadIdx.x == 0) {
-    device::finish_block(ctrl, seq);
-    EP_HT_STAMP(g_timeline, kHtBlockExit);
-  }
-}
-
-// Shared memory the staged combine senders need (0: rows too long, register path).
-size_t combine_stage_bytes(const CombineParams& p) {
-#if EP_COMBINE_STAGE
-  // At most this much for staging (5 send warps x 2 x 14,336 B = 143 KB).
-  constexpr size_t kMaxCombineStageBytes = 200 * 1024;
-  const size_t row_bytes = size_t(p.hidden) * size_t(combine_elem_bytes(p.elem));
-  const size_t bytes = size_t(p.num_send_warps) * 2 * row_bytes;
-  return row_bytes <= size_t(kStagedCombineRowBytes) && bytes <= kMaxCombineStageBytes ? bytes : 0;
-#else
-  (void)p;
-  return 0;
-#endif
+  if (threadIdx.x == 0) device::finish_block(ctrl, seq);
 }
 
 template <CombineElem kElem, int kRanks>
-cudaError_t launch_one(const CombineParams& p, int num_sms, cudaStream_t stream, size_t smem) {
-  auto* kernel = nvlink_combine_kernel<kElem, kRanks>;
-  static std::atomic<size_t> allowed[64];  // one per instance (kElem, kRanks)
-  const cudaError_t e = allow_dynamic_smem(kernel, smem, allowed);
-  if (e != cudaSuccess) return e;
-  kernel<<<num_sms, kNvlinkThreads, smem, stream>>>(p);
+cudaError_t launch_one(const CombineParams& p, int num_sms, cudaStream_t stream) {
+  nvlink_combine_kernel<kElem, kRanks><<<num_sms, kNvlinkThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <CombineElem kElem>
-cudaError_t launch_for_elem(const CombineParams& params, int num_sms, cudaStream_t stream) {
-  CombineParams p = params;
-  const size_t smem = combine_stage_bytes(p);
-  p.staged = smem > 0 ? 1 : 0;
+cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t stream) {
   const int R = p.comm.num_ranks;
-  if (R <= 2) return launch_one<kElem, 2>(p, num_sms, stream, smem);
-  if (R <= 4) return launch_one<kElem, 4>(p, num_sms, stream, smem);
-  return launch_one<kElem, 8>(p, num_sms, stream, smem);
+  if (R <= 2) return launch_one<kElem, 2>(p, num_sms, stream);
+  if (R <= 4) return launch_one<kElem, 4>(p, num_sms, stream);
+  return launch_one<kElem, 8>(p, num_sms, stream);
 }
 
 template <CombineElem kElem>
@@ -605,10 +456,6 @@ cudaError_t preload_for_elem() {
 }
 
 }  // namespace
-
-cudaError_t read_nvlink_combine_timeline(uint64_t* out) {
-  return EP_HT_READ_TIMELINE(g_timeline, out);
-}
 
 cudaError_t preload_nvlink_combine() {
   cudaError_t e = preload_for_elem<CombineElem::kBFloat16>();

@@ -341,13 +341,7 @@ struct CombineParams {
   float* out_topk_weights;  // [T, K] or null (needs topk_weights)
   int num_send_warps;
   int publish_batch;  // rows a sender warp reports before the publisher fences (>= 1)
-  // Set by launch_nvlink_combine: 1 when senders stage rows in shared memory (rows of at
-  // most kStagedCombineRowBytes; the launch then gives them combine_stage_bytes of it).
-  int staged;
 };
-
-// Combine rows of at most this many bytes (x, e.g. BF16 at H = 7168) may be staged.
-constexpr int kStagedCombineRowBytes = 16384;
 
 struct BarrierParams {
   CommContext comm;

@@ -93,7 +93,7 @@ __device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Read
 
 // Dispatch sender warps claim their tokens one at a time from the kernel's counter
 // (ControlBlock::work_claimed): SMs do not get equal shares of NVLink, and with a static
-// round-robin split the last sender of a BF16 dispatch ended ~20 us after the median one. A
+// round-robin split the last sender of a dispatch ends well after the median one. A
 // sender hands each stored token to its block's publisher warp through a small ring in shared
 // memory. (The combine keeps the round-robin split: claiming measured no faster there.)
 constexpr int kMaxSenderWarps = 16;
@@ -106,9 +106,10 @@ struct PublishQueue {
 
 // Lane 0 of a sender warp: its next item (items past the end mean "finished"). The first
 // `owned` are the warp's own, `first`, `first + stride`, ... (no atomic on the critical path at
-// the start; FP8 dispatch kernel -0.4 us on 2 x H200; a caller that needs two items before its
-// first store owns two); later ones are claimed from the kernel's counter, past every warp's
-// owned items, or (claim = false) follow the static round-robin split: `previous` + `stride`.
+// the start, which the FP8 dispatch rows of nvlink_bench favour; a caller that needs two items
+// before its first store owns two); later ones are claimed from the kernel's counter, past every
+// warp's owned items, or (claim = false) follow the static round-robin split: `previous` +
+// `stride`.
 __device__ __forceinline__ int next_item(bool claim, ControlBlock* ctrl, int previous, int first,
                                          int stride, int owned = 1) {
   if (previous < 0) return first;
@@ -150,9 +151,7 @@ __device__ __forceinline__ void run_publisher(const WaitContext& ctx, int lane, 
     read(done, finished);
     const bool fresh = done >= published + batch || (finished && done > published);
     const bool any_fresh = __any_sync(0xffffffffu, fresh);
-#ifndef EP_DIAG_NO_PUBLISH_FENCE  // measurement builds only: peers may see flags before rows
     if (any_fresh) fence_acq_rel_sys();
-#endif
     if (fresh) {
       publish_range(published, done);
       published = done;

@@ -14,7 +14,7 @@
 //    and writes the per-row flags (= sequence number) of those tokens' remote rows.
 //  * Receive slabs: a peer that lent one for this call (notify's dest_slabs) gets the token's
 //    x, scales and metadata straight into its outputs (the slab) at its output row, so the rows
-//    are not copied out of a buffer (that copy cost ~14 us of BF16 dispatch, harness, 2 x H200).
+//    are not copied out of a buffer (the slab rows of tests/native/nvlink_bench.cu time it).
 //    No per-row flags either: after each batch's fence the publisher adds 1 per row to the
 //    peer's arrivals word for us, and the peer (own_slab) has one warp wait until every source's
 //    count is complete; its receive warps are idle.
@@ -35,113 +35,20 @@
 #include "common/dynamic_smem.hpp"
 #include "transports/nvlink/cuda/nvlink_device.cuh"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
-#include "transports/nvlink/cuda/nvlink_timeline.cuh"
 
 namespace ep {
 namespace {
 
-#ifdef EP_HT_TIMELINE
-__device__ uint64_t g_timeline[kHtTimelineBlocks * kHtTimelineSlots];
-#endif
-
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarps = kNvlinkThreads / 32;
-// Build-time tunables (-D...; scripts/ht_variants.sh compares builds).
-#ifndef EP_SEND_UNROLL
-#define EP_SEND_UNROLL 8
-#endif
-#ifndef EP_SEND_EARLY
-#define EP_SEND_EARLY 4
-#endif
-#ifndef EP_RECV_SLEEP_NS
-#define EP_RECV_SLEEP_NS 64
-#endif
-constexpr int kSendUnroll = EP_SEND_UNROLL;  // 16-byte loads in flight per lane
+// Sender tuning: 16-byte loads in flight per lane, and the x chunks per lane loaded with the
+// token's inputs (chosen with the harness's dispatch rows: tests/native/nvlink_bench.cu).
+constexpr int kSendUnroll = 8;
 constexpr int kRecvUnroll = 16;
-constexpr int kSendEarly = EP_SEND_EARLY;  // x chunks per lane loaded with the token's inputs
-// Staged senders claim a token's successor after storing it, not before: a warp then holds at
-// most two tokens when the counter runs out (not three), so the senders end closer together
-// (FP8 dispatch kernel -0.6 to -1.5 us, harness, 2 x H200). -DEP_LATE_CLAIM=0 for the early claim.
-#ifndef EP_LATE_CLAIM
-#define EP_LATE_CLAIM 1
-#endif
-constexpr bool kLateClaim = EP_LATE_CLAIM;
-// Behind a running notify, senders read the peers' announcements from our notify area
-// themselves (read_notify_slots) instead of waiting for notify to sum and release them.
-// -DEP_SENDER_SLOTS=1 to A/B it (scripts/ht_variants.sh).
-#ifndef EP_SENDER_SLOTS
-#define EP_SENDER_SLOTS 0
-#endif
-constexpr bool kSenderSlots = EP_SENDER_SLOTS;
-// Staged senders split the last EP_TAIL_HALVES rounds of tokens (one token per sender warp of the
-// grid each) into two half-row items, so the warps that finish last hold half a row, not a whole
-// one. Rows into a lent slab then count 2 units (a half adds 1); a peer without a slab gets the
-// whole row from the first half (flagged as before) and nothing from the second.
-// 0: off (default until measured; scripts/ht_variants.sh "halves=-DEP_TAIL_HALVES=1").
-#ifndef EP_TAIL_HALVES
-#define EP_TAIL_HALVES 0
-#endif
-constexpr int kTailHalves = EP_TAIL_HALVES;
-constexpr int kRowUnits = kTailHalves > 0 ? 2 : 1;  // arrival units of a whole slab row
-
-// A sender's work item: a whole token, or one half of a split one. Encoded in the publish queue
-// as token | kind << kItemKindShift.
-enum ItemKind : int { kWhole = 0, kFirstHalf = 1, kSecondHalf = 2 };
-constexpr int kItemKindShift = 29;  // tokens per rank stay below 2^29
-struct SendItem {
-  int token;
-  int kind;
-  __device__ __forceinline__ int code() const { return token | (kind << kItemKindShift); }
-  __device__ __forceinline__ static SendItem decode(int code) {
-    if (kTailHalves == 0) return {code, kWhole};
-    return {code & ((1 << kItemKindShift) - 1), code >> kItemKindShift};
-  }
-};
-// Item space of T tokens whose last `split` are halved: items [0, T - split) are whole tokens,
-// then two items per split token.
-__device__ __forceinline__ SendItem item_at(int i, int T, int split) {
-  if (kTailHalves == 0) return {i, kWhole};
-  const int from = T - split;
-  if (i < from) return {i, kWhole};
-  const int j = i - from;
-  return {from + j / 2, (j & 1) ? kSecondHalf : kFirstHalf};
-}
-#ifdef EP_DIAG_NO_LOCAL
-constexpr bool kSkipLocalRows = true;  // measurement builds only: local rows are not written
-#else
-constexpr bool kSkipLocalRows = false;
-#endif
-// The owner of a lent receive slab fills its rows' source ranks (fill_slab_src_rank), so senders
-// make one small NVLink write less per row. On NVLink (2 x H200) the slab kernels ran ~0.8 us
-// faster with it (FP8 notify + dispatch 103.0 vs 103.9, BF16 181.5 vs 182.4; the cached kernel,
-// which never runs the fill, unchanged); -DEP_RECEIVER_SRC_RANK=0 for the senders' writes.
-#ifndef EP_RECEIVER_SRC_RANK
-#define EP_RECEIVER_SRC_RANK 1
-#endif
-constexpr bool kReceiverSrcRank = EP_RECEIVER_SRC_RANK;
-// Measurement builds only (wrong results): EP_DIAG_NO_REMOTE_META=1 sends peers no metadata
-// (ids, weights, source index), =2 no scales either, to time what those small writes cost.
-#ifdef EP_DIAG_NO_REMOTE_META
-constexpr int kSkipRemoteMeta = EP_DIAG_NO_REMOTE_META;
-#else
-constexpr int kSkipRemoteMeta = 0;
-#endif
-// Measurement builds only (wrong results, one rank only): EP_DIAG_SENDER bits drop parts of the
-// staged sender's per-token work: 1 scales and metadata, 2 the hand-over to the publisher,
-// 4 the x stores, 8 the token-input loads (send_pos kept).
-#ifndef EP_DIAG_SENDER
-#define EP_DIAG_SENDER 0
-#endif
-constexpr int kDiagSender = EP_DIAG_SENDER;
-// Staged senders load the next token's inputs (send_pos, ids, weights, scales) after waiting for
-// the current token's staged row, not before: cp.async.wait_group compiles to a scoreboard wait
-// that global loads issued before it share, so it also waited for those loads, once per token.
-// One H100: FP8 notify + slab kernel 52.3 vs 56.6 us (R=1), 79.9 vs 87.5 (R=2 on one GPU).
-// -DEP_LATE_INPUTS=0 for the early loads.
-#ifndef EP_LATE_INPUTS
-#define EP_LATE_INPUTS 1
-#endif
-constexpr bool kLateInputs = EP_LATE_INPUTS;
+constexpr int kSendEarly = 4;
+// An idle receiver warp sleeps this long between polls, leaving the issue slots to the working
+// warps of its SM.
+constexpr int kRecvSleepNs = 64;
 
 // Register path: stores a read-only input row to N destinations (`to`; with kMayBeNull some are
 // null and skipped): chunks [0, 32 * kSendEarly) from `first` (loaded with the token's inputs),
@@ -255,8 +162,9 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
     }
     if (lane == 0) {
       if (p.recv_src_idx != nullptr) out_array(p.recv_src_idx, slab, p.slab.src_idx)[lrow] = t;
-      // kReceiverSrcRank: a lent slab's source ranks are filled by its owner instead.
-      if (p.recv_src_rank != nullptr && (!kReceiverSrcRank || slab == nullptr))
+      // A lent slab's source ranks are filled by its owner instead (fill_slab_src_rank): one
+      // small NVLink write less per row (faster slab rows of tests/native/nvlink_bench.cu).
+      if (p.recv_src_rank != nullptr && slab == nullptr)
         out_array(p.recv_src_rank, slab, p.slab.src_rank)[lrow] = me;
     }
   } else {
@@ -270,14 +178,13 @@ __device__ __forceinline__ void store_token_meta(const DispatchParams& p, const 
 }
 
 // A token's scales and (with_meta) metadata for destination d, as the two functions above; both
-// sender paths call this. Measurement builds (kSkipRemoteMeta) leave them out for peers.
+// sender paths call this.
 __device__ __forceinline__ void store_token_side(const DispatchParams& p, const DispatchRow& row,
                                                  int me, int d, char* to, char* slab, int lrow,
                                                  int t, int lane, float sc0, float sc1,
                                                  bool with_meta, long long idx, float w) {
-  const int skip = d == me ? 0 : kSkipRemoteMeta;
-  if (skip < 2) store_token_scales(p, row, me, d, to, slab, lrow, t, lane, sc0, sc1);
-  if (with_meta && skip < 1) store_token_meta(p, row, me, d, to, slab, lrow, t, lane, idx, w);
+  store_token_scales(p, row, me, d, to, slab, lrow, t, lane, sc0, sc1);
+  if (with_meta) store_token_meta(p, row, me, d, to, slab, lrow, t, lane, idx, w);
 }
 
 // Lane d (< R): where our rows start in rank d's outputs and the slab d lent (-1: none).
@@ -291,76 +198,9 @@ __device__ __forceinline__ void load_dest_slabs(const DispatchParams& p, int lan
   }
 }
 
-// kSenderSlots, behind a running notify: what notify would compute for a sender, read straight
-// from the tagged words the peers wrote into our notify area (the words notify itself waits
-// for), so the first store need not wait for notify to sum and release them. Lane s (< R) reads
-// source s's announcement. Sets local_base (our rows' first output row), and for lane d a
-// destination that lent a slab: dest_slab and dest_base (our first row in its outputs). False
-// on abort or timeout (naming the source) or when a rank rejected its routing (moves nothing).
-// Words are read relaxed, as notify reads them (each carries its sequence, so it validates
-// itself): lane s first waits for source s's count word, then loads every other word it needs
-// at once (one memory latency, not one per word) and re-polls only a word still untagged (a
-// peer's words are stored by different threads, so one may trail the count a little).
-__device__ __forceinline__ bool read_notify_slots(const DispatchParams& p,
-                                                  const device::WaitContext& ctx, uint64_t seq,
-                                                  int lane, int& local_base, int& dest_base,
-                                                  int& dest_slab) {
-  const CommContext& c = p.comm;
-  const int R = c.num_ranks, me = c.rank;
-  const NotifyWords nw = NotifyWords::make(p.experts_per_rank, R);
-  const uint64_t* area =
-      reinterpret_cast<const uint64_t*>(c.buffers.ptr[me] + c.layout.notify_offset);
-  const int parity = static_cast<int>(seq & 1);
-  const uint32_t seq32 = static_cast<uint32_t>(seq);
-  // Word w of source src's announcement (notify's slot parity keeps it from being overwritten
-  // while this kernel runs).
-  const auto at = [&](int src, int w) { return area + c.layout.notify_slot(parity, src) + w; };
-  const auto tagged = [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == seq32; };
-  // v: the word as last loaded (a first load is issued before this is called).
-  const auto await = [&](int src, int w, uint64_t& v) {
-    return tagged(v) || device::spin_wait(ctx, src, [&] {
-             v = device::ld_relaxed_sys(at(src, w));
-             return tagged(v);
-           });
-  };
-  bool ok = true;
-  uint64_t count = 0;
-  if (lane < R) {
-    count = device::ld_relaxed_sys(at(lane, NotifyWords::count));
-    ok = await(lane, NotifyWords::count, count);
-  }
-  if (!__all_sync(kFull, ok)) return false;
-  int base = 0, slab = -1;
-  if (lane < R && p.dest_slabs != nullptr && lane != me) {
-    uint64_t slab_word = device::ld_relaxed_sys(at(lane, nw.slab));
-    uint64_t sent[kMaxRanks];  // [s]: the rows source s (< me) sends destination `lane`
-#pragma unroll
-    for (int s = 0; s < kMaxRanks; ++s)
-      sent[s] = s < me ? device::ld_relaxed_sys(at(s, nw.sent + lane)) : 0;
-    ok = await(lane, nw.slab, slab_word);
-#pragma unroll
-    for (int s = 0; s < kMaxRanks; ++s) {
-      if (s >= me) continue;
-      ok = ok && await(s, nw.sent + lane, sent[s]);
-      base += static_cast<int>(static_cast<uint32_t>(sent[s]));
-    }
-    slab = static_cast<int>(static_cast<uint32_t>(slab_word));
-  }
-  if (!__all_sync(kFull, ok)) return false;
-  const uint32_t count32 = static_cast<uint32_t>(count);
-  if (__any_sync(kFull, p.notify_rejects && (count32 & kNotifyRejected) != 0)) return false;
-  int below = lane < me ? static_cast<int>(count32 & ~kNotifyRejected) : 0;
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) below += __shfl_xor_sync(kFull, below, d);
-  local_base = below;
-  dest_base = slab >= 0 ? base : 0;
-  dest_slab = slab;
-  return true;
-}
-
 // Before a sender's first store to a destination: waits (once per peer) until the peers in
 // dest_mask have entered this sequence, and behind a running notify (once) until notify has
-// written the counts (kSenderSlots: until the peers' announcements it sums are in), then reads
+// written the counts, then reads
 // this rank's first output row. False when the warp must stop
 // (abort, timeout, or a routing notify rejected: that moves nothing). Behind a notify the
 // "entered" wait is implied: notify returned only after every peer's notify of this sequence
@@ -397,23 +237,15 @@ __device__ __noinline__
       ok = device::spin_wait(ctx, lane,
                              [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
     if (!__all_sync(kFull, ok)) return st;
-    if (st.ready == (1u << p.comm.rank) && threadIdx.x == 0)
-      EP_HT_STAMP(g_timeline, kHtEnteredSeen);
     st.ready |= need;
   }
   if (!st.notified) {
     st.notified = true;
-    if (kSenderSlots) {
-      if (!read_notify_slots(p, ctx, seq, lane, st.local_base, st.dest_base, st.dest_slab))
-        return st;
-    } else {
-      if (!wait_notified(ctx, seq) ||
-          (p.topk_idx != nullptr && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks)))
-        return st;
-      st.local_base = p.recv_prefix[p.comm.rank];
-      load_dest_slabs(p, lane, st.dest_base, st.dest_slab);
-    }
-    if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtNotifiedSeen);
+    if (!wait_notified(ctx, seq) ||
+        (p.topk_idx != nullptr && *reinterpret_cast<volatile int*>(&ctx.ctrl->rejected_ranks)))
+      return st;
+    st.local_base = p.recv_prefix[p.comm.rank];
+    load_dest_slabs(p, lane, st.dest_base, st.dest_slab);
   }
   st.ok = true;
   return st;
@@ -436,36 +268,6 @@ __device__ __forceinline__ bool sender_may_store(const DispatchParams& p,
   return st.ok;
 }
 
-// Destination d's lent slab as mapped here (null: d is us or lent none); `lrow` becomes our
-// token's row in its outputs. Lanes: dest_slab/dest_base from load_dest_slabs, pos = send_pos.
-__device__ __forceinline__ char* dest_slab_row(const CommContext& c, int d, int dest_slab,
-                                               int dest_base, int pos, int& lrow) {
-  if (d == c.rank) return nullptr;
-  const int ds = __shfl_sync(kFull, dest_slab, d);
-  if (ds < 0) return nullptr;
-  lrow = __shfl_sync(kFull, dest_base, d) + __shfl_sync(kFull, pos, d);
-  return lent_slab(c, d, ds);
-}
-
-// Where the token's row goes on destination d (`slot`: its send position there): our output row
-// local_base + slot (sets local_row; null past a worst-case capacity), the slab d lent, or the
-// slot's row in d's buffer. Lanes as for dest_slab_row.
-__device__ __forceinline__ char* dest_row(const DispatchParams& p, const DispatchRow& row, int d,
-                                          int slot, int local_base, int dest_slab, int dest_base,
-                                          int pos, int& local_row) {
-  const CommContext& c = p.comm;
-  if (d == c.rank) {
-    const int r = local_base + slot;
-    if (kSkipLocalRows || (p.num_worst_tokens != 0 && r >= p.num_worst_tokens)) return nullptr;
-    local_row = r;
-    return static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
-  }
-  int out_row = 0;
-  char* slab = dest_slab_row(c, d, dest_slab, dest_base, pos, out_row);
-  return slab != nullptr ? slab + p.slab.x + size_t(out_row) * p.hidden_bytes
-                         : dispatch_row(c, c.buffers.ptr[d], c.rank, d, slot, row.stride);
-}
-
 // Lane d (< R) of a sender warp: where a token's row goes on destination d, computed by that
 // lane alone (the warp then shuffles it to the others once per destination the token has, instead
 // of every lane working out all kMaxRanks destinations with shuffles and branches per token).
@@ -483,8 +285,10 @@ __device__ __forceinline__ char* lane_region(const CommContext& c, int lane) {
          size_t(c.layout.region_index(c.rank, lane)) * c.layout.dispatch_region_bytes;
 }
 
-// Lane d, for a token whose send position there is `pos`: as dest_row (null past a worst-case
-// capacity, or where d takes nothing). dest_slab / dest_base are lane d's own (load_dest_slabs).
+// Lane d, for a token whose send position there is `pos`: where the token's row goes on
+// destination d: our output row local_base + pos, the slab d lent, or the slot's row in d's
+// buffer (null past a worst-case capacity, or where d takes nothing). dest_slab / dest_base are
+// lane d's own (load_dest_slabs).
 __device__ __forceinline__ LaneDest lane_dest(const DispatchParams& p, const DispatchRow& row,
                                               int lane, int pos, int local_base, int dest_slab,
                                               int dest_base, char* region) {
@@ -493,7 +297,7 @@ __device__ __forceinline__ LaneDest lane_dest(const DispatchParams& p, const Dis
   if (lane >= c.num_ranks || pos < 0) return ld;
   if (lane == c.rank) {
     const int r = local_base + pos;
-    if (kSkipLocalRows || (p.num_worst_tokens != 0 && r >= p.num_worst_tokens)) return ld;
+    if (p.num_worst_tokens != 0 && r >= p.num_worst_tokens) return ld;
     ld.lrow = r;
     ld.row = static_cast<char*>(p.recv_x) + size_t(r) * p.hidden_bytes;
   } else if (dest_slab >= 0) {
@@ -576,7 +380,6 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
       if (lane == 0) device::hand_over_done(queue, warp, k);
       return;
     }
-    if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
     const LaneDest mine = lane_dest(p, row, lane, pos, local_base, dest_slab, dest_base, region);
     const uint32_t store_mask = __ballot_sync(kFull, mine.row != nullptr);
 
@@ -626,7 +429,11 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
 // weights and scales into registers while the current token is stored, so a token's stores start
 // without waiting for memory. Each lane reads back only the chunks it copied itself, so
 // cp.async.wait_group alone orders them (no warp barrier). A warp owns its first two tokens;
-// it claims each later one after storing the token before it (kLateClaim).
+// it claims each later one after storing the token before it (not before): a warp then holds at
+// most two tokens when the counter runs out, so the senders end closer together (FP8 dispatch
+// rows of tests/native/nvlink_bench.cu). The next token's inputs load after the wait for the
+// current token's staged row, not before: cp.async.wait_group compiles to a scoreboard wait that
+// global loads issued before it share, so it would also wait for those loads, once per token.
 struct TokenInputs {
   int pos = -1;  // lane < R: send_pos[t, lane]
   long long idx = -1;
@@ -650,30 +457,19 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
   char* const region = lane_region(c, lane);  // lane d: our rows' region in d's buffer
   const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
-  // Items: whole tokens, then (kTailHalves) the last rounds' tokens as two halves each.
-  const int split = kTailHalves > 0 ? min(T, kTailHalves * stride) : 0;
-  const int num_items = T + split;
-  const int half = n16 / 2;  // chunks [0, half) go with the first half, [half, n16) the second
-  // A second half needs only its chunks; a first half stages the whole row, for a peer without
-  // a slab (it gets the whole row from the first half).
-  const auto first_chunk = [&](const SendItem& it) { return it.kind == kSecondHalf ? half : 0; };
 
-  auto prefetch = [&](int ii, int buf) {  // always commits a group (empty past the end)
-    if (ii < num_items) {
-      const SendItem it = item_at(ii, T, split);
+  auto prefetch = [&](int tt, int buf) {  // always commits a group (empty past the end)
+    if (tt < T) {
       const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(p.x) +
-                                                      size_t(it.token) * p.hidden_bytes);
-      for (int i = first_chunk(it) + lane; i < n16; i += 32)
-        device::cp_async_16(stage + buf * n16 + i, src + i);
+                                                      size_t(tt) * p.hidden_bytes);
+      for (int i = lane; i < n16; i += 32) device::cp_async_16(stage + buf * n16 + i, src + i);
     }
     device::cp_async_commit();
   };
-  auto load_inputs = [&](int ii) {
+  auto load_inputs = [&](int tt) {
     TokenInputs in;
-    if (ii >= num_items) return in;
-    const int tt = item_at(ii, T, split).token;
+    if (tt >= T) return in;
     if (lane < R) in.pos = p.send_pos[size_t(tt) * R + lane];
-    if (kDiagSender & 8) return in;
     if (with_meta && lane < K) {
       in.idx = load_idx(p.topk_idx, size_t(tt) * K + lane, p.idx_bytes);
       if (p.topk_weights != nullptr) in.w = p.topk_weights[size_t(tt) * K + lane];
@@ -683,112 +479,52 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
     return in;
   };
 
-  // ii: the item being stored (token t), ii_next: the one staged behind it.
+  // t: the token being stored, t_next: the one staged behind it.
   int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride, 2) : 0;
-  int ii = __shfl_sync(kFull, claimed, 0);
-  if (ii < num_items) prefetch(ii, 0);
-  TokenInputs cur = load_inputs(ii);
-  claimed = lane == 0 && ii < num_items ? device::next_item(claim, ctx.ctrl, ii, first, stride, 2)
-                                        : num_items;
-  int ii_next = __shfl_sync(kFull, claimed, 0);
+  int t = __shfl_sync(kFull, claimed, 0);
+  if (t < T) prefetch(t, 0);
+  TokenInputs cur = load_inputs(t);
+  claimed = lane == 0 && t < T ? device::next_item(claim, ctx.ctrl, t, first, stride, 2) : T;
+  int t_next = __shfl_sync(kFull, claimed, 0);
   int k = 0;
-  for (; ii < num_items; ++k) {
-    const SendItem item = item_at(ii, T, split);
-    const int t = item.token;
-    // The claim after ii_next, ii_next's row and inputs travel while t is stored.
-    if (!kLateClaim && lane == 0 && ii_next < num_items)
-      claimed = device::next_item(claim, ctx.ctrl, ii_next, first, stride, 2);
-    prefetch(ii_next, (k + 1) & 1);
-    TokenInputs nxt;
-    if (!kLateInputs || kTailHalves > 0) nxt = load_inputs(ii_next);
+  for (; t < T; ++k) {
+    // t_next's row travels while t is stored; its inputs load after t's row is in.
+    prefetch(t_next, (k + 1) & 1);
 
     const uint32_t dest_mask = __ballot_sync(kFull, cur.pos >= 0);
     if (!sender_may_store(p, ctx, seq, lane, dest_mask, ready, notified, local_base, dest_base,
                           dest_slab))
       break;
-    if (k == 0 && lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
-    if constexpr (kTailHalves == 0) {
-      // Each destination in turn: lane d says where the row goes, the warp stores the staged row
-      // there, then its scales and metadata.
-      const LaneDest mine =
-          lane_dest(p, row, lane, cur.pos, local_base, dest_slab, dest_base, region);
-      const uint32_t store_mask = __ballot_sync(kFull, mine.row != nullptr);
-      uint32_t peers = store_mask & ~(1u << me);
-      bool own = (store_mask >> me) & 1u;
-      device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (ii_next's may still travel)
-      if (kLateInputs) nxt = load_inputs(ii_next);
-      const int4* in = stage + (k & 1) * n16;
-      for (int d = next_destination(peers, own, me); d >= 0; d = next_destination(peers, own, me)) {
-        char* to = shfl_ptr(mine.row, d);
-        if (!(kDiagSender & 4)) {
-          int4* to16 = reinterpret_cast<int4*>(to);
+    // Each destination in turn: lane d says where the row goes, the warp stores the staged row
+    // there, then its scales and metadata.
+    const LaneDest mine =
+        lane_dest(p, row, lane, cur.pos, local_base, dest_slab, dest_base, region);
+    const uint32_t store_mask = __ballot_sync(kFull, mine.row != nullptr);
+    uint32_t peers = store_mask & ~(1u << me);
+    bool own = (store_mask >> me) & 1u;
+    device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (t_next's may still travel)
+    const TokenInputs nxt = load_inputs(t_next);
+    const int4* in = stage + (k & 1) * n16;
+    for (int d = next_destination(peers, own, me); d >= 0; d = next_destination(peers, own, me)) {
+      char* to = shfl_ptr(mine.row, d);
+      int4* to16 = reinterpret_cast<int4*>(to);
 #pragma unroll 4
-          for (int i = lane; i < n16; i += 32) device::st_v4_no_l1_allocate(to16 + i, in[i]);
-        }
-        if (!(kDiagSender & 1))
-          store_token_side(p, row, me, d, to, shfl_ptr(mine.slab, d),
-                           __shfl_sync(kFull, mine.lrow, d), t, lane, cur.sc0, cur.sc1, with_meta,
-                           cur.idx, cur.w);
-      }
-    } else {  // kTailHalves: whole tokens and half rows, every destination per chunk
-      char* dst[kMaxRanks];
-      int local_row = -1;
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        const int slot = __shfl_sync(kFull, cur.pos, d);
-        dst[d] = d < R && slot >= 0 ? dest_row(p, row, d, slot, local_base, dest_slab, dest_base,
-                                               cur.pos, local_row)
-                                    : nullptr;
-      }
-      // Chunks [lo, end[d]) of x go to destination d: all of them for a whole token; a half's own
-      // chunks for us and for a peer that lent a slab (its count takes both halves); for a peer
-      // without one, the whole row with the first half and nothing with the second.
-      const int lo = first_chunk(item);
-      int end[kMaxRanks];
-      int hi = 0;  // the most chunks any destination takes
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        end[d] = n16;
-        if (kTailHalves > 0 && item.kind != kWhole && dst[d] != nullptr) {
-          const bool in_place = d == me || __shfl_sync(kFull, dest_slab, d) >= 0;
-          if (in_place && item.kind == kFirstHalf) end[d] = half;
-          if (!in_place && item.kind == kSecondHalf) end[d] = 0;
-        }
-        if (dst[d] != nullptr) hi = max(hi, end[d]);
-      }
-      device::cp_async_wait<1>();  // t's chunks are in stage k & 1 (ii_next's may still travel)
-      const int4* in = stage + (k & 1) * n16;
-      for (int i = lo + lane; i < hi; i += 32) {
-        const int4 v = in[i];
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-          if (dst[d] != nullptr && i < end[d])
-            device::st_v4_no_l1_allocate(reinterpret_cast<int4*>(dst[d]) + i, v);
-      }
-      // Scales and metadata go with a whole token or its first half.
-      if (item.kind != kSecondHalf) {
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d) {
-          if (dst[d] == nullptr) continue;
-          int lrow = local_row;
-          char* slab = dest_slab_row(c, d, dest_slab, dest_base, cur.pos, lrow);
-          store_token_side(p, row, me, d, dst[d], slab, lrow, t, lane, cur.sc0, cur.sc1, with_meta,
-                           cur.idx, cur.w);
-        }
-      }
+      for (int i = lane; i < n16; i += 32) device::st_v4_no_l1_allocate(to16 + i, in[i]);
+      store_token_side(p, row, me, d, to, shfl_ptr(mine.slab, d), __shfl_sync(kFull, mine.lrow, d),
+                       t, lane, cur.sc0, cur.sc1, with_meta, cur.idx, cur.w);
     }
-    if (kLateClaim && lane == 0 && ii_next < num_items)
-      claimed = device::next_item(claim, ctx.ctrl, ii_next, first, stride, 2);
+    if (lane == 0 && t_next < T)
+      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride, 2);
     __syncwarp();
     bool ok = true;
-    if (lane == 0 && !(kDiagSender & 2)) ok = device::hand_over(ctx, queue, warp, k, item.code());
+    if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, t);
     if (!__shfl_sync(kFull, ok, 0)) break;
-    ii = ii_next;
+    t = t_next;
     cur = nxt;
-    ii_next = __shfl_sync(kFull, claimed, 0);
+    t_next = __shfl_sync(kFull, claimed, 0);
   }
   device::cp_async_wait<0>();  // no copy into shared memory outlives the warp's work
-  if (lane == 0) device::hand_over_done(queue, warp, (kDiagSender & 2) ? 0 : k);
+  if (lane == 0) device::hand_over_done(queue, warp, k);
 }
 
 __device__ void dispatch_publish(const DispatchParams& p, const device::WaitContext& ctx,
@@ -805,11 +541,7 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
       if (d != me && p.dest_slabs[2 * d + 1] >= 0) lent |= 1u << d;
   }
   // One fence per publish_batch tokens: a system-scope fence costs about an NVLink round trip.
-  // A whole row adds kRowUnits, a half row 1; a peer without a slab got the whole row with the
-  // first half, so its flag goes with that half.
-  device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int code) {
-    const SendItem item = SendItem::decode(code);
-    const int t = item.token;
+  device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int t) {
     for (int d = 0; d < R; ++d) {
       if (d == me) continue;
       const int pos = p.send_pos[size_t(t) * R + d];
@@ -817,9 +549,8 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
       char* peer = c.buffers.ptr[d];
       if ((lent >> d) & 1u)
         device::red_add_relaxed_sys(
-            reinterpret_cast<uint64_t*>(peer + c.layout.arrivals_offset) + me,
-            item.kind == kWhole ? kRowUnits : 1);
-      else if (item.kind != kSecondHalf)
+            reinterpret_cast<uint64_t*>(peer + c.layout.arrivals_offset) + me, 1);
+      else
         device::st_relaxed_sys(
             reinterpret_cast<uint64_t*>(peer + c.layout.dispatch_flag_offset(me, d, pos)), seq);
     }
@@ -835,7 +566,7 @@ __device__ void wait_slab_arrivals(const DispatchParams& p, const device::WaitCo
   const int R = c.num_ranks, me = c.rank;
   uint64_t* arrivals = reinterpret_cast<uint64_t*>(c.buffers.ptr[me] + c.layout.arrivals_offset);
   if (lane < R && lane != me) {
-    const uint64_t expected = uint64_t(p.recv_prefix[lane + 1] - p.recv_prefix[lane]) * kRowUnits;
+    const uint64_t expected = uint64_t(p.recv_prefix[lane + 1] - p.recv_prefix[lane]);
     // Relaxed polls with a short sleep (this warp's SM still sends), one acquire at the end.
     if (device::spin_wait(ctx, lane, [&] {
           if (device::ld_relaxed_sys(arrivals + lane) >= expected)
@@ -883,9 +614,7 @@ __device__ __forceinline__ void copy_received_row(const DispatchParams& p, const
     mw = reinterpret_cast<const float*>(meta + 16 + 4 * K)[lane];
   }
   if (lane == 0) msrc = reinterpret_cast<const int*>(meta + 8)[0];
-#ifndef EP_DIAG_NO_RECV_COPY  // measurement builds only: wrong results, shows the copy's cost
   copy_row(reinterpret_cast<const int4*>(in), out16, n16, lane, 0);
-#endif
   if (copy_scales) {
     float* sc_out = p.recv_scales + size_t(r) * S;
     if (lane < S) sc_out[lane] = sc0;
@@ -906,9 +635,9 @@ __device__ __forceinline__ void copy_received_row(const DispatchParams& p, const
 // source's counter (ControlBlock::recv_claimed; sources in turn), waits for its flag and copies
 // it out, claiming its next row while it copies. Rows arrive roughly in slot order, so claimed
 // rows are the next to arrive. Sender warps that have finished join in, so the copies that trail
-// the last arrivals spread over more warps. Harness, FP8 (2 x H200): 111.5 us at 10 send warps
-// against 115.7 for the static receivers below; for BF16 rows the static ones were faster
-// (196.2 against 197.6), so those keep them.
+// the last arrivals spread over more warps. They won for FP8 (staged) rows in nvlink_bench's
+// dispatch rows on 2 GPUs; for BF16 rows the static receivers below were faster, so those keep
+// them.
 __device__ void dispatch_recv_claimed(const DispatchParams& p, const device::WaitContext& ctx,
                                       uint64_t seq, int lane, int start_source) {
   const CommContext& c = p.comm;
@@ -942,7 +671,6 @@ __device__ void dispatch_recv_claimed(const DispatchParams& p, const device::Wai
   int slot = 0;
   int src = issue();
   while (src >= 0 && !resolve(src, slot)) src = issue();
-  bool first_copy = true;
   while (src >= 0) {
     const int cur_src = src, cur_slot = slot;
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(
@@ -951,11 +679,7 @@ __device__ void dispatch_recv_claimed(const DispatchParams& p, const device::Wai
     if (lane == 0)
       ok = device::spin_wait(ctx, cur_src, [&] { return device::flag_arrived(flag, seq); });
     if (!__shfl_sync(kFull, ok, 0)) return;
-    __syncwarp();  // lane 0's acquire orders every lane's payload reads below
-    // Timeline builds: a receiver's first copy (a sender's slot keeps its first send).
-    if (first_copy && lane == 0 && int(threadIdx.x / 32) > p.num_send_warps)
-      EP_HT_STAMP(g_timeline, kHtFirstSlot + (threadIdx.x / 32));
-    first_copy = false;
+    __syncwarp();   // lane 0's acquire orders every lane's payload reads below
     src = issue();  // the next claim travels while this row is copied
     // Past the capacity (worst-case overflow, which notify reports) nothing is written.
     const int r = __shfl_sync(kFull, prefix, cur_src) + cur_slot;
@@ -1012,7 +736,6 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
   for (int d = 16; d > 0; d >>= 1) max_count = max(max_count, __shfl_xor_sync(kFull, max_count, d));
 
   char* const own = c.buffers.ptr[me];
-  bool first_copy = true;  // timeline builds stamp the first arrival
   // Batches of 32 rows per source: this lane polls row first + (k0 + lane) * stride.
   for (int k0 = 0; first + k0 * stride < max_count; k0 += 32) {
     const int my_slot = first + (k0 + lane) * stride;
@@ -1042,10 +765,6 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
         left |= pending;
         progressed |= ready != 0;
         const int base = __shfl_sync(kFull, prefix, s);
-        if (ready != 0 && first_copy) {
-          first_copy = false;
-          if (lane == 0) EP_HT_STAMP(g_timeline, kHtFirstSlot + warp);
-        }
         while (ready != 0) {
           const int j = __ffs(ready) - 1;
           ready &= ready - 1;
@@ -1061,7 +780,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
         continue;
       }
       if (idle++ == 0) idle_since = clock64();
-      __nanosleep(EP_RECV_SLEEP_NS);  // leave the issue slots to the working warps of this SM
+      __nanosleep(kRecvSleepNs);  // leave the issue slots to the working warps of this SM
       if ((idle & 63u) == 0) {
         if (device::aborted(ctx)) return;
         if (clock64() - idle_since > ctx.timeout_cycles) {
@@ -1077,7 +796,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
 
 // kStaged (DispatchParams::staged): a separate instance, so the register-path kernel (BF16
 // rows) keeps its own register allocation: with both paths in one kernel it spilled more and
-// its BF16 dispatch ran ~4 us slower.
+// its BF16 dispatch ran slower.
 template <bool kStaged>
 __global__ void __launch_bounds__(kNvlinkThreads, 1)
     nvlink_dispatch_kernel(const __grid_constant__ DispatchParams p) {
@@ -1091,7 +810,6 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1)
   const int warp = threadIdx.x / 32, lane = device::lane_id();
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
   if (threadIdx.x == 0) {
-    EP_HT_STAMP(g_timeline, kHtKernelEntry);
     s_seq = device::read_sequence(ctrl);
     // A normal dispatch follows its notify, which found every rank's routing valid or not (the
     // same verdict on every rank); a cached dispatch reuses a routing that was valid. Launched
@@ -1106,7 +824,6 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1)
   }
   __syncthreads();
   const uint64_t seq = s_seq;
-  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockStart);
   const device::WaitContext ctx{ctrl, c.error, c.timeout_cycles,
                                 p.topk_idx != nullptr ? kOpDispatch : kOpCachedDispatch, me};
   // Tell every peer we have entered this sequence (so finished all earlier kernels).
@@ -1128,7 +845,6 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1)
                              s_stage + size_t(warp) * 2 * (p.hidden_bytes / 16));
       else
         dispatch_send(p, ctx, seq, warp, lane, s_queue);
-      if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
       // Done sending: help copy out what has arrived; in a lent slab, warp 0 of block 0 waits
       // for the arrival counts instead (nothing to copy).
       if (p.own_slab) {
@@ -1138,11 +854,9 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1)
       }
     } else if (warp == p.num_send_warps) {
       dispatch_publish(p, ctx, seq, lane, s_queue);
-      if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
     } else if (!p.own_slab) {
       if (may_receive()) dispatch_recv<kStaged>(p, ctx, seq, warp, lane);
-      if (lane == 0) EP_HT_STAMP(g_timeline, kHtEndSlot + warp);
-    } else if (kReceiverSrcRank && p.recv_src_rank != nullptr && may_receive()) {
+    } else if (p.recv_src_rank != nullptr && may_receive()) {
       const int num_recv_warps = kWarps - p.num_send_warps - 1;
       fill_slab_src_rank(p, blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1),
                          gridDim.x * num_recv_warps, lane);
@@ -1157,20 +871,14 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1)
       device::spin_wait(ctx, lane, [&] { return device::ld_acquire_sys(entered + lane) >= seq; });
   }
   __syncthreads();
-  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtBlockEnd);
   if (threadIdx.x == 0) {
     // The epoch advances after the paired notify has finished (it shares our sequence number).
     device::wait_for_prerequisite_grid();
     device::finish_block(ctrl, seq);
-    EP_HT_STAMP(g_timeline, kHtBlockExit);
   }
 }
 
 }  // namespace
-
-cudaError_t read_nvlink_dispatch_timeline(uint64_t* out) {
-  return EP_HT_READ_TIMELINE(g_timeline, out);
-}
 
 cudaError_t preload_nvlink_dispatch() {
   cudaFuncAttributes attr;

@@ -30,14 +30,9 @@
 #include "common/dynamic_smem.hpp"
 #include "transports/nvlink/cuda/nvlink_device.cuh"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
-#include "transports/nvlink/cuda/nvlink_timeline.cuh"
 
 namespace ep {
 namespace {
-
-#ifdef EP_HT_TIMELINE
-__device__ uint64_t g_timeline[kHtNotifySlots];
-#endif
 
 constexpr int kNotifyThreads = 512;
 
@@ -49,7 +44,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) nvlink_notify_kernel(Notify
   // A dispatch launched behind this kernel may start now: it needs our results only for its
   // local rows and receivers, and waits for them there.
   device::launch_dependents();
-  if (threadIdx.x == 0) EP_HT_STAMP(g_timeline, kHtNotifyEntry);
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, tid = threadIdx.x;
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(c.buffers.ptr[me]);
@@ -118,7 +112,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) nvlink_notify_kernel(Notify
     }
   }
   __syncthreads();
-  if (tid == 0) EP_HT_STAMP(g_timeline, kHtNotifyReceived);
 
   const bool write_host = p.host != nullptr && !s_failed;
   if (tid == 0) {
@@ -146,7 +139,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) nvlink_notify_kernel(Notify
     // The dispatch behind us needs only the prefix and the verdict: let it go before the
     // per-expert counts and the host-mapped copies (whose system fences take microseconds).
     if (p.dispatch_follows) ptx::st_release_gpu(&ctrl->notified, seq);
-    EP_HT_STAMP(g_timeline, kHtNotifyReleased);
     if (write_host) {  // after the release: its fence need not wait for these PCIe writes
       for (int s = 0; s < R; ++s) {
         p.host->num_recv_tokens_per_rank[s] =
@@ -177,7 +169,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) nvlink_notify_kernel(Notify
       __threadfence_system();  // counters before the ticket
       p.host->ready_ticket = p.host_ticket;
       __threadfence_system();
-      EP_HT_STAMP(g_timeline, kHtNotifyHost);
     }
     // Paired with a dispatch: the pair shares one sequence number and the dispatch advances
     // the epoch (it may already have read it: advancing it here would race with that read).
@@ -186,10 +177,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) nvlink_notify_kernel(Notify
 }
 
 }  // namespace
-
-cudaError_t read_nvlink_notify_timeline(uint64_t* out) {
-  return EP_HT_READ_TIMELINE(g_timeline, out);
-}
 
 cudaError_t preload_nvlink_notify() {
   cudaFuncAttributes attr;

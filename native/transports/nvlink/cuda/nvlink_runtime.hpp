@@ -64,26 +64,24 @@ struct NvlinkConfig {
   double timeout_seconds = 60.0;    // every spin-wait, device and host
   int num_sms = kDefaultNumSms;     // blocks of dispatch/combine when a call passes 0
   // Warps of the 16 of a block that send (one more publishes, the rest receive); at most 14.
-  // Defaults measured best on 2 x H200 (T=4096, H=7168): see the harness bench. BF16 rows with
-  // the senders of 1093575 (which outrun 4 receivers): 10 -> 194.3-194.9 us, 11 -> 217.2.
+  // Every default below is the fastest count of the send-warp sweeps of
+  // tests/native/nvlink_bench.cu on 2 GPUs (T=4096, H=7168); docs/history/ has the runs.
+  // BF16 rows: 10 (at 11 the senders outrun the 4 receivers left).
   int dispatch_send_warps = 10;
   // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B).
-  // Staged senders (stage_small_dispatch_rows) outrun 4 receivers at 12 warps (FP8 kernel 130
-  // us); with claiming receivers, which finished senders join, 10 is best: 111.5 us (11: 112.6;
-  // harness, 2 x H200). Without staging 12 was best (127.6 vs 131.5).
+  // Staged senders (stage_small_dispatch_rows) outrun 4 receivers at 12 warps; with claiming
+  // receivers, which finished senders join, 10 is best. Without staging 12 was best.
   int small_row_dispatch_send_warps = 10;
   // Any row, when this rank's outputs are in its own lent receive slab (its receive warps have
-  // nothing to copy). <= 0: only the two above. 2 x H200, slab kernel: 6 warps BF16 178.5 us,
-  // FP8 101.2; 8: 179.9 / 102.3; 12: 181.4 / 103.0; 14: 180.9 / 103.5 (fewer senders contend
-  // less).
+  // nothing to copy). <= 0: only the two above. 6 is best for BF16 and FP8 slab rows (fewer
+  // senders contend less).
   int slab_dispatch_send_warps = 6;
-  // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers). Harness: 208-212
-  // us; 4 and 6 slower by 7 to 55 us depending on the machine (docs/performance.md).
+  // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers); 4 and 6 are
+  // slower on every machine measured.
   int combine_send_warps = 5;
   // A group of one rank has no peers: its dispatch receivers and its combine senders never have
   // a row. true: dispatch sends with kNvlinkMaxSendWarps and combine with 1, whatever the
-  // counts above say. One H100, BF16 at H=7168: dispatch kernel 89.0 us at 14 warps vs 110.1 at
-  // 10 (FP8 47.2 vs 49.2); combine 88.0 at 1 vs 107.9 at 5 (1/2/3/4: 88.0/92.5/96.1/100.0).
+  // counts above say (the fastest counts of nvlink_bench with one rank, HT_BENCH_RANKS=1).
   bool one_rank_send_warps = true;
   int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
   int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence

@@ -40,10 +40,6 @@ namespace {
 
 using namespace device;
 
-#ifdef EP_LL_TIMELINE
-__device__ uint64_t g_combine_timeline[kTimelineBlocks * kTimelineStages];
-#endif
-
 // Partials a block stores before it releases their flags together (see send_phase).
 constexpr int kMaxPending = 8;
 
@@ -147,9 +143,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
   const uint64_t* wflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.comb_wflag_offset);
   const uint64_t* dflags = reinterpret_cast<const uint64_t*>(c.local + c.layout.disp_flag_offset);
 
-  EP_LL_MARK(g_combine_timeline, kCsReady);
   if (!send_weights<kP2P>(p, sh, abort_seen)) return false;
-  EP_LL_MARK(g_combine_timeline, kCsWeightsSent);
   // Sources are taken from the next rank on, this rank's own last: the link is busy from the
   // first item of every block (taking the local source first left it idle for microseconds).
   if (tid == 0) {
@@ -168,7 +162,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
   // The dispatch's messages (BF16 or FP8: their stride was recorded by its RECV).
   const int stride = sh.stride;
   // A block's items are stored back to back and their flags released together: a release waits
-  // until the block's remote stores have landed (~10 us for the remote items at this size), and
+  // until the block's remote stores have landed (long for the remote items at this size), and
   // the local items' loads and stores now run during that wait instead of after it.
   int pending = 0;
   int set = 0;  // item_row / item_weight set of the next item with a message
@@ -221,8 +215,6 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
         if (tid < n && !sh.fail) weights[tid] = weight_word_value(ld_volatile_u64(words + k));
       }
       __syncthreads();
-      EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline,
-                    kCsWeightsIn);
       if (sh.fail) return false;
       char* peer = c.peer[s];
       const size_t slot = size_t(c.rank) * M + t;
@@ -255,8 +247,6 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
         }
         st_partial(dst, v, vecs, acc);
       }
-      EP_LL_MARK_IF(tid == 0 && item == static_cast<int>(blockIdx.x), g_combine_timeline,
-                    kCsStored);
       if (tid == 0) {
         sh.pending_rank[pending] = s;
         sh.pending_token[pending] = t;
@@ -283,11 +273,9 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
                         seq);
       }
     }
-    EP_LL_MARK(g_combine_timeline, kCsReleased);
     __syncthreads();  // pending_* are rewritten by the next items
     pending = 0;
   }
-  EP_LL_MARK(g_combine_timeline, kCsSendDone);
   return true;
 }
 
@@ -315,7 +303,6 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     if (!spin_wait(w, d, [&] { return ld_acquire_sys(wflags + d) == seq; })) sh.fail = 1;
   __syncthreads();
   if (sh.fail) return;
-  EP_LL_MARK(g_combine_timeline, kCsHandshake);
 
   const unsigned full = 0xffffffffu;
   for (int t = t_begin; t < t_end; ++t) {
@@ -346,7 +333,6 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
       if (!spin_wait(w, sh.dest[tid], [&] { return ld_acquire_sys(f) == seq; })) sh.fail = 1;
     }
     __syncthreads();
-    EP_LL_MARK_IF(tid == 0 && t == t_begin, g_combine_timeline, kCsFirstFlags);
     if (sh.fail) return;
     for (int v = tid; v < H / 8; v += kThreads) {
       float acc[8];
@@ -388,7 +374,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   const Waiter w{c.ctrl, c.error, c.timeout_ns, kOpCombine, c.rank};
   // Block-uniform decisions only: every path below contains __syncthreads. A SEND checks the
   // abort word before its first remote store; the RECV's waits give up on it by themselves.
-  EP_LL_MARK(g_combine_timeline, kCsStart);
   // Control words are read by one thread per block (all threads of all blocks reading the same
   // words queue thousands of requests on one L2 line at kernel start).
   int abort_seen = 0;
@@ -401,16 +386,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
                                             : !__syncthreads_or(abort_seen);
   if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, sh.seq, sh);
   __syncthreads();
-  EP_LL_MARK(g_combine_timeline, kCsEnd);
 }
 
 }  // namespace
-
-#ifdef EP_LL_TIMELINE
-cudaError_t read_combine_timeline(uint64_t* out) {
-  return cudaMemcpyFromSymbol(out, g_combine_timeline, sizeof(g_combine_timeline));
-}
-#endif
 
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
   return p.ctx.all_p2p ? device::launch_cooperative(combine_kernel<true>, p, num_blocks, stream)

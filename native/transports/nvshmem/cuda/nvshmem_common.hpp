@@ -12,54 +12,18 @@
 namespace ep {
 namespace nvshmem {
 
-constexpr int kMaxTopk = 32;          // one lane of warp 0 per top-k entry of a token
-constexpr int kMaxExperts = 1024;     // per-expert counters live in shared memory
-constexpr int kMaxHidden = 8192;      // combine: one thread per 8 channels, 1024 threads
-constexpr int kThreads = 1024;        // every low-latency kernel: 32 warps
-constexpr int kGroupSize = 128;       // FP8: channels per scale
-constexpr int kNumBuffers = 2;        // calls alternate between two buffers
-constexpr int kTimelineBlocks = 256;  // EP_LL_TIMELINE builds: blocks stamped
-constexpr int kTimelineStages = 16;
+constexpr int kMaxTopk = 32;       // one lane of warp 0 per top-k entry of a token
+constexpr int kMaxExperts = 1024;  // per-expert counters live in shared memory
+constexpr int kMaxHidden = 8192;   // combine: one thread per 8 channels, 1024 threads
+constexpr int kThreads = 1024;     // every low-latency kernel: 32 warps
+constexpr int kGroupSize = 128;    // FP8: channels per scale
+constexpr int kNumBuffers = 2;     // calls alternate between two buffers
 // Header ints of a dispatch message: source token, entry count, then per entry
 // (header_key(k, local expert), position p). Shared-memory rows are padded to 16 bytes.
 constexpr int kHeaderInts = 2 + 2 * kMaxTopk;
 constexpr int kHeaderRowInts = (kHeaderInts + 3) / 4 * 4;
 constexpr int kKeyKBits = 5;  // k < kMaxTopk = 32
 static_assert(kMaxTopk <= (1 << kKeyKBits), "k must fit the header key");
-
-// EP_LL_TIMELINE builds: the stages each block stamps (thread 0, %globaltimer). Per-token stages
-// are stamped for the block's first token or item only.
-enum DispatchStage : int {
-  kDsStart,
-  kDsReady,
-  kDsStaged,
-  kDsStored,
-  kDsCounted,
-  kDsCountsSent,
-  kDsHeader,
-  kDsReleased,
-  kDsSendDone,
-  kDsCountsIn,
-  kDsPrefixDone,
-  kDsFirstFlag,
-  kDsCopied,
-  kDsEnd,
-  kDsStages
-};
-enum CombineStage : int {
-  kCsStart,
-  kCsReady,
-  kCsWeightsSent,
-  kCsWeightsIn,
-  kCsStored,
-  kCsReleased,
-  kCsSendDone,
-  kCsHandshake,
-  kCsFirstFlags,
-  kCsEnd,
-  kCsStages
-};
-static_assert(kDsStages <= kTimelineStages && kCsStages <= kTimelineStages, "timeline stages");
 
 // Phases of one call (hook mode: SEND now, RECV later).
 enum Phase : int { kPhaseSend = 1, kPhaseRecv = 2, kPhaseBoth = 3 };

@@ -54,7 +54,7 @@ __device__ __forceinline__ int2 block_tokens(int num_tokens) {
 
 // Bit j set when lane first_lane + j (j < n, lanes of this warp) holds the same `value` as this
 // lane. Every lane of the warp calls it, with the same n. A shuffle per lane compared:
-// __match_any_sync is far slower (three of them took ~1 us per round of the dispatch count).
+// __match_any_sync is far slower (three of them per round of the dispatch count).
 __device__ __forceinline__ unsigned lanes_equal(int value, int first_lane, int n) {
   unsigned mask = 0;
   for (int j = 0; j < n; ++j)
@@ -197,25 +197,6 @@ cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
   *blocks = sms * per_sm;
   return e;
 }
-
-// ---- optional timeline (-DEP_LL_TIMELINE builds: the harness's per-stage breakdown) -----------
-
-#ifdef EP_LL_TIMELINE
-// Stamps `stage` of this block when `cond` holds (one thread's condition: the caller picks it).
-#define EP_LL_MARK_IF(cond, timeline, stage)                                  \
-  do {                                                                        \
-    if ((cond) && blockIdx.x < kTimelineBlocks)                               \
-      (timeline)[blockIdx.x * kTimelineStages + (stage)] = global_timer_ns(); \
-  } while (0)
-#define EP_LL_MARK(timeline, stage) EP_LL_MARK_IF(threadIdx.x == 0, timeline, stage)
-#else
-#define EP_LL_MARK(timeline, stage) \
-  do {                              \
-  } while (0)
-#define EP_LL_MARK_IF(cond, timeline, stage) \
-  do {                                       \
-  } while (0)
-#endif
 
 // ---- reaching peers -----------------------------------------------------------------------------
 

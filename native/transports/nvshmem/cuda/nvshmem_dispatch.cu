@@ -14,7 +14,7 @@
 //     entries' ranks); the payload (BF16 straight from registers, or FP8 quantised once into the
 //     local send area) is stored to slot (r, t) of every P2P destination. The loads (row, the
 //     token's entries, step 2's first round) are issued before any store: a load issued behind
-//     the stores waits ~1 us for them. The block owning rank d sends it T (seq << 32 | T).
+//     the stores waits for them. The block owning rank d sends it T (seq << 32 | T).
 //  2. Whole tokens per warp, over all tokens: entries per global expert (all tokens, and those
 //     before this block's chunk) in shared memory. The block owning expert e (e % grid) sends
 //     the count signal (seq << 32 | count) to the expert's rank, slot (local expert, r).
@@ -27,11 +27,11 @@
 // sources before it) and token count; then (slot (s, t), 1 KB chunk) units, sources from d
 // itself onwards, are spread over all warps of the grid: a warp waits for its slot's flag and,
 // when it holds a message, copies its chunk into recv_x[le, begin + p] for each header entry (a
-// warp per whole message took ~3 us longer at H = 7168: each warp ran its loads and stores in
-// series).
+// warp per whole message was slower at H = 7168 in nvshmem_bench: each warp ran its loads and
+// stores in series).
 // Every peer P2P-mapped (Context::all_p2p): the instantiation without NVSHMEM calls runs; with
 // them inlined the kernel spilled 240 bytes per thread, and spill reloads behind the payload
-// stores cost ~2 us.
+// stores made it slower.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -44,10 +44,6 @@ namespace nvshmem {
 namespace {
 
 using namespace device;
-
-#ifdef EP_LL_TIMELINE
-__device__ uint64_t g_dispatch_timeline[kTimelineBlocks * kTimelineStages];
-#endif
 
 // Warps [first_warp, first_warp + num_warps) of the block, working as one group with its own
 // barrier (the whole block: __syncthreads).
@@ -68,13 +64,9 @@ struct WarpGroup {
   }
 };
 
-// Warps of a block that send while the others receive (a call with both phases; 8 and 24 were
-// slower: docs/performance.md). -DEP_LL_SEND_WARPS=N builds another split for
-// scripts/ll_variants.sh.
-#ifndef EP_LL_SEND_WARPS
-#define EP_LL_SEND_WARPS 16
-#endif
-constexpr int kSendWarps = EP_LL_SEND_WARPS;
+// Warps of a block that send while the others receive (a call with both phases): 16 is the
+// fastest split of nvshmem_bench's latency rows (8 and 24 were slower).
+constexpr int kSendWarps = 16;
 static_assert(kSendWarps > 0 && kSendWarps < kThreads / 32, "send and receive warps");
 
 // Quantises one 128-channel group into `payload` (FP8 bytes, lane: channels 4 lane .. 4 lane + 3
@@ -180,7 +172,7 @@ struct DispatchShared {
   int dest[kMaxTopk];                                  // its j-th destination rank
   int num_dests;
   // c.peer, copied at kernel start: read after the payload stores are out, a global load waits
-  // ~1 us behind them.
+  // behind them.
   char* peer[kMaxExperts];
   uint64_t seq;  // the call's sequence number, loaded by thread 0 (read after the first barrier)
   // RECV
@@ -287,7 +279,6 @@ __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, Dispatch
   // The abort word was loaded at kernel start (its latency hidden behind topk_idx's).
   if (__syncthreads_or(abort_seen)) return false;
   const uint64_t seq = sh.seq;
-  EP_LL_MARK(g_dispatch_timeline, kDsReady);
   for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
     signal_set<kP2P>(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
                      (seq << 32) | static_cast<uint64_t>(p.num_tokens));
@@ -302,7 +293,6 @@ __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, Dispatch
       // Quantised once into the send area, then stored to every P2P destination from there.
       quantize_share(p, share, staged_row + msg.header);
       __syncthreads();
-      EP_LL_MARK_IF(threadIdx.x == 0 && t == tokens.x, g_dispatch_timeline, kDsStaged);
       for (int i = header_vecs + tid; i < vecs; i += kThreads) {
         const int4 v = ld_cg_v4(staged_row + size_t(i) * 16);
         for (int j = 0; j < nd; ++j) {
@@ -320,7 +310,6 @@ __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, Dispatch
         if (m != nullptr) st_v4(m + at, share);
       }
     }
-    EP_LL_MARK_IF(threadIdx.x == 0 && t == tokens.x, g_dispatch_timeline, kDsStored);
     if (++t == tokens.y) break;
     share = load_row_share(p, t);
     __syncthreads();  // every thread is done with the previous token's routing
@@ -360,7 +349,6 @@ __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
     }
   }
   __syncthreads();
-  EP_LL_MARK(g_dispatch_timeline, kDsCounted);
   for (int e = static_cast<int>(blockIdx.x) + tid * G; e < E; e += kThreads * G) {
     int count = sh.total[e];
     if (count > M) {
@@ -371,7 +359,6 @@ __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
     signal_set<kP2P>(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
                      (seq << 32) | static_cast<uint64_t>(count));
   }
-  EP_LL_MARK(g_dispatch_timeline, kDsCountsSent);
 }
 
 // SEND step 3 on the warps of `wg`: the block's tokens in order. Warp 0 builds the headers; the
@@ -390,7 +377,6 @@ __device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t 
   const int M = c.max_tokens;
   const int2 tokens = block_tokens(p.num_tokens);
   const Message msg = Message::make(p.hidden, p.fp8 != 0, p.ue8m0 != 0, c.layout.header_bytes);
-  [[maybe_unused]] const bool stamp = tid == 0;
   const int vecs = msg.stride / 16;
   const int header_vecs = msg.header / 16;
   char* const send_area = c.local + c.layout.disp_send_offset;
@@ -398,7 +384,6 @@ __device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t 
     if (warp == 0)
       route_token(p, sh, t, t == tokens.x ? first_e : lane_entry(p, w, t), /*positions=*/true);
     wg.sync();
-    EP_LL_MARK_IF(stamp && t == tokens.x, g_dispatch_timeline, kDsHeader);
     const int nd = sh.num_dests;
     for (int i = tid; i < nd * header_vecs; i += wg.threads()) {
       const int j = i / header_vecs;
@@ -434,9 +419,7 @@ __device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t 
       }
     }
     wg.sync();
-    EP_LL_MARK_IF(stamp && t == tokens.x, g_dispatch_timeline, kDsReleased);
   }
-  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsSendDone);
 }
 
 // RECV on the warps of `wg`.
@@ -445,7 +428,6 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   const Context& c = p.ctx;
   const int tid = wg.tid();
   const int threads = wg.threads();
-  [[maybe_unused]] const bool stamp = tid == 0;
   const int R = c.num_ranks;
   const int M = c.max_tokens;
   const int E = p.num_experts;
@@ -476,7 +458,6 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     if (!ok) sh.fail = 1;
   }
   wg.sync();
-  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsCountsIn);
   if (sh.fail) return;
   for (int i = tid; i < E; i += threads) {
     const int first = i - i % R;  // (le, 0)
@@ -495,7 +476,6 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     sh.items = n;
   }
   wg.sync();
-  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsPrefixDone);
 
   // Per-expert outputs (block le % grid): count, ranges, stats, src_info -1 past the end.
   for (int le = static_cast<int>(blockIdx.x); le < E_loc; le += G) {
@@ -561,7 +541,6 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     }
     state = __shfl_sync(0xffffffffu, state, 0);
     if (state < 0) break;
-    EP_LL_MARK_IF(stamp && unit == static_cast<int>(blockIdx.x), g_dispatch_timeline, kDsFirstFlag);
     if (state == 0) continue;
     const int n = message_entries(m);
     long long my_row = 0;
@@ -598,7 +577,6 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
     }
     if (chunk == 0 && lane < n) p.src_info[my_row] = message_token(m);
   }
-  EP_LL_MARK_IF(stamp, g_dispatch_timeline, kDsCopied);
 }
 
 // kP2P: every peer is P2P-mapped (Context::all_p2p); that instantiation has no NVSHMEM calls.
@@ -611,7 +589,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   // word at its first barrier; the RECV's waits give up on it by themselves. With both phases,
   // warps [0, kSendWarps) send the block's tokens while the others receive: the copies start as
   // messages land instead of after the block's own send.
-  EP_LL_MARK(g_dispatch_timeline, kDsStart);
   // Control words are read by one thread per block: every thread of every block reading the
   // same words queued thousands of requests on one L2 line at kernel start.
   int abort_seen = 0;
@@ -641,19 +618,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
     }
   }
   __syncthreads();
-  EP_LL_MARK(g_dispatch_timeline, kDsEnd);
   if (threadIdx.x == 0 && (p.phases & kPhaseSend)) {
     finish_block(&c.ctrl->blocks_done[0], [&] { c.ctrl->dispatch_seq[c.buffer] = seq; });
   }
 }
 
 }  // namespace
-
-#ifdef EP_LL_TIMELINE
-cudaError_t read_dispatch_timeline(uint64_t* out) {
-  return cudaMemcpyFromSymbol(out, g_dispatch_timeline, sizeof(g_dispatch_timeline));
-}
-#endif
 
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
   return p.ctx.all_p2p ? device::launch_cooperative(dispatch_kernel<true>, p, num_blocks, stream)

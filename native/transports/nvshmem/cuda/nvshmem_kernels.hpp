@@ -27,13 +27,6 @@ cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t 
 // Largest grid a cooperative launch of each kernel accepts on the current device.
 cudaError_t max_dispatch_blocks(int* blocks);
 
-#ifdef EP_LL_TIMELINE
-// Per-block %globaltimer stamps of the last call, [kTimelineBlocks][kTimelineStages] (ns), at
-// the stages DispatchStage / CombineStage of nvshmem_common.hpp (0 or an older call's stamp where a
-// block did not reach a stage).
-cudaError_t read_dispatch_timeline(uint64_t* out);
-cudaError_t read_combine_timeline(uint64_t* out);
-#endif
 cudaError_t max_combine_blocks(int* blocks);
 
 }  // namespace nvshmem
