@@ -27,11 +27,10 @@
 // sources before it) and token count; then (slot (s, t), 1 KB chunk) units, sources from d
 // itself onwards, are spread over all warps of the grid: a warp waits for its slot's flag and,
 // when it holds a message, copies its chunk into recv_x[le, begin + p] for each header entry (a
-// warp per whole message was slower at H = 7168 in nvshmem_bench: each warp ran its loads and
-// stores in series).
-// Every peer P2P-mapped (Context::all_p2p): the instantiation without NVSHMEM calls runs; with
-// them inlined the kernel spilled 240 bytes per thread, and spill reloads behind the payload
-// stores made it slower.
+// warp per whole message was slower at H = 7168 in `nvshmem_test --bench-only`: each warp ran its
+// loads and stores in series). Every peer P2P-mapped (Context::all_p2p): the instantiation without
+// NVSHMEM calls runs; with them inlined the kernel spilled 240 bytes per thread, and spill reloads
+// behind the payload stores made it slower.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -65,7 +64,7 @@ struct WarpGroup {
 };
 
 // Warps of a block that send while the others receive (a call with both phases): 16 is the
-// fastest split of nvshmem_bench's latency rows (8 and 24 were slower).
+// fastest split of `nvshmem_test --bench-only`'s latency rows (8 and 24 were slower).
 constexpr int kSendWarps = 16;
 static_assert(kSendWarps > 0 && kSendWarps < kThreads / 32, "send and receive warps");
 
