@@ -24,4 +24,20 @@ struct ErrorRecord {
   long long value_b;
 };
 
+#ifdef __CUDACC__
+// Fills a record from the kernel that won its error lock: the fields first, `code` last, each
+// fenced at system scope, so the host never sees a half-written record.
+__device__ __forceinline__ void publish_error_record(volatile ErrorRecord* e, int op, int rank,
+                                                     int code, int peer, long long a, long long b) {
+  e->op = op;
+  e->rank = rank;
+  e->peer = peer;
+  e->value_a = a;
+  e->value_b = b;
+  __threadfence_system();
+  e->code = code;
+  __threadfence_system();
+}
+#endif
+
 }  // namespace ep

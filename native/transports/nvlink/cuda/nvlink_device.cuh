@@ -49,15 +49,7 @@ struct WaitContext {
 __device__ __forceinline__ void report_error(const WaitContext& ctx, int code, int peer,
                                              long long a, long long b) {
   if (atomicCAS(&ctx.ctrl->error_lock, 0, 1) == 0) {
-    volatile ErrorRecord* e = ctx.err;
-    e->op = ctx.op;
-    e->rank = ctx.rank;
-    e->peer = peer;
-    e->value_a = a;
-    e->value_b = b;
-    __threadfence_system();
-    e->code = code;
-    __threadfence_system();
+    publish_error_record(ctx.err, ctx.op, ctx.rank, code, peer, a, b);
   }
 }
 

@@ -131,15 +131,7 @@ __device__ __forceinline__ void report_error(const Waiter& w, int code, int peer
   const bool fatal = code == kErrorTimeout;
   const int old = atomicCAS(&w.ctrl->error_lock, 0, fatal ? 2 : 1);
   if (old == 0 || (fatal && old == 1 && atomicCAS(&w.ctrl->error_lock, 1, 2) == 1)) {
-    volatile ErrorRecord* e = w.err;
-    e->op = w.op;
-    e->rank = w.rank;
-    e->peer = peer;
-    e->value_a = a;
-    e->value_b = b;
-    __threadfence_system();
-    e->code = code;
-    __threadfence_system();
+    publish_error_record(w.err, w.op, w.rank, code, peer, a, b);
   }
 }
 
