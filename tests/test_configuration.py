@@ -82,15 +82,13 @@ def test_every_variable_the_code_reads_is_on_the_page_and_no_other() -> None:
 
 
 def test_every_options_field_is_on_the_page_and_no_other() -> None:
-    options = ep_backend.Options()
-    fields = {
-        n for n in dir(options) if not n.startswith("_") and not callable(getattr(options, n))
-    }
+    # ep's own fields: those its binding defines (torch's Backend.Options adds fields that
+    # change from one torch version to the next, e.g. enable_reconfigure in 2.14).
+    fields = {n for n, v in vars(ep_backend.Options).items() if isinstance(v, property)}
+    assert {"num_sms", "timeout"} <= fields, fields  # the lookup itself works
     listed = _table_names(_section("Options"))
     assert fields - listed == set(), f"Options fields not on the page: {sorted(fields - listed)}"
-    assert listed - fields == set(), (
-        f"on the page but not Options fields: {sorted(listed - fields)}"
-    )
+    assert listed - fields == set(), f"on the page but not Options fields: {sorted(listed - fields)}"
 
 
 def test_the_scanner_finds_reads_in_each_language(tmp_path: Path) -> None:
