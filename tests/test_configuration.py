@@ -88,7 +88,9 @@ def test_every_options_field_is_on_the_page_and_no_other() -> None:
     assert {"num_sms", "timeout"} <= fields, fields  # the lookup itself works
     listed = _table_names(_section("Options"))
     assert fields - listed == set(), f"Options fields not on the page: {sorted(fields - listed)}"
-    assert listed - fields == set(), f"on the page but not Options fields: {sorted(listed - fields)}"
+    assert listed - fields == set(), (
+        f"on the page but not Options fields: {sorted(listed - fields)}"
+    )
 
 
 def test_the_scanner_finds_reads_in_each_language(tmp_path: Path) -> None:
