@@ -1,27 +1,10 @@
-"""Argument checks of the MoE functions, and how a rank that rejects its input tells its peers."""
+"""Argument checks of the MoE functions (a failed one goes through ``_failures._reject``)."""
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
-import torch.distributed as dist
-
-from ._custom_ops import _ops
-
-
-def _reject(pg: dist.ProcessGroup, op: str, exc: Exception) -> NoReturn:
-    """Raises ``exc`` on this rank after the agreement step of ``op``, so that no peer waits.
-
-    Every argument check of the MoE functions that can fail on one rank only goes through here:
-    the peers, already in the C++ op's agreement step, raise "rank(s) ... rejected their inputs"
-    instead of waiting for this rank until the group times out.
-    """
-    try:
-        _ops.reject(op, f"{exc}", pg.group_name)
-    except RuntimeError:
-        pass  # the expected outcome: the agreement step raised on every rank
-    raise exc
 
 
 def _require_tensor(value: Any, name: str, optional: bool = False) -> None:
@@ -34,3 +17,8 @@ def _require_tensor(value: Any, name: str, optional: bool = False) -> None:
 def _require_int(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _require_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ._arguments import _reject, _require_int, _require_tensor
+from ._arguments import _require_bool, _require_int, _require_tensor
 from ._custom_ops import _ops
+from ._failures import _failed, _reject
 from ._fallback import _check_fallback
 from ._groups import Group, _group, _group_state, get_backend
 from ._streams import _run
@@ -84,8 +85,16 @@ def low_latency_dispatch(
         _require_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
         _require_int(num_experts, "num_experts")
         _require_tensor(stats, "cumulative_local_expert_recv_stats", optional=True)
+        for flag, name in ((use_fp8, "use_fp8"), (round_scale, "round_scale"),
+                           (use_ue8m0, "use_ue8m0"), (return_recv_hook, "return_recv_hook")):  # fmt: skip
+            _require_bool(flag, name)
         # Checked before the exchange: raising after it on one rank would desynchronise the
         # ranks. (An invalid num_experts is left to the op's own check.)
+        if stats is not None and stats.device != x.device and stats.device.type != "cpu":
+            raise ValueError(
+                "cumulative_local_expert_recv_stats must be on x's device or the CPU, got "
+                f"{stats.device}"
+            )
         if stats is not None and num_experts > 0 and num_experts % pg.size() == 0:
             experts_per_rank = num_experts // pg.size()
             if stats.dtype != torch.int32 or tuple(stats.shape) != (experts_per_rank,):
@@ -94,7 +103,7 @@ def low_latency_dispatch(
                     f"[E_loc={experts_per_rank}], got {stats.dtype} {tuple(stats.shape)}"
                 )
     except (TypeError, ValueError) as exc:
-        _reject(pg, "low_latency_dispatch", type(exc)(f"ep low_latency_dispatch: {exc}"))
+        _reject(pg, "low_latency_dispatch", exc)
 
     def run() -> tuple[torch.Tensor, ...]:
         outs = _ops.low_latency_dispatch(
@@ -105,7 +114,10 @@ def low_latency_dispatch(
             stats.add_(outs[2].to(stats.device))
         return outs
 
-    result, work = _run(run, (x, topk_idx), x.device, async_op, list)
+    try:
+        result, work = _run(run, (x, topk_idx), x.device, async_op, list)
+    except Exception as exc:
+        raise _failed(pg, "low_latency_dispatch", exc, (x, topk_idx, stats)) from None
     _check_fallback(pg, pending, "low_latency", x.is_cuda)
     recv_x, recv_scales, recv_count, src_info, layout_range = result
     handle = LowLatencyHandle(
@@ -181,13 +193,15 @@ def low_latency_combine(
         _require_tensor(topk_weights, "topk_weights")
         _require_tensor(out, "out", optional=True)
         if out is not None:
+            if out.device != x.device:
+                raise ValueError(f"out must be on x's device {x.device}, got {out.device}")
             expected = (topk_idx.shape[0], handle.hidden) if topk_idx.dim() >= 1 else None
             if out.dtype != torch.bfloat16 or tuple(out.shape) != expected:
                 raise ValueError(
                     f"out must be BF16 {list(expected or ())}, got {out.dtype} {list(out.shape)}"
                 )
     except (TypeError, ValueError) as exc:
-        _reject(pg, "low_latency_combine", type(exc)(f"ep low_latency_combine: {exc}"))
+        _reject(pg, "low_latency_combine", exc)
 
     def run() -> torch.Tensor:
         result = _ops.low_latency_combine(
@@ -199,7 +213,11 @@ def low_latency_combine(
             return out
         return result
 
-    result, work = _run(run, (x, topk_idx, topk_weights), x.device, async_op, lambda r: [r])
+    try:
+        result, work = _run(run, (x, topk_idx, topk_weights), x.device, async_op, lambda r: [r])
+    except Exception as exc:
+        inputs = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range)
+        raise _failed(pg, "low_latency_combine", exc, inputs) from None
     if work is not None:
         result.work = work
     return result

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._arguments import _reject, _require_int, _require_tensor
+from ._arguments import _require_int, _require_tensor
 from ._autograd import _CachedDispatchFn, _CombineFn, _DispatchFn, _needs_grad
 from ._custom_ops import _cached_dispatch_op, _combine_op, _dispatch_op, _layout_op
+from ._failures import _failed, _input_error, _reject, _translate
 from ._fallback import _check_fallback
 from ._groups import Group, _group, _group_state, get_backend
 from ._native import native as _native
@@ -130,10 +131,13 @@ def reserve(
                 else (dev.index if dev.index is not None else torch.cuda.current_device())
             )
     except (TypeError, ValueError, RuntimeError) as exc:
-        _reject(pg, "reserve", type(exc)(f"ep reserve: {exc}"))
-    held = get_backend(pg)._reserve(
-        index, num_tokens, hidden * dtype.itemsize, num_topk, num_scales, num_experts
-    )
+        _reject(pg, "reserve", exc)
+    try:
+        held = get_backend(pg)._reserve(
+            index, num_tokens, hidden * dtype.itemsize, num_topk, num_scales, num_experts
+        )
+    except RuntimeError as exc:
+        raise _translate("reserve", exc) from None
     _check_fallback(pg, pending, "high_throughput", index >= 0)
     if held is None:
         return None
@@ -181,14 +185,19 @@ def get_dispatch_layout(
         _require_tensor(topk_idx, "topk_idx")
         _check_previous_event(previous_event, topk_idx.device)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"ep get_dispatch_layout: {exc}") from None
+        raise _input_error("get_dispatch_layout", exc) from None
 
     def run() -> tuple[torch.Tensor, ...]:
         return _layout_op(topk_idx, num_experts, pg.size())
 
-    (per_rank, per_expert, in_rank, send_pos), work = _run(
-        run, (topk_idx,), topk_idx.device, async_op, list, previous_event
-    )
+    try:
+        (per_rank, per_expert, in_rank, send_pos), work = _run(
+            run, (topk_idx,), topk_idx.device, async_op, list, previous_event
+        )
+    except RuntimeError as exc:  # local: nothing to agree on, only the type changes
+        if not f"{exc}".startswith("ep get_dispatch_layout"):
+            raise
+        raise _input_error("get_dispatch_layout", exc) from None
     source = None
     if not torch.compiler.is_compiling():
         source = (weakref.ref(topk_idx), _version_of(topk_idx), num_experts, pg.size())
@@ -316,7 +325,7 @@ def all_to_all_moe_dispatch(
                 [] if layout is None else _check_layout(layout, topk_idx, num_experts, pg)
             )
     except (TypeError, ValueError) as exc:
-        _reject(pg, op, type(exc)(f"ep {op}: {exc}"))
+        _reject(pg, op, exc)
     if handle is not None:
         return _cached_dispatch(x, x_scales, handle, pg, async_op, previous_event)
 
@@ -341,9 +350,11 @@ def all_to_all_moe_dispatch(
             return result
         return _DispatchFn.apply(*args) if _needs_grad(x, topk_weights) else _dispatch_op(*args)
 
-    result, work = _run(
-        run, (x, x_scales, topk_idx, topk_weights), x.device, async_op, list, previous_event
-    )
+    inputs = (x, x_scales, topk_idx, topk_weights)
+    try:
+        result, work = _run(run, inputs, x.device, async_op, list, previous_event)
+    except Exception as exc:
+        raise _failed(pg, op, exc, (*inputs, *layout_tensors)) from None
     _check_fallback(pg, pending, "high_throughput", x.is_cuda)
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
      per_rank, recv_per_rank, src_idx, src_rank, per_expert_host) = result  # fmt: skip
@@ -371,9 +382,12 @@ def all_to_all_moe_dispatch(
     )
     # The host learnt the per-expert counts in its count wait: no device read. A deferred wait
     # runs now; it also sets the outputs' row counts (until then the worst case).
-    out.num_recv_tokens_per_expert_list = (
-        finish() if finish is not None else per_expert_host.tolist()
-    )
+    try:
+        out.num_recv_tokens_per_expert_list = (
+            finish() if finish is not None else per_expert_host.tolist()
+        )
+    except RuntimeError as exc:
+        raise _translate(op, exc) from None
     return out
 
 
@@ -409,7 +423,10 @@ def _cached_dispatch(
 
     # The handle's tensors are inputs too (the op may read them on the device).
     inputs = (x, x_scales, *_routing(handle))
-    (recv_x, recv_scales), work = _run(run, inputs, x.device, async_op, list, previous_event)
+    try:
+        (recv_x, recv_scales), work = _run(run, inputs, x.device, async_op, list, previous_event)
+    except Exception as exc:
+        raise _failed(pg, "cached dispatch", exc, inputs) from None
     return DispatchOutput(
         recv_x=recv_x,
         recv_x_scales=_opt(recv_scales, x_scales is not None),
@@ -475,7 +492,7 @@ def combine(
                 _require_tensor(b, "bias")
             biases += [None] * (2 - len(biases))
     except (TypeError, ValueError) as exc:
-        _reject(pg, "combine", type(exc)(f"ep combine: {exc}"))
+        _reject(pg, "combine", exc)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         args = (x, topk_weights, biases[0], biases[1], *_routing(handle), pg.group_name)
@@ -484,7 +501,10 @@ def combine(
         return _combine_op(*args)
 
     inputs = (x, topk_weights, *biases, *_routing(handle))  # the handle's too, as for x
-    (combined, weights), work = _run(run, inputs, x.device, async_op, list, previous_event)
+    try:
+        (combined, weights), work = _run(run, inputs, x.device, async_op, list, previous_event)
+    except Exception as exc:
+        raise _failed(pg, "combine", exc, inputs) from None
     return CombineOutput(
         combined_x=combined,
         combined_topk_weights=_opt(weights, topk_weights is not None),

@@ -676,7 +676,7 @@ def _validation_worker(rank: int, world: int, names: list[str]) -> dict[str, Any
             CASES[name].call(ctx)
             error = None
         except Exception as exc:  # recorded, checked by the parent
-            error = (type(exc).__name__, str(exc))
+            error = (type(exc).__name__, str(exc), [k.__name__ for k in type(exc).__mro__])
         elapsed = time.monotonic() - start
         outcomes[name] = {
             "error": error,
@@ -709,13 +709,14 @@ def test_every_rank_raises(world: int, name: str) -> None:
     per_rank = [outcome[name] for outcome in _results(world)]
     for rank, outcome in enumerate(per_rank):
         assert outcome["error"] is not None, f"rank {rank} did not raise"
-        type_name, message = outcome["error"]
+        type_name, message, bases = outcome["error"]
         if case.everywhere or rank == 1:
             expected_type, pattern = (case.error if rank == 1 else RuntimeError), case.message
         else:
             expected_type, pattern = RuntimeError, REJECTED
-        assert type_name == expected_type.__name__, f"rank {rank}: {type_name}: {message}"
+        # The MoE errors keep the types these cases were written for as bases.
+        assert expected_type.__name__ in bases, f"rank {rank}: {type_name}: {message}"
         assert re.search(pattern, message), f"rank {rank}: {message!r} !~ {pattern!r}"
-        assert "nothing was exchanged" in message.lower() or type_name != "RuntimeError", message
+        assert "nothing was exchanged" in message.lower() or rank == 1, message
         assert outcome["seconds"] < CASE_SECONDS, f"rank {rank} took {outcome['seconds']:.1f} s"
         assert not outcome["after"], f"rank {rank}: " + "; ".join(outcome["after"])
