@@ -11,7 +11,7 @@
 #include "backend/transport.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 #ifdef EP_WITH_CUDA
-#include "transports/nvlink/nvlink_transport.hpp"
+#include "backend/kernel_image.hpp"
 #endif
 
 namespace py = pybind11;
@@ -50,6 +50,12 @@ class NoGilReleasePtr {
 PYBIND11_DECLARE_HOLDER_TYPE(T, ep::NoGilReleasePtr<T>, true);
 
 namespace {
+
+// A torch.Stream as Python passes it (stream_id, device_index, device_type).
+c10::Stream unpackStream(int64_t stream_id, int64_t device_index, int64_t device_type) {
+  return c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                              static_cast<c10::DeviceType>(device_type));
+}
 
 void bindOptions(py::module_& m) {
   py::class_<ep::EPOptions, c10d::Backend::Options, c10::intrusive_ptr<ep::EPOptions>>(
@@ -205,60 +211,16 @@ void bindProcessGroup(py::module_& m) {
             return ep::transportChoice(self, ep::OpFamily::kLowLatency);
           },
           "low_latency_transport as a TransportChoice (kind, reason, requested).")
-      .def(
-          "_low_latency_receive",
-          [](ep::EPProcessGroup& self, const at::Tensor& layout_range) {
-            ep::lowlatency::receive(self, layout_range);
-          },
-          py::arg("layout_range"),
-          "The receive phase of a low_latency_dispatch(return_recv_hook=True) (its hook).")
-      .def(
-          "_low_latency_combine_buffer",
-          [](ep::EPProcessGroup& self, const at::Tensor& layout_range, int64_t max_tokens,
-             int64_t num_experts, int64_t hidden) {
-            return ep::lowlatency::combineBuffer(self, layout_range, max_tokens, num_experts,
-                                                 hidden);
-          },
-          py::arg("layout_range"), py::arg("num_max_dispatch_tokens_per_rank"),
-          py::arg("num_experts"), py::arg("hidden"),
-          "See ep_backend.get_low_latency_combine_buffer.")
-      .def(
-          "_reserve",
-          [](ep::EPProcessGroup& self, int64_t device_index, int64_t num_tokens,
-             int64_t hidden_bytes, int64_t topk, int64_t num_scales,
-             int64_t num_experts) -> std::optional<std::vector<int64_t>> {
-            py::gil_scoped_release no_gil;  // collective: peers' threads may need the GIL
-            std::string error = ep::validateReserve(num_tokens, hidden_bytes, topk, num_scales,
-                                                    num_experts, self.getSize());
-            const bool ok = error.empty();
-            std::vector<ep::AgreedField> fields{{"a CUDA device", device_index >= 0 ? 1 : 0}};
-#ifdef EP_WITH_CUDA
-            // An earlier kernel's error is this call's, on every rank (a rank raising alone
-            // would leave its peers in a rebuild's barrier).
-            const std::string pending = ep::nvlink::takePendingError(self, "reserve");
-            if (ok && !pending.empty()) error = pending;
-            fields.push_back({"a CUDA graph captured on the NVLink transport",
-                              ep::nvlink::graphCaptured(self) ? 1 : 0});
-#endif
-            const at::Tensor gathered =
-                ep::agreeAcrossRanks(self, "reserve", error, fields,
-                                     {ok ? num_tokens : 0, ok ? hidden_bytes : 0, ok ? topk : 0,
-                                      ok ? num_scales : 0, ok ? num_experts / self.getSize() : 0});
-#ifdef EP_WITH_CUDA
-            const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
-            if (device_index < 0 || !ep::nvlink::usable(self, device)) {
-              return std::nullopt;
-            }
-            return ep::nvlink::reserve(self, device, gathered);
-#else
-            (void)gathered;
-            return std::nullopt;  // no NVLink transport without CUDA
-#endif
-          },
-          py::arg("device_index"), py::arg("num_tokens"), py::arg("hidden_bytes"), py::arg("topk"),
-          py::arg("num_scales"), py::arg("num_experts"),
-          "See ep_backend.reserve (collective). None when the group does not use the NVLink "
-          "kernels.")
+      .def("_low_latency_receive", &ep::nvshmem::receive, py::arg("layout_range"),
+           "The receive phase of a low_latency_dispatch(return_recv_hook=True) (its hook).")
+      .def("_low_latency_combine_buffer", &ep::nvshmem::combineBuffer, py::arg("layout_range"),
+           py::arg("num_max_dispatch_tokens_per_rank"), py::arg("num_experts"), py::arg("hidden"),
+           "See ep_backend.get_low_latency_combine_buffer.")
+      .def("_reserve", &ep::reserve, py::arg("device_index"), py::arg("num_tokens"),
+           py::arg("hidden_bytes"), py::arg("topk"), py::arg("num_scales"), py::arg("num_experts"),
+           py::call_guard<py::gil_scoped_release>(),
+           "See ep_backend.reserve (collective; peers' threads may need the GIL). None when the "
+           "group's high-throughput ops do not use a CUDA transport.")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
       .def(
@@ -283,7 +245,7 @@ PYBIND11_MODULE(_C, m) {
   // What this build holds (CI checks that a CUDA build really happened; errors name the archs).
 #ifdef EP_WITH_CUDA
   m.attr("built_with_cuda") = true;
-  m.attr("cuda_architectures") = EP_CUDA_ARCHS;
+  m.attr("cuda_architectures") = ep::builtCudaArchitectures();
 #else
   m.attr("built_with_cuda") = false;
   m.attr("cuda_architectures") = "";
@@ -297,23 +259,11 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def(
       "_record_slab_stream",
-      [](const at::Tensor& tensor, int64_t stream_id, int64_t device_index,
-         int64_t device_type) -> bool {
-#ifdef EP_WITH_CUDA
-        const auto stream =
-            c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
-                                 static_cast<c10::DeviceType>(device_type));
-        return ep::nvlink::recordSlabStream(tensor, stream);
-#else
-        (void)tensor, (void)stream_id, (void)device_index, (void)device_type;
-        return false;  // no receive slabs without CUDA
-#endif
+      [](const at::Tensor& tensor, int64_t stream_id, int64_t device_index, int64_t device_type) {
+        return ep::recordLentStream(tensor, unpackStream(stream_id, device_index, device_type));
       },
       py::arg("tensor"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
       "record_stream for dispatch outputs viewing a receive slab; False for any other tensor.");
-  // ep_backend.dispatch's eager path without autograd (moe_ops.hpp: dispatchDeferred): the op's
-  // outputs and, where the count wait was deferred, a callable that runs it (else None). C++
-  // errors become Python exceptions through torch's translator, as the op's do.
   m.def("_dispatch_deferred", &ep::dispatchDeferred, py::arg("x"), py::arg("x_scales"),
         py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
         py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("group_name"),
@@ -325,21 +275,7 @@ PYBIND11_MODULE(_C, m) {
       "_record_streams",
       [](const std::vector<at::Tensor>& tensors, int64_t stream_id, int64_t device_index,
          int64_t device_type) {
-        const auto stream =
-            c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
-                                 static_cast<c10::DeviceType>(device_type));
-#ifdef EP_WITH_CUDA
-        for (const at::Tensor& t : tensors) {
-          if (t.defined() && t.is_cuda() && !ep::nvlink::recordSlabStream(t, stream)) {
-            t.record_stream(stream);
-          }
-        }
-#else
-        for (const at::Tensor& t : tensors) {
-          TORCH_CHECK(!t.defined() || !t.is_cuda(), "ep: CUDA tensors need the CUDA build");
-        }
-        (void)stream;
-#endif
+        ep::recordStreams(tensors, unpackStream(stream_id, device_index, device_type));
       },
       py::arg("tensors"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
       "ep_backend.record_stream for each CUDA tensor of a list.");

@@ -14,6 +14,7 @@
 
 #include "backend/ep_process_group.hpp"
 #include "backend/store_exchange.hpp"
+#include "common/env.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -46,8 +47,7 @@ std::string stringOf(const std::vector<uint8_t>& v) {
 std::unique_ptr<HostExchange> HostExchange::connect(EPProcessGroup& pg, const std::string& what) {
   const int rank = pg.getRank();
   const int n = pg.getSize();
-  const char* env = std::getenv("EP_HOST_EXCHANGE");
-  const bool allowed = !(env != nullptr && std::string(env) == "gloo");
+  const bool allowed = !env::equals<env::kHostExchange>("gloo");
   const std::string prefix = "ep_hostx/" + pg.options()->group_name + "/";
   // Phase 1: one host, and shared memory wanted everywhere?
   const auto hosts =

@@ -12,8 +12,6 @@
 #include "backend/moe_validation.hpp"
 #include "backend/transport.hpp"
 #include "transports/aten/aten_transport.hpp"
-#include "transports/nvlink/nvlink_transport.hpp"
-#include "transports/nvshmem/nvshmem_transport.hpp"
 
 namespace ep {
 namespace {
@@ -70,68 +68,6 @@ DispatchOutputs packDispatch(const DispatchResult& r, const at::Tensor& x, bool 
           r.num_recv_tokens_per_expert_host};
 }
 
-DispatchOutputs dispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                               const at::Tensor& topk_idx,
-                               const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
-                               int64_t expert_alignment, int64_t num_worst_tokens,
-                               const std::string& group_name, at::TensorList layout) {
-  auto pg = resolveGroup(group_name, "dispatch");
-  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
-                    num_experts, expert_alignment, num_worst_tokens, layout.vec()};
-  return packDispatch(cpu::dispatch(*pg, args), x, !layout.empty());
-}
-
-Tensors2 cachedDispatchAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                              const at::Tensor& is_token_in_rank,
-                              const at::Tensor& num_tokens_per_rank,
-                              const at::Tensor& num_recv_tokens_per_rank,
-                              const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
-                              const std::string& group_name) {
-  auto pg = resolveGroup(group_name, "cached dispatch");
-  auto [recv_x, recv_scales] =
-      cpu::cachedDispatch(*pg, x, x_scales,
-                          routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
-                                    recv_src_idx, recv_src_rank));
-  return {recv_x, orEmpty(recv_scales, x)};
-}
-
-Tensors2 combineAtenOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
-                       const std::optional<at::Tensor>& bias0,
-                       const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
-                       const at::Tensor& num_tokens_per_rank,
-                       const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
-                       const at::Tensor& recv_src_rank, const std::string& group_name) {
-  auto pg = resolveGroup(group_name, "combine");
-  CombineArgs args{x, topk_weights, bias0, bias1,
-                   routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
-                             recv_src_idx, recv_src_rank)};
-  auto [combined, weights] = cpu::combine(*pg, args);
-  return {combined, orEmpty(weights, x)};
-}
-
-// send_only (a recv hook follows) changes nothing here: the exchange is complete on return.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchAtenOp(
-    const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
-    int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
-    const std::string& group_name, bool /*send_only*/) {
-  auto pg = resolveGroup(group_name, "low_latency_dispatch");
-  LowLatencyDispatchInputs args{
-      x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0};
-  auto r = cpu::lowLatencyDispatch(*pg, args);
-  return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
-}
-
-at::Tensor lowLatencyCombineAtenOp(const at::Tensor& x, const at::Tensor& topk_idx,
-                                   const at::Tensor& topk_weights, const at::Tensor& src_info,
-                                   const at::Tensor& layout_range,
-                                   int64_t num_max_dispatch_tokens_per_rank,
-                                   const std::string& group_name) {
-  auto pg = resolveGroup(group_name, "low_latency_combine");
-  LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
-                               src_info, layout_range, num_max_dispatch_tokens_per_rank};
-  return cpu::lowLatencyCombine(*pg, args);
-}
-
 void rejectOp(const std::string& op, const std::string& message, const std::string& group_name) {
   auto pg = resolveGroup(group_name, op.c_str());
   rejectCollectively(*pg, op.c_str(), message);
@@ -142,7 +78,7 @@ Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
               "ep quantize_fp8: H must be a multiple of 128");
   TORCH_CHECK(!use_ue8m0 || (round_scale && x.size(-1) % 512 == 0),
               "ep quantize_fp8: use_ue8m0 needs round_scale and H % 512 == 0");
-  auto [q, s] = cpu::quantizeFp8Per128(x, round_scale, use_ue8m0);
+  auto [q, s] = aten::quantizeFp8Per128(x, round_scale, use_ue8m0);
   return {q, s};
 }
 
@@ -151,11 +87,11 @@ Transport& transportOf(EPProcessGroup& pg, OpFamily family, const at::Tensor& x)
   return x.is_cuda() ? transportFor(pg, family, x.device()) : atenTransport();
 }
 
-DispatchOutputs dispatchCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                               const at::Tensor& topk_idx,
-                               const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
-                               int64_t expert_alignment, int64_t num_worst_tokens,
-                               const std::string& group_name, at::TensorList layout) {
+DispatchOutputs dispatchOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                           const at::Tensor& topk_idx,
+                           const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
+                           int64_t expert_alignment, int64_t num_worst_tokens,
+                           const std::string& group_name, at::TensorList layout) {
   auto pg = resolveGroup(group_name, "dispatch");
   DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
                     num_experts, expert_alignment, num_worst_tokens, layout.vec()};
@@ -182,12 +118,11 @@ std::pair<DispatchOutputs, DeferredCounts> dispatchDeferred(
 
 namespace {
 
-Tensors2 cachedDispatchCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                              const at::Tensor& is_token_in_rank,
-                              const at::Tensor& num_tokens_per_rank,
-                              const at::Tensor& num_recv_tokens_per_rank,
-                              const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
-                              const std::string& group_name) {
+Tensors2 cachedDispatchOp(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                          const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
+                          const at::Tensor& num_recv_tokens_per_rank,
+                          const at::Tensor& recv_src_idx, const at::Tensor& recv_src_rank,
+                          const std::string& group_name) {
   auto pg = resolveGroup(group_name, "cached dispatch");
   Transport& t = transportOf(*pg, OpFamily::kHighThroughput, x);
   auto [recv_x, recv_scales] =
@@ -197,12 +132,11 @@ Tensors2 cachedDispatchCudaOp(const at::Tensor& x, const std::optional<at::Tenso
   return {recv_x, orEmpty(recv_scales, x)};
 }
 
-Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
-                       const std::optional<at::Tensor>& bias0,
-                       const std::optional<at::Tensor>& bias1, const at::Tensor& is_token_in_rank,
-                       const at::Tensor& num_tokens_per_rank,
-                       const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
-                       const at::Tensor& recv_src_rank, const std::string& group_name) {
+Tensors2 combineOp(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
+                   const std::optional<at::Tensor>& bias0, const std::optional<at::Tensor>& bias1,
+                   const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
+                   const at::Tensor& num_recv_tokens_per_rank, const at::Tensor& recv_src_idx,
+                   const at::Tensor& recv_src_rank, const std::string& group_name) {
   auto pg = resolveGroup(group_name, "combine");
   CombineArgs args{x, topk_weights, bias0, bias1,
                    routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
@@ -211,9 +145,9 @@ Tensors2 combineCudaOp(const at::Tensor& x, const std::optional<at::Tensor>& top
   return {combined, orEmpty(weights, x)};
 }
 
-// Low-latency ops on CUDA: the NVSHMEM kernels where the group can use them (see
+// Low-latency ops: on CUDA the NVSHMEM kernels where the group can use them (see
 // nvshmem_transport.hpp), else ATen + NCCL; results are identical either way.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchCudaOp(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatencyDispatchOp(
     const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
     int64_t num_experts, bool use_fp8, bool round_scale, bool use_ue8m0,
     const std::string& group_name, bool send_only) {
@@ -224,19 +158,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowLatenc
   return {r.recv_x, orEmpty(r.recv_x_scales, x), r.recv_count, r.src_info, r.layout_range};
 }
 
-at::Tensor lowLatencyCombineCudaOp(const at::Tensor& x, const at::Tensor& topk_idx,
-                                   const at::Tensor& topk_weights, const at::Tensor& src_info,
-                                   const at::Tensor& layout_range,
-                                   int64_t num_max_dispatch_tokens_per_rank,
-                                   const std::string& group_name) {
+at::Tensor lowLatencyCombineOp(const at::Tensor& x, const at::Tensor& topk_idx,
+                               const at::Tensor& topk_weights, const at::Tensor& src_info,
+                               const at::Tensor& layout_range,
+                               int64_t num_max_dispatch_tokens_per_rank,
+                               const std::string& group_name) {
   auto pg = resolveGroup(group_name, "low_latency_combine");
   LowLatencyCombineInputs args{x,        topk_idx,     topk_weights,
                                src_info, layout_range, num_max_dispatch_tokens_per_rank};
   if (auto out = transportOf(*pg, OpFamily::kLowLatency, x).lowLatencyCombine(*pg, args)) {
     return *out;
   }
-  return lowLatencyCombineAtenOp(x, topk_idx, topk_weights, src_info, layout_range,
-                                 num_max_dispatch_tokens_per_rank, group_name);
+  return *atenTransport().lowLatencyCombine(*pg, args);  // the handle came from ATen
 }
 
 }  // namespace
@@ -290,22 +223,22 @@ TORCH_LIBRARY_IMPL(ep, CompositeExplicitAutograd, m) {
   m.impl("quantize_fp8", &quantizeFp8Op);
 }
 
-// CUDA tensors: the NVLink kernels where every rank is a GPU of this host (1-8 ranks), else the
-// ATen implementation with NCCL exchanges; every result is identical either way.
+// CPU and CUDA tensors alike: each op asks the registry (transportOf) which transport serves it;
+// CPU tensors always take ATen. Every result is identical whichever transport runs.
 TORCH_LIBRARY_IMPL(ep, CUDA, m) {
-  m.impl("dispatch", &dispatchCudaOp);
-  m.impl("cached_dispatch", &cachedDispatchCudaOp);
-  m.impl("combine", &combineCudaOp);
-  m.impl("low_latency_dispatch", &lowLatencyDispatchCudaOp);
-  m.impl("low_latency_combine", &lowLatencyCombineCudaOp);
+  m.impl("dispatch", &dispatchOp);
+  m.impl("cached_dispatch", &cachedDispatchOp);
+  m.impl("combine", &combineOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchOp);
+  m.impl("low_latency_combine", &lowLatencyCombineOp);
 }
 
 TORCH_LIBRARY_IMPL(ep, CPU, m) {
-  m.impl("dispatch", &dispatchAtenOp);
-  m.impl("cached_dispatch", &cachedDispatchAtenOp);
-  m.impl("combine", &combineAtenOp);
-  m.impl("low_latency_dispatch", &lowLatencyDispatchAtenOp);
-  m.impl("low_latency_combine", &lowLatencyCombineAtenOp);
+  m.impl("dispatch", &dispatchOp);
+  m.impl("cached_dispatch", &cachedDispatchOp);
+  m.impl("combine", &combineOp);
+  m.impl("low_latency_dispatch", &lowLatencyDispatchOp);
+  m.impl("low_latency_combine", &lowLatencyCombineOp);
 }
 
 }  // namespace ep

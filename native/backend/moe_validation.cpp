@@ -9,10 +9,10 @@
 #include <sstream>
 #include <thread>
 
+#include "backend/dispatch_layout.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/group_state.hpp"
 #include "backend/host_exchange.hpp"
-#include "transports/aten/aten_transport.hpp"
 
 namespace ep {
 namespace {
@@ -169,7 +169,7 @@ void checkLayout(Checker& c, const std::vector<at::Tensor>& layout, const Dispat
   if (c.failed() || !check_values) {
     return;
   }
-  const LayoutTensors own = cpu::dispatchLayout(a.topk_idx, a.num_experts, num_ranks);
+  const LayoutTensors own = computeDispatchLayout(a.topk_idx, a.num_experts, num_ranks);
   c.require(at::equal(layout[0], std::get<0>(own)) && at::equal(layout[1], std::get<1>(own)) &&
                 at::equal(layout[2], std::get<2>(own)) && at::equal(layout[3], std::get<3>(own)),
             "layout is not the layout of this topk_idx (compute it with "

@@ -6,11 +6,13 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "backend/moe_types.hpp"
 
@@ -77,6 +79,24 @@ class Transport {
   virtual std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
                                                                    const CombineArgs& args);
 
+  // ep_backend.reserve, after its agreement step (`gathered`, see moe_reserve.hpp): builds or
+  // grows the transport for calls up to those shapes (the max over ranks), so that later calls
+  // and CUDA graph captures do not. Collective. Returns the capacity it holds (tokens per rank,
+  // bytes per row, top-k, scales per row, experts per rank, receive slabs), or nullopt where the
+  // transport has nothing to reserve (ATen).
+  virtual std::optional<std::vector<int64_t>> reserve(EPProcessGroup& pg, const at::Device& device,
+                                                      const at::Tensor& gathered);
+  // The error a kernel of an earlier call left (a timeout naming the stalled peer, an overflow),
+  // taken so that the next call reports it: "" when none.
+  virtual std::string takePendingError(EPProcessGroup& pg, const char* op);
+  // Whether a CUDA graph was captured with kernels on this group's buffers (which then never
+  // grow); every call agrees on it across ranks.
+  virtual bool graphCaptured(EPProcessGroup& pg);
+
+  // Tensor.record_stream for a tensor whose storage this transport lent (the caching allocator
+  // does not own it): true when the tensor was the transport's, false (nothing done) otherwise.
+  virtual bool recordStream(const at::Tensor& tensor, const c10::Stream& stream);
+
   // Low-latency ops (OpFamily::kLowLatency). lowLatencyCombine: nullopt hands the call to the
   // next transport (the handle came from it).
   virtual LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
@@ -93,6 +113,13 @@ Transport& atenTransport();
 // registry whose usable() says yes, ATen last. Decided at the group's first call of the family
 // (collectively), then one pointer read per call.
 Transport& transportFor(EPProcessGroup& pg, OpFamily family, const at::Device& device);
+
+// The transport asked first for `family` (the fastest registered): the one whose pending error
+// and graph pin ep_backend.reserve agrees on before the group's transport is decided.
+Transport& firstTransport(OpFamily family);
+
+// Each transport's recordStream in turn, until one owns the tensor.
+bool recordStreamOnTransports(const at::Tensor& tensor, const c10::Stream& stream);
 
 // The transport whose layout kernel serves a group of `num_ranks` ranks on CUDA tensors (the
 // layout op takes no group: the first transport whose maxLayoutRanks() admits it).

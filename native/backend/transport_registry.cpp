@@ -59,6 +59,20 @@ Transport& transportFor(EPProcessGroup& pg, OpFamily family, const at::Device& d
   return *chosen;
 }
 
+Transport& firstTransport(OpFamily family) {
+  for (Transport* t : registry()) {
+    if (t->serves(family)) return *t;
+  }
+  return atenTransport();
+}
+
+bool recordStreamOnTransports(const at::Tensor& tensor, const c10::Stream& stream) {
+  for (Transport* t : registry()) {
+    if (t->recordStream(tensor, stream)) return true;
+  }
+  return false;
+}
+
 Transport& layoutTransport(int64_t num_ranks) {
   for (Transport* t : registry()) {
     if (t->serves(OpFamily::kHighThroughput) && num_ranks <= t->maxLayoutRanks()) return *t;
@@ -100,6 +114,19 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Transport::cachedDispatch(
 std::pair<at::Tensor, std::optional<at::Tensor>> Transport::combine(EPProcessGroup&,
                                                                     const CombineArgs&) {
   notServed(*this, "combine");
+}
+std::optional<std::vector<int64_t>> Transport::reserve(EPProcessGroup&, const at::Device&,
+                                                       const at::Tensor&) {
+  return std::nullopt;
+}
+std::string Transport::takePendingError(EPProcessGroup&, const char*) {
+  return "";
+}
+bool Transport::graphCaptured(EPProcessGroup&) {
+  return false;
+}
+bool Transport::recordStream(const at::Tensor&, const c10::Stream&) {
+  return false;
 }
 LowLatencyDispatchResult Transport::lowLatencyDispatch(EPProcessGroup&,
                                                        const LowLatencyDispatchInputs&, bool) {

@@ -6,11 +6,12 @@
 #include <numeric>
 #include <sstream>
 
+#include "backend/dispatch_layout.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/transport.hpp"
 
-namespace ep::cpu {
+namespace ep::aten {
 namespace {
 
 using at::indexing::Slice;
@@ -142,28 +143,17 @@ std::pair<at::Tensor, std::vector<int64_t>> sendPlan(const at::Tensor& is_token_
   return {at::cat(tokens), counts};
 }
 
-}  // namespace
-
-LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
-  checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
-  const int64_t experts_per_rank = num_experts / num_ranks;
-  at::Tensor idx = topk_idx.to(at::kLong);
-  at::Tensor valid = idx.ge(0);
-  // Invalid entries go to a spare column/bin that is dropped afterwards.
-  at::Tensor rank_of = at::where(valid, idx.div(experts_per_rank, "floor"), num_ranks);
-  at::Tensor in_rank = at::zeros({idx.size(0), num_ranks + 1}, idx.options().dtype(at::kBool));
-  in_rank.scatter_(1, rank_of, true);
-  at::Tensor is_token_in_rank = in_rank.narrow(1, 0, num_ranks).contiguous();
-  at::Tensor per_rank = is_token_in_rank.sum(0).to(at::kInt);
-  at::Tensor experts = at::where(valid, idx, num_experts).reshape(-1);
-  at::Tensor per_expert = at::zeros({num_experts + 1}, idx.options());
-  per_expert.scatter_add_(0, experts, at::ones_like(experts));
-  // Exclusive scan over tokens of each rank's column; -1 where the token is not sent.
-  at::Tensor sent = is_token_in_rank.to(at::kInt);
-  at::Tensor send_pos =
-      at::where(is_token_in_rank, sent.cumsum(0, at::kInt) - 1, -1).to(at::kInt).contiguous();
-  return {per_rank, per_expert.narrow(0, 0, num_experts).to(at::kInt), is_token_in_rank, send_pos};
+// The valid entries of a low-latency topk_idx: their flat positions ([T*K] order), sorted by
+// expert (stable: by token within an expert), and each entry's expert (in flat order).
+std::pair<at::Tensor, at::Tensor> entriesByExpert(const at::Tensor& topk_idx) {
+  const at::Tensor flat = topk_idx.to(at::kLong).reshape(-1);
+  const at::Tensor positions = flat.ge(0).nonzero().squeeze(1);
+  const at::Tensor experts = flat.index_select(0, positions);
+  const at::Tensor order = std::get<1>(experts.sort(/*stable=*/true, 0, false));
+  return {positions.index_select(0, order), experts};
 }
+
+}  // namespace
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t num_ranks = pg.getSize();
@@ -176,9 +166,9 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   if (ok) {
     // A given layout: on CPU validateDispatch compared it with topk_idx's; on CUDA it is trusted,
     // as on the NVLink path (the caller's check ties it to this topk_idx).
-    is_token_in_rank = a.layout.empty()
-                           ? std::get<2>(dispatchLayout(a.topk_idx, a.num_experts, num_ranks))
-                           : a.layout[2];
+    is_token_in_rank =
+        a.layout.empty() ? std::get<2>(computeDispatchLayout(a.topk_idx, a.num_experts, num_ranks))
+                         : a.layout[2];
     std::tie(send_token, send_counts) = sendPlan(is_token_in_rank);
   }
   const bool has_scales = a.x_scales.has_value();
@@ -408,11 +398,7 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   at::Tensor entry_token, per_expert;
   if (error.empty()) {
     const int64_t topk = a.topk_idx.size(1);
-    at::Tensor flat = a.topk_idx.to(at::kLong).reshape(-1);
-    at::Tensor positions = flat.ge(0).nonzero().squeeze(1);
-    at::Tensor experts = flat.index_select(0, positions);
-    at::Tensor order = std::get<1>(experts.sort(/*stable=*/true, 0, false));
-    positions = positions.index_select(0, order);
+    const auto [positions, experts] = entriesByExpert(a.topk_idx);
     per_expert = at::bincount(experts, {}, a.num_experts);
     entry_token = positions.div(topk, "floor");
     if (per_expert.numel() > 0 && per_expert.max().item<int64_t>() > max_tokens) {
@@ -505,11 +491,7 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
     count = a.layout_range.bitwise_and(0xFFFFFFFFLL);
     send_back = toVector(count.sum(0));
     const int64_t topk = a.topk_idx.size(1);
-    at::Tensor flat = a.topk_idx.to(at::kLong).reshape(-1);
-    at::Tensor positions = flat.ge(0).nonzero().squeeze(1);
-    at::Tensor experts = flat.index_select(0, positions);
-    at::Tensor order = std::get<1>(experts.sort(/*stable=*/true, 0, false));
-    positions = positions.index_select(0, order);
+    const auto [positions, experts] = entriesByExpert(a.topk_idx);
     entry_token = positions.div(topk, "floor");
     entry_k = positions.remainder(topk);
     at::Tensor per_expert = at::bincount(experts, {}, num_experts);
@@ -555,7 +537,7 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
   return acc.to(at::kBFloat16);
 }
 
-}  // namespace ep::cpu
+}  // namespace ep::aten
 
 namespace ep {
 namespace {
@@ -571,28 +553,28 @@ class AtenTransport final : public Transport {
   std::optional<Verdict> verdict(EPProcessGroup&) override { return Verdict{}; }
   LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts,
                        int64_t num_ranks) override {
-    return cpu::dispatchLayout(topk_idx, num_experts, num_ranks);
+    return computeDispatchLayout(topk_idx, num_experts, num_ranks);
   }
   DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args, DeferredCounts*) override {
-    return cpu::dispatch(pg, args);
+    return aten::dispatch(pg, args);
   }
   std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
       EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
       const DispatchRouting& routing) override {
-    return cpu::cachedDispatch(pg, x, x_scales, routing);
+    return aten::cachedDispatch(pg, x, x_scales, routing);
   }
   std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
                                                            const CombineArgs& args) override {
-    return cpu::combine(pg, args);
+    return aten::combine(pg, args);
   }
   LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
                                               const LowLatencyDispatchInputs& args,
                                               bool /*send_only*/) override {
-    return cpu::lowLatencyDispatch(pg, args);  // complete on return: a recv hook has nothing left
+    return aten::lowLatencyDispatch(pg, args);  // complete on return: a recv hook has nothing left
   }
   std::optional<at::Tensor> lowLatencyCombine(EPProcessGroup& pg,
                                               const LowLatencyCombineInputs& args) override {
-    return cpu::lowLatencyCombine(pg, args);
+    return aten::lowLatencyCombine(pg, args);
   }
 };
 

@@ -16,10 +16,7 @@ namespace ep {
 
 class EPProcessGroup;
 
-namespace cpu {
-
-// Local layout (LayoutTensors). Works on any device (plain tensor ops).
-LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+namespace aten {
 
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args);
 
@@ -39,5 +36,5 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
 std::pair<at::Tensor, at::Tensor> quantizeFp8Per128(const at::Tensor& x, bool round_scale,
                                                     bool use_ue8m0);
 
-}  // namespace cpu
+}  // namespace aten
 }  // namespace ep

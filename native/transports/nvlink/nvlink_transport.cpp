@@ -25,17 +25,15 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/gpu_identity.hpp"
 #include "backend/group_state.hpp"
+#include "backend/kernel_image.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/per_group_transport.hpp"
 #include "backend/routing_memory.hpp"
 #include "backend/store_exchange.hpp"
 #include "backend/stream_capture.hpp"
+#include "common/env.hpp"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
 #include "transports/nvlink/cuda/nvlink_runtime.hpp"
-
-// The CUDA architectures of the build (CMake passes EP_CUDA_ARCHS), for messages.
-#ifndef EP_CUDA_ARCHS
-#define EP_CUDA_ARCHS "90a"
-#endif
 
 namespace ep::nvlink {
 namespace {
@@ -168,9 +166,7 @@ at::Tensor slabOutput(NvlinkRuntime& rt, const std::shared_ptr<SlabLease>& lease
 
 // Per-group transport state; created on a group's first CUDA MoE call, freed at its shutdown.
 struct GroupState {
-  bool decided = false;
-  bool usable = false;
-  std::string why;  // when not usable: why the group's CUDA calls run on ATen
+  GroupVerdict usability;  // whether the group's CUDA calls run here, or why they take ATen
   int generation = 0;
   std::unique_ptr<NvlinkRuntime> runtime;
   std::shared_ptr<SlabPool> slabs;  // the runtime's receive slabs (null: none)
@@ -195,16 +191,12 @@ std::string keyPrefix(EPProcessGroup& pg) {
 }
 
 bool profilingHost() {
-  static const bool on = std::getenv("EP_PROFILE_HOST") != nullptr;
-  return on;
+  return env::isSet<env::kProfileHost>();
 }
 
 // EP_PROFILE_HOST=trace: also one line per stage as it ends, flushed (where a stuck call stands).
 bool tracingHost() {
-  static const bool on = [] {
-    const char* env = std::getenv("EP_PROFILE_HOST");
-    return env != nullptr && std::strcmp(env, "trace") == 0;
-  }();
+  static const bool on = env::equals<env::kProfileHost>("trace");
   return on;
 }
 
@@ -254,34 +246,12 @@ class HostStages {
   std::string line_;
 };
 
-// Every rank decides with the same inputs (all ranks' host names, GPUs and peer-access verdicts).
-// Returns "" when the NVLink kernels can serve the group, else why not (this rank's words; the
-// verdict itself is the same on every rank).
-// "" when this build holds a kernel image for `device`, else why not (the call then takes the ATen
-// path with its FallbackWarning instead of failing at launch). Cached per device.
-std::string kernelImageMissing(int device) {
-  static std::mutex mutex;
-  static std::map<int, std::string> verdicts;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = verdicts.find(device);
-  if (it != verdicts.end()) return it->second;
-  std::string why;
-  const cudaError_t e = preload_nvlink_layout();  // cudaFuncGetAttributes on a kernel
-  if (e == cudaErrorInvalidDeviceFunction || e == cudaErrorNoKernelImageForDevice) {
-    cudaGetLastError();  // not sticky
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    why = "ep's kernels were built for the CUDA architectures " EP_CUDA_ARCHS "; this GPU is sm_" +
-          std::to_string(major) + std::to_string(minor);
-  }
-  verdicts.emplace(device, why);
-  return why;
-}
-
 // The reason recorded when the user asked for the ATen path.
 constexpr const char* kAskedAten = "EP_HIGH_THROUGHPUT=aten";
 
+// Every rank decides with the same inputs (all ranks' host names, GPUs and peer-access verdicts):
+// "" when the NVLink kernels can serve the group, else why not (this rank's words; the verdict
+// itself is the same on every rank).
 std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
   const int num_ranks = pg.getSize();
   const int rank = pg.getRank();
@@ -291,15 +261,15 @@ std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
     return "the group has " + std::to_string(num_ranks) +
            " ranks; the NVLink kernels serve at most " + std::to_string(kMaxRanks);
   }
-  const char* mode = std::getenv("EP_HIGH_THROUGHPUT");
-  const bool asked_aten = mode != nullptr && std::string(mode) == "aten";
+  const bool asked_aten = env::equals<env::kHighThroughput>("aten");
   const std::string prefix = keyPrefix(pg) + "topology/";
   const std::vector<std::string> posted = allGatherStrings(
       pg, prefix, GpuPlace::of(device.index()).str(), "ep dispatch (transport setup)");
   std::vector<GpuPlace> places(num_ranks);
   for (int r = 0; r < num_ranks; ++r) places[r] = GpuPlace::parse(posted[r]);
   const GpuPlace& mine = places[rank];
-  std::string why = asked_aten ? kAskedAten : kernelImageMissing(device.index());
+  std::string why =
+      asked_aten ? kAskedAten : kernelImageMissing(device.index(), &preload_nvlink_layout);
   for (int r = 0; r < num_ranks && why.empty(); ++r) {
     if (places[r].host != places[0].host) {
       why = "ranks 0 and " + std::to_string(r) + " are on different hosts (" + places[0].host +
@@ -354,24 +324,33 @@ struct Needs {
   int64_t local_experts = 0;
 };
 
-// Measurement only (EP_DEBUG_AFTER_COUNT_WAIT_US=n): the host spins n µs after a dispatch's
-// count wait, to show how much host time after the wait an op's GPU span hides.
-void delayAfterCountWait() {
-  static const long long us = [] {
-    const char* env = std::getenv("EP_DEBUG_AFTER_COUNT_WAIT_US");
-    return env != nullptr ? std::atoll(env) : 0LL;
-  }();
-  if (us <= 0) return;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
-  while (std::chrono::steady_clock::now() < until) {
+// Send warps per block set by hand (sweeps, the GPU tests' other splits), read when a group
+// builds its transport. EP_DISPATCH_SEND_WARPS alone sets the dispatch's warps for every row
+// size, slab or not; a count set by hand is used in a group of one rank too (no one-rank rule).
+void applySendWarpOverrides(NvlinkConfig& cfg) {
+  const bool dispatch_set = env::isSet<env::kDispatchSendWarps>();
+  const bool combine_set = env::isSet<env::kCombineSendWarps>();
+  if (dispatch_set) {
+    cfg.dispatch_send_warps = static_cast<int>(env::integer<env::kDispatchSendWarps>(0));
+    cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
+    cfg.slab_dispatch_send_warps = 0;
   }
+  if (env::isSet<env::kDispatchSendWarpsSmallRows>()) {
+    cfg.small_row_dispatch_send_warps =
+        static_cast<int>(env::integer<env::kDispatchSendWarpsSmallRows>(0));
+  }
+  if (env::isSet<env::kDispatchSendWarpsSlab>()) {
+    cfg.slab_dispatch_send_warps = static_cast<int>(env::integer<env::kDispatchSendWarpsSlab>(0));
+  }
+  if (combine_set)
+    cfg.combine_send_warps = static_cast<int>(env::integer<env::kCombineSendWarps>(0));
+  if (dispatch_set || combine_set) cfg.one_rank_send_warps = false;
 }
 
 // Options.recv_slabs, or EP_RECV_SLABS (for A/B timings); every rank must agree on it.
 int recvSlabs(EPProcessGroup& pg) {
   static const int env = [] {  // read once: this runs on every dispatch
-    const char* v = std::getenv("EP_RECV_SLABS");
-    return v != nullptr ? std::atoi(v) : -1;
+    return static_cast<int>(env::integer<env::kRecvSlabs>(-1));
   }();
   return env >= 0 ? env : static_cast<int>(pg.options()->recv_slabs);
 }
@@ -459,33 +438,7 @@ NvlinkRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Devic
   cfg.max_local_experts = static_cast<int>(std::max<int64_t>(needs.local_experts, 1));
   cfg.timeout_seconds = pg.options()->kernel_timeout_s;
   cfg.num_sms = static_cast<int>(pg.options()->num_sms);
-  // Tuning knobs for sweeps (docs/api.md): send warps per block, row alignment, publish batch,
-  // claimed (1) or round-robin (0) dispatch token split.
-  for (auto [name, field] :
-       {std::pair{"EP_DISPATCH_SEND_WARPS", &cfg.dispatch_send_warps},
-        std::pair{"EP_DISPATCH_SEND_WARPS_SMALL_ROWS", &cfg.small_row_dispatch_send_warps},
-        std::pair{"EP_DISPATCH_SEND_WARPS_SLAB", &cfg.slab_dispatch_send_warps},
-        std::pair{"EP_COMBINE_SEND_WARPS", &cfg.combine_send_warps},
-        std::pair{"EP_ROW_ALIGN", &cfg.row_align},
-        std::pair{"EP_PUBLISH_BATCH", &cfg.publish_batch}}) {
-    if (const char* env = std::getenv(name)) {
-      *field = std::atoi(env);
-    }
-  }
-  // EP_DISPATCH_SEND_WARPS alone sets the dispatch's warps for every row size, slab or not.
-  if (std::getenv("EP_DISPATCH_SEND_WARPS") != nullptr) {
-    if (std::getenv("EP_DISPATCH_SEND_WARPS_SMALL_ROWS") == nullptr)
-      cfg.small_row_dispatch_send_warps = cfg.dispatch_send_warps;
-    if (std::getenv("EP_DISPATCH_SEND_WARPS_SLAB") == nullptr) cfg.slab_dispatch_send_warps = 0;
-  }
-  // A count set by hand is used in a group of one rank too (no one-rank rule): sweeps at world 1.
-  if (std::getenv("EP_DISPATCH_SEND_WARPS") != nullptr ||
-      std::getenv("EP_COMBINE_SEND_WARPS") != nullptr)
-    cfg.one_rank_send_warps = false;
-  if (const char* env = std::getenv("EP_DISPATCH_CLAIM")) cfg.dispatch_claim = std::atoi(env) != 0;
-  if (const char* env = std::getenv("EP_DISPATCH_STAGE")) {
-    cfg.stage_small_dispatch_rows = std::atoi(env) != 0;
-  }
+  applySendWarpOverrides(cfg);
   cfg.recv_slabs = recvSlabs(pg);
   st.runtime = std::make_unique<NvlinkRuntime>(pg.getRank(), pg.getSize(), device.index(), cfg);
   traceHost("transport: buffers allocated");
@@ -691,23 +644,6 @@ bool recordSlabStream(const at::Tensor& tensor, const c10::Stream& stream) {
   const c10::cuda::CUDAStream cuda_stream(stream);  // checks that it is a CUDA stream
   static_cast<SlabView*>(data.get_context())->lease->add_stream(cuda_stream.stream());
   return true;
-}
-
-bool usable(EPProcessGroup& pg, const at::Device& device) {
-  auto st = stateOf(pg);
-  if (!st->decided) {
-    c10::cuda::CUDAGuard guard(device);
-    st->why = decideUsable(pg, device);
-    st->usable = st->why.empty();
-    st->decided = true;
-  }
-  return st->usable;
-}
-
-std::string transport(EPProcessGroup& pg) {
-  auto st = stateOf(pg);
-  if (!st->decided) return "undecided";
-  return st->usable ? "nvlink" : "aten: " + st->why;
 }
 
 namespace {
@@ -998,7 +934,6 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
                 "dispatch's receive counts were read");
     NvlinkRuntime& runtime = *st->runtime;
     NvlinkRecvCounts counts = runtime.wait_recv_counts(ticket);
-    delayAfterCountWait();
     if (counts.rejected_ranks != 0) {
       const auto take_record = [&]() -> ErrorRecord {
         if (given_layout) {
@@ -1050,14 +985,6 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
   st->routings.remember(out.routing, send_pos, recv_prefix, std::move(host_routing_counts));
   stages.mark("remember");
   return out;
-}
-
-bool graphCaptured(EPProcessGroup& pg) {
-  return stateOf(pg)->graph_captured;
-}
-
-std::string takePendingError(EPProcessGroup& pg, const char* op) {
-  return takePendingError(*stateOf(pg), op);
 }
 
 std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
@@ -1229,20 +1156,11 @@ namespace ep {
 namespace {
 
 // The NVLink transport behind the Transport interface (backend/transport.hpp).
-class NvlinkTransport final : public Transport {
+class NvlinkTransport final : public PerGroupTransport<nvlink::GroupState> {
  public:
   TransportKind kind() const override { return TransportKind::kNvlink; }
   bool serves(OpFamily family) const override { return family == OpFamily::kHighThroughput; }
   int64_t maxLayoutRanks() const override { return kMaxRanks; }
-  Verdict usable(EPProcessGroup& pg, const at::Device& device) override {
-    nvlink::usable(pg, device);
-    return *verdict(pg);
-  }
-  std::optional<Verdict> verdict(EPProcessGroup& pg) override {
-    const auto st = nvlink::stateOf(pg);
-    if (!st->decided) return std::nullopt;
-    return Verdict{st->why, st->why == nvlink::kAskedAten};
-  }
   LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts,
                        int64_t num_ranks) override {
     return nvlink::dispatchLayout(topk_idx, num_experts, num_ranks);
@@ -1259,6 +1177,27 @@ class NvlinkTransport final : public Transport {
   std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
                                                            const CombineArgs& args) override {
     return nvlink::combine(pg, args);
+  }
+  std::optional<std::vector<int64_t>> reserve(EPProcessGroup& pg, const at::Device& device,
+                                              const at::Tensor& gathered) override {
+    return nvlink::reserve(pg, device, gathered);
+  }
+  std::string takePendingError(EPProcessGroup& pg, const char* op) override {
+    return nvlink::takePendingError(*nvlink::stateOf(pg), op);
+  }
+  bool graphCaptured(EPProcessGroup& pg) override { return nvlink::stateOf(pg)->graph_captured; }
+  bool recordStream(const at::Tensor& tensor, const c10::Stream& stream) override {
+    return nvlink::recordSlabStream(tensor, stream);
+  }
+
+ private:
+  std::shared_ptr<nvlink::GroupState> stateOf(EPProcessGroup& pg) override {
+    return nvlink::stateOf(pg);
+  }
+  Verdict decide(EPProcessGroup& pg, nvlink::GroupState&, const at::Device& device) override {
+    std::string why = nvlink::decideUsable(pg, device);
+    const bool requested = why == nvlink::kAskedAten;
+    return Verdict{std::move(why), requested};
   }
 };
 

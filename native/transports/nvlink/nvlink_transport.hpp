@@ -20,15 +20,6 @@ class EPProcessGroup;
 
 namespace nvlink {
 
-// Whether the NVLink kernels can serve this group (CUDA build, every rank a GPU of this host with
-// peer access, 1..8 ranks, EP_HIGH_THROUGHPUT not "aten"). Decided once per group (collective),
-// identically on every rank (the Python layer warns once where it falls back to ATen).
-bool usable(EPProcessGroup& pg, const at::Device& device);
-
-// How the group's high-throughput ops run on CUDA tensors: "nvlink", "aten: <why not>", or
-// "undecided" before its first such call (Python: EPProcessGroup.high_throughput_transport).
-std::string transport(EPProcessGroup& pg);
-
 // get_dispatch_layout on a CUDA topk_idx: the layout kernel (one launch, no host sync). Ids
 // outside [-1, E) count as -1; the first call on the device after that kernel ran raises. num_ranks
 // <= 8.
@@ -47,22 +38,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args,
 // for any other tensor.
 bool recordSlabStream(const at::Tensor& tensor, const c10::Stream& stream);
 
-// ep_backend.reserve on the NVLink path, after its agreement step (`gathered`, see
-// moe_validation.hpp: reserveSizes): builds the transport, or grows it, for calls up to those
-// shapes (the max over ranks), so that later calls and CUDA graph captures do not. Collective.
-// Raises on every rank when growing it would free buffers a captured CUDA graph uses. Returns the
-// capacity it holds: tokens per rank, bytes per row, top-k, scales per row, experts per rank,
-// receive slabs.
+// Transport::reserve on the NVLink path. Raises on every rank when growing the transport would
+// free buffers a captured CUDA graph uses.
 std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
                              const at::Tensor& gathered);
-
-// The error a kernel of an earlier call left (a timeout naming the stalled peer, an overflow),
-// taken so that the next call reports it: "" when none.
-std::string takePendingError(EPProcessGroup& pg, const char* op);
-
-// Whether a CUDA graph was captured with kernels on this group's transport (which then never
-// grows); every call agrees on it across ranks.
-bool graphCaptured(EPProcessGroup& pg);
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,

@@ -8,7 +8,9 @@
 
 #include "backend/ep_process_group.hpp"
 #include "backend/group_state.hpp"
+#include "backend/per_group_transport.hpp"
 #include "backend/store_exchange.hpp"
+#include "common/env.hpp"
 
 #ifdef EP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -24,14 +26,14 @@
 #include <sstream>
 
 #include "backend/gpu_identity.hpp"
+#include "backend/kernel_image.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
-#include "transports/aten/aten_transport.hpp"
 #include "transports/nvshmem/cuda/nvshmem_capi.h"
 #include "transports/nvshmem/cuda/nvshmem_runtime.hpp"
 #endif
 
-namespace ep::lowlatency {
+namespace ep::nvshmem {
 namespace {
 
 #ifdef EP_WITH_CUDA
@@ -54,8 +56,8 @@ struct Library {
 
 // Next to _C (the build copies it there), or EP_NVSHMEM_LIB.
 std::string libraryPath() {
-  if (const char* env = std::getenv("EP_NVSHMEM_LIB")) {
-    return env;
+  if (const char* path = env::raw<env::kNvshmemLib>()) {
+    return path;
   }
   Dl_info info{};
   if (dladdr(reinterpret_cast<void*>(&libraryPath), &info) == 0 || info.dli_fname == nullptr) {
@@ -139,9 +141,7 @@ constexpr size_t kRecentHandles = 8;
 #endif  // EP_WITH_CUDA
 
 struct GroupState {
-  bool decided = false;
-  bool usable = false;
-  std::string why;  // when not usable
+  GroupVerdict usability;  // whether the group's low-latency calls run here, or why not
 #ifdef EP_WITH_CUDA
   void* runtime = nullptr;
   NvshmemConfig config;
@@ -190,14 +190,15 @@ constexpr const char* kAskedAten = "EP_LOW_LATENCY=aten";
 
 // Collective: every rank posts whether it can run the kernels; usable only if all can, each on
 // a GPU of its own.
-
-void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
+Verdict decide(EPProcessGroup& pg, const at::Device& device) {
   std::string why;
-  const char* mode = std::getenv("EP_LOW_LATENCY");
-  if (mode != nullptr && std::string(mode) == "aten") {
+  if (env::equals<env::kLowLatency>("aten")) {
     why = kAskedAten;
   } else if (!library().ok) {
     why = library().error;
+  } else if (std::string missing = kernelImageMissingFromArchList(device.index());
+             !missing.empty()) {
+    why = std::move(missing);
   } else {
     std::lock_guard<std::mutex> lock(g_owner_mutex);
     if (g_owner != nullptr && g_owner != &pg) {
@@ -235,13 +236,12 @@ void decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   }
   // `why` may differ between ranks, the verdict cannot: it is a function of the posted flags and
   // of the (host, device) pairs, which every rank read alike.
-  st.usable = why.empty();
-  st.why = why;
-  st.decided = true;
-  if (st.usable) {
+  if (why.empty()) {
     std::lock_guard<std::mutex> lock(g_owner_mutex);
     g_owner = &pg;
   }
+  const bool requested = why == kAskedAten;
+  return Verdict{std::move(why), requested};
 }
 
 bool fits(const NvshmemConfig& c, int64_t m, int64_t hidden, int64_t topk, int64_t experts) {
@@ -392,7 +392,7 @@ int recall(GroupState& st, const at::Tensor& layout_range) {
 
 void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
   auto st = stateOf(pg);
-  if (!st->usable || !layout_range.is_cuda()) {
+  if (!st->usability.yes() || !layout_range.is_cuda()) {
     return;  // the ATen path (also CPU tensors of this group): the exchange completed already
   }
 #ifdef EP_WITH_CUDA
@@ -451,7 +451,7 @@ at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
   const auto options = layout_range.options().dtype(at::kBFloat16);
 #ifdef EP_WITH_CUDA
   auto st = stateOf(pg);
-  const int buffer = st->usable ? recall(*st, layout_range) : -1;
+  const int buffer = st->usability.yes() ? recall(*st, layout_range) : -1;
   if (buffer >= 0 && st->config.max_tokens_per_rank == num_max_dispatch_tokens_per_rank) {
     ep::NvshmemBufferView view;
     char err[1024] = {0};
@@ -464,28 +464,7 @@ at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
   return at::empty(shape, options);
 }
 
-std::string transport(EPProcessGroup& pg) {
-  auto st = stateOf(pg);
-  if (!st->decided) {
 #ifdef EP_WITH_CUDA
-    return "undecided";
-#else
-    return "aten: built without CUDA";
-#endif
-  }
-  return st->usable ? "nvshmem" : "aten: " + st->why;
-}
-
-#ifdef EP_WITH_CUDA
-
-bool usable(EPProcessGroup& pg, const at::Device& device) {
-  auto st = stateOf(pg);
-  if (!st->decided) {
-    c10::cuda::CUDAGuard guard(device);
-    decide(pg, *st, device);
-  }
-  return st->usable;
-}
 
 LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a,
                                   bool send_only) {
@@ -518,7 +497,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   // Sizes beyond what the kernels' buffers can ever hold: the ATen path, on every rank alike
   // (H and E are agreed). Its handle is unknown to the kernels, so its combine and hook do too.
   if (hidden > nvshmem::kMaxHidden || a.num_experts > nvshmem::kMaxExperts) {
-    return cpu::lowLatencyDispatch(pg, a);
+    return atenTransport().lowLatencyDispatch(pg, a, /*send_only=*/false);
   }
   // A rebuild frees both buffers, and with them the rows of a dispatch awaiting its receive.
   // Every input of this decision is agreed, so every rank raises alike.
@@ -669,34 +648,33 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
 
 #endif  // EP_WITH_CUDA
 
-}  // namespace ep::lowlatency
+}  // namespace ep::nvshmem
 
 #ifdef EP_WITH_CUDA
 namespace ep {
 namespace {
 
 // The NVSHMEM transport behind the Transport interface (backend/transport.hpp).
-class NvshmemTransport final : public Transport {
+class NvshmemTransport final : public PerGroupTransport<nvshmem::GroupState> {
  public:
   TransportKind kind() const override { return TransportKind::kNvshmem; }
   bool serves(OpFamily family) const override { return family == OpFamily::kLowLatency; }
-  Verdict usable(EPProcessGroup& pg, const at::Device& device) override {
-    lowlatency::usable(pg, device);
-    return *verdict(pg);
-  }
-  std::optional<Verdict> verdict(EPProcessGroup& pg) override {
-    const auto st = lowlatency::stateOf(pg);
-    if (!st->decided) return std::nullopt;
-    return Verdict{st->why, st->why == lowlatency::kAskedAten};
-  }
   LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg,
                                               const LowLatencyDispatchInputs& args,
                                               bool send_only) override {
-    return lowlatency::dispatch(pg, args, send_only);
+    return nvshmem::dispatch(pg, args, send_only);
   }
   std::optional<at::Tensor> lowLatencyCombine(EPProcessGroup& pg,
                                               const LowLatencyCombineInputs& args) override {
-    return lowlatency::combine(pg, args);
+    return nvshmem::combine(pg, args);
+  }
+
+ private:
+  std::shared_ptr<nvshmem::GroupState> stateOf(EPProcessGroup& pg) override {
+    return nvshmem::stateOf(pg);
+  }
+  Verdict decide(EPProcessGroup& pg, nvshmem::GroupState&, const at::Device& device) override {
+    return nvshmem::decide(pg, device);
   }
 };
 

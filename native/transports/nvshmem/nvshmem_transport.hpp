@@ -3,8 +3,9 @@
 // the library or NVSHMEM is missing the ops keep the ATen + NCCL path.
 //
 // A group uses the kernels when, at its first low-latency call on CUDA, every rank has loaded the
-// library, no other group of the process owns NVSHMEM (it is process-global: one group per
-// process), every rank has a GPU of its own, and EP_LOW_LATENCY is not "aten" — decided
+// library, this build has a kernel image for every rank's GPU, no other group of the process owns
+// NVSHMEM (it is process-global: one group per process), every rank has a GPU of its own, and
+// EP_LOW_LATENCY is not "aten" — decided
 // collectively through the group's store, so all ranks take the same path.
 #pragma once
 
@@ -19,11 +20,7 @@
 namespace ep {
 class EPProcessGroup;
 
-namespace lowlatency {
-
-// How this group's low-latency ops on CUDA run: "nvshmem", "aten: <why>", or "undecided" before
-// the group's first low-latency call on CUDA (Python: EPProcessGroup.low_latency_transport).
-std::string transport(EPProcessGroup& pg);
+namespace nvshmem {
 
 // Where to write the expert outputs of the dispatch with `layout_range` for a zero-copy combine:
 // a BF16 [E_loc, R*M, H] view of the kernels' send buffer for that dispatch (combine then skips
@@ -40,11 +37,9 @@ at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
 void receive(EPProcessGroup& pg, const at::Tensor& layout_range);
 
 #ifdef EP_WITH_CUDA
-bool usable(EPProcessGroup& pg, const at::Device& device);
-
-// Same contract as cpu::lowLatencyDispatch / cpu::lowLatencyCombine (bitwise equal results).
-// send_only: only the send phase runs now; the outputs are complete once receive() has run on
-// the stream (the Python recv hook). At most two dispatches may await their receive. combine
+// Same contract as the ATen transport's lowLatencyDispatch / lowLatencyCombine (bitwise equal
+// results). send_only: only the send phase runs now; the outputs are complete once receive() has
+// run on the stream (the Python recv hook). At most two dispatches may await their receive. combine
 // returns nullopt, on every rank alike, when the handle's dispatch state is no longer in the
 // kernels' buffers (not one of the group's last two kernel dispatches, or already combined): the
 // caller then runs the ATen path, which gives the same result.
@@ -53,7 +48,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
 std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a);
 #endif  // EP_WITH_CUDA
 
-}  // namespace lowlatency
+}  // namespace nvshmem
 
 #ifdef EP_WITH_CUDA
 // The NVSHMEM transport (registered in backend/transport_registry.cpp).

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "common/env.hpp"
 #include "common/runtime_util.hpp"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
 
@@ -389,10 +390,8 @@ bool NvlinkRuntime::recv_counts_ready(int ticket) const {
 
 namespace {
 std::chrono::microseconds host_wait_spin() {
-  static const std::chrono::microseconds spin{[] {
-    const char* env = std::getenv("EP_HOST_WAIT_SPIN_US");
-    return env != nullptr ? std::atoll(env) : 20000LL;
-  }()};
+  static const std::chrono::microseconds spin{
+      [] { return env::integer<env::kHostWaitSpinUs>(20000); }()};
   return spin;
 }
 }  // namespace
