@@ -6,10 +6,9 @@ bench does (L2 flushed, ranks lined up on the host) under torch.profiler. For ra
 per op, the median over calls of: the host span of the call, when each GPU kernel started after
 the call began and how long it ran (µs). Chrome traces go to --out.
 
---sweep SMS:DW:CW[:ALIGN:BATCH] ... repeats the measurement on a fresh group per configuration:
-SMS blocks (``Options.num_sms``), DW dispatch and CW combine send warps per block, ALIGN the row
-alignment in the buffer and BATCH the tokens per publisher fence (EP_DISPATCH_SEND_WARPS,
-EP_COMBINE_SEND_WARPS, EP_ROW_ALIGN, EP_PUBLISH_BATCH), e.g. ``--sweep 24:10:4 24:10:4:16:1``.
+--sweep SMS:DW:CW ... repeats the measurement on a fresh group per configuration: SMS blocks
+(``Options.num_sms``), DW dispatch and CW combine send warps per block (EP_DISPATCH_SEND_WARPS,
+EP_COMBINE_SEND_WARPS), e.g. ``--sweep 24:10:5 24:12:4``.
 """
 
 from __future__ import annotations
@@ -117,11 +116,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     data = (x, x8, s8, idx, w.float(), flush, cpu_group)
     _profile(args, None, data, "default", rank)
     for cfg in args.sweep:
-        sms, dw, cw, align, batch = (int(v) for v in (cfg + ":128:1").split(":")[:5])
-        os.environ.update(EP_DISPATCH_SEND_WARPS=str(dw), EP_COMBINE_SEND_WARPS=str(cw),
-                          EP_ROW_ALIGN=str(align), EP_PUBLISH_BATCH=str(batch))  # fmt: skip
+        sms, dw, cw = (int(v) for v in cfg.split(":"))
+        os.environ.update(EP_DISPATCH_SEND_WARPS=str(dw), EP_COMBINE_SEND_WARPS=str(cw))
         group = dist.new_group(backend="ep", pg_options=ep.Options(num_sms=sms))
-        label = f"num_sms={sms} send warps {dw}/{cw} row_align {align} publish_batch {batch}"
+        label = f"num_sms={sms} send warps {dw}/{cw}"
         _profile(args, group, data, label, rank)
         dist.destroy_process_group(group)
     dist.destroy_process_group()

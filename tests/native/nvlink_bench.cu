@@ -165,21 +165,16 @@ void bench(int iters) {
   const int rounds = 2;  // each configuration twice, alternating: run-to-run spread is visible
   const int default_combine_warps = cfg.combine_send_warps;
   const NvlinkConfig defaults = cfg;
-  auto configure_claim = [&](int dw, int cw, bool dclaim) {
-    for (int r = 0; r < R; ++r) {
-      team->rt[r]->set_send_warps(dw, cw, dw);
-      team->rt[r]->set_dispatch_claim(dclaim);
-    }
+  auto configure_send_warps = [&](int dw, int cw) {
+    for (int r = 0; r < R; ++r) team->rt[r]->set_send_warps(dw, cw, dw);
   };
   // The defaults: dispatch warps by row size, `cw` combine warps (one_rank: with the rule for
   // groups of one rank, which overrides both counts there).
   auto configure_defaults = [&](int cw, bool one_rank = true) {
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r)
       team->rt[r]->set_send_warps(
           defaults.dispatch_send_warps, cw, defaults.small_row_dispatch_send_warps,
           defaults.slab_dispatch_send_warps, one_rank && defaults.one_rank_send_warps);
-      team->rt[r]->set_dispatch_claim(defaults.dispatch_claim);
-    }
   };
 
   // Layout (local) and notify once, for the routing used below.
@@ -229,17 +224,15 @@ void bench(int iters) {
     std::printf("%s dispatch (num_sms=24; remote bytes = rows x %d B):\n", sh.name,
                 sh.hidden_bytes + sh.S * 4);
     for (int round = 0; round < rounds; ++round)
-      for (int claim = 0; claim < 2; ++claim)
-        for (int warps : dispatch_warps) {
-          configure_claim(warps, default_combine_warps, claim != 0);
-          char label[96];
-          std::snprintf(label, sizeof(label), "dispatch kernel, %d send warps, %s", warps,
-                        claim ? "claimed" : "round-robin");
-          report(label, time_op([&](int r, cudaStream_t s) {
-                   team->rt[r]->dispatch(dispatch_args(r, 0), s);
-                 }),
-                 remote_bytes);
-        }
+      for (int warps : dispatch_warps) {
+        configure_send_warps(warps, default_combine_warps);
+        char label[96];
+        std::snprintf(label, sizeof(label), "dispatch kernel, %d send warps", warps);
+        report(label, time_op([&](int r, cudaStream_t s) {
+                 team->rt[r]->dispatch(dispatch_args(r, 0), s);
+               }),
+               remote_bytes);
+      }
     configure_defaults(default_combine_warps);
     const int shape_warps = team->rt[0]->dispatch_send_warps(sh.hidden_bytes, sh.S);
     std::printf("  (below: default %d send warps)\n", shape_warps);
@@ -276,23 +269,13 @@ void bench(int iters) {
     // With a slab the receive warps have nothing to copy; fewer senders contend less (the
     // default, NvlinkConfig::slab_dispatch_send_warps, came from this sweep).
     for (int warps : quick ? std::vector<int>{} : std::vector<int>{4, 5, 6, 8, 10, 12, 14}) {
-      configure_claim(warps, default_combine_warps, true);
+      configure_send_warps(warps, default_combine_warps);
       char label[96];
       std::snprintf(label, sizeof(label), "dispatch kernel, receive slab, %d send warps", warps);
       report(label, time_op([&](int r, cudaStream_t s) { team->rt[r]->dispatch(slab_args(r), s); }),
              remote_bytes);
     }
     configure_defaults(default_combine_warps);
-    if (sh.hidden_bytes <= ep::kStagedRowBytes && !quick) {
-      for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(false);
-      for (int round = 0; round < rounds; ++round)
-        report("dispatch kernel, register path (not staged)", time_op([&](int r, cudaStream_t s) {
-                 team->rt[r]->dispatch(dispatch_args(r, 0), s);
-               }),
-               remote_bytes);
-      for (int r = 0; r < R; ++r)
-        team->rt[r]->set_dispatch_staging(defaults.stage_small_dispatch_rows);
-    }
     report("cached dispatch", time_op([&](int r, cudaStream_t s) {
              team->rt[r]->cached_dispatch(dispatch_args(r, 0), s);
            }),

@@ -574,11 +574,8 @@ void correctness_suite(int R, int soak_iters) {
     s.bias0 = rng() % 2;
     s.bias1 = rng() % 3 == 0;
     s.seed = rng();
-    // Odd iterations: small rows take the register path instead of shared-memory staging.
-    for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(it % 2 == 0);
     run_case(*team, s, 1 + int(rng() % 24) % cfg.num_sms);
   }
-  for (int r = 0; r < R; ++r) team->rt[r]->set_dispatch_staging(cfg.stage_small_dispatch_rows);
   std::printf("  R=%d%s %-28s %s (%d iterations)\n", R, mode, "soak",
               g_failures == before ? "ok" : "FAILED", soak_iters);
   std::printf("  R=%d%s suite took %.1f s\n", R, mode,

@@ -160,7 +160,7 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
                              int hidden_bytes, int warp, int lane, int* progress) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
-  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
+  const CombineRow row = CombineRow::make(hidden_bytes, K);
   const int n16 = hidden_bytes / 16;
   const int first = blockIdx.x * p.num_send_warps + warp;
   const int stride = gridDim.x * p.num_send_warps;
@@ -224,7 +224,7 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
     max_count = max(max_count, count[d]);
   }
   const int total = (lane < S && first < max_count) ? (max_count - 1 - first) / stride + 1 : 0;
-  device::publish_loop_counted(ctx, lane, S, total, p.publish_batch, progress, [&](int k) {
+  device::publish_loop_counted(ctx, lane, S, total, progress, [&](int k) {
     const int i = first + k * stride;
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d)
@@ -247,7 +247,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
   const int hidden_bytes = p.hidden * kElemBytes;
-  const CombineRow row = CombineRow::make(hidden_bytes, K, c.layout.row_align);
+  const CombineRow row = CombineRow::make(hidden_bytes, K);
   const int n16 = hidden_bytes / 16;
   char* const own = c.buffers.ptr[me];
 
@@ -336,8 +336,7 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
                              int warp, int lane) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
-  const CombineRow row =
-      CombineRow::make(p.hidden * combine_elem_bytes(kElem), p.num_topk, c.layout.row_align);
+  const CombineRow row = CombineRow::make(p.hidden * combine_elem_bytes(kElem), p.num_topk);
   const int num_recv_warps = kWarps - p.num_send_warps - 1;
   const int first = blockIdx.x * num_recv_warps + (warp - p.num_send_warps - 1);
   const int stride = gridDim.x * num_recv_warps;

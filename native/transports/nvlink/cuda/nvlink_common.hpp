@@ -57,6 +57,11 @@ struct HostCounters {
 };
 static_assert(sizeof(HostCounters) == 128, "per-expert counters start 128 bytes in");
 
+// Dispatch and combine rows in the receive areas start on this boundary (bytes), so a warp's
+// 512-byte stores cover whole 32-byte sectors and 128-byte lines instead of splitting some across
+// two writes.
+constexpr int kRowAlign = 128;
+
 // Row of the dispatch receive area: [x: hidden_bytes][scales: S*4, padded to 16]
 // [meta: 8 reserved bytes, src_idx i32, pad i32, local idx i32 x K, weight f32 x K; padded to 16].
 // A row's arrival flag is not in the row: it lives in the region's flag array (BufferLayout),
@@ -67,15 +72,12 @@ struct DispatchRow {
   int stride;
   int scales_offset;
   int meta_offset;
-  // `align` (BufferLayout::row_align): rows start on this boundary, so a warp's 512-byte stores
-  // cover whole 32-byte sectors and 128-byte lines instead of splitting some across two writes.
-  EP_HOST_DEVICE static DispatchRow make(int hidden_bytes, int num_scales, int num_topk,
-                                         int align) {
+  EP_HOST_DEVICE static DispatchRow make(int hidden_bytes, int num_scales, int num_topk) {
     DispatchRow r;
     r.scales_offset = hidden_bytes;
     r.meta_offset = r.scales_offset + static_cast<int>(align_up(size_t(num_scales) * 4, 16));
     r.stride = static_cast<int>(
-        align_up(r.meta_offset + align_up(16 + size_t(num_topk) * 8, 16), size_t(align)));
+        align_up(r.meta_offset + align_up(16 + size_t(num_topk) * 8, 16), size_t(kRowAlign)));
     return r;
   }
 };
@@ -85,11 +87,11 @@ struct DispatchRow {
 struct CombineRow {
   int stride;
   int weights_offset;
-  EP_HOST_DEVICE static CombineRow make(int hidden_bytes, int num_topk, int align) {
+  EP_HOST_DEVICE static CombineRow make(int hidden_bytes, int num_topk) {
     CombineRow r;
     r.weights_offset = hidden_bytes;
     r.stride = static_cast<int>(
-        align_up(r.weights_offset + align_up(size_t(num_topk) * 4, 16), size_t(align)));
+        align_up(r.weights_offset + align_up(size_t(num_topk) * 4, 16), size_t(kRowAlign)));
     return r;
   }
 };
@@ -107,7 +109,6 @@ struct BufferLayout {
   int num_ranks;
   int max_tokens;  // rows a region holds (max tokens of any rank)
   int max_local_experts;
-  int row_align;  // bytes; dispatch and combine rows start on this boundary (16 or 128)
   size_t entered_offset;
   // u64 per source: rows it has written into the receive slab we lent, added by its publishers
   // (after their fence) instead of per-row flags; the dispatch kernel zeroes them once all came.
@@ -295,8 +296,6 @@ struct DispatchParams {
   int* recv_src_rank;        // [cap] or null
   int num_worst_tokens;      // 0: exact N rows; > 0: capacity, padding rows filled
   int num_send_warps;
-  int publish_batch;  // tokens a sender warp reports before the publisher fences (>= 1)
-  int claim_items;    // 1: senders claim tokens from a shared counter; 0: static round-robin
   // 1: launched behind its notify (NotifyParams::dispatch_follows), which may still be running:
   // the receive prefix and the rejection verdict are read only after waiting for it.
   int after_notify;
@@ -340,7 +339,6 @@ struct CombineParams {
   void* out;                // [T, H]
   float* out_topk_weights;  // [T, K] or null (needs topk_weights)
   int num_send_warps;
-  int publish_batch;  // rows a sender warp reports before the publisher fences (>= 1)
 };
 
 struct BarrierParams {

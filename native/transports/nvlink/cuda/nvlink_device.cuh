@@ -100,14 +100,12 @@ struct PublishQueue {
 // `owned` are the warp's own, `first`, `first + stride`, ... (no atomic on the critical path at
 // the start, which the FP8 dispatch rows of nvlink_bench favour; a caller that needs two items
 // before its first store owns two); later ones are claimed from the kernel's counter, past every
-// warp's owned items, or (claim = false) follow the static round-robin split: `previous` +
-// `stride`.
-__device__ __forceinline__ int next_item(bool claim, ControlBlock* ctrl, int previous, int first,
-                                         int stride, int owned = 1) {
+// warp's owned items, so faster SMs take more of them.
+__device__ __forceinline__ int next_item(ControlBlock* ctrl, int previous, int first, int stride,
+                                         int owned = 1) {
   if (previous < 0) return first;
-  if (claim && previous < first + (owned - 1) * stride) return previous + stride;
-  if (claim) return static_cast<int>(atomicAdd(&ctrl->work_claimed, 1u)) + owned * stride;
-  return previous + stride;
+  if (previous < first + (owned - 1) * stride) return previous + stride;
+  return static_cast<int>(atomicAdd(&ctrl->work_claimed, 1u)) + owned * stride;
 }
 
 // Lane 0 of sender warp `w`, after __syncwarp(): hands the warp's k-th item (its stores are done)
@@ -127,21 +125,21 @@ __device__ __forceinline__ void hand_over_done(PublishQueue& q, int w, int count
 }
 
 // The loop of a publisher warp (lane l follows sender warp l of the block). `read(done, finished)`
-// gives how many items lane l's sender has handed over and whether it will hand over more. For
-// each new batch (`batch` items, or the sender's last ones) the warp issues one system-scope
-// fence, cumulative over the stores the senders released to it, then `publish_range(begin, end)`
-// writes the arrival flags of the lane's items [begin, end). Returns once every sender is finished
-// and published, or on abort or timeout (which names this rank: its own senders stalled).
+// gives how many items lane l's sender has handed over and whether it will hand over more. As soon
+// as any lane's sender has handed over new items the warp issues one system-scope fence,
+// cumulative over the stores the senders released to it, then `publish_range(begin, end)` writes
+// the arrival flags of the lane's items [begin, end). Returns once every sender is finished and
+// published, or on abort or timeout (which names this rank: its own senders stalled).
 template <typename Read, typename PublishRange>
-__device__ __forceinline__ void run_publisher(const WaitContext& ctx, int lane, int batch,
-                                              Read read, PublishRange publish_range) {
+__device__ __forceinline__ void run_publisher(const WaitContext& ctx, int lane, Read read,
+                                              PublishRange publish_range) {
   int published = 0;
   long long idle_since = 0;
   for (uint32_t idle = 0;;) {
     int done = 0;
     bool finished = false;
     read(done, finished);
-    const bool fresh = done >= published + batch || (finished && done > published);
+    const bool fresh = done > published;
     const bool any_fresh = __any_sync(0xffffffffu, fresh);
     if (any_fresh) fence_acq_rel_sys();
     if (fresh) {
@@ -171,10 +169,9 @@ __device__ __forceinline__ void run_publisher(const WaitContext& ctx, int lane, 
 // `publish(item)` flags each.
 template <typename Publish>
 __device__ __forceinline__ void publish_loop(const WaitContext& ctx, int lane, int num_senders,
-                                             int batch, PublishQueue& q, Publish publish) {
-  batch = batch < 1 ? 1 : (batch > kPublishRing ? kPublishRing : batch);  // a full ring must flush
+                                             PublishQueue& q, Publish publish) {
   run_publisher(
-      ctx, lane, batch,
+      ctx, lane,
       [&](int& done, bool& finished) {
         const int v = lane < num_senders ? ld_acquire_cta_shared(&q.progress[lane]) : 1;
         done = v >> 1;
@@ -191,10 +188,10 @@ __device__ __forceinline__ void publish_loop(const WaitContext& ctx, int lane, i
 // flags the lane's k-th item.
 template <typename Publish>
 __device__ __forceinline__ void publish_loop_counted(const WaitContext& ctx, int lane,
-                                                     int num_senders, int total, int batch,
+                                                     int num_senders, int total,
                                                      const int* progress, Publish publish) {
   run_publisher(
-      ctx, lane, batch,
+      ctx, lane,
       [&](int& done, bool& finished) {
         done = lane < num_senders ? ld_acquire_cta_shared(progress + lane) : 0;
         finished = done == total;

@@ -15,7 +15,7 @@
 //  * Receive slabs: a peer that lent one for this call (notify's dest_slabs) gets the token's
 //    x, scales and metadata straight into its outputs (the slab) at its output row, so the rows
 //    are not copied out of a buffer (the slab rows of tests/native/nvlink_bench.cu time it).
-//    No per-row flags either: after each batch's fence the publisher adds 1 per row to the
+//    No per-row flags either: after its fence the publisher adds 1 per row to the
 //    peer's arrivals word for us, and the peer (own_slab) has one warp wait until every source's
 //    count is complete; its receive warps are idle.
 //  * Receivers: global receiver warp v owns slots v, v + V, ... of every remote source. It polls
@@ -338,7 +338,7 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
                               int warp, int lane, device::PublishQueue& queue) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
-  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
   const int n16 = p.hidden_bytes / 16;
   const bool with_meta = p.topk_idx != nullptr;
   int local_base = p.after_notify ? 0 : p.recv_prefix[me];  // read after notify when behind it
@@ -347,14 +347,13 @@ __device__ void dispatch_send(const DispatchParams& p, const device::WaitContext
   if (notified) load_dest_slabs(p, lane, dest_base, dest_slab);
   uint32_t ready = 1u << me;                  // peers known to have entered this sequence
   char* const region = lane_region(c, lane);  // lane d: our rows' region in d's buffer
-  const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
-  int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride) : 0;
+  int claimed = lane == 0 ? device::next_item(ctx.ctrl, -1, first, stride) : 0;
   int t = __shfl_sync(kFull, claimed, 0);
   int k = 0;
   for (; t < p.num_tokens; ++k) {
     // The next token's claim travels while this one is copied.
-    if (lane == 0) claimed = device::next_item(claim, ctx.ctrl, t, first, stride);
+    if (lane == 0) claimed = device::next_item(ctx.ctrl, t, first, stride);
     // 1. Independent loads.
     const int pos = lane < R ? p.send_pos[size_t(t) * R + lane] : -1;
     long long idx = -1;
@@ -445,7 +444,7 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
                                      int4* stage) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
-  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
   const int n16 = p.hidden_bytes / 16;
   const int T = p.num_tokens;
   const bool with_meta = p.topk_idx != nullptr;
@@ -455,7 +454,6 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
   if (notified) load_dest_slabs(p, lane, dest_base, dest_slab);
   uint32_t ready = 1u << me;
   char* const region = lane_region(c, lane);  // lane d: our rows' region in d's buffer
-  const bool claim = p.claim_items != 0;
   const int first = blockIdx.x * p.num_send_warps + warp, stride = gridDim.x * p.num_send_warps;
 
   auto prefetch = [&](int tt, int buf) {  // always commits a group (empty past the end)
@@ -480,11 +478,11 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
   };
 
   // t: the token being stored, t_next: the one staged behind it.
-  int claimed = lane == 0 ? device::next_item(claim, ctx.ctrl, -1, first, stride, 2) : 0;
+  int claimed = lane == 0 ? device::next_item(ctx.ctrl, -1, first, stride, 2) : 0;
   int t = __shfl_sync(kFull, claimed, 0);
   if (t < T) prefetch(t, 0);
   TokenInputs cur = load_inputs(t);
-  claimed = lane == 0 && t < T ? device::next_item(claim, ctx.ctrl, t, first, stride, 2) : T;
+  claimed = lane == 0 && t < T ? device::next_item(ctx.ctrl, t, first, stride, 2) : T;
   int t_next = __shfl_sync(kFull, claimed, 0);
   int k = 0;
   for (; t < T; ++k) {
@@ -513,8 +511,7 @@ __device__ void dispatch_send_staged(const DispatchParams& p, const device::Wait
       store_token_side(p, row, me, d, to, shfl_ptr(mine.slab, d), __shfl_sync(kFull, mine.lrow, d),
                        t, lane, cur.sc0, cur.sc1, with_meta, cur.idx, cur.w);
     }
-    if (lane == 0 && t_next < T)
-      claimed = device::next_item(claim, ctx.ctrl, t_next, first, stride, 2);
+    if (lane == 0 && t_next < T) claimed = device::next_item(ctx.ctrl, t_next, first, stride, 2);
     __syncwarp();
     bool ok = true;
     if (lane == 0) ok = device::hand_over(ctx, queue, warp, k, t);
@@ -532,7 +529,7 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
   // A row for a destination that lent us a receive slab adds 1 to its arrivals word for us
-  // instead of setting the row's flag (same ordering: after the batch's fence).
+  // instead of setting the row's flag (same ordering: after the publisher's fence).
   uint32_t lent = 0;
   if (p.dest_slabs != nullptr) {
     // Behind a running notify, its results first (the first token comes after them anyway).
@@ -540,8 +537,7 @@ __device__ void dispatch_publish(const DispatchParams& p, const device::WaitCont
     for (int d = 0; d < R; ++d)
       if (d != me && p.dest_slabs[2 * d + 1] >= 0) lent |= 1u << d;
   }
-  // One fence per publish_batch tokens: a system-scope fence costs about an NVLink round trip.
-  device::publish_loop(ctx, lane, p.num_send_warps, p.publish_batch, queue, [&](int t) {
+  device::publish_loop(ctx, lane, p.num_send_warps, queue, [&](int t) {
     for (int d = 0; d < R; ++d) {
       if (d == me) continue;
       const int pos = p.send_pos[size_t(t) * R + d];
@@ -642,8 +638,7 @@ __device__ void dispatch_recv_claimed(const DispatchParams& p, const device::Wai
                                       uint64_t seq, int lane, int start_source) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank;
-  const DispatchRow row =
-      DispatchRow::make(p.hidden_bytes, p.num_scales, p.num_topk, c.layout.row_align);
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, p.num_scales, p.num_topk);
   const int cap = p.num_worst_tokens;
   const int prefix = lane <= R ? p.recv_prefix[lane] : 0;  // lane s: first row of source s
   const int next_prefix = __shfl_down_sync(kFull, prefix, 1);
@@ -695,7 +690,7 @@ __device__ void dispatch_recv(const DispatchParams& p, const device::WaitContext
                               int warp, int lane) {
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk, S = p.num_scales;
-  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K, c.layout.row_align);
+  const DispatchRow row = DispatchRow::make(p.hidden_bytes, S, K);
   const int n16 = p.hidden_bytes / 16;
   const int cap = p.num_worst_tokens;
   const int num_recv_warps = kWarps - p.num_send_warps - 1;

@@ -54,16 +54,14 @@ BufferLayout make_layout(const NvlinkConfig& c, int num_ranks) {
   l.num_ranks = num_ranks;
   l.max_tokens = c.max_tokens_per_rank;
   l.max_local_experts = c.max_local_experts;
-  l.row_align = c.row_align;
   size_t off = sizeof(ControlBlock);
   l.entered_offset = off;
   l.arrivals_offset = off + sizeof(uint64_t) * kMaxRanks;
   off = align_up(l.arrivals_offset + sizeof(uint64_t) * kMaxRanks, 128);
   l.notify_offset = off;
   off = align_up(off + sizeof(uint64_t) * 2 * num_ranks * l.notify_slot_words(), 128);
-  const DispatchRow drow =
-      DispatchRow::make(c.max_hidden_bytes, c.max_scales, c.max_topk, c.row_align);
-  const CombineRow crow = CombineRow::make(c.max_hidden_bytes, c.max_topk, c.row_align);
+  const DispatchRow drow = DispatchRow::make(c.max_hidden_bytes, c.max_scales, c.max_topk);
+  const CombineRow crow = CombineRow::make(c.max_hidden_bytes, c.max_topk);
   const int regions = std::max(num_ranks - 1, 1);
   l.dispatch_offset = off;
   l.dispatch_region_bytes = align_up(size_t(drow.stride) * c.max_tokens_per_rank, 128);
@@ -97,10 +95,6 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
   require(config.max_local_experts >= 1, "max_local_experts must be >= 1");
   require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
   require(config.num_sms >= 1, "num_sms must be >= 1");
-  require(config.row_align >= 16 && config.row_align <= 4096 &&
-              (config.row_align & (config.row_align - 1)) == 0,
-          "row_align must be a power of two in [16, 4096]");
-  require(config.publish_batch >= 1, "publish_batch must be >= 1");
   set_send_warps(config.dispatch_send_warps, config.combine_send_warps,
                  config.small_row_dispatch_send_warps, config.slab_dispatch_send_warps,
                  config.one_rank_send_warps);
@@ -472,8 +466,6 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
   p.recv_scales = a.num_scales > 0 ? a.recv_x_scales : nullptr;
   p.num_worst_tokens = a.num_worst_tokens;
   p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales, a.own_slab);
-  p.publish_batch = config_.publish_batch;
-  p.claim_items = config_.dispatch_claim ? 1 : 0;
   if (!cached) {
     require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
     require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
@@ -517,7 +509,7 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
             pre + "num_experts differs from the notify it follows");
     p.notify_rejects = due_rejects_ ? 1 : 0;
   }
-  p.staged = config_.stage_small_dispatch_rows && a.hidden_bytes <= kStagedRowBytes ? 1 : 0;
+  p.staged = a.hidden_bytes <= kStagedRowBytes ? 1 : 0;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
   cuda_check(launch_nvlink_dispatch(p, num_sms, stream), "dispatch launch");
@@ -571,7 +563,6 @@ void NvlinkRuntime::combine(const NvlinkCombineArgs& a, cudaStream_t stream) {
   p.out = a.out;
   p.out_topk_weights = a.out_topk_weights;
   p.num_send_warps = combine_send_warps();
-  p.publish_batch = config_.publish_batch;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
   cuda_check(launch_nvlink_combine(p, num_sms, stream), "combine launch");
@@ -607,14 +598,6 @@ void NvlinkRuntime::set_send_warps(int dispatch_send_warps, int combine_send_war
   config_.slab_dispatch_send_warps = slab_dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
   config_.one_rank_send_warps = one_rank_send_warps;
-}
-
-void NvlinkRuntime::set_dispatch_claim(bool claim) {
-  config_.dispatch_claim = claim;
-}
-
-void NvlinkRuntime::set_dispatch_staging(bool stage) {
-  config_.stage_small_dispatch_rows = stage;
 }
 
 void NvlinkRuntime::barrier(cudaStream_t stream) {

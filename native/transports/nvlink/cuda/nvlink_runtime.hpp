@@ -69,8 +69,8 @@ struct NvlinkConfig {
   // BF16 rows: 10 (at 11 the senders outrun the 4 receivers left).
   int dispatch_send_warps = 10;
   // Dispatch rows of at most kSmallDispatchRowBytes (x + scales; FP8 at H=7168 is 7,392 B).
-  // Staged senders (stage_small_dispatch_rows) outrun 4 receivers at 12 warps; with claiming
-  // receivers, which finished senders join, 10 is best. Without staging 12 was best.
+  // Their senders stage x in shared memory (rows of at most kStagedRowBytes) and outrun 4
+  // receivers at 12 warps; with claiming receivers, which finished senders join, 10 is best.
   int small_row_dispatch_send_warps = 10;
   // Any row, when this rank's outputs are in its own lent receive slab (its receive warps have
   // nothing to copy). <= 0: only the two above. 6 is best for BF16 and FP8 slab rows (fewer
@@ -83,14 +83,6 @@ struct NvlinkConfig {
   // a row. true: dispatch sends with kNvlinkMaxSendWarps and combine with 1, whatever the
   // counts above say (the fastest counts of nvlink_bench with one rank, HT_BENCH_RANKS=1).
   bool one_rank_send_warps = true;
-  int row_align = 128;    // rows in the buffer start on this boundary (a power of two >= 16)
-  int publish_batch = 1;  // tokens/rows a sender warp hands over before each system fence
-  // Dispatch sender warps claim tokens from a shared counter instead of a static round-robin
-  // split (faster SMs then take more of them).
-  bool dispatch_claim = true;
-  // Dispatch senders stage rows of x of at most kStagedRowBytes (FP8 at H=7168) in shared
-  // memory, prefetching the next token's row while storing the current one.
-  bool stage_small_dispatch_rows = true;
   // Receive slabs (PeerSlabs): a second IPC allocation of this many slabs, each sized for every
   // dispatch output at the config's maximum shape (rows: every token of every rank). 0: none.
   int recv_slabs = 0;
@@ -259,10 +251,6 @@ class NvlinkRuntime {
   void set_send_warps(int dispatch_send_warps, int combine_send_warps,
                       int small_row_dispatch_send_warps = -1, int slab_dispatch_send_warps = 0,
                       bool one_rank_send_warps = false);
-  // How dispatch sender warps split the tokens (NvlinkConfig::dispatch_claim); for sweeps.
-  void set_dispatch_claim(bool claim);
-  // NvlinkConfig::stage_small_dispatch_rows; for A/B timings.
-  void set_dispatch_staging(bool stage);
 
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);
