@@ -1,0 +1,96 @@
+#ifdef EP_WITH_CUDA
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include "backend/ep_process_group.hpp"
+#include "backend/moe_validation.hpp"
+#include "backend/stream_capture.hpp"
+#include "transports/nvlink/nvlink_capacity.hpp"
+#include "transports/nvlink/nvlink_handle_routing.hpp"
+#include "transports/nvlink/nvlink_host_stages.hpp"
+#include "transports/nvlink/nvlink_pending_error.hpp"
+#include "transports/nvlink/nvlink_transport.hpp"
+
+namespace ep::nvlink {
+namespace {
+
+// The combine kernels' element type of a payload dtype (validation admitted only these).
+CombineElem combineElem(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return CombineElem::kBFloat16;
+    case at::kHalf:
+      return CombineElem::kFloat16;
+    case at::kFloat:
+      return CombineElem::kFloat32;
+    case at::kDouble:
+      return CombineElem::kFloat64;
+    default:
+      TORCH_CHECK(false, "ep combine: no kernel sums ", t, " rows");
+  }
+}
+
+}  // namespace
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
+  HostStages stages("combine");
+  const int64_t num_ranks = pg.getSize();
+  auto st = stateOf(pg);
+  raisePendingError(*st, "combine");
+  const std::string error = validateCombine(a, num_ranks);
+  stages.mark("validate");
+  const bool ok = error.empty();
+  const bool has_weights = a.topk_weights.has_value();
+  std::vector<AgreedField> fields = combineFields(a, ok);
+  fields.push_back(graphCapturedField(*st));
+  const auto& r = a.routing;
+  std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
+                               ok ? a.x.size(1) * a.x.element_size() : 0,
+                               ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
+  const std::shared_ptr<const KernelRouting> known = st->routings.recall(r);
+  const bool capture = streamCapturing();
+  const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks, capture);
+  stages.mark("handle_counts");
+  payload.insert(payload.end(), counts.begin(), counts.end());
+  payload.push_back(counts_known ? 1 : 0);
+  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
+  checkRoutingAgrees("combine", gathered, 5, pg.getRank(), 5 + 2 * num_ranks);
+  stages.mark("agree");
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  NvlinkRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "combine", capture);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  auto [send_pos, recv_prefix] =
+      routingFor(known.get(), r, c10::cuda::getCurrentCUDAStream(device.index()));
+  stages.mark("routing");
+  const int64_t num_tokens = r.is_token_in_rank.size(0);
+  at::Tensor out = at::empty({num_tokens, a.x.size(1)}, a.x.options());
+  std::optional<at::Tensor> out_w;
+  if (has_weights) {
+    out_w = at::empty({num_tokens, a.topk_weights->size(1)}, a.topk_weights->options());
+  }
+  NvlinkCombineArgs args;
+  args.x = a.x.data_ptr();
+  args.elem = combineElem(a.x.scalar_type());
+  args.hidden = static_cast<int>(a.x.size(1));
+  args.num_recv_rows = static_cast<int>(a.x.size(0));
+  args.topk_weights = has_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+  args.num_topk = has_weights ? static_cast<int>(a.topk_weights->size(1)) : 0;
+  args.recv_prefix = recv_prefix.data_ptr<int>();
+  args.send_pos = send_pos.data_ptr<int>();
+  args.num_tokens = static_cast<int>(num_tokens);
+  args.bias0 = a.bias0 ? a.bias0->data_ptr() : nullptr;
+  args.bias1 = a.bias1 ? a.bias1->data_ptr() : nullptr;
+  args.out = out.data_ptr();
+  args.out_topk_weights = out_w ? out_w->data_ptr<float>() : nullptr;
+  rt.combine(args, stream);
+  stages.mark("alloc+launch");
+  return {out, out_w};
+}
+
+}  // namespace ep::nvlink
+
+#endif  // EP_WITH_CUDA

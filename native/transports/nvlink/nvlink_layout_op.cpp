@@ -1,0 +1,88 @@
+#ifdef EP_WITH_CUDA
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <limits>
+
+#include "backend/moe_validation.hpp"
+#include "transports/nvlink/cuda/nvlink_kernels.hpp"
+#include "transports/nvlink/nvlink_host_stages.hpp"
+#include "transports/nvlink/nvlink_layout_errors.hpp"
+#include "transports/nvlink/nvlink_transport.hpp"
+
+namespace ep::nvlink {
+namespace {
+
+// Scratch of the layout kernel's blocks (undefined when one block does it all). Stream-ordered
+// like any tensor; its contents do not matter.
+at::Tensor layoutWorkspace(int64_t num_tokens, int64_t num_experts, const at::Device& device) {
+  const size_t bytes =
+      nvlink_layout_workspace_bytes(static_cast<int>(num_tokens), static_cast<int>(num_experts));
+  if (bytes == 0) {
+    return at::Tensor();
+  }
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+}  // namespace
+
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  HostStages stages("layout");
+  const char* op = "ep get_dispatch_layout: ";
+  checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
+  TORCH_CHECK(num_ranks <= kMaxRanks, op, "the CUDA layout kernel serves 1..", kMaxRanks,
+              " ranks, got ", num_ranks);
+  TORCH_CHECK(num_experts <= (1 << 14), op, "num_experts=", num_experts, " exceeds 16384");
+  TORCH_CHECK(topk_idx.size(0) <= std::numeric_limits<int>::max() / num_ranks, op,
+              "too many tokens");
+  const at::Device device = topk_idx.device();
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  LayoutErrorState& err = layoutErrorState(device.index(), stream);
+  if (const volatile ErrorRecord* e = err.host; e->code != kErrorNone) {
+    const ErrorRecord record = takeLayoutError(device.index(), stream);
+    const long long value = record.value_a, flat = record.value_b;
+    TORCH_CHECK(record.code != kErrorTimeout, op, "an earlier call on ", device,
+                " timed out: a block of the layout kernel waited for block ", value,
+                ", which never ran (its outputs are wrong; reported by the next call)");
+    TORCH_CHECK(false, op, "an earlier call on ", device, " got topk_idx value ", value,
+                " at flat position ", flat,
+                ", outside [-1, num_experts) (counted as -1 there; "
+                "reported by the next call)");
+  }
+  stages.mark("checks");
+  const at::Tensor idx = topk_idx.contiguous();
+  const auto i32 = idx.options().dtype(at::kInt);
+  at::Tensor per_rank = at::empty({num_ranks}, i32);
+  at::Tensor per_expert = at::empty({num_experts}, i32);
+  at::Tensor in_rank = at::empty({idx.size(0), num_ranks}, idx.options().dtype(at::kBool));
+  at::Tensor send_pos = at::empty({idx.size(0), num_ranks}, i32);
+  LayoutParams p{};
+  p.topk_idx = idx.data_ptr();
+  p.idx_bytes = static_cast<int>(idx.element_size());
+  p.num_tokens = static_cast<int>(idx.size(0));
+  p.num_topk = static_cast<int>(idx.size(1));
+  p.num_experts = static_cast<int>(num_experts);
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.num_tokens_per_rank = per_rank.data_ptr<int>();
+  p.num_tokens_per_expert = per_expert.data_ptr<int>();
+  p.is_token_in_rank = in_rank.data_ptr<bool>();
+  p.send_pos = send_pos.data_ptr<int>();
+  p.ctrl = err.ctrl;
+  p.error = err.dev;
+  p.rank = -1;
+  const at::Tensor ws = layoutWorkspace(idx.size(0), num_experts, device);
+  p.workspace = ws.defined() ? ws.data_ptr() : nullptr;
+  stages.mark("alloc");
+  C10_CUDA_CHECK(launch_nvlink_layout(p, stream));
+  stages.mark("launch");
+  return {per_rank, per_expert, in_rank, send_pos};
+}
+
+}  // namespace ep::nvlink
+
+#endif  // EP_WITH_CUDA
