@@ -9,6 +9,7 @@ count is an unbacked size and ``num_recv_tokens_per_expert_list`` becomes unback
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from _dist_utils import run_distributed
@@ -130,6 +131,14 @@ def _compile_worker(rank: int, world: int) -> list[str]:
     return m.items
 
 
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.skipif(
+    _TORCH < (2, 13),
+    reason="torch 2.11's Dynamo cannot rebuild the ProcessGroup a dispatch output refers to under "
+    "fullgraph=True (Reconstruction failure); passes on torch 2.13 and 2.14",
+)
 def test_compile_fullgraph_dispatch_combine() -> None:
     results = run_distributed(_compile_worker, 2, backend="ep", timeout=TIMEOUT)
     assert not any(results), format_failures(results)

@@ -397,9 +397,14 @@ def _subgroup_worker(rank: int, world: int) -> list[str]:
         lb = ref.low_latency_dispatch(xl, idx, 6, num_experts, group=group)
         compare_ll_dispatch(m, la, lb)
         # CPU tensors never use the NVLink transport: reserve agrees, then reserves nothing.
-        m.check(backend.reserve(num_tokens + 1, 40, 3, num_experts) is None, "reserve on CPU")
+        # (device="cpu": on a machine with GPUs the default device is the current GPU.)
         m.check(
-            ep.reserve(8, 128, 3, num_experts, dtype=torch.float32, group=group) is None,
+            backend.reserve(num_tokens + 1, 40, 3, num_experts, device="cpu") is None,
+            "reserve on CPU",
+        )
+        m.check(
+            ep.reserve(8, 128, 3, num_experts, dtype=torch.float32, group=group, device="cpu")
+            is None,
             "ep.reserve on CPU",
         )
         yl = torch.randn(lb.recv_x.shape, generator=gen).to(BF16)

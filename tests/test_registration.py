@@ -225,6 +225,8 @@ def _unsupported(rank: int, world_size: int) -> None:
         backend.recv_anysource([torch.ones(2, device="meta")], 0)
     with pytest.raises(RuntimeError, match="ep: all_to_all_single does not support tensors on"):
         backend.alltoall_base(torch.ones(2, device="meta"), torch.ones(2, device="meta"), [], [])
+    # Neither rank leaves while its peer may still be connecting the group's inner backends.
+    dist.barrier()
 
 
 def test_unsupported_calls_raise_clear_errors() -> None:

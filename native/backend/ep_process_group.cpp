@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <sstream>
 
 namespace ep {
@@ -511,7 +512,51 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall_base(
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall(std::vector<at::Tensor>& output_tensors,
                                                         std::vector<at::Tensor>& input_tensors,
                                                         const c10d::AllToAllOptions& opts) {
-  return track(route(input_tensors, "all_to_all")->alltoall(output_tensors, input_tensors, opts));
+  auto backend = route(input_tensors, "all_to_all");
+  if (backend != cpu_ || cpuHasListAlltoall_) {
+    try {
+      return track(backend->alltoall(output_tensors, input_tensors, opts));
+    } catch (const c10::Error& e) {
+      // Gloo of torch < 2.13 has no list all_to_all (only all_to_all_single): send the list as
+      // one all_to_all_single below. Any other error is the caller's.
+      if (backend != cpu_ ||
+          std::string(e.what_without_backtrace()).find("does not support alltoall") ==
+              std::string::npos) {
+        throw;
+      }
+      cpuHasListAlltoall_ = false;
+    }
+  }
+  TORCH_CHECK(static_cast<int>(input_tensors.size()) == getSize() &&
+                  static_cast<int>(output_tensors.size()) == getSize(),
+              "ep all_to_all: expected ", getSize(), " input and output tensors, got ",
+              input_tensors.size(), " and ", output_tensors.size());
+  std::vector<at::Tensor> flat_inputs;
+  std::vector<int64_t> input_splits, output_splits;
+  for (const auto& t : input_tensors) {
+    TORCH_CHECK(t.scalar_type() == input_tensors.front().scalar_type(),
+                "ep all_to_all: every input tensor must have one dtype");
+    flat_inputs.push_back(t.reshape({-1}));
+    input_splits.push_back(t.numel());
+  }
+  for (const auto& t : output_tensors) {
+    TORCH_CHECK(t.scalar_type() == input_tensors.front().scalar_type(),
+                "ep all_to_all: output tensors must have the inputs' dtype");
+    output_splits.push_back(t.numel());
+  }
+  at::Tensor input = at::cat(flat_inputs);
+  at::Tensor output = at::empty(
+      {std::accumulate(output_splits.begin(), output_splits.end(), int64_t{0})}, input.options());
+  auto work = backend->alltoall_base(output, input, output_splits, input_splits, opts);
+  std::vector<at::Tensor> outputs = output_tensors;
+  return track(thenApply(work, [output, outputs, output_splits] {
+    int64_t offset = 0;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const_cast<at::Tensor&>(outputs[i])
+          .copy_(output.narrow(0, offset, output_splits[i]).view(outputs[i].sizes()));
+      offset += output_splits[i];
+    }
+  }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::send(std::vector<at::Tensor>& tensors, int dst_rank,

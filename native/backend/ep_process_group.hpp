@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -161,6 +162,8 @@ class EPProcessGroup : public c10d::Backend {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<EPOptions> options_;
   c10::intrusive_ptr<c10d::Backend> cpu_;
+  // Whether the inner Gloo has a list all_to_all (torch >= 2.13); learnt at the first call.
+  std::atomic<bool> cpuHasListAlltoall_{true};
   c10::intrusive_ptr<c10d::Backend> cuda_;
   SplitFactory split_factory_;
   std::mutex split_mutex_;

@@ -83,6 +83,15 @@ Tensors2 quantizeFp8Op(const at::Tensor& x, bool round_scale, bool use_ue8m0) {
 }
 
 // The transport for a call on `x`: CUDA tensors ask the registry, CPU tensors take ATen.
+// The kernels read x_scales row by row: a strided view (DeepEP's FP8 callers pass column-major
+// scales) is copied to row-major first, as every transport sees it.
+std::optional<at::Tensor> rowMajor(const std::optional<at::Tensor>& scales) {
+  if (scales.has_value() && !scales->is_contiguous()) {
+    return scales->contiguous();
+  }
+  return scales;
+}
+
 Transport& transportOf(EPProcessGroup& pg, OpFamily family, const at::Tensor& x) {
   return x.is_cuda() ? transportFor(pg, family, x.device()) : atenTransport();
 }
@@ -93,8 +102,8 @@ DispatchOutputs dispatchOp(const at::Tensor& x, const std::optional<at::Tensor>&
                            int64_t expert_alignment, int64_t num_worst_tokens,
                            const std::string& group_name, at::TensorList layout) {
   auto pg = resolveGroup(group_name, "dispatch");
-  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
-                    num_experts, expert_alignment, num_worst_tokens, layout.vec()};
+  DispatchArgs args{x,           rowMajor(x_scales), topk_idx,         topk_weights,
+                    num_experts, expert_alignment,   num_worst_tokens, layout.vec()};
   Transport& t = transportOf(*pg, OpFamily::kHighThroughput, x);
   return packDispatch(t.dispatch(*pg, args, nullptr), x, !layout.empty());
 }
@@ -109,8 +118,8 @@ std::pair<DispatchOutputs, DeferredCounts> dispatchDeferred(
   RECORD_FUNCTION("ep::dispatch", std::vector<c10::IValue>());  // as the op shows in a profile
   DeferredCounts second;
   auto pg = resolveGroup(group_name, "dispatch");
-  DispatchArgs args{x,           x_scales,         topk_idx,         topk_weights,
-                    num_experts, expert_alignment, num_worst_tokens, layout};
+  DispatchArgs args{x,           rowMajor(x_scales), topk_idx,         topk_weights,
+                    num_experts, expert_alignment,   num_worst_tokens, layout};
   Transport& t = transportOf(*pg, OpFamily::kHighThroughput, x);
   DispatchOutputs outputs = packDispatch(t.dispatch(*pg, args, &second), x, !layout.empty());
   return {std::move(outputs), std::move(second)};
@@ -126,7 +135,7 @@ Tensors2 cachedDispatchOp(const at::Tensor& x, const std::optional<at::Tensor>& 
   auto pg = resolveGroup(group_name, "cached dispatch");
   Transport& t = transportOf(*pg, OpFamily::kHighThroughput, x);
   auto [recv_x, recv_scales] =
-      t.cachedDispatch(*pg, x, x_scales,
+      t.cachedDispatch(*pg, x, rowMajor(x_scales),
                        routingOf(is_token_in_rank, num_tokens_per_rank, num_recv_tokens_per_rank,
                                  recv_src_idx, recv_src_rank));
   return {recv_x, orEmpty(recv_scales, x)};
