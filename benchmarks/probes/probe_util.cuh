@@ -1,5 +1,5 @@
-// Shared by the standalone CUDA probes in benchmarks/probes/ (each built alone with nvcc): a check that
-// prints the failing call's place and exits, and the GPU's global nanosecond timer.
+// Shared by the standalone CUDA probes in benchmarks/probes/ (each built alone with nvcc): a check
+// that prints the failing call's place and exits, and the GPU's global nanosecond timer.
 #pragma once
 
 #include <cuda_runtime.h>
