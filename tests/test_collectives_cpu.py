@@ -65,7 +65,16 @@ def _standard_collectives(rank: int, world: int) -> dict:
     dist.all_to_all_single(o, inp, out_splits, in_splits)
     out["all_to_all_single_uneven"] = o
     outs = [torch.empty(2) for _ in range(world)]
-    dist.all_to_all(outs, [torch.full((2,), float(rank * 10 + d)) for d in range(world)])
+    ins = [torch.full((2,), float(rank * 10 + d)) for d in range(world)]
+    torch_version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if dist.get_backend() == "gloo" and torch_version < (2, 13):
+        # The Gloo reference of torch < 2.13 has no list all_to_all (ep emulates it): the same
+        # exchange as one all_to_all_single.
+        flat = torch.empty(2 * world)
+        dist.all_to_all_single(flat, torch.cat(ins))
+        outs = list(flat.split(2))
+    else:
+        dist.all_to_all(outs, ins)
     out["all_to_all"] = torch.stack(outs)
     # point to point, blocking and batched (both peers send first: must not deadlock)
     peer = rank ^ 1

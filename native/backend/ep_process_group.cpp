@@ -547,7 +547,9 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall(std::vector<at::Tensor>&
   at::Tensor input = at::cat(flat_inputs);
   at::Tensor output = at::empty(
       {std::accumulate(output_splits.begin(), output_splits.end(), int64_t{0})}, input.options());
-  auto work = backend->alltoall_base(output, input, output_splits, input_splits, opts);
+  // alltoall_base may move from the split vectors it is given (Gloo does): it gets copies.
+  std::vector<int64_t> send_splits = input_splits, recv_splits = output_splits;
+  auto work = backend->alltoall_base(output, input, recv_splits, send_splits, opts);
   std::vector<at::Tensor> outputs = output_tensors;
   return track(thenApply(work, [output, outputs, output_splits] {
     int64_t offset = 0;
