@@ -162,25 +162,30 @@ class CMakeBuild(build_ext):
             raise RuntimeError(f"EP_WITH_CUDA={mode!r}: use auto, 0 or 1")
         torch_info = _torch_info()
         cuda_home: Path | None = None
+        cpu_reason = ""  # why this is a CPU build ("" for a CUDA one)
         if mode in ("0", "off", "false", "no"):
+            cpu_reason = "EP_WITH_CUDA=0"
             _say("building the CPU package (EP_WITH_CUDA=0)")
         else:
-            cuda_home, why_not = _cuda_plan(torch_info)
+            cuda_home, cpu_reason = _cuda_plan(torch_info)
             if cuda_home is None:
                 if mode != "auto":
-                    raise RuntimeError(f"EP_WITH_CUDA=1 but no CUDA build can be made: {why_not}")
-                _say(f"building the CPU package: {why_not}")
+                    raise RuntimeError(
+                        f"EP_WITH_CUDA=1 but no CUDA build can be made: {cpu_reason}"
+                    )
+                _say(f"building the CPU package: {cpu_reason}")
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
         if cuda_home is not None:
             try:
-                build_dir = self._build(torch_info, cuda_home, jobs)
+                build_dir = self._build(torch_info, cuda_home, jobs, "")
             except _BuildStepFailed as e:
                 if mode != "auto":
                     raise
-                _say(f"building the CPU package: the CUDA build failed ({e.output_tail})")
+                cpu_reason = f"the CUDA build failed ({e.output_tail})"
+                _say(f"building the CPU package: {cpu_reason}")
                 cuda_home = None
         if cuda_home is None:
-            build_dir = self._build(torch_info, None, jobs)
+            build_dir = self._build(torch_info, None, jobs, cpu_reason)
         self._install(ext, build_dir, cuda_home is not None, jobs)
 
     def _build_dir(self, torch_info: TorchInfo, with_cuda: bool) -> Path:
@@ -189,7 +194,9 @@ class CMakeBuild(build_ext):
         tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch_info.version}"
         return ROOT / "build" / f"{tag}-{'cuda' if with_cuda else 'cpu'}"
 
-    def _build(self, torch_info: TorchInfo, cuda_home: Path | None, jobs: str) -> Path:
+    def _build(
+        self, torch_info: TorchInfo, cuda_home: Path | None, jobs: str, cpu_reason: str
+    ) -> Path:
         with_cuda = cuda_home is not None
         build_dir = self._build_dir(torch_info, with_cuda)
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -206,6 +213,9 @@ class CMakeBuild(build_ext):
                 f"-DCMAKE_CUDA_COMPILER={cuda_home / 'bin' / 'nvcc'}",
                 f"-DCUDAToolkit_ROOT={cuda_home}",
             ]
+        # Why this is a CPU build, kept in _C (pip hides the build's output): the bench says it.
+        note = re.sub(r"[^A-Za-z0-9 ._:/()=+,-]", "", cpu_reason)[:300]
+        cfg.append(f"-DEP_CPU_BUILD_REASON={note}")
         cfg += os.environ.get("EP_CMAKE_ARGS", "").split()
         if shutil.which("ninja") and not (build_dir / "Makefile").exists():
             cfg += ["-G", "Ninja"]

@@ -609,6 +609,15 @@ def _print_table(rows: list[dict], header: str, on_gpu: bool) -> None:
         print(text + (f"  {r['note']}" if r["note"] else ""))
 
 
+def _build_summary() -> str:
+    """What the installed ep_backend was built with (pip hides the build's own output)."""
+    from ep_backend import _C
+
+    if _C.built_with_cuda:
+        return f"CUDA kernels for {_C.cuda_architectures}"
+    return f"CPU only ({_C.cpu_build_reason or 'no reason recorded'})"
+
+
 def _check_args(args: argparse.Namespace, nprocs: int, on_gpu: bool) -> str | None:
     """Why the shape or process count cannot run (None when it can), before any process starts."""
     if nprocs < 1:
@@ -718,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         device_name += f" (shared: {nprocs} ranks on {gpus} GPU(s); not an NVLink figure)"
     print(f"ep bench: {nprocs} x {device_name}, T={args.tokens} H={args.hidden} top-{args.topk} "
           f"of E={args.experts}, BF16; torch {torch.__version__}", flush=True)  # fmt: skip
+    print(f"ep build: {_build_summary()}", flush=True)
     mp.start_processes(_worker, args=(nprocs, _free_port(), args, str(result_path)), nprocs=nprocs,
                        start_method="spawn")  # fmt: skip
     rows = json.loads(result_path.read_text())

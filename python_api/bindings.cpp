@@ -245,10 +245,12 @@ PYBIND11_MODULE(_C, m) {
   // What this build holds (CI checks that a CUDA build really happened; errors name the archs).
 #ifdef EP_WITH_CUDA
   m.attr("built_with_cuda") = true;
+  m.attr("cpu_build_reason") = "";
   m.attr("cuda_architectures") = ep::builtCudaArchitectures();
 #else
   m.attr("built_with_cuda") = false;
   m.attr("cuda_architectures") = "";
+  m.attr("cpu_build_reason") = EP_CPU_BUILD_REASON;
 #endif
   bindOptions(m);
   bindProcessGroup(m);

@@ -29,3 +29,4 @@ def test_bench_runs_on_cpu_and_reports_every_op(tmp_path) -> None:
     swept = sorted(r["tokens"] for r in rows if r["op"] == "ep dispatch+combine BF16")
     assert swept == [32, 128, 256], swept
     assert "== low latency" in done.stdout and "ep is" in done.stdout
+    assert "ep build: " in done.stdout  # what the build made, since pip hides its output
