@@ -1,5 +1,6 @@
 """On a GPU the build has no kernel image for, the MoE ops take the ATen path with a
-FallbackWarning that names the architectures (never a kernel launch failure).
+FallbackWarning that names the architectures (never a kernel launch failure): high-throughput
+dispatch and combine, and with two GPUs the low-latency dispatch and combine.
 
 Runs only where the build does not cover the GPU: on the GPU machine, build with another
 architecture, e.g. ``EP_CUDA_ARCH=100a`` on a Hopper GPU, and run this file. Elsewhere it skips,
@@ -49,6 +50,20 @@ def _uncovered_worker(rank: int, world: int) -> list[str]:
         problems.append("dispatch rows differ from the CPU path's")
     if not torch.equal(combined.cpu(), ep.combine(want.recv_x, want.handle).combined_x):
         problems.append("combine differs from the CPU path's")
+    if world > 1:  # the low-latency ops (the ATen path needs NCCL: one GPU per rank)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            d = ep.low_latency_dispatch(x, idx, 128, 8, use_fp8=False)
+            y = d.recv_x.clone()
+            ll = ep.low_latency_combine(y, idx, w, d.handle)
+        fallbacks = [str(s.message) for s in seen if issubclass(s.category, ep.FallbackWarning)]
+        if not any("built for" in m for m in fallbacks):
+            problems.append(f"low latency: no FallbackWarning naming the build: {fallbacks}")
+        transport = ep.get_backend().low_latency_transport
+        if not transport.startswith("aten"):
+            problems.append(f"low_latency_transport is {transport!r}, expected the ATen path")
+        if ll.shape != x.shape or not torch.isfinite(ll.float()).all():
+            problems.append(f"low-latency combine gave {tuple(ll.shape)} / non-finite values")
     return problems
 
 
