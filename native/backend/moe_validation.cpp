@@ -425,7 +425,7 @@ std::shared_ptr<ExchangeState> exchangeOf(EPProcessGroup& pg) {
 at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
   const int64_t num_ranks = pg.getSize();
   const int64_t width = static_cast<int64_t>(row.size());
-  if (num_ranks == 1) {  // nobody to agree with (Gloo's worker-thread round trip: 100-400 µs)
+  if (num_ranks == 1) {  // nobody to agree with: skip the round trip through Gloo's worker thread
     pg.nextMoeCall();
     return at::tensor(row, at::kLong).view({1, width});
   }
