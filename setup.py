@@ -232,15 +232,25 @@ class CMakeBuild(build_ext):
         dest = Path(self.get_ext_fullpath(ext.name))
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, dest)
-        targets = [dest.parent]
-        if getattr(self, "editable_mode", False):
-            # An editable install copies only the extension module into the source tree; the
-            # library _C loads from beside itself must land there too.
-            targets.append(ROOT / "ep_backend")
+        targets = self._package_dirs(dest.parent)
         for package_dir in targets:  # never load a stale low-latency library
             (package_dir / "libep_nvshmem.so").unlink(missing_ok=True)
         if with_cuda:
             self._build_low_latency_library(build_dir, jobs, targets)
+
+    def _package_dirs(self, built_package: Path) -> list[Path]:
+        """Where libep_nvshmem.so goes: beside every copy of _C that can be imported.
+
+        An editable install (`pip install -e`) and `build_ext --inplace` copy only the extension
+        module from the build folder into the source tree; the library _C loads from beside
+        itself must land there too.
+        """
+        targets = [built_package]
+        source_package = ROOT / "ep_backend"
+        in_source = getattr(self, "editable_mode", False) or getattr(self, "inplace", False)
+        if in_source and source_package.resolve() != built_package.resolve():
+            targets.append(source_package)
+        return targets
 
     @staticmethod
     def _build_low_latency_library(build_dir: Path, jobs: str, package_dirs: list[Path]) -> None:

@@ -137,3 +137,20 @@ def test_unusable_arch_lists_are_refused(clean_env: Path, monkeypatch, torch_lis
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", torch_list)
     with pytest.raises(RuntimeError, match="TORCH_CUDA_ARCH_LIST"):
         setup_py.cuda_architectures()
+
+
+@pytest.mark.parametrize(
+    ("flags", "in_source"),
+    [({}, False), ({"inplace": True}, True), ({"editable_mode": True}, True)],
+)
+def test_low_latency_library_goes_beside_every_importable_c_module(
+    tmp_path: Path, flags: dict[str, bool], in_source: bool
+) -> None:
+    command = setup_py.CMakeBuild.__new__(setup_py.CMakeBuild)  # no distribution needed
+    command.inplace = False
+    for name, value in flags.items():
+        setattr(command, name, value)
+    built = tmp_path / "build" / "lib" / "ep_backend"
+    dirs = command._package_dirs(built)
+    assert dirs[0] == built
+    assert (ROOT / "ep_backend" in dirs) == in_source
