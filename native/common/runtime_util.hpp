@@ -23,6 +23,19 @@ inline void require(bool ok, const char* component, const std::string& message) 
   if (!ok) throw std::invalid_argument(std::string(component) + ": " + message);
 }
 
+// The checks above bound to one runtime's name, so its messages say which runtime failed.
+class Checks {
+ public:
+  explicit constexpr Checks(const char* component) : component_(component) {}
+  void cuda(cudaError_t e, const char* what) const { cuda_check(e, component_, what); }
+  void require(bool ok, const std::string& message) const {
+    runtime::require(ok, component_, message);
+  }
+
+ private:
+  const char* component_;
+};
+
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }

@@ -17,15 +17,7 @@
 namespace ep {
 namespace {
 
-constexpr const char* kComponent = "ep nvlink";
-
-void cuda_check(cudaError_t e, const char* what) {
-  runtime::cuda_check(e, kComponent, what);
-}
-
-void require(bool ok, const std::string& message) {
-  runtime::require(ok, kComponent, message);
-}
+constexpr runtime::Checks kChecks{"ep nvlink"};
 
 using runtime::aligned16;
 using runtime::DeviceGuard;
@@ -85,51 +77,53 @@ size_t NvlinkRuntime::buffer_bytes(const NvlinkConfig& config, int num_ranks) {
 
 NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkConfig& config)
     : rank_(rank), num_ranks_(num_ranks), device_(device), config_(config) {
-  require(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, 8]");
-  require(rank >= 0 && rank < num_ranks, "rank out of range");
-  require(config.max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1");
-  require(config.max_hidden_bytes >= 16 && config.max_hidden_bytes % 16 == 0,
-          "max_hidden_bytes must be a positive multiple of 16");
-  require(config.max_topk >= 1 && config.max_topk <= kMaxTopk, "max_topk must be in [1, 32]");
-  require(config.max_scales >= 0, "max_scales must be >= 0");
-  require(config.max_local_experts >= 1, "max_local_experts must be >= 1");
-  require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
-  require(config.num_sms >= 1, "num_sms must be >= 1");
+  kChecks.require(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, 8]");
+  kChecks.require(rank >= 0 && rank < num_ranks, "rank out of range");
+  kChecks.require(config.max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1");
+  kChecks.require(config.max_hidden_bytes >= 16 && config.max_hidden_bytes % 16 == 0,
+                  "max_hidden_bytes must be a positive multiple of 16");
+  kChecks.require(config.max_topk >= 1 && config.max_topk <= kMaxTopk,
+                  "max_topk must be in [1, 32]");
+  kChecks.require(config.max_scales >= 0, "max_scales must be >= 0");
+  kChecks.require(config.max_local_experts >= 1, "max_local_experts must be >= 1");
+  kChecks.require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
+  kChecks.require(config.num_sms >= 1, "num_sms must be >= 1");
   set_send_warps(config.dispatch_send_warps, config.combine_send_warps,
                  config.small_row_dispatch_send_warps, config.slab_dispatch_send_warps,
                  config.one_rank_send_warps);
 
   DeviceGuard guard(device_);
   // Load every kernel now (see preload_* in nvlink_kernels.hpp: lazy loading can deadlock).
-  cuda_check(preload_nvlink_layout(), "loading the layout kernel");
-  cuda_check(preload_nvlink_notify(), "loading the notify kernel");
-  cuda_check(preload_nvlink_dispatch(), "loading the dispatch kernel");
-  cuda_check(preload_nvlink_combine(), "loading the combine kernels");
-  cuda_check(preload_nvlink_barrier(), "loading the barrier kernel");
+  kChecks.cuda(preload_nvlink_layout(), "loading the layout kernel");
+  kChecks.cuda(preload_nvlink_notify(), "loading the notify kernel");
+  kChecks.cuda(preload_nvlink_dispatch(), "loading the dispatch kernel");
+  kChecks.cuda(preload_nvlink_combine(), "loading the combine kernels");
+  kChecks.cuda(preload_nvlink_barrier(), "loading the barrier kernel");
   layout_ = make_layout(config_, num_ranks_);
-  cuda_check(cudaMalloc(reinterpret_cast<void**>(&buffer_), layout_.total_bytes),
-             "cudaMalloc(buffer)");
+  kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&buffer_), layout_.total_bytes),
+               "cudaMalloc(buffer)");
   // Zero everything: stale bytes could otherwise look like a current flag or sequence number.
-  cuda_check(cudaMemset(buffer_, 0, layout_.total_bytes), "cudaMemset(buffer)");
-  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  kChecks.cuda(cudaMemset(buffer_, 0, layout_.total_bytes), "cudaMemset(buffer)");
+  kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
-  cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ErrorRecord),
-                           cudaHostAllocMapped | cudaHostAllocPortable),
-             "cudaHostAlloc(error)");
+  kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ErrorRecord),
+                             cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc(error)");
   std::memset(static_cast<void*>(error_host_), 0, sizeof(ErrorRecord));
-  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
-             "cudaHostGetDevicePointer(error)");
+  kChecks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+               "cudaHostGetDevicePointer(error)");
   const size_t counter_bytes = sizeof(HostCounters) + sizeof(int) * config_.max_local_experts;
-  cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&counters_host_), counter_bytes,
-                           cudaHostAllocMapped | cudaHostAllocPortable),
-             "cudaHostAlloc(counters)");
+  kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&counters_host_), counter_bytes,
+                             cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc(counters)");
   std::memset(static_cast<void*>(counters_host_), 0, counter_bytes);
-  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&counters_dev_), counters_host_, 0),
-             "cudaHostGetDevicePointer(counters)");
+  kChecks.cuda(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&counters_dev_), counters_host_, 0),
+      "cudaHostGetDevicePointer(counters)");
 
   int clock_khz = 0;
-  cuda_check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device_),
-             "cudaDeviceGetAttribute(clock)");
+  kChecks.cuda(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device_),
+               "cudaDeviceGetAttribute(clock)");
   if (clock_khz <= 0) clock_khz = 2000000;
   // clock64 runs at (at most) the peak SM clock, so this is at least timeout_seconds.
   timeout_cycles_ = static_cast<long long>(config_.timeout_seconds * clock_khz * 1000.0);
@@ -138,7 +132,8 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
   peer_opened_.assign(num_ranks_, false);
   peers_[rank_] = buffer_;
 
-  require(config_.recv_slabs >= 0 && config_.recv_slabs <= 64, "recv_slabs must be in [0, 64]");
+  kChecks.require(config_.recv_slabs >= 0 && config_.recv_slabs <= 64,
+                  "recv_slabs must be in [0, 64]");
   peer_slabs_.assign(num_ranks_, nullptr);
   peer_slabs_opened_.assign(num_ranks_, false);
   if (config_.recv_slabs > 0) {
@@ -148,8 +143,8 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
             .total,
         4096);
     char* raw = nullptr;
-    cuda_check(cudaMalloc(reinterpret_cast<void**>(&raw), slab_bytes_ * config_.recv_slabs),
-               "cudaMalloc(receive slabs)");
+    kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&raw), slab_bytes_ * config_.recv_slabs),
+                 "cudaMalloc(receive slabs)");
     const int dev = device_;
     slabs_ = std::shared_ptr<char>(raw, [dev](char* ptr) {
       int previous = 0;
@@ -163,7 +158,7 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
 }
 
 char* NvlinkRuntime::recv_slab(int i) const {
-  require(slabs_ != nullptr && i >= 0 && i < config_.recv_slabs, "recv_slab: no such slab");
+  kChecks.require(slabs_ != nullptr && i >= 0 && i < config_.recv_slabs, "recv_slab: no such slab");
   return slabs_.get() + size_t(i) * slab_bytes_;
 }
 
@@ -206,34 +201,35 @@ void NvlinkRuntime::destroy() {
 }
 
 std::vector<char> NvlinkRuntime::ipc_handle() const {
-  require(buffer_ != nullptr, "runtime destroyed");
+  kChecks.require(buffer_ != nullptr, "runtime destroyed");
   DeviceGuard guard(device_);
   cudaIpcMemHandle_t h[2];
-  cuda_check(cudaIpcGetMemHandle(&h[0], buffer_), "cudaIpcGetMemHandle");
+  kChecks.cuda(cudaIpcGetMemHandle(&h[0], buffer_), "cudaIpcGetMemHandle");
   if (slabs_ != nullptr)
-    cuda_check(cudaIpcGetMemHandle(&h[1], slabs_.get()), "cudaIpcGetMemHandle(slabs)");
+    kChecks.cuda(cudaIpcGetMemHandle(&h[1], slabs_.get()), "cudaIpcGetMemHandle(slabs)");
   const char* p = reinterpret_cast<const char*>(h);
   return std::vector<char>(p, p + sizeof(cudaIpcMemHandle_t) * (slabs_ != nullptr ? 2 : 1));
 }
 
 void NvlinkRuntime::connect(const std::vector<std::vector<char>>& all_handles) {
-  require(!connected_, "already connected");
-  require(static_cast<int>(all_handles.size()) == num_ranks_, "need one handle per rank");
+  kChecks.require(!connected_, "already connected");
+  kChecks.require(static_cast<int>(all_handles.size()) == num_ranks_, "need one handle per rank");
   DeviceGuard guard(device_);
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
     const size_t count = slabs_ != nullptr ? 2 : 1;  // every rank has the same config
-    require(all_handles[r].size() == sizeof(cudaIpcMemHandle_t) * count, "bad IPC handle size");
+    kChecks.require(all_handles[r].size() == sizeof(cudaIpcMemHandle_t) * count,
+                    "bad IPC handle size");
     cudaIpcMemHandle_t h[2];
     std::memcpy(h, all_handles[r].data(), sizeof(cudaIpcMemHandle_t) * count);
     void* p = nullptr;
-    cuda_check(cudaIpcOpenMemHandle(&p, h[0], cudaIpcMemLazyEnablePeerAccess),
-               "cudaIpcOpenMemHandle");
+    kChecks.cuda(cudaIpcOpenMemHandle(&p, h[0], cudaIpcMemLazyEnablePeerAccess),
+                 "cudaIpcOpenMemHandle");
     peers_[r] = static_cast<char*>(p);
     peer_opened_[r] = true;
     if (count == 2) {
-      cuda_check(cudaIpcOpenMemHandle(&p, h[1], cudaIpcMemLazyEnablePeerAccess),
-                 "cudaIpcOpenMemHandle(slabs)");
+      kChecks.cuda(cudaIpcOpenMemHandle(&p, h[1], cudaIpcMemLazyEnablePeerAccess),
+                   "cudaIpcOpenMemHandle(slabs)");
       peer_slabs_[r] = static_cast<char*>(p);
       peer_slabs_opened_[r] = true;
     }
@@ -243,15 +239,15 @@ void NvlinkRuntime::connect(const std::vector<std::vector<char>>& all_handles) {
 
 void NvlinkRuntime::connect_local(const std::vector<void*>& peer_buffers,
                                   const std::vector<void*>& peer_slabs) {
-  require(!connected_, "already connected");
-  require(static_cast<int>(peer_buffers.size()) == num_ranks_, "need one buffer per rank");
-  require(slabs_ == nullptr || static_cast<int>(peer_slabs.size()) == num_ranks_,
-          "need one slab array per rank (config.recv_slabs > 0)");
+  kChecks.require(!connected_, "already connected");
+  kChecks.require(static_cast<int>(peer_buffers.size()) == num_ranks_, "need one buffer per rank");
+  kChecks.require(slabs_ == nullptr || static_cast<int>(peer_slabs.size()) == num_ranks_,
+                  "need one slab array per rank (config.recv_slabs > 0)");
   for (int r = 0; r < num_ranks_; ++r) {
-    require(peer_buffers[r] != nullptr, "null peer buffer");
+    kChecks.require(peer_buffers[r] != nullptr, "null peer buffer");
     if (r != rank_) peers_[r] = static_cast<char*>(peer_buffers[r]);
     if (slabs_ != nullptr && r != rank_) {
-      require(peer_slabs[r] != nullptr, "null peer slab array");
+      kChecks.require(peer_slabs[r] != nullptr, "null peer slab array");
       peer_slabs_[r] = static_cast<char*>(peer_slabs[r]);
     }
   }
@@ -259,8 +255,8 @@ void NvlinkRuntime::connect_local(const std::vector<void*>& peer_buffers,
 }
 
 void NvlinkRuntime::check_ready(const char* op) const {
-  require(buffer_ != nullptr, std::string(op) + ": runtime destroyed");
-  require(connected_, std::string(op) + ": runtime not connected");
+  kChecks.require(buffer_ != nullptr, std::string(op) + ": runtime destroyed");
+  kChecks.require(connected_, std::string(op) + ": runtime not connected");
   if (failed()) throw std::runtime_error(check_error());
 }
 
@@ -291,17 +287,17 @@ void NvlinkRuntime::layout(const void* topk_idx, int idx_bytes, int num_tokens, 
                            int num_experts, int* num_tokens_per_rank, int* num_tokens_per_expert,
                            bool* is_token_in_rank, int* send_pos, cudaStream_t stream,
                            void* workspace) {
-  require(buffer_ != nullptr, "layout: runtime destroyed");
-  require(idx_bytes == 4 || idx_bytes == 8, "layout: topk_idx must be int32 or int64");
-  require(num_tokens >= 0, "layout: num_tokens must be >= 0");
-  require(num_topk >= 1 && num_topk <= kMaxTopk, "layout: K must be in [1, 32]");
-  require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
-          "layout: num_experts must be a positive multiple of the number of ranks");
-  require(num_tokens == 0 ||
-              (topk_idx != nullptr && is_token_in_rank != nullptr && send_pos != nullptr),
-          "layout: null pointer");
-  require(num_tokens_per_rank != nullptr && num_tokens_per_expert != nullptr,
-          "layout: null pointer");
+  kChecks.require(buffer_ != nullptr, "layout: runtime destroyed");
+  kChecks.require(idx_bytes == 4 || idx_bytes == 8, "layout: topk_idx must be int32 or int64");
+  kChecks.require(num_tokens >= 0, "layout: num_tokens must be >= 0");
+  kChecks.require(num_topk >= 1 && num_topk <= kMaxTopk, "layout: K must be in [1, 32]");
+  kChecks.require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
+                  "layout: num_experts must be a positive multiple of the number of ranks");
+  kChecks.require(num_tokens == 0 ||
+                      (topk_idx != nullptr && is_token_in_rank != nullptr && send_pos != nullptr),
+                  "layout: null pointer");
+  kChecks.require(num_tokens_per_rank != nullptr && num_tokens_per_expert != nullptr,
+                  "layout: null pointer");
   LayoutParams p{};
   p.topk_idx = topk_idx;
   p.idx_bytes = idx_bytes;
@@ -318,7 +314,7 @@ void NvlinkRuntime::layout(const void* topk_idx, int idx_bytes, int num_tokens, 
   p.rank = rank_;
   p.workspace = workspace;
   DeviceGuard guard(device_);
-  cuda_check(launch_nvlink_layout(p, stream), "layout launch");
+  kChecks.cuda(launch_nvlink_layout(p, stream), "layout launch");
 }
 
 int NvlinkRuntime::notify(const int* num_tokens_per_rank, const int* num_tokens_per_expert,
@@ -328,19 +324,20 @@ int NvlinkRuntime::notify(const int* num_tokens_per_rank, const int* num_tokens_
                           const LayoutErrorRef* layout_error, bool dispatch_follows, int lend_slab,
                           int* dest_slabs) {
   check_ready("notify");
-  require(lend_slab >= -1 && lend_slab < config_.recv_slabs, "notify: no such receive slab");
-  require(lend_slab < 0 || dispatch_follows || host_counters,
-          "notify: a lent slab is for the dispatch that follows");
+  kChecks.require(lend_slab >= -1 && lend_slab < config_.recv_slabs,
+                  "notify: no such receive slab");
+  kChecks.require(lend_slab < 0 || dispatch_follows || host_counters,
+                  "notify: a lent slab is for the dispatch that follows");
   check_no_dispatch_due("notify");
-  require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
-          "notify: num_experts must be a positive multiple of the number of ranks");
-  require(num_experts / num_ranks_ <= config_.max_local_experts,
-          "notify: num_experts / num_ranks exceeds config.max_local_experts");
-  require(expert_alignment >= 1, "notify: expert_alignment must be >= 1");
-  require(num_worst_tokens >= 0, "notify: num_worst_tokens must be >= 0");
-  require(num_tokens_per_rank && num_tokens_per_expert && recv_counts && recv_prefix &&
-              num_recv_tokens_per_expert,
-          "notify: null pointer");
+  kChecks.require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0,
+                  "notify: num_experts must be a positive multiple of the number of ranks");
+  kChecks.require(num_experts / num_ranks_ <= config_.max_local_experts,
+                  "notify: num_experts / num_ranks exceeds config.max_local_experts");
+  kChecks.require(expert_alignment >= 1, "notify: expert_alignment must be >= 1");
+  kChecks.require(num_worst_tokens >= 0, "notify: num_worst_tokens must be >= 0");
+  kChecks.require(num_tokens_per_rank && num_tokens_per_expert && recv_counts && recv_prefix &&
+                      num_recv_tokens_per_expert,
+                  "notify: null pointer");
   NotifyParams p{};
   p.comm = comm_context();
   p.num_tokens_per_rank = num_tokens_per_rank;
@@ -352,8 +349,8 @@ int NvlinkRuntime::notify(const int* num_tokens_per_rank, const int* num_tokens_
   p.recv_prefix = recv_prefix;
   p.num_recv_tokens_per_expert = num_recv_tokens_per_expert;
   if (layout_error != nullptr) {
-    require(layout_error->record != nullptr && layout_error->lock != nullptr,
-            "notify: layout_error needs its record and its lock");
+    kChecks.require(layout_error->record != nullptr && layout_error->lock != nullptr,
+                    "notify: layout_error needs its record and its lock");
     p.layout_error = layout_error->record;
     p.layout_error_lock = layout_error->lock;
   }
@@ -370,7 +367,7 @@ int NvlinkRuntime::notify(const int* num_tokens_per_rank, const int* num_tokens_
     host_num_local_experts_ = p.experts_per_rank;
   }
   DeviceGuard guard(device_);
-  cuda_check(launch_nvlink_notify(p, stream), "notify launch");
+  kChecks.cuda(launch_nvlink_notify(p, stream), "notify launch");
   dispatch_due_ = dispatch_follows;
   dispatch_due_stream_ = stream;
   due_experts_per_rank_ = p.experts_per_rank;
@@ -391,8 +388,8 @@ std::chrono::microseconds host_wait_spin() {
 }  // namespace
 
 NvlinkRecvCounts NvlinkRuntime::wait_recv_counts(int ticket) {
-  require(ticket > 0, "wait_recv_counts: notify was not called with host_counters");
-  require(counters_host_ != nullptr, "wait_recv_counts: the runtime was destroyed");
+  kChecks.require(ticket > 0, "wait_recv_counts: notify was not called with host_counters");
+  kChecks.require(counters_host_ != nullptr, "wait_recv_counts: the runtime was destroyed");
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::duration<double>(config_.timeout_seconds);
   for (uint64_t iter = 0; counters_host_->ready_ticket != ticket; ++iter) {
@@ -433,26 +430,27 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
   check_ready(op);
   // A cached dispatch may follow a notify only to get receive slabs (its routing is known).
   if (cached && a.dest_slabs == nullptr) check_no_dispatch_due(op);
-  require(!dispatch_due_ || stream == dispatch_due_stream_,
-          "dispatch: must run on the stream of the notify it follows");
+  kChecks.require(!dispatch_due_ || stream == dispatch_due_stream_,
+                  "dispatch: must run on the stream of the notify it follows");
   const std::string pre = std::string(op) + ": ";
-  require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
-          pre + "num_tokens exceeds config.max_tokens_per_rank");
-  require(a.hidden_bytes > 0 && a.hidden_bytes % 16 == 0,
-          pre + "hidden bytes (H * element size) must be a positive multiple of 16");
-  require(a.hidden_bytes <= config_.max_hidden_bytes,
-          pre + "hidden bytes exceed config.max_hidden_bytes");
-  require(a.num_scales >= 0 && a.num_scales <= config_.max_scales,
-          pre + "number of scales exceeds config.max_scales");
-  require((a.num_scales == 0) == (a.x_scales == nullptr) || a.num_tokens == 0,
-          pre + "x_scales and num_scales must be given together");
-  require(a.num_worst_tokens >= 0, pre + "num_worst_tokens must be >= 0");
-  require(a.send_pos != nullptr || a.num_tokens == 0, pre + "send_pos is null");
-  require(a.recv_prefix != nullptr, pre + "recv_prefix is null");
-  require(a.recv_x != nullptr && aligned16(a.recv_x), pre + "recv_x must be 16-byte aligned");
-  require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)),
-          pre + "x must be 16-byte aligned");
-  require(a.num_scales == 0 || a.recv_x_scales != nullptr, pre + "recv_x_scales is null");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
+                  pre + "num_tokens exceeds config.max_tokens_per_rank");
+  kChecks.require(a.hidden_bytes > 0 && a.hidden_bytes % 16 == 0,
+                  pre + "hidden bytes (H * element size) must be a positive multiple of 16");
+  kChecks.require(a.hidden_bytes <= config_.max_hidden_bytes,
+                  pre + "hidden bytes exceed config.max_hidden_bytes");
+  kChecks.require(a.num_scales >= 0 && a.num_scales <= config_.max_scales,
+                  pre + "number of scales exceeds config.max_scales");
+  kChecks.require((a.num_scales == 0) == (a.x_scales == nullptr) || a.num_tokens == 0,
+                  pre + "x_scales and num_scales must be given together");
+  kChecks.require(a.num_worst_tokens >= 0, pre + "num_worst_tokens must be >= 0");
+  kChecks.require(a.send_pos != nullptr || a.num_tokens == 0, pre + "send_pos is null");
+  kChecks.require(a.recv_prefix != nullptr, pre + "recv_prefix is null");
+  kChecks.require(a.recv_x != nullptr && aligned16(a.recv_x),
+                  pre + "recv_x must be 16-byte aligned");
+  kChecks.require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)),
+                  pre + "x must be 16-byte aligned");
+  kChecks.require(a.num_scales == 0 || a.recv_x_scales != nullptr, pre + "recv_x_scales is null");
   DispatchParams p{};
   p.comm = comm_context();
   p.x = a.x;
@@ -467,13 +465,13 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
   p.num_worst_tokens = a.num_worst_tokens;
   p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales, a.own_slab);
   if (!cached) {
-    require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
-    require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
-            pre + "K must be in [1, config.max_topk]");
-    require(a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0,
-            pre + "num_experts must be a positive multiple of the number of ranks");
-    require(a.topk_idx != nullptr || a.num_tokens == 0, pre + "topk_idx is null");
-    require(a.recv_topk_idx != nullptr, pre + "recv_topk_idx is null");
+    kChecks.require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
+    kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
+                    pre + "K must be in [1, config.max_topk]");
+    kChecks.require(a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0,
+                    pre + "num_experts must be a positive multiple of the number of ranks");
+    kChecks.require(a.topk_idx != nullptr || a.num_tokens == 0, pre + "topk_idx is null");
+    kChecks.require(a.recv_topk_idx != nullptr, pre + "recv_topk_idx is null");
     // A non-null marker keeps the kernel in metadata mode on ranks without tokens.
     static const long long kEmpty = 0;
     p.topk_idx = a.topk_idx != nullptr ? a.topk_idx : &kEmpty;
@@ -487,32 +485,33 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
     p.recv_src_rank = a.recv_src_rank;
   }
   if (cached && a.dest_slabs != nullptr) {
-    require(dispatch_due_, pre + "receive slabs need the notify launched right before it");
+    kChecks.require(dispatch_due_, pre + "receive slabs need the notify launched right before it");
     p.experts_per_rank = due_experts_per_rank_;  // the layout of that notify's slots
   }
   if (a.dest_slabs != nullptr) {
     p.dest_slabs = a.dest_slabs;
     p.slab = cached ? cached_slab_layout(a.hidden_bytes, a.num_scales)
                     : recv_slab_layout(a.hidden_bytes, a.num_scales, a.num_topk, a.idx_bytes);
-    require(slabs_ != nullptr && p.slab.total <= slab_bytes_,
-            pre + "receive slabs are missing or too small for this row shape");
+    kChecks.require(slabs_ != nullptr && p.slab.total <= slab_bytes_,
+                    pre + "receive slabs are missing or too small for this row shape");
     p.own_slab = a.own_slab ? 1 : 0;
     // In our own slab the receive warps do nothing, so nobody would write padding rows.
-    require(!a.own_slab || a.num_worst_tokens == 0, pre + "own_slab needs num_worst_tokens 0");
+    kChecks.require(!a.own_slab || a.num_worst_tokens == 0,
+                    pre + "own_slab needs num_worst_tokens 0");
   } else {
-    require(!a.own_slab, pre + "own_slab needs dest_slabs");
+    kChecks.require(!a.own_slab, pre + "own_slab needs dest_slabs");
   }
   p.after_notify = dispatch_due_ ? 1 : 0;
   if (dispatch_due_) {
     // The senders may read notify's slots, laid out for its number of local experts.
-    require(p.experts_per_rank == due_experts_per_rank_,
-            pre + "num_experts differs from the notify it follows");
+    kChecks.require(p.experts_per_rank == due_experts_per_rank_,
+                    pre + "num_experts differs from the notify it follows");
     p.notify_rejects = due_rejects_ ? 1 : 0;
   }
   p.staged = a.hidden_bytes <= kStagedRowBytes ? 1 : 0;
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
-  cuda_check(launch_nvlink_dispatch(p, num_sms, stream), "dispatch launch");
+  kChecks.cuda(launch_nvlink_dispatch(p, num_sms, stream), "dispatch launch");
   dispatch_due_ = false;
 }
 
@@ -527,26 +526,28 @@ void NvlinkRuntime::cached_dispatch(const NvlinkDispatchArgs& args, cudaStream_t
 void NvlinkRuntime::combine(const NvlinkCombineArgs& a, cudaStream_t stream) {
   check_ready("combine");
   check_no_dispatch_due("combine");
-  require(a.elem == CombineElem::kBFloat16 || a.elem == CombineElem::kFloat16 ||
-              a.elem == CombineElem::kFloat32 || a.elem == CombineElem::kFloat64,
-          "combine: elements must be bfloat16, float16, float32 or float64");
+  kChecks.require(a.elem == CombineElem::kBFloat16 || a.elem == CombineElem::kFloat16 ||
+                      a.elem == CombineElem::kFloat32 || a.elem == CombineElem::kFloat64,
+                  "combine: elements must be bfloat16, float16, float32 or float64");
   const long long hidden_bytes = static_cast<long long>(a.hidden) * combine_elem_bytes(a.elem);
-  require(a.hidden > 0 && hidden_bytes % 16 == 0,
-          "combine: hidden bytes (H * element size) must be a positive multiple of 16");
-  require(hidden_bytes <= config_.max_hidden_bytes, "combine: hidden bytes exceed config");
-  require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
-          "combine: num_tokens exceeds config.max_tokens_per_rank");
-  require(a.num_recv_rows >= 0, "combine: num_recv_rows must be >= 0");
-  require(a.num_topk >= 0 && a.num_topk <= config_.max_topk, "combine: K exceeds config");
-  require(a.topk_weights == nullptr || a.num_topk >= 1, "combine: weights need K >= 1");
-  require(a.out_topk_weights == nullptr || a.topk_weights != nullptr,
-          "combine: out_topk_weights needs topk_weights");
-  require(a.recv_prefix != nullptr, "combine: recv_prefix is null");
-  require(a.num_tokens == 0 || (a.send_pos != nullptr && a.out != nullptr && aligned16(a.out)),
-          "combine: send_pos/out missing or out not 16-byte aligned");
-  require(a.num_recv_rows == 0 || (a.x != nullptr && aligned16(a.x)),
-          "combine: x must be 16-byte aligned");
-  require(aligned16(a.bias0) && aligned16(a.bias1), "combine: bias must be 16-byte aligned");
+  kChecks.require(a.hidden > 0 && hidden_bytes % 16 == 0,
+                  "combine: hidden bytes (H * element size) must be a positive multiple of 16");
+  kChecks.require(hidden_bytes <= config_.max_hidden_bytes, "combine: hidden bytes exceed config");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
+                  "combine: num_tokens exceeds config.max_tokens_per_rank");
+  kChecks.require(a.num_recv_rows >= 0, "combine: num_recv_rows must be >= 0");
+  kChecks.require(a.num_topk >= 0 && a.num_topk <= config_.max_topk, "combine: K exceeds config");
+  kChecks.require(a.topk_weights == nullptr || a.num_topk >= 1, "combine: weights need K >= 1");
+  kChecks.require(a.out_topk_weights == nullptr || a.topk_weights != nullptr,
+                  "combine: out_topk_weights needs topk_weights");
+  kChecks.require(a.recv_prefix != nullptr, "combine: recv_prefix is null");
+  kChecks.require(
+      a.num_tokens == 0 || (a.send_pos != nullptr && a.out != nullptr && aligned16(a.out)),
+      "combine: send_pos/out missing or out not 16-byte aligned");
+  kChecks.require(a.num_recv_rows == 0 || (a.x != nullptr && aligned16(a.x)),
+                  "combine: x must be 16-byte aligned");
+  kChecks.require(aligned16(a.bias0) && aligned16(a.bias1),
+                  "combine: bias must be 16-byte aligned");
   CombineParams p{};
   p.comm = comm_context();
   p.x = a.x;
@@ -565,7 +566,7 @@ void NvlinkRuntime::combine(const NvlinkCombineArgs& a, cudaStream_t stream) {
   p.num_send_warps = combine_send_warps();
   const int num_sms = a.num_sms > 0 ? a.num_sms : config_.num_sms;
   DeviceGuard guard(device_);
-  cuda_check(launch_nvlink_combine(p, num_sms, stream), "combine launch");
+  kChecks.cuda(launch_nvlink_combine(p, num_sms, stream), "combine launch");
 }
 
 int NvlinkRuntime::dispatch_send_warps(int hidden_bytes, int num_scales, bool own_slab) const {
@@ -588,11 +589,11 @@ void NvlinkRuntime::set_send_warps(int dispatch_send_warps, int combine_send_war
   const int limit = kNvlinkMaxSendWarps;
   if (small_row_dispatch_send_warps < 0) small_row_dispatch_send_warps = dispatch_send_warps;
   for (int warps : {dispatch_send_warps, combine_send_warps, small_row_dispatch_send_warps})
-    require(warps >= 1 && warps <= limit,
-            "send warps must be in [1, " + std::to_string(limit) +
-                "] (a block also needs a publisher and a receiver warp)");
-  require(slab_dispatch_send_warps <= limit,
-          "slab send warps must be at most " + std::to_string(limit));
+    kChecks.require(warps >= 1 && warps <= limit,
+                    "send warps must be in [1, " + std::to_string(limit) +
+                        "] (a block also needs a publisher and a receiver warp)");
+  kChecks.require(slab_dispatch_send_warps <= limit,
+                  "slab send warps must be at most " + std::to_string(limit));
   config_.dispatch_send_warps = dispatch_send_warps;
   config_.small_row_dispatch_send_warps = small_row_dispatch_send_warps;
   config_.slab_dispatch_send_warps = slab_dispatch_send_warps;
@@ -606,7 +607,7 @@ void NvlinkRuntime::barrier(cudaStream_t stream) {
   BarrierParams p{};
   p.comm = comm_context();
   DeviceGuard guard(device_);
-  cuda_check(launch_nvlink_barrier(p, stream), "barrier launch");
+  kChecks.cuda(launch_nvlink_barrier(p, stream), "barrier launch");
 }
 
 ErrorRecord NvlinkRuntime::error_record() const {
@@ -657,12 +658,12 @@ bool NvlinkRuntime::failed() const {
 }
 
 void NvlinkRuntime::clear_error() {
-  require(!failed(), "clear_error: a timeout is fatal, rebuild the runtime");
+  kChecks.require(!failed(), "clear_error: a timeout is fatal, rebuild the runtime");
   if (error_host_ == nullptr) return;
   DeviceGuard guard(device_);
   ControlBlock* ctrl = reinterpret_cast<ControlBlock*>(buffer_);
-  cuda_check(cudaMemset(&ctrl->error_lock, 0, sizeof(int)), "cudaMemset(error_lock)");
-  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  kChecks.cuda(cudaMemset(&ctrl->error_lock, 0, sizeof(int)), "cudaMemset(error_lock)");
+  kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   std::memset(static_cast<void*>(error_host_), 0, sizeof(ErrorRecord));
 }
 

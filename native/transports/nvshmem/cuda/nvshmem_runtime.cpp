@@ -22,15 +22,7 @@ namespace {
 
 std::atomic<bool> g_runtime_alive{false};
 
-constexpr const char* kComponent = "ep low_latency";
-
-void cuda_check(cudaError_t e, const char* what) {
-  runtime::cuda_check(e, kComponent, what);
-}
-
-void require(bool ok, const std::string& message) {
-  runtime::require(ok, kComponent, message);
-}
+constexpr runtime::Checks kChecks{"ep low_latency"};
 
 using runtime::aligned16;
 using runtime::DeviceGuard;
@@ -104,38 +96,39 @@ size_t NvshmemRuntime::symmetric_bytes(const NvshmemConfig& c) {
 NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::vector<uint8_t>& uid,
                                const NvshmemConfig& config)
     : rank_(rank), num_ranks_(num_ranks), device_(device), config_(config) {
-  require(config.num_ranks == 0 || config.num_ranks == num_ranks,
-          "config.num_ranks must be 0 or the number of ranks");
+  kChecks.require(config.num_ranks == 0 || config.num_ranks == num_ranks,
+                  "config.num_ranks must be 0 or the number of ranks");
   config_.num_ranks = num_ranks;
-  require(num_ranks >= 1 && num_ranks <= nvshmem::kMaxExperts, "num_ranks must be in [1, 1024]");
-  require(rank >= 0 && rank < num_ranks, "rank out of range");
-  require(uid.size() == sizeof(nvshmemx_uniqueid_t), "the unique id must be 128 bytes");
-  require(config.max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1");
-  require(config.max_hidden >= nvshmem::kGroupSize &&
-              config.max_hidden % nvshmem::kGroupSize == 0 &&
-              config.max_hidden <= nvshmem::kMaxHidden,
-          "max_hidden must be a multiple of 128 in [128, 8192]");
-  require(config.max_topk >= 1 && config.max_topk <= nvshmem::kMaxTopk,
-          "max_topk must be in [1, 32]");
-  require(config.num_experts >= num_ranks && config.num_experts % num_ranks == 0 &&
-              config.num_experts <= nvshmem::kMaxExperts,
-          "num_experts must be a multiple of the number of ranks, at most 1024");
-  require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
-  require(config.num_sms >= 0, "num_sms must be >= 0");
+  kChecks.require(num_ranks >= 1 && num_ranks <= nvshmem::kMaxExperts,
+                  "num_ranks must be in [1, 1024]");
+  kChecks.require(rank >= 0 && rank < num_ranks, "rank out of range");
+  kChecks.require(uid.size() == sizeof(nvshmemx_uniqueid_t), "the unique id must be 128 bytes");
+  kChecks.require(config.max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1");
+  kChecks.require(config.max_hidden >= nvshmem::kGroupSize &&
+                      config.max_hidden % nvshmem::kGroupSize == 0 &&
+                      config.max_hidden <= nvshmem::kMaxHidden,
+                  "max_hidden must be a multiple of 128 in [128, 8192]");
+  kChecks.require(config.max_topk >= 1 && config.max_topk <= nvshmem::kMaxTopk,
+                  "max_topk must be in [1, 32]");
+  kChecks.require(config.num_experts >= num_ranks && config.num_experts % num_ranks == 0 &&
+                      config.num_experts <= nvshmem::kMaxExperts,
+                  "num_experts must be a multiple of the number of ranks, at most 1024");
+  kChecks.require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
+  kChecks.require(config.num_sms >= 0, "num_sms must be >= 0");
   bool expected = false;
-  require(g_runtime_alive.compare_exchange_strong(expected, true),
-          "only one low-latency runtime per process (NVSHMEM is process-global)");
+  kChecks.require(g_runtime_alive.compare_exchange_strong(expected, true),
+                  "only one low-latency runtime per process (NVSHMEM is process-global)");
 
   try {
     DeviceGuard guard(device_);
-    cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    kChecks.cuda(cudaSetDevice(device_), "cudaSetDevice");
     // Preloads both kernels (lazy loading could wait for a spinning kernel) and sizes grids.
     int dmax = 0, cmax = 0;
-    cuda_check(nvshmem::max_dispatch_blocks(&dmax), "querying the dispatch kernel");
-    cuda_check(nvshmem::max_combine_blocks(&cmax), "querying the combine kernel");
+    kChecks.cuda(nvshmem::max_dispatch_blocks(&dmax), "querying the dispatch kernel");
+    kChecks.cuda(nvshmem::max_combine_blocks(&cmax), "querying the combine kernel");
     int sms = 0;
-    cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_),
-               "cudaDeviceGetAttribute(SMs)");
+    kChecks.cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_),
+                 "cudaDeviceGetAttribute(SMs)");
     const int want = config_.num_sms > 0 ? config_.num_sms : sms;
     dispatch_blocks_ = std::max(1, std::min(want, dmax));
     combine_blocks_ = std::max(1, std::min(want, cmax));
@@ -167,11 +160,11 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
             "runtime size the heap)";
       throw std::runtime_error(os.str());
     }
-    cuda_check(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
+    kChecks.cuda(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
 
     const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
-    cuda_check(cudaMalloc(reinterpret_cast<void**>(&private_), pl.bytes), "cudaMalloc(private)");
-    cuda_check(cudaMemset(private_, 0, pl.bytes), "cudaMemset(private)");
+    kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&private_), pl.bytes), "cudaMalloc(private)");
+    kChecks.cuda(cudaMemset(private_, 0, pl.bytes), "cudaMemset(private)");
 
     peer_base_.assign(num_ranks_, nullptr);
     std::vector<char*> table(2 * size_t(num_ranks_), nullptr);
@@ -185,19 +178,19 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
     // Known once here rather than on every launch (context() runs per kernel).
     all_p2p_ = std::all_of(peer_base_.begin(), peer_base_.end(),
                            [](char* base) { return base != nullptr; });
-    cuda_check(cudaMalloc(reinterpret_cast<void**>(&peer_table_), sizeof(char*) * table.size()),
-               "cudaMalloc(peer table)");
-    cuda_check(
+    kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&peer_table_), sizeof(char*) * table.size()),
+                 "cudaMalloc(peer table)");
+    kChecks.cuda(
         cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(), cudaMemcpyHostToDevice),
         "cudaMemcpy(peer table)");
 
-    cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(nvshmem::ErrorRecord),
-                             cudaHostAllocMapped | cudaHostAllocPortable),
-               "cudaHostAlloc(error)");
+    kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(nvshmem::ErrorRecord),
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 "cudaHostAlloc(error)");
     std::memset(static_cast<void*>(error_host_), 0, sizeof(nvshmem::ErrorRecord));
-    cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
-               "cudaHostGetDevicePointer(error)");
-    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    kChecks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+                 "cudaHostGetDevicePointer(error)");
+    kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_barrier_all();  // every rank's region is zeroed before anyone signals into it
   } catch (...) {
     destroy();
@@ -244,12 +237,12 @@ void NvshmemRuntime::destroy() {
 }
 
 bool NvshmemRuntime::peer_is_p2p(int pe) const {
-  require(pe >= 0 && pe < num_ranks_, "peer_is_p2p: rank out of range");
+  kChecks.require(pe >= 0 && pe < num_ranks_, "peer_is_p2p: rank out of range");
   return !peer_base_.empty() && peer_base_[pe] != nullptr;
 }
 
 void NvshmemRuntime::check_ready(const char* op) const {
-  require(symmetric_ != nullptr, std::string(op) + ": runtime destroyed");
+  kChecks.require(symmetric_ != nullptr, std::string(op) + ": runtime destroyed");
   if (failed()) throw std::runtime_error(check_error());
 }
 
@@ -277,44 +270,48 @@ nvshmem::Context NvshmemRuntime::context(int buffer) const {
 int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) {
   check_ready("dispatch");
   const std::string pre = "dispatch: ";
-  require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
-              a.phases == nvshmem::kPhaseBoth,
-          pre + "phases must be SEND (1), RECV (2) or both (3)");
-  require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
-          pre + "num_tokens (T=" + std::to_string(a.num_tokens) +
-              ") must be in [0, max_tokens_per_rank=" +
-              std::to_string(config_.max_tokens_per_rank) + "]");
-  require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
-              a.hidden <= config_.max_hidden,
-          pre + "H=" + std::to_string(a.hidden) + " must be a multiple of 128 in [128, " +
-              std::to_string(config_.max_hidden) + "]");
-  require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
-          pre + "K must be in [1, max_topk=" + std::to_string(config_.max_topk) + "]");
-  require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
-  require(
+  kChecks.require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
+                      a.phases == nvshmem::kPhaseBoth,
+                  pre + "phases must be SEND (1), RECV (2) or both (3)");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
+                  pre + "num_tokens (T=" + std::to_string(a.num_tokens) +
+                      ") must be in [0, max_tokens_per_rank=" +
+                      std::to_string(config_.max_tokens_per_rank) + "]");
+  kChecks.require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
+                      a.hidden <= config_.max_hidden,
+                  pre + "H=" + std::to_string(a.hidden) + " must be a multiple of 128 in [128, " +
+                      std::to_string(config_.max_hidden) + "]");
+  kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
+                  pre + "K must be in [1, max_topk=" + std::to_string(config_.max_topk) + "]");
+  kChecks.require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
+  kChecks.require(
       a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
           a.num_experts <= config_.num_experts,
       pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
-  require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale),
-          pre + "use_ue8m0 requires use_fp8 and round_scale");
-  require(!a.use_ue8m0 || a.hidden % (4 * nvshmem::kGroupSize) == 0,
-          pre + "use_ue8m0 needs H % 512 == 0");
-  require(!a.round_scale || a.use_fp8, pre + "round_scale requires use_fp8");
+  kChecks.require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale),
+                  pre + "use_ue8m0 requires use_fp8 and round_scale");
+  kChecks.require(!a.use_ue8m0 || a.hidden % (4 * nvshmem::kGroupSize) == 0,
+                  pre + "use_ue8m0 needs H % 512 == 0");
+  kChecks.require(!a.round_scale || a.use_fp8, pre + "round_scale requires use_fp8");
   if (a.phases & nvshmem::kPhaseSend) {
-    require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x) && a.topk_idx != nullptr),
-            pre + "x (16-byte aligned) and topk_idx are required");
+    kChecks.require(
+        a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x) && a.topk_idx != nullptr),
+        pre + "x (16-byte aligned) and topk_idx are required");
   }
   if (a.phases & nvshmem::kPhaseRecv) {
-    require(a.recv_x != nullptr && aligned16(a.recv_x), pre + "recv_x must be 16-byte aligned");
-    require(!a.use_fp8 || a.recv_x_scales != nullptr, pre + "recv_x_scales is required with FP8");
-    require(a.recv_count != nullptr && a.src_info != nullptr && a.layout_range != nullptr,
-            pre + "recv_count, src_info and layout_range are required");
+    kChecks.require(a.recv_x != nullptr && aligned16(a.recv_x),
+                    pre + "recv_x must be 16-byte aligned");
+    kChecks.require(!a.use_fp8 || a.recv_x_scales != nullptr,
+                    pre + "recv_x_scales is required with FP8");
+    kChecks.require(a.recv_count != nullptr && a.src_info != nullptr && a.layout_range != nullptr,
+                    pre + "recv_count, src_info and layout_range are required");
   }
   int buffer = a.buffer_index;
   if (a.phases == nvshmem::kPhaseRecv) {
-    require(buffer == 0 || buffer == 1, pre + "the RECV phase needs the SEND's buffer_index");
+    kChecks.require(buffer == 0 || buffer == 1,
+                    pre + "the RECV phase needs the SEND's buffer_index");
   } else {
-    require(buffer >= -1 && buffer <= 1, pre + "buffer_index must be -1, 0 or 1");
+    kChecks.require(buffer >= -1 && buffer <= 1, pre + "buffer_index must be -1, 0 or 1");
     if (buffer < 0) buffer = next_buffer_;
     next_buffer_ = buffer ^ 1;
   }
@@ -340,41 +337,43 @@ int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) 
   p.cumulative_stats = a.cumulative_local_expert_recv_stats;
   p.zero_padding = a.zero_padding;
   DeviceGuard guard(device_);
-  cuda_check(nvshmem::launch_dispatch(p, dispatch_blocks_, stream), "low_latency_dispatch launch");
+  kChecks.cuda(nvshmem::launch_dispatch(p, dispatch_blocks_, stream),
+               "low_latency_dispatch launch");
   return buffer;
 }
 
 void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
   check_ready("combine");
   const std::string pre = "combine: ";
-  require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
-              a.phases == nvshmem::kPhaseBoth,
-          pre + "phases must be SEND (1), RECV (2) or both (3)");
-  require(a.buffer_index == 0 || a.buffer_index == 1,
-          pre + "buffer_index must be the dispatch's (0 or 1)");
-  require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
-              a.hidden <= config_.max_hidden,
-          pre + "H must be a multiple of 128 in [128, max_hidden]");
-  require(
+  kChecks.require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
+                      a.phases == nvshmem::kPhaseBoth,
+                  pre + "phases must be SEND (1), RECV (2) or both (3)");
+  kChecks.require(a.buffer_index == 0 || a.buffer_index == 1,
+                  pre + "buffer_index must be the dispatch's (0 or 1)");
+  kChecks.require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
+                      a.hidden <= config_.max_hidden,
+                  pre + "H must be a multiple of 128 in [128, max_hidden]");
+  kChecks.require(
       a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
           a.num_experts <= config_.num_experts,
       pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
-  require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
-          pre + "num_tokens must be in [0, max_tokens_per_rank]");
-  require(a.num_topk >= 1 && a.num_topk <= config_.max_topk, pre + "K must be in [1, max_topk]");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
+                  pre + "num_tokens must be in [0, max_tokens_per_rank]");
+  kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
+                  pre + "K must be in [1, max_topk]");
   const nvshmem::Context ctx = context(a.buffer_index);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   if (a.phases & nvshmem::kPhaseSend) {
-    require(a.layout_range != nullptr, pre + "layout_range of the dispatch is required");
+    kChecks.require(a.layout_range != nullptr, pre + "layout_range of the dispatch is required");
     if (a.zero_copy) {
       x = reinterpret_cast<const uint16_t*>(ctx.local + layout_.comb_send_offset);
     } else {
-      require(a.x != nullptr && aligned16(a.x), pre + "x must be 16-byte aligned");
+      kChecks.require(a.x != nullptr && aligned16(a.x), pre + "x must be 16-byte aligned");
     }
   }
   if (a.phases & nvshmem::kPhaseRecv) {
-    require(a.num_tokens == 0 || (a.out != nullptr && aligned16(a.out)),
-            pre + "out (16-byte aligned) is required");
+    kChecks.require(a.num_tokens == 0 || (a.out != nullptr && aligned16(a.out)),
+                    pre + "out (16-byte aligned) is required");
   }
   nvshmem::CombineParams p{};
   p.ctx = ctx;
@@ -387,19 +386,20 @@ void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
   p.phases = a.phases;
   p.out = static_cast<uint16_t*>(a.out);
   DeviceGuard guard(device_);
-  cuda_check(nvshmem::launch_combine(p, combine_blocks_, stream), "low_latency_combine launch");
+  kChecks.cuda(nvshmem::launch_combine(p, combine_blocks_, stream), "low_latency_combine launch");
 }
 
 NvshmemBufferView NvshmemRuntime::combine_buffer(int buffer_index, int num_experts,
                                                  int hidden) const {
-  require(symmetric_ != nullptr, "combine_buffer: runtime destroyed");
-  require(buffer_index == 0 || buffer_index == 1, "combine_buffer: buffer_index must be 0 or 1");
-  require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0 &&
-              num_experts <= config_.num_experts,
-          "combine_buffer: bad num_experts");
-  require(hidden >= nvshmem::kGroupSize && hidden % nvshmem::kGroupSize == 0 &&
-              hidden <= config_.max_hidden,
-          "combine_buffer: bad hidden");
+  kChecks.require(symmetric_ != nullptr, "combine_buffer: runtime destroyed");
+  kChecks.require(buffer_index == 0 || buffer_index == 1,
+                  "combine_buffer: buffer_index must be 0 or 1");
+  kChecks.require(num_experts >= num_ranks_ && num_experts % num_ranks_ == 0 &&
+                      num_experts <= config_.num_experts,
+                  "combine_buffer: bad num_experts");
+  kChecks.require(hidden >= nvshmem::kGroupSize && hidden % nvshmem::kGroupSize == 0 &&
+                      hidden <= config_.max_hidden,
+                  "combine_buffer: bad hidden");
   NvshmemBufferView v;
   v.ptr = symmetric_ + size_t(buffer_index) * layout_.bytes + layout_.comb_send_offset;
   v.shape[0] = num_experts / num_ranks_;
@@ -409,9 +409,9 @@ NvshmemBufferView NvshmemRuntime::combine_buffer(int buffer_index, int num_exper
 }
 
 void NvshmemRuntime::barrier() {
-  require(symmetric_ != nullptr, "barrier: runtime destroyed");
+  kChecks.require(symmetric_ != nullptr, "barrier: runtime destroyed");
   DeviceGuard guard(device_);
-  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   nvshmem_barrier_all();
 }
 
@@ -446,12 +446,12 @@ bool NvshmemRuntime::failed() const {
 }
 
 void NvshmemRuntime::clear_error() {
-  require(!failed(), "clear_error: a timeout is fatal, rebuild the runtime");
+  kChecks.require(!failed(), "clear_error: a timeout is fatal, rebuild the runtime");
   if (error_host_ == nullptr) return;
   DeviceGuard guard(device_);
   nvshmem::ControlBlock* ctrl = reinterpret_cast<nvshmem::ControlBlock*>(private_);
-  cuda_check(cudaMemset(&ctrl->error_lock, 0, sizeof(int)), "cudaMemset(error_lock)");
-  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  kChecks.cuda(cudaMemset(&ctrl->error_lock, 0, sizeof(int)), "cudaMemset(error_lock)");
+  kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   std::memset(static_cast<void*>(error_host_), 0, sizeof(nvshmem::ErrorRecord));
 }
 
