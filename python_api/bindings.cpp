@@ -61,7 +61,10 @@ void bindOptions(py::module_& m) {
   py::class_<ep::EPOptions, c10d::Backend::Options, c10::intrusive_ptr<ep::EPOptions>>(
       m, "Options",
       R"(Options of an ``"ep"`` process group; pass as ``pg_options`` to
-``init_process_group``/``new_group``.
+``init_process_group``/``new_group``. On a live group, ``get_backend().options`` is the group's
+own: a field set there applies from the next call on (``recv_slabs`` from the next dispatch, which
+rebuilds the NVLink transport; not once a CUDA graph was captured on it). Every rank must set the
+same values.
 
 Args:
     timeout: collective timeout (``datetime.timedelta``), default 30 minutes.

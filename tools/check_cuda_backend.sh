@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Usage: bash tools/check_cuda_backend.sh [FILE...]
 # Syntax-checks the torch-bound C++ (native/backend, native/transports/*/*.cpp, python_api) as the CUDA build compiles it
 # (EP_WITH_CUDA=1), against the installed torch's headers and the CUDA toolkit's: works with a
 # CPU-only torch and no GPU, so an error in the CUDA paths of the backend cannot land unseen in
@@ -28,13 +29,13 @@ fi
 flags=(-std=c++20 -fsyntax-only -DEP_WITH_CUDA=1 "-D_GLIBCXX_USE_CXX11_ABI=$abi" -isystem "$stub"
   -isystem "$torch_inc" -isystem "$torch_inc/torch/csrc/api/include" -isystem "$cuda_inc"
   -isystem "$py_inc" -I native)
-pids=()
-files=(native/backend/*.cpp native/transports/*/*.cpp python_api/*.cpp)
-for f in "${files[@]}"; do
-  "$CXX" "${flags[@]}" "$f" &
-  pids+=($!)
-done
-rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=1; done
-[ "$rc" -eq 0 ] || { echo "CUDA backend syntax check FAILED" >&2; exit 1; }
+# Files named on the command line, else every backend source; at most JOBS (default: the CPU
+# count) compilers at once, so that a small machine does not thrash.
+if [ $# -gt 0 ]; then files=("$@"); else files=(native/backend/*.cpp native/transports/*/*.cpp python_api/*.cpp); fi
+export CXX
+if ! printf '%s\0' "${files[@]}" |
+  xargs -0 -n 1 -P "${JOBS:-$(nproc)}" "$CXX" "${flags[@]}"; then
+  echo "CUDA backend syntax check FAILED" >&2
+  exit 1
+fi
 echo "syntax-checked ${#files[@]} backend sources with EP_WITH_CUDA=1"

@@ -46,7 +46,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const at::Device device = x.device();
   c10::cuda::CUDAGuard guard(device);
   NvlinkRuntime& rt =
-      ensureRuntime(pg, *st, device, maxNeeds(gathered), "cached dispatch", capture);
+      ensureRuntime(pg, *st, device, maxNeeds(gathered), "cached dispatch", capture, recvSlabs(pg));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   // Receive slabs as in dispatch (peers write the outputs in place, no copy out of the buffer),
   // which takes a notify to lend them: not while capturing, and not for a num_worst_tokens handle
@@ -107,6 +107,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   args.num_worst_tokens = via_slabs ? 0 : static_cast<int>(rows);
   args.dest_slabs = via_slabs ? dest_slabs.data_ptr<int>() : nullptr;
   args.own_slab = lease != nullptr;
+  args.num_sms = static_cast<int>(pg.options()->num_sms);  // per call: settable live
   rt.cached_dispatch(args, stream);
   return {recv_x, recv_scales};
 }

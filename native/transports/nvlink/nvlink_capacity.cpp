@@ -54,11 +54,23 @@ AgreedField graphCapturedField(const GroupState& st) {
 }
 
 NvlinkRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
-                             Needs needs, const char* op, bool capture) {
-  if (st.runtime && fits(st.runtime->config(), needs)) {
+                             Needs needs, const char* op, bool capture, int agreed_recv_slabs) {
+  const bool slabs_kept =
+      agreed_recv_slabs < 0 || (st.runtime && st.runtime->config().recv_slabs == agreed_recv_slabs);
+  if (st.runtime && fits(st.runtime->config(), needs) && slabs_kept) {
     st.graph_captured = st.graph_captured || capture;
+    // Options.kernel_timeout_s may change on a live group: it applies from this call on.
+    if (st.runtime->config().timeout_seconds != pg.options()->kernel_timeout_s) {
+      st.runtime->set_timeout_seconds(pg.options()->kernel_timeout_s);
+    }
     return *st.runtime;
   }
+  TORCH_CHECK(!st.runtime || slabs_kept || !(capture || st.graph_captured), "ep ", op,
+              ": Options.recv_slabs is now ", agreed_recv_slabs, " but the NVLink transport was ",
+              "built with ", st.runtime ? st.runtime->config().recv_slabs : 0,
+              ", and it cannot be rebuilt during or after a CUDA graph capture (the graph ",
+              "replays kernels on its buffers). Set recv_slabs before capturing. Nothing was ",
+              "exchanged.");
   const char* how =
       " Size it before capturing: ep_backend.reserve(num_tokens, hidden, num_topk, num_experts) "
       "with the largest shapes, or run the largest call once first.";
@@ -165,7 +177,7 @@ std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
   auto st = stateOf(pg);
   c10::cuda::CUDAGuard guard(device);
   const NvlinkConfig& cfg =
-      ensureRuntime(pg, *st, device, maxNeeds(gathered), "reserve", streamCapturing()).config();
+      ensureRuntime(pg, *st, device, maxNeeds(gathered), "reserve", streamCapturing(), -1).config();
   return {cfg.max_tokens_per_rank, cfg.max_hidden_bytes,  cfg.max_topk,
           cfg.max_scales,          cfg.max_local_experts, cfg.recv_slabs};
 }

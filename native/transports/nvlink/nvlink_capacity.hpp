@@ -39,9 +39,11 @@ AgreedField graphCapturedField(const GroupState& st);
 // every rank calls it with the same `needs` and graph_captured (an agreed field). It refuses to
 // build or grow the transport while a graph is captured, or once one was: that graph's kernels
 // keep the buffers' addresses, which a rebuild frees. `capture`: streamCapturing(), which the
-// caller has already asked.
+// caller has already asked. `agreed_recv_slabs`: Options.recv_slabs where the call agreed it
+// across ranks (a dispatch): a runtime built with another count is rebuilt, so that a change on
+// a live group takes effect; -1 where it was not agreed (the runtime keeps its count).
 NvlinkRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
-                             Needs needs, const char* op, bool capture);
+                             Needs needs, const char* op, bool capture, int agreed_recv_slabs);
 
 }  // namespace nvlink
 }  // namespace ep

@@ -61,7 +61,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
-  NvlinkRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "combine", capture);
+  NvlinkRuntime& rt = ensureRuntime(pg, *st, device, maxNeeds(gathered), "combine", capture, -1);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   auto [send_pos, recv_prefix] =
       routingFor(known.get(), r, c10::cuda::getCurrentCUDAStream(device.index()));
@@ -86,6 +86,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   args.bias1 = a.bias1 ? a.bias1->data_ptr() : nullptr;
   args.out = out.data_ptr();
   args.out_topk_weights = out_w ? out_w->data_ptr<float>() : nullptr;
+  args.num_sms = static_cast<int>(pg.options()->num_sms);  // per call: settable live
   rt.combine(args, stream);
   stages.mark("alloc+launch");
   return {out, out_w};

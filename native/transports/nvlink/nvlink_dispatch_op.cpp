@@ -134,7 +134,8 @@ at::Tensor hostCounts(const std::vector<int>& counts) {
 // Allocates a dispatch's outputs (`rows` rows: views of the lent slab, each keeping the lease,
 // else fresh tensors) and launches the dispatch kernel into them.
 void allocateAndLaunch(NvlinkRuntime& rt, const DispatchArgs& a, DispatchKernelInputs& k,
-                       int64_t rows, bool overlap, cudaStream_t stream, DispatchResult& out) {
+                       int64_t rows, bool overlap, int num_sms, cudaStream_t stream,
+                       DispatchResult& out) {
   const int64_t num_tokens = a.x.size(0);
   const bool has_scales = a.x_scales.has_value();
   const bool has_weights = a.topk_weights.has_value();
@@ -179,6 +180,7 @@ void allocateAndLaunch(NvlinkRuntime& rt, const DispatchArgs& a, DispatchKernelI
   args.num_worst_tokens = overlap ? 0 : static_cast<int>(a.num_worst_tokens);
   args.dest_slabs = k.slabs ? k.dest_slabs.data_ptr<int>() : nullptr;
   args.own_slab = lease != nullptr;
+  args.num_sms = num_sms;
   rt.dispatch(args, stream);
   k.lease.reset();  // the outputs hold it now
   out.num_recv_tokens_per_expert = k.recv_per_expert;
@@ -235,7 +237,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
   const Needs needs = maxNeeds(gathered);
   stages.mark("needs");
   const bool capture = streamCapturing();
-  NvlinkRuntime& rt = ensureRuntime(pg, *st, device, needs, "dispatch", capture);
+  NvlinkRuntime& rt = ensureRuntime(pg, *st, device, needs, "dispatch", capture, recvSlabs(pg));
   stages.mark("runtime");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
@@ -312,10 +314,12 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
     rows = worstCaseRows(gathered);
   }
   DispatchResult out;
+  // Read per call: Options.num_sms may change on a live group.
+  const int num_sms = static_cast<int>(pg.options()->num_sms);
   if (overlap) {
     // The kernel reads the receive prefix notify leaves on the device; a rejected routing
     // (an invalid topk_idx on some rank) makes it move nothing, on every rank alike.
-    allocateAndLaunch(rt, a, k, rows, overlap, stream, out);
+    allocateAndLaunch(rt, a, k, rows, overlap, num_sms, stream, out);
     stages.mark("alloc+launch");
   }
   st->routings.prune();
@@ -345,7 +349,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
   }
   stages.mark("wait_counts");
   if (!overlap) {
-    allocateAndLaunch(rt, a, k, rows, overlap, stream, out);
+    allocateAndLaunch(rt, a, k, rows, overlap, num_sms, stream, out);
     stages.mark("alloc+launch");
   }
   out.num_recv_tokens_per_expert_host = host_per_expert;

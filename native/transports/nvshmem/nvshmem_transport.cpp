@@ -548,6 +548,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   // would write up to E_loc*R*M*H*2 bytes per call (58 MB at M=256, H=7168, E_loc=8).
   args.zero_padding = false;
   args.phases = send_only ? nvshmem::kPhaseSend : nvshmem::kPhaseBoth;
+  args.timeout_seconds = pg.options()->kernel_timeout_s;  // per call: settable live
   int buffer = 0;
   char err[1024] = {0};
   check(library().dispatch(rt, &args, c10::cuda::getCurrentCUDAStream(device.index()).stream(),
@@ -635,6 +636,7 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   args.buffer_index = buffer;
   args.out = out.data_ptr();
   args.phases = nvshmem::kPhaseBoth;
+  args.timeout_seconds = pg.options()->kernel_timeout_s;  // per call: settable live
   char err[1024] = {0};
   check(
       library().combine(st->runtime, &args,

@@ -71,6 +71,13 @@ BufferLayout make_layout(const NvlinkConfig& c, int num_ranks) {
 
 }  // namespace
 
+void NvlinkRuntime::set_timeout_seconds(double seconds) {
+  kChecks.require(seconds > 0, "timeout_seconds must be > 0");
+  config_.timeout_seconds = seconds;
+  // clock64 runs at (at most) the peak SM clock, so this is at least timeout_seconds.
+  timeout_cycles_ = static_cast<long long>(seconds * clock_khz_ * 1000.0);
+}
+
 size_t NvlinkRuntime::buffer_bytes(const NvlinkConfig& config, int num_ranks) {
   return make_layout(config, num_ranks).total_bytes;
 }
@@ -121,12 +128,10 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&counters_dev_), counters_host_, 0),
       "cudaHostGetDevicePointer(counters)");
 
-  int clock_khz = 0;
-  kChecks.cuda(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device_),
+  kChecks.cuda(cudaDeviceGetAttribute(&clock_khz_, cudaDevAttrClockRate, device_),
                "cudaDeviceGetAttribute(clock)");
-  if (clock_khz <= 0) clock_khz = 2000000;
-  // clock64 runs at (at most) the peak SM clock, so this is at least timeout_seconds.
-  timeout_cycles_ = static_cast<long long>(config_.timeout_seconds * clock_khz * 1000.0);
+  if (clock_khz_ <= 0) clock_khz_ = 2000000;
+  set_timeout_seconds(config_.timeout_seconds);
 
   peers_.assign(num_ranks_, nullptr);
   peer_opened_.assign(num_ranks_, false);

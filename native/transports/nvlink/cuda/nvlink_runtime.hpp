@@ -161,6 +161,9 @@ class NvlinkRuntime {
   int num_ranks() const { return num_ranks_; }
   int device() const { return device_; }
   const NvlinkConfig& config() const { return config_; }
+  // Sets config().timeout_seconds for the launches that follow (Options.kernel_timeout_s may
+  // change on a live group). Every spin-wait reads it per launch.
+  void set_timeout_seconds(double seconds);
   void* buffer() const { return buffer_; }
   bool connected() const { return connected_; }
 
@@ -301,6 +304,7 @@ class NvlinkRuntime {
   bool due_rejects_ = false;        // that notify reports invalid routings (host counters)
   int host_num_local_experts_ = 0;  // E_loc of the last notify with host counters
   long long timeout_cycles_ = 0;
+  int clock_khz_ = 0;  // peak SM clock, for timeout_cycles_
 };
 
 }  // namespace ep

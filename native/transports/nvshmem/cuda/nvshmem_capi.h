@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_NVSHMEM_ABI_VERSION 1
+#define EP_NVSHMEM_ABI_VERSION 2
 
 namespace ep {
 struct NvshmemConfig;

@@ -246,7 +246,7 @@ void NvshmemRuntime::check_ready(const char* op) const {
   if (failed()) throw std::runtime_error(check_error());
 }
 
-nvshmem::Context NvshmemRuntime::context(int buffer) const {
+nvshmem::Context NvshmemRuntime::context(int buffer, double timeout_seconds) const {
   const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
   nvshmem::Context c{};
   c.local = symmetric_ + size_t(buffer) * layout_.bytes;
@@ -258,7 +258,8 @@ nvshmem::Context NvshmemRuntime::context(int buffer) const {
                  size_t(buffer) * config_.max_tokens_per_rank * config_.max_topk;
   c.recv_tokens =
       reinterpret_cast<int*>(private_ + pl.recv_tokens_offset) + size_t(buffer) * num_ranks_;
-  c.timeout_ns = static_cast<long long>(config_.timeout_seconds * 1e9);
+  c.timeout_ns = static_cast<long long>(
+      (timeout_seconds > 0 ? timeout_seconds : config_.timeout_seconds) * 1e9);
   c.buffer = buffer;
   c.rank = rank_;
   c.num_ranks = num_ranks_;
@@ -316,7 +317,8 @@ int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) 
     next_buffer_ = buffer ^ 1;
   }
   nvshmem::DispatchParams p{};
-  p.ctx = context(buffer);
+  last_timeout_seconds_ = a.timeout_seconds > 0 ? a.timeout_seconds : config_.timeout_seconds;
+  p.ctx = context(buffer, a.timeout_seconds);
   p.x = static_cast<const uint16_t*>(a.x);
   static const long long kEmpty = -1;
   p.topk_idx = a.topk_idx != nullptr ? a.topk_idx : &kEmpty;
@@ -361,7 +363,8 @@ void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
                   pre + "num_tokens must be in [0, max_tokens_per_rank]");
   kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
                   pre + "K must be in [1, max_topk]");
-  const nvshmem::Context ctx = context(a.buffer_index);
+  last_timeout_seconds_ = a.timeout_seconds > 0 ? a.timeout_seconds : config_.timeout_seconds;
+  const nvshmem::Context ctx = context(a.buffer_index, a.timeout_seconds);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   if (a.phases & nvshmem::kPhaseSend) {
     kChecks.require(a.layout_range != nullptr, pre + "layout_range of the dispatch is required");
@@ -425,7 +428,7 @@ std::string NvshmemRuntime::check_error() const {
   os << "ep " << op_name(e->op) << ": rank " << e->rank;
   switch (code) {
     case nvshmem::kErrorTimeout:
-      os << " timed out after " << config_.timeout_seconds << " s waiting for rank " << e->peer;
+      os << " timed out after " << last_timeout_seconds_ << " s waiting for rank " << e->peer;
       break;
     case nvshmem::kErrorCapacity:
       os << " would send " << e->value_a << " rows to one expert, more than M=" << e->value_b

@@ -105,7 +105,8 @@ struct NvshmemDispatchArgs {
   int* cumulative_local_expert_recv_stats = nullptr;  // optional
   bool zero_padding = false;  // zero recv_x / recv_x_scales rows past recv_count
   int phases = nvshmem::kPhaseBoth;
-  int buffer_index = -1;  // -1: the next buffer (SEND, BOTH); required for RECV only
+  int buffer_index = -1;       // -1: the next buffer (SEND, BOTH); required for RECV only
+  double timeout_seconds = 0;  // of this call's spin-waits; 0: config().timeout_seconds
 };
 
 // Combine arguments.
@@ -123,6 +124,7 @@ struct NvshmemCombineArgs {
   int buffer_index = 0;                   // returned by the dispatch
   void* out = nullptr;                    // BF16 [T, H]
   int phases = nvshmem::kPhaseBoth;
+  double timeout_seconds = 0;  // of this call's spin-waits; 0: config().timeout_seconds
 };
 
 // A region of the symmetric heap seen as a contiguous row-major tensor.
@@ -186,7 +188,8 @@ class NvshmemRuntime {
   void destroy();
 
  private:
-  nvshmem::Context context(int buffer) const;
+  // timeout_seconds: the call's (0: config().timeout_seconds).
+  nvshmem::Context context(int buffer, double timeout_seconds) const;
   void check_ready(const char* op) const;
 
   int rank_ = 0;
@@ -202,6 +205,7 @@ class NvshmemRuntime {
   nvshmem::ErrorRecord* error_host_ = nullptr;
   nvshmem::ErrorRecord* error_dev_ = nullptr;
   int next_buffer_ = 0;
+  double last_timeout_seconds_ = 0;  // of the latest launch, for its timeout message
   int dispatch_blocks_ = 1;
   int combine_blocks_ = 1;
   bool initialized_ = false;
