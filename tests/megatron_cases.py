@@ -99,6 +99,8 @@ def moe_config(dispatcher: str, world: int, shape: MoeShape, dtype: torch.dtype)
         ffn_hidden_size=shape.ffn_hidden,
         moe_ffn_hidden_size=shape.ffn_hidden,
         num_attention_heads=4,
+        hidden_dropout=0.0,  # deterministic: the two runs of each comparison draw no numbers
+        attention_dropout=0.0,
         num_moe_experts=shape.experts_per_rank * world,
         moe_router_topk=shape.topk,
         moe_router_load_balancing_type="none",

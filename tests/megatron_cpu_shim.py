@@ -24,7 +24,10 @@ One Megatron function is replaced too, after Megatron is imported (``patch_megat
 ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` (``moe_utils``, and its binding in
 ``token_dispatcher``) converts only CUDA tensors to NumPy; on CPU the alltoall dispatcher's split
 sizes would then reach ``all_to_all_single`` as tensors, which it rejects. The stand-in also
-converts CPU tensors when ``as_numpy`` is set; otherwise it is Megatron's function.
+converts CPU tensors when ``as_numpy`` is set; otherwise it is Megatron's function. And
+``CudaRNGStatesTracker.fork`` (entered around attention dropout whatever the dropout rate) is a
+context manager that does nothing: it would swap the CUDA generator's state. The tests that use
+this shim set every dropout to 0, so no random numbers are drawn inside it.
 
 ``torch.cuda.is_available()`` stays False, so ``ep`` and the ``deep_ep`` facade keep taking
 their CPU paths (the facade's ``EventHandle`` records no CUDA event without an initialised
@@ -106,7 +109,12 @@ def install() -> None:
 def patch_megatron() -> None:
     """Replaces Megatron's ``maybe_move_tensor_to_cpu`` as the module docstring says; call it
     after importing ``megatron.core.transformer.moe.token_dispatcher`` (idempotent)."""
+    from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    megatron_random.CudaRNGStatesTracker.fork = (  # type: ignore[method-assign]
+        lambda self, name=None: contextlib.nullcontext()
+    )
 
     original = getattr(moe_utils.maybe_move_tensor_to_cpu, "__wrapped__", None)
     original = original or moe_utils.maybe_move_tensor_to_cpu

@@ -43,3 +43,33 @@ def test_megatron_moe_layer_flex_on_ep_matches_alltoall_on_gloo(world: int) -> N
                 f"{(flex[name] - alltoall[name]).abs().max().item():.3g}"
             )
         assert flex["output"].abs().sum() > 0 and flex["input_grad"].abs().sum() > 0
+
+
+def _training_worker(rank: int, world: int, what: str, dispatcher: str, moe_backend: str) -> dict:
+    torch.set_num_threads(1)
+    import megatron_cases
+    import megatron_training
+
+    megatron_cases.import_megatron()
+    cpu = torch.device("cpu")
+    if what == "gpt":
+        return megatron_training.train_gpt(dispatcher, TRAIN_STEPS, torch.float32, cpu)
+    return megatron_training.train_fsdp2(dispatcher, moe_backend, TRAIN_STEPS, torch.float32, cpu)
+
+
+TRAIN_STEPS = 4
+
+
+@pytest.mark.parametrize("what", ["gpt", "fsdp2"])
+def test_megatron_training_on_ep_matches_gloo(what: str) -> None:
+    """The CPU run of the GPU training tests: the whole job on ``init_process_group("ep")`` with
+    the flex dispatcher vs on Gloo with the alltoall dispatcher; the same losses, bit for bit (as
+    the layer test: same rows moved, top-2 sums, row-independent CPU GEMMs)."""
+    ep = run_distributed(_training_worker, 2, what, "flex", "ep", backend="ep", timeout=TIMEOUT)
+    gloo = run_distributed(
+        _training_worker, 2, what, "alltoall", "gloo", backend="gloo", timeout=TIMEOUT
+    )
+    assert ep[0]["init"] == gloo[0]["init"]
+    assert ep[0]["losses"] == gloo[0]["losses"], (ep[0]["losses"], gloo[0]["losses"])
+    assert ep[1]["losses"] == ep[0]["losses"]
+    assert ep[0]["losses"][-1] < ep[0]["losses"][0], ep[0]["losses"]
