@@ -24,6 +24,7 @@ register()
 from . import _fake, reference  # noqa: E402, F401
 from ._fallback import FallbackWarning  # noqa: E402
 from ._groups import _bind_backend_methods, get_backend  # noqa: E402
+from ._recovery import abort, monitored_barrier  # noqa: E402
 from ._streams import record_stream  # noqa: E402
 from .errors import MoEError, MoEInputError, MoETimeoutError, MoETypeError  # noqa: E402
 from .handles import (  # noqa: E402
@@ -70,6 +71,7 @@ __all__ = [
     "MoETypeError",
     "Options",
     "__version__",
+    "abort",
     "all_to_all_moe_dispatch",
     "combine",
     "dispatch",
@@ -78,6 +80,7 @@ __all__ = [
     "get_low_latency_combine_buffer",
     "low_latency_combine",
     "low_latency_dispatch",
+    "monitored_barrier",
     "record_stream",
     "reference",
     "register",

@@ -32,6 +32,7 @@ _TIMEOUT_MARKERS = ("never joined", "timed out", "Timed out", "timeout caused pa
 # torch's words when it cannot bind an argument to the op's schema (before any kernel ran).
 _UNBOUND = ("Expected a value of type", "expected a value of type", "Could not run")
 _CPP_TRACE = re.compile(r"\n?Exception raised from [^\n]*(?:\n(?:frame #|\s*<omitting)[^\n]*)*")
+_MISPAIRED = " is in call #"  # the agreement's words for ranks in different calls
 _META = "a tensor argument is on the meta device; the MoE collectives move cpu and cuda tensors"
 _REJECTED_RANKS = re.compile(r"rank\(s\) ([\d, ]+) (?:rejected|never joined)")
 _KERNEL_PEER = re.compile(r"waiting for rank (\d+)")
@@ -69,8 +70,10 @@ def _reject(pg: dist.ProcessGroup, op: str, exc: BaseException) -> NoReturn:
     error = _input_error(op, exc)
     try:
         _ops.reject(op, f"{error}", pg.group_name)
-    except RuntimeError:
-        pass  # the expected outcome: the agreement step raised on every rank
+    except RuntimeError as agreement:  # the expected outcome: it raised on every rank
+        message = _short(f"{agreement}")
+        if _MISPAIRED in message:  # the peers were in another call: say so here too
+            raise type(error)(f"{error}; and {message}", error.ranks) from None
     raise error from None
 
 

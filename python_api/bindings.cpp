@@ -224,6 +224,13 @@ void bindProcessGroup(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "See ep_backend.reserve (collective; peers' threads may need the GIL). None when the "
            "group's high-throughput ops do not use a CUDA transport.")
+      .def("_shift_moe_calls", &ep::EPProcessGroup::shiftMoeCalls, py::arg("delta"),
+           "Test hook: moves this rank's MoE call counter by ``delta`` (as if it had made or "
+           "skipped calls its peers did not).")
+      .def_property_readonly(
+          "moe_unusable_reason", &ep::EPProcessGroup::moeUnusableReason,
+          "Why this group's MoE calls raise at once on this rank ('' while they can run): an "
+          "earlier call timed out or failed out of step here, or the group was aborted.")
       .def("_register_group_name", &ep::EPProcessGroup::registerGroupName, py::arg("group_name"),
            "Makes the MoE ops find this backend by its group's name.")
       .def(
@@ -269,6 +276,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensor"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
       "record_stream for dispatch outputs viewing a receive slab; False for any other tensor.");
+  m.def("_set_test_count_inflation", &ep::setTestCountInflation, py::arg("rows"),
+        "Test hook: rows this process adds to every send count a dispatch announces to its "
+        "peers (an adversarial peer); 0 restores normal behaviour.");
   m.def("_dispatch_deferred", &ep::dispatchDeferred, py::arg("x"), py::arg("x_scales"),
         py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
         py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("group_name"),

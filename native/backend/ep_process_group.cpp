@@ -11,6 +11,8 @@
 #include <numeric>
 #include <sstream>
 
+#include "backend/moe_validation.hpp"
+
 namespace ep {
 namespace {
 
@@ -199,6 +201,19 @@ void EPProcessGroup::runShutdownHooks() {
       TORCH_WARN("ep: error while releasing group resources: ", e.what());
     }
   }
+}
+
+void EPProcessGroup::markMoeUnusable(const std::string& why) {
+  std::lock_guard<std::mutex> lock(moe_unusable_mutex_);
+  if (moe_unusable_reason_.empty()) {  // the first cause is the one worth reporting
+    moe_unusable_reason_ = why;
+  }
+  moe_unusable_.store(true, std::memory_order_release);
+}
+
+std::string EPProcessGroup::moeUnusableReason() const {
+  std::lock_guard<std::mutex> lock(moe_unusable_mutex_);
+  return moe_unusable_reason_;
 }
 
 void EPProcessGroup::checkAlive(const char* op) const {
@@ -590,6 +605,15 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::barrier(const c10d::BarrierOption
   return track(cpu_->barrier(cpu_opts));
 }
 
+void EPProcessGroup::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  checkAlive("monitored_barrier");
+  ++seq_;
+  c10d::BarrierOptions cpu_opts = opts;
+  cpu_opts.device_ids.clear();
+  cpu_opts.device = std::nullopt;
+  cpu_->monitoredBarrier(cpu_opts, wait_all_ranks);
+}
+
 void EPProcessGroup::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
   cpu_->setTimeout(timeout);
@@ -658,7 +682,12 @@ void EPProcessGroup::eagerConnectSingleDevice(at::Device device) {
 }
 
 void EPProcessGroup::abort() {
-  // Kernels may still be running: transport buffers are released at destruction, not here.
+  // Peers still calling MoE collectives on this group learn it at their next agreement (on one
+  // host, at once) instead of waiting for their timeout.
+  markMoeUnusable("the group was aborted on this rank (ep_backend.abort)");
+  abandonMoeAgreement(*this);
+  // Kernels may still be running: transport buffers are released by shutdown() or at
+  // destruction, not here.
   shutdown_.store(true);
   cpu_->abort();
   if (cuda_ != nullptr) {
@@ -667,7 +696,8 @@ void EPProcessGroup::abort() {
 }
 
 void EPProcessGroup::shutdown() {
-  if (shutdown_.exchange(true)) {
+  shutdown_.store(true);
+  if (shutdown_hooks_ran_.exchange(true)) {
     return;
   }
   runShutdownHooks();

@@ -67,6 +67,16 @@ class EPProcessGroup : public c10d::Backend {
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   // Number of the next MoE call on this group (the same on every rank that calls in order).
   uint64_t nextMoeCall() { return moe_seq_++; }
+  // Test hook: moves this rank's MoE call counter by `delta`, as if it had made (or skipped)
+  // calls its peers did not; the next agreement then names both calls.
+  void shiftMoeCalls(int64_t delta) { moe_seq_ += static_cast<uint64_t>(delta); }
+
+  // Why this group's MoE calls can no longer run on this rank ("" while they can): set once a
+  // call's agreement timed out here (the ranks' calls are out of step from then on) or the group
+  // was aborted. Later MoE calls raise this reason at once instead of waiting for a timeout.
+  void markMoeUnusable(const std::string& why);
+  std::string moeUnusableReason() const;
+  bool moeUsable() const { return !moe_unusable_.load(std::memory_order_acquire); }
 
   // Makes this backend findable by its process group's name (see byGroupName).
   void registerGroupName(const std::string& group_name);
@@ -124,6 +134,9 @@ class EPProcessGroup : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Gloo's monitored barrier, over the internal CPU backend: raises on rank 0 naming the ranks
+  // that did not arrive within opts.timeout (all of them with `wait_all_ranks`).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
 
   void setTimeout(std::chrono::milliseconds timeout) override;
   void setSequenceNumberForGroup() override;
@@ -171,6 +184,11 @@ class EPProcessGroup : public c10d::Backend {
   std::map<std::string, c10::intrusive_ptr<c10d::Backend>> split_children_;
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> moe_seq_{0};
+  std::atomic<bool> moe_unusable_{false};
+  mutable std::mutex moe_unusable_mutex_;
+  std::string moe_unusable_reason_;
+  // shutdown() ran its hooks (abort() alone does not: kernels may still be running).
+  std::atomic<bool> shutdown_hooks_ran_{false};
   bool coalescing_ = false;
   bool cuda_coalescing_started_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cpu_works_;

@@ -23,6 +23,13 @@ class GroupStates {
   explicit GroupStates(std::function<void(EPProcessGroup*, State&)> release = {})
       : release_(std::move(release)) {}
 
+  // The group's state if it has one (never creates it).
+  std::shared_ptr<State> find(EPProcessGroup& pg) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = states_.find(&pg);
+    return it == states_.end() ? nullptr : it->second;
+  }
+
   std::shared_ptr<State> of(EPProcessGroup& pg) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& entry = states_[&pg];

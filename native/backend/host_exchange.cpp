@@ -34,6 +34,9 @@ static_assert(sizeof(HostExchange::Slot) % 64 == 0, "slots stay cache-line align
 
 namespace {
 
+// The call word of an abandoned slot: above every call number, so waiting readers stop.
+constexpr uint64_t kAbandoned = ~uint64_t{0};
+
 std::vector<uint8_t> bytesOf(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
@@ -110,6 +113,12 @@ HostExchange::~HostExchange() {
   munmap(base_, bytes_);
 }
 
+void HostExchange::abandon() {
+  for (int parity = 0; parity < 2; ++parity) {
+    __atomic_store_n(&slot(rank_, parity)->call, kAbandoned, __ATOMIC_RELEASE);
+  }
+}
+
 HostExchange::Slot* HostExchange::slot(int rank, int parity) const {
   return static_cast<Slot*>(base_) + (static_cast<size_t>(rank) * 2 + parity);
 }
@@ -159,6 +168,10 @@ std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const
         }
       }
     }
+    TORCH_CHECK(seen != kAbandoned, "ep ", op, ": rank(s) ", r,
+                " never joined this call: that rank gave up on this group (one of its MoE calls "
+                "timed out, or it called ep_backend.abort). The group's MoE calls cannot go on: "
+                "call ep_backend.abort(group) on every rank and create a new group");
     TORCH_CHECK(seen == call, "ep ", op, ": rank ", r, " is ", seen - call,
                 " MoE call(s) ahead of rank ", rank_,
                 " (an earlier call timed out or failed on some ranks); the group's MoE calls "

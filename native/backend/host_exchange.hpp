@@ -10,7 +10,8 @@
 // only after reading call n), so the slot of the parity being read is never overwritten.
 //
 // Every rank must call gather() with the same call number sequence and the same row width.
-// A rank that does not arrive within the timeout is named in the error.
+// A rank that does not arrive within the timeout is named in the error; a rank that gave up on
+// the group (abandon()) is named at once.
 #pragma once
 
 #include <chrono>
@@ -43,6 +44,11 @@ class HostExchange {
   // arrive within `timeout`.
   std::vector<int64_t> gather(const std::vector<int64_t>& row, const char* op,
                               std::chrono::milliseconds timeout);
+
+  // Marks both of this rank's slots "gave up": a peer waiting for, or later reaching, a call this
+  // rank will never make raises at once, naming this rank, instead of reading a stale row or
+  // waiting for its timeout. Called after this rank's agreement timed out or the group aborted.
+  void abandon();
 
   struct Slot;  // one rank's row for one call parity (public for the layout's static_assert)
 

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -13,6 +14,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/group_state.hpp"
 #include "backend/host_exchange.hpp"
+#include "backend/store_exchange.hpp"
 
 namespace ep {
 namespace {
@@ -372,8 +374,9 @@ std::string validateLowLatencyCombine(const LowLatencyCombineInputs& a, int64_t 
 
 namespace {
 
-// Fields of the fixed-width header row: error flag, op id, field count, payload size, fields.
-constexpr int64_t kHeaderFixed = 4;
+// Fields of the fixed-width header row: error flag, op kind, call number, field count, payload
+// size, fields.
+constexpr int64_t kHeaderFixed = 5;
 constexpr int64_t kMaxAgreedFields = 16;
 constexpr int64_t kHeaderWidth = kHeaderFixed + kMaxAgreedFields;
 // Payload slots in the header row beyond 2R (per-rank counts both ways plus a few scalars).
@@ -387,6 +390,19 @@ int64_t opId(const char* op) {
     h *= 1099511628211ULL;
   }
   return static_cast<int64_t>(h >> 2);
+}
+
+// The name of an op id seen in a peer's row, for the message naming both calls.
+std::string opName(int64_t id) {
+  static const char* const kOps[] = {
+      "dispatch", "cached dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+      "reserve"};
+  for (const char* op : kOps) {
+    if (opId(op) == id) {
+      return op;
+    }
+  }
+  return "an unknown collective";
 }
 
 // After a timed-out agreement: every rank that was there marks call `call` in the store, waits a
@@ -417,51 +433,89 @@ struct ExchangeState {
   std::unique_ptr<HostExchange> exchange;
 };
 
-std::shared_ptr<ExchangeState> exchangeOf(EPProcessGroup& pg) {
+GroupStates<ExchangeState>& exchangeStates() {
   static auto* states = new GroupStates<ExchangeState>();
-  return states->of(pg);
+  return *states;
 }
 
-at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, const std::vector<int64_t>& row) {
+// A failed exchange of call `call` leaves the ranks' calls out of step: this rank's later MoE
+// calls raise at once, and its peers on this host learn it at their next call.
+[[noreturn]] void giveUp(EPProcessGroup& pg, ExchangeState* state, const char* op, uint64_t call,
+                         const std::string& message) {
+  pg.markMoeUnusable("call #" + std::to_string(call) + " (" + op + ") failed: " + message);
+  if (state != nullptr && state->exchange) {
+    state->exchange->abandon();
+  }
+  TORCH_CHECK(false, message);
+}
+
+at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
+                         const std::vector<int64_t>& row) {
   const int64_t num_ranks = pg.getSize();
   const int64_t width = static_cast<int64_t>(row.size());
   if (num_ranks == 1) {  // nobody to agree with: skip the round trip through Gloo's worker thread
-    pg.nextMoeCall();
     return at::tensor(row, at::kLong).view({1, width});
   }
-  auto state = exchangeOf(pg);
+  auto state = exchangeStates().of(pg);
   if (!state->decided) {
     state->exchange = HostExchange::connect(pg, std::string("ep ") + op);
     state->decided = true;
   }
   if (state->exchange && HostExchange::fits(width)) {
-    pg.nextMoeCall();
-    std::vector<int64_t> all = state->exchange->gather(row, op, pg.options()->timeout);
+    std::vector<int64_t> all;
+    try {
+      all = state->exchange->gather(row, op, pg.options()->timeout);
+    } catch (const std::exception& e) {
+      giveUp(pg, state.get(), op, call, messageWithoutTrace(e));
+    }
     return at::tensor(all, at::kLong).view({num_ranks, width});
   }
   at::Tensor mine = at::tensor(row, at::kLong);
   at::Tensor all = at::empty({num_ranks * width}, at::kLong);
   c10d::AllgatherOptions opts;
   opts.timeout = pg.options()->timeout;
-  const uint64_t call = pg.nextMoeCall();
   try {
     pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ep ", op, ": rank ", pg.getRank(), " waited ",
-                std::chrono::duration_cast<std::chrono::seconds>(opts.timeout).count(),
-                " s for the other ranks of the group to join this call; ", stalledRanks(pg, call),
-                " (", e.what(), ")");
+    std::ostringstream message;
+    message << "ep " << op << ": rank " << pg.getRank() << " waited "
+            << std::chrono::duration_cast<std::chrono::seconds>(opts.timeout).count()
+            << " s for the other ranks of the group to join this call; " << stalledRanks(pg, call)
+            << " (" << messageWithoutTrace(e) << ")";
+    giveUp(pg, state.get(), op, call, message.str());
   }
   return all.view({num_ranks, width});
 }
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> count_inflation{0};
+}  // namespace
+
+void setTestCountInflation(int64_t rows) {
+  count_inflation.store(rows, std::memory_order_relaxed);
+}
+
+int64_t testCountInflation() {
+  return count_inflation.load(std::memory_order_relaxed);
+}
+
+void abandonMoeAgreement(EPProcessGroup& pg) {
+  if (pg.getSize() == 1) {
+    return;
+  }
+  auto state = exchangeStates().find(pg);
+  if (state && state->exchange) {
+    state->exchange->abandon();
+  }
+}
+
 std::string moeAgreementTransport(EPProcessGroup& pg) {
   if (pg.getSize() == 1) {
     return "none (one rank)";
   }
-  auto state = exchangeOf(pg);
+  auto state = exchangeStates().of(pg);
   if (!state->decided) {
     return "undecided";
   }
@@ -472,8 +526,13 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
                             const std::vector<AgreedField>& fields,
                             const std::vector<int64_t>& payload) {
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
+  if (C10_UNLIKELY(!pg.moeUsable())) {
+    TORCH_CHECK(false, "ep ", op, ": this group's MoE calls cannot go on: ", pg.moeUnusableReason(),
+                ". Call ep_backend.abort(group) on every rank and create a new group");
+  }
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
+  const uint64_t call = pg.nextMoeCall();
   // Phase 1: a row of the same width on every rank and in every collective of this group
   // (header + 2R + 8 payload slots), so that ranks whose inputs, collectives or payload sizes
   // differ never post mismatched exchanges. A payload of up to 2R + 8 entries (every collective
@@ -485,17 +544,28 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
   std::vector<int64_t> header(kHeaderWidth + inline_width, 0);
   header[0] = local_error.empty() ? 0 : 1;
   header[1] = opId(op);
-  header[2] = static_cast<int64_t>(fields.size());
-  header[3] = payload_size;
+  header[2] = static_cast<int64_t>(call);
+  header[3] = static_cast<int64_t>(fields.size());
+  header[4] = payload_size;
   for (size_t f = 0; f < fields.size(); ++f) {
     header[kHeaderFixed + f] = fields[f].value;
   }
   if (inline_payload) {
     std::copy(payload.begin(), payload.end(), header.begin() + kHeaderWidth);
   }
-  at::Tensor all = allGatherRows(pg, op, header);
+  at::Tensor all = allGatherRows(pg, op, call, header);
   auto acc = all.accessor<int64_t, 2>();
 
+  // Calls of different kinds or numbers never pair: every rank names both (before any rank's
+  // own input error, which belongs to a call its peers are not in).
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    if (acc[r][1] != header[1] || acc[r][2] != header[2]) {
+      TORCH_CHECK(false, "ep ", op, ": rank ", r, " is in call #", acc[r][2], " (",
+                  opName(acc[r][1]), "), this rank (", rank, ") in call #", call, " (", op,
+                  "); the ranks must call the same MoE collectives in the same order; nothing "
+                  "was exchanged");
+    }
+  }
   std::vector<int64_t> bad_ranks;
   for (int64_t r = 0; r < num_ranks; ++r) {
     if (acc[r][0] != 0) {
@@ -509,10 +579,9 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
     raiseRejectedBy(op, bad_ranks);
   }
   for (int64_t r = 0; r < num_ranks; ++r) {
-    TORCH_CHECK(
-        acc[r][1] == header[1] && acc[r][2] == header[2], "ep ", op, ": rank ", r,
-        " is in a different MoE collective than rank ", rank,
-        " (the ranks must call the same collectives in the same order); nothing was exchanged");
+    TORCH_CHECK(acc[r][3] == header[3], "ep ", op, ": ranks disagree on the number of checked ",
+                "fields (rank ", rank, " has ", header[3], ", rank ", r, " has ", acc[r][3],
+                "); nothing was exchanged");
   }
   for (size_t f = 0; f < fields.size(); ++f) {
     for (int64_t r = 0; r < num_ranks; ++r) {
@@ -524,15 +593,16 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
     }
   }
   for (int64_t r = 0; r < num_ranks; ++r) {
-    TORCH_CHECK(acc[r][3] == header[3], "ep ", op,
+    TORCH_CHECK(acc[r][4] == header[4], "ep ", op,
                 ": ranks disagree on the size of the routing metadata (rank ", rank, " has ",
-                header[3], ", rank ", r, " has ", acc[r][3], "); nothing was exchanged");
+                header[4], ", rank ", r, " has ", acc[r][4], "); nothing was exchanged");
   }
   if (inline_payload) {
     return all.narrow(1, kHeaderWidth, payload_size);
   }
-  // Phase 2: a longer payload, now known to have the same size everywhere.
-  return allGatherRows(pg, op, payload);
+  // Phase 2: a longer payload, now known to have the same size everywhere (and to belong to
+  // the same call: phase 1 agreed on it).
+  return allGatherRows(pg, op, call, payload);
 }
 
 void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message) {

@@ -31,13 +31,26 @@ struct AgreedField {
 
 // The agreement step, over the group's CPU backend. All-gathers a row of a fixed width (the
 // same in every collective of the group, so ranks never post exchanges of different sizes):
-// [error flag, id of `op`, #fields, #payload, 16 field slots, 2R + 8 payload slots]; throws on
-// every rank if any rank had an error, the ranks are in different collectives, or the fields or
-// payload sizes differ. Returns the payloads as int64 [R, payload.size()] (a payload longer than
-// 2R + 8 entries takes a second all-gather). At most 16 fields.
+// [error flag, id of `op`, this rank's call number in the group, #fields, #payload, 16 field
+// slots, 2R + 8 payload slots]; throws on every rank if the ranks are in calls of different
+// numbers or kinds (naming both: "rank 1 is in call #12 (combine), this rank (0) in call #12
+// (dispatch)"), any rank had an error, or the fields or payload sizes differ. A timed-out
+// exchange makes the group's later MoE calls on this rank raise at once (see
+// EPProcessGroup::markMoeUnusable) and tells its peers on this host (HostExchange::abandon).
+// Returns the payloads as int64 [R, payload.size()] (a payload longer than 2R + 8 entries takes a
+// second all-gather). At most 16 fields.
 at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                             const std::vector<AgreedField>& fields,
                             const std::vector<int64_t>& payload);
+
+// Test hook (adversarial tests): rows this rank adds to every send count it announces in a
+// dispatch's agreement, as a faulty or malicious peer would; 0 (the default) in real use.
+void setTestCountInflation(int64_t rows);
+int64_t testCountInflation();
+
+// Marks this rank's side of the group's agreement "gave up", so that peers on this host waiting
+// in (or later reaching) an MoE call raise at once naming this rank (ep_backend.abort).
+void abandonMoeAgreement(EPProcessGroup& pg);
 
 // How this group's MoE calls agree across ranks: "shared memory" (every rank on one host),
 // "gloo", or "undecided" before the group's first MoE call.

@@ -1,6 +1,7 @@
 #include "backend/store_exchange.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/utils/cpp_stacktraces.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -29,7 +30,8 @@ std::vector<std::string> readAllStrings(EPProcessGroup& pg, const std::string& p
     TORCH_CHECK(false, what, ": rank ", pg.getRank(), " waited ",
                 std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
                 " s for the other ranks of the group to join this call; rank(s) ",
-                missing.empty() ? std::string("?") : missing, " never joined it (", e.what(), ")");
+                missing.empty() ? std::string("?") : missing, " never joined it (",
+                messageWithoutTrace(e), ")");
   }
   std::vector<std::string> values;
   for (const auto& k : keys) {
@@ -44,6 +46,13 @@ std::vector<std::string> allGatherStrings(EPProcessGroup& pg, const std::string&
   pg.store()->set(prefix + std::to_string(pg.getRank()),
                   std::vector<uint8_t>(mine.begin(), mine.end()));
   return readAllStrings(pg, prefix, what);
+}
+
+std::string messageWithoutTrace(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return torch::get_cpp_stacktraces_enabled() ? error->what() : error->what_without_backtrace();
+  }
+  return e.what();
 }
 
 std::string hostName() {

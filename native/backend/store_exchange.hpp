@@ -3,6 +3,7 @@
 // `prefix + rank` and reads everyone's.
 #pragma once
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -22,5 +23,9 @@ std::vector<std::string> readAllStrings(EPProcessGroup& pg, const std::string& p
                                         const std::string& what);
 
 std::string hostName();
+
+// The message of `e` as a user should see it inside another error: a c10::Error without the
+// C++ stack trace torch appends to it, unless TORCH_SHOW_CPP_STACKTRACES=1 asks for traces.
+std::string messageWithoutTrace(const std::exception& e);
 
 }  // namespace ep

@@ -173,8 +173,14 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   }
   const bool has_scales = a.x_scales.has_value();
   const bool has_weights = a.topk_weights.has_value();
-  at::Tensor matrix = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok),
-                                       send_counts);  // [src, dst] // [src, dst]
+  std::vector<int64_t> announced = send_counts;
+  if (C10_UNLIKELY(testCountInflation() != 0)) {
+    for (auto& c : announced) {
+      c += testCountInflation();
+    }
+  }
+  at::Tensor matrix =
+      agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), announced);  // [src, dst]
   std::vector<int64_t> recv_counts(num_ranks);
   auto m = matrix.accessor<int64_t, 2>();
   int64_t max_recv = 0;
