@@ -25,6 +25,7 @@ from . import _fake, reference  # noqa: E402, F401
 from ._fallback import FallbackWarning  # noqa: E402
 from ._groups import _bind_backend_methods, get_backend  # noqa: E402
 from ._streams import record_stream  # noqa: E402
+from ._topology import Topology, topology  # noqa: E402
 from .errors import MoEError, MoEInputError, MoETimeoutError, MoETypeError  # noqa: E402
 from .handles import (  # noqa: E402
     CombineOutput,
@@ -69,6 +70,7 @@ __all__ = [
     "MoETimeoutError",
     "MoETypeError",
     "Options",
+    "Topology",
     "__version__",
     "all_to_all_moe_dispatch",
     "combine",
@@ -82,4 +84,5 @@ __all__ = [
     "reference",
     "register",
     "reserve",
+    "topology",
 ]
