@@ -92,3 +92,21 @@ def test_emulated_nodes_match_the_reference(world: int, per_node: int) -> None:
             f"aten: the group spans {nodes} nodes (emulated: ranks_per_node={per_node})"
         ), r["transport"]
         assert r["agreement"] == "gloo", r["agreement"]
+
+
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_low_latency_with_emulated_nodes(world: int, per_node: int) -> None:
+    """The NVSHMEM low-latency kernels with emulated nodes: peers on other nodes take the put
+    path (the runtime leaves them out of its P2P table), peers on the node keep P2P; results
+    equal the reference (the checks of test_moe_gpu's low-latency test, which also requires
+    the NVSHMEM transport wherever it is built)."""
+    from test_moe_gpu import _ll_cuda
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_distributed(
+        _ll_cuda, world, 1024, 8, 8 * world, backend="ep",
+        env={"EP_RANKS_PER_NODE": str(per_node)},
+    )  # fmt: skip
+    for rank, failures in enumerate(results):
+        assert failures == [], (rank, failures)
