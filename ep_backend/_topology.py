@@ -174,8 +174,8 @@ def discover(store: Any, group_name: str, rank: int, size: int, option: int) -> 
             the ranks disagree on.
     """
     mine = requested_ranks_per_node(option)
-    if size == 1:
-        return plan_topology(["self"], mine)
+    if size == 1:  # one rank is one node, whatever the request (EP_RANKS_PER_NODE is global)
+        return plan_topology(["self"])
     posted = exchange_identities(store, group_name, rank, size, mine)
     requested = [int(p.split("|", 1)[0]) for p in posted]
     if any(k != requested[0] for k in requested):

@@ -138,6 +138,18 @@ def test_environment_emulates_nodes_for_every_group() -> None:
     assert res == [Topology(2, 1, (0, 1), (0, 0), emulated=True)] * 2
 
 
+def _one_rank_group(rank: int, world: int) -> Topology:
+    import ep_backend as ep
+
+    group = dist.new_group([0], backend="ep")  # collective: every rank calls it
+    return ep.topology(group) if rank == 0 else None
+
+
+def test_a_group_of_one_rank_is_one_node_whatever_the_request() -> None:
+    res = run_distributed(_one_rank_group, 2, backend="ep", env={"EP_RANKS_PER_NODE": "2"})
+    assert res[0] == Topology(1, 1, (0,), (0,))
+
+
 def _bad_group(rank: int, world: int) -> str:
     import ep_backend as ep
 
