@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_NVSHMEM_ABI_VERSION 1
+#define EP_NVSHMEM_ABI_VERSION 3  // 3: NvshmemConfig::emulated_ranks_per_node (main has 2)
 
 namespace ep {
 struct NvshmemConfig;
