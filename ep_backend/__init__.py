@@ -26,6 +26,7 @@ from ._fallback import FallbackWarning  # noqa: E402
 from ._groups import _bind_backend_methods, get_backend  # noqa: E402
 from ._recovery import abort, monitored_barrier  # noqa: E402
 from ._streams import record_stream  # noqa: E402
+from ._topology import Topology, topology  # noqa: E402
 from .errors import MoEError, MoEInputError, MoETimeoutError, MoETypeError  # noqa: E402
 from .handles import (  # noqa: E402
     CombineOutput,
@@ -70,6 +71,7 @@ __all__ = [
     "MoETimeoutError",
     "MoETypeError",
     "Options",
+    "Topology",
     "__version__",
     "abort",
     "all_to_all_moe_dispatch",
@@ -85,4 +87,5 @@ __all__ = [
     "reference",
     "register",
     "reserve",
+    "topology",
 ]

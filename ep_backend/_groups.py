@@ -56,6 +56,19 @@ def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
     return pg, pending
 
 
+_node_maps: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _node_of_rank(pg: dist.ProcessGroup) -> tuple[int, ...]:
+    """``[R]`` node of each rank of an ``"ep"`` group (fixed at its creation; read once)."""
+    nodes = _node_maps.get(pg)
+    if nodes is None:
+        nodes = _node_maps[pg] = tuple(get_backend(pg)._topology()[2])
+    return nodes
+
+
 def _group(group: Group) -> dist.ProcessGroup:
     return _group_state(group)[0]
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
+from . import _topology
 from ._native import native
 
 BACKEND_NAME = "ep"
@@ -79,6 +80,10 @@ def make_backend(
         else None
     )
     backend = _C.EPProcessGroup(store, rank, size, options, gloo, nccl)
+    # Collective, like the group's creation itself: every rank learns the nodes (or raises alike).
+    _topology.install(
+        backend, _topology.discover(store, group_name, rank, size, options.ranks_per_node)
+    )
 
     def split_factory(child_store: Any, child_rank: int, child_size: int, child_opts: Any) -> Any:
         return make_backend(

@@ -26,6 +26,11 @@ class DispatchLayout:
         send_pos: int32 ``[T, R]``; position of token ``t`` among this rank's tokens sent to rank
             ``r`` (the row's slot in what ``r`` receives from us), ``-1`` where it is not sent.
 
+        num_tokens_per_node: int32 ``[num_nodes]`` (a property, computed from
+            ``is_token_in_rank`` at first read, so a caller that never reads it pays nothing):
+            tokens with at least one expert on a rank of each node, DeepEP's
+            ``num_tokens_per_rdma_rank`` (``reference.tokens_per_node``). Not available on a
+            layout made under ``torch.compile`` (raises).
         work: the ``Work`` of an ``async_op=True`` call (``None`` otherwise): wait on it before
             the current stream reads these tensors (a dispatch with ``async_op=True`` runs on the
             same communication stream, after them, and need not wait).
@@ -43,6 +48,24 @@ class DispatchLayout:
     # What it was computed from: (weak reference to topk_idx, its version, num_experts, R), so
     # dispatch can refuse a layout of another (or since modified) topk_idx.
     _source: tuple | None = field(default=None, repr=False, compare=False)
+    # The group's node of each rank (``ep_backend.topology``); None: one node.
+    _node_of_rank: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    _per_node: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_tokens_per_node(self) -> torch.Tensor:
+        """int32 ``[num_nodes]``: tokens sent to at least one rank of each node."""
+        if self._per_node is None:
+            from .reference import tokens_per_node
+
+            if self._node_of_rank is None:
+                raise RuntimeError(
+                    "ep: this layout was made under torch.compile, which does not record the "
+                    "group's nodes; use reference.tokens_per_node(layout.is_token_in_rank, "
+                    "ep_backend.topology(group).node_of_rank)"
+                )
+            self._per_node = tokens_per_node(self.is_token_in_rank, self._node_of_rank)
+        return self._per_node
 
     def __iter__(self):  # allows ``a, b, c = layout``
         return iter((self.num_tokens_per_rank, self.num_tokens_per_expert, self.is_token_in_rank))

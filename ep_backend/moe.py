@@ -32,7 +32,7 @@ from ._autograd import _CachedDispatchFn, _CombineFn, _DispatchFn, _needs_grad
 from ._custom_ops import _cached_dispatch_op, _combine_op, _dispatch_op, _layout_op
 from ._failures import _failed, _input_error, _reject, _translate
 from ._fallback import _check_fallback
-from ._groups import Group, _group, _group_state, get_backend
+from ._groups import Group, _group, _group_state, _node_of_rank, get_backend
 from ._native import native as _native
 from ._streams import _check_previous_event, _run
 from .handles import CombineOutput, DispatchHandle, DispatchLayout, DispatchOutput
@@ -169,7 +169,8 @@ def get_dispatch_layout(
     Returns:
         ``DispatchLayout``: ``num_tokens_per_rank`` int32 ``[R]`` (a token counts once per
         rank), ``num_tokens_per_expert`` int32 ``[E]``, ``is_token_in_rank`` bool ``[T, R]``,
-        ``send_pos`` int32 ``[T, R]``. Pass it to ``dispatch(..., layout=)`` with the same
+        ``send_pos`` int32 ``[T, R]``, and ``num_tokens_per_node`` int32 ``[num_nodes]``
+        (computed at first read). Pass it to ``dispatch(..., layout=)`` with the same
         ``topk_idx`` to skip the layout step there.
 
     Raises:
@@ -198,10 +199,13 @@ def get_dispatch_layout(
         if not f"{exc}".startswith("ep get_dispatch_layout"):
             raise
         raise _input_error("get_dispatch_layout", exc) from None
-    source = None
+    source = nodes = None
     if not torch.compiler.is_compiling():
         source = (weakref.ref(topk_idx), _version_of(topk_idx), num_experts, pg.size())
-    return DispatchLayout(per_rank, per_expert, in_rank, send_pos, work=work, _source=source)
+        nodes = _node_of_rank(pg)
+    return DispatchLayout(
+        per_rank, per_expert, in_rank, send_pos, work=work, _source=source, _node_of_rank=nodes
+    )
 
 
 def _version_of(t: torch.Tensor) -> int | None:

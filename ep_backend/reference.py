@@ -147,20 +147,54 @@ def _check_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
         )
 
 
-def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> DispatchLayout:
+def tokens_per_node(is_token_in_rank: torch.Tensor, node_of_rank: Sequence[int]) -> torch.Tensor:
+    """Tokens sent to each node: int32 ``[num_nodes]``, token ``t`` counted once for node ``n``
+    when it goes to at least one rank of ``n`` (DeepEP's ``num_tokens_per_rdma_rank``: a token
+    crosses the inter-node leg at most once per destination node).
+
+    Args:
+        is_token_in_rank: bool ``[T, R]``.
+        node_of_rank: ``[R]`` node index of each rank, nodes ``0..num_nodes-1``.
+    """
+    num_ranks = is_token_in_rank.shape[1]
+    if len(node_of_rank) != num_ranks:
+        raise ValueError(
+            f"node_of_rank names {len(node_of_rank)} ranks, the layout has {num_ranks}"
+        )
+    num_nodes = max(node_of_rank) + 1 if num_ranks else 0
+    per_node = num_ranks // num_nodes if num_nodes else 0
+    contiguous = per_node > 0 and list(node_of_rank) == [r // per_node for r in range(num_ranks)]
+    if contiguous:
+        in_node = is_token_in_rank.view(-1, num_nodes, per_node).any(dim=2)
+    else:
+        in_node = torch.stack(
+            [is_token_in_rank[:, [r for r in range(num_ranks) if node_of_rank[r] == n]].any(dim=1)
+             for n in range(num_nodes)], dim=1)  # fmt: skip
+    return in_node.sum(dim=0, dtype=torch.int32)
+
+
+def get_dispatch_layout(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    num_ranks: int,
+    node_of_rank: Sequence[int] | None = None,
+) -> DispatchLayout:
     """Count what a dispatch will send (local computation, no communication).
 
     Args:
         topk_idx: int64 or int32 ``[T, K]`` global expert ids, ``-1`` = no expert.
         num_experts: ``E``; must be a multiple of ``num_ranks``.
         num_ranks: ``R``.
+        node_of_rank: ``[R]`` node of each rank (``ep_backend.topology(group).node_of_rank``);
+            default: one node. Only ``num_tokens_per_node`` depends on it.
 
     Returns:
         ``DispatchLayout`` on ``topk_idx.device``:
         ``num_tokens_per_rank`` int32 ``[R]`` (tokens with at least one expert on rank ``r``,
         counted once per rank), ``num_tokens_per_expert`` int32 ``[E]`` (``(t, k)`` entries equal
         to ``e``), ``is_token_in_rank`` bool ``[T, R]``, ``send_pos`` int32 ``[T, R]``
-        (position of ``t`` among the tokens sent to ``r``, ``-1`` where not sent).
+        (position of ``t`` among the tokens sent to ``r``, ``-1`` where not sent),
+        ``num_tokens_per_node`` int32 ``[num_nodes]`` (``tokens_per_node``).
     """
     _check_topk_idx(topk_idx, num_experts)
     assert num_experts % num_ranks == 0, "num_experts must be a multiple of the number of ranks"
@@ -178,7 +212,11 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     num_tokens_per_rank = is_token_in_rank.sum(dim=0).to(torch.int32)
     sent = is_token_in_rank.to(torch.int32)
     send_pos = torch.where(is_token_in_rank, sent.cumsum(dim=0) - 1, -1).to(torch.int32)
-    return DispatchLayout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, send_pos)
+    nodes = tuple(node_of_rank) if node_of_rank is not None else (0,) * num_ranks
+    return DispatchLayout(
+        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, send_pos,
+        _node_of_rank=nodes, _per_node=tokens_per_node(is_token_in_rank, nodes),
+    )  # fmt: skip
 
 
 def _send_plan(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

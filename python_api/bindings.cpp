@@ -85,24 +85,34 @@ Args:
         ``R * T * (H * elem + 4 * S + 12 * K + 8)`` bytes. Reuse is ordered after the work
         queued on the dispatch's stream when the last view was freed, and on the streams named
         by ``ep_backend.record_stream`` (``Tensor.record_stream`` is not honoured for these
-        views).)")
-      .def(py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
-                       bool overlap_dispatch_host_wait, int64_t recv_slabs) {
-             TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
-             TORCH_CHECK(recv_slabs >= 0 && recv_slabs <= 64,
-                         "ep.Options: recv_slabs must be in [0, 64], got ", recv_slabs);
-             TORCH_CHECK(kernel_timeout_s > 0,
-                         "ep.Options: kernel_timeout_s must be positive, got ", kernel_timeout_s);
-             auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
-             opts->num_sms = num_sms;
-             opts->kernel_timeout_s = kernel_timeout_s;
-             opts->overlap_dispatch_host_wait = overlap_dispatch_host_wait;
-             opts->recv_slabs = recv_slabs;
-             return opts;
-           }),
-           py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
-           py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true,
-           py::arg("recv_slabs") = 2)
+        views).
+    ranks_per_node: 0 (default): the nodes are found from the ranks' hosts at group creation.
+        k in 1..8: each host's ranks are split into nodes of k consecutive ranks (emulated
+        nodes: the legs between them take the internode path); k must divide the group size.
+        ``EP_RANKS_PER_NODE`` sets it where this is 0.)")
+      .def(
+          py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
+                      bool overlap_dispatch_host_wait, int64_t recv_slabs, int64_t ranks_per_node) {
+            TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
+            TORCH_CHECK(recv_slabs >= 0 && recv_slabs <= 64,
+                        "ep.Options: recv_slabs must be in [0, 64], got ", recv_slabs);
+            TORCH_CHECK(kernel_timeout_s > 0, "ep.Options: kernel_timeout_s must be positive, got ",
+                        kernel_timeout_s);
+            auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
+            opts->num_sms = num_sms;
+            opts->kernel_timeout_s = kernel_timeout_s;
+            opts->overlap_dispatch_host_wait = overlap_dispatch_host_wait;
+            opts->recv_slabs = recv_slabs;
+            TORCH_CHECK(ranks_per_node >= 0 && ranks_per_node <= 8,
+                        "ep.Options: ranks_per_node must be 0 (find the nodes from the hosts) or "
+                        "in [1, 8], got ",
+                        ranks_per_node);
+            opts->ranks_per_node = ranks_per_node;
+            return opts;
+          }),
+          py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
+          py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true,
+          py::arg("recv_slabs") = 2, py::arg("ranks_per_node") = 0)
       .def_readwrite("num_sms", &ep::EPOptions::num_sms)
       .def_readwrite("kernel_timeout_s", &ep::EPOptions::kernel_timeout_s)
       .def_readwrite("overlap_dispatch_host_wait", &ep::EPOptions::overlap_dispatch_host_wait)
@@ -111,6 +121,15 @@ Args:
           [](ep::EPOptions& o, int64_t n) {
             TORCH_CHECK(n >= 0 && n <= 64, "ep.Options: recv_slabs must be in [0, 64], got ", n);
             o.recv_slabs = n;
+          })
+      .def_property(
+          "ranks_per_node", [](const ep::EPOptions& o) { return o.ranks_per_node; },
+          [](ep::EPOptions& o, int64_t k) {
+            TORCH_CHECK(k >= 0 && k <= 8,
+                        "ep.Options: ranks_per_node must be 0 (find the nodes from the hosts) or "
+                        "in [1, 8], got ",
+                        k);
+            o.ranks_per_node = k;
           })
       .def_readwrite("group_name", &c10d::Backend::Options::group_name)
       .def_readwrite("global_ranks_in_group", &c10d::Backend::Options::global_ranks_in_group)
@@ -125,7 +144,8 @@ Args:
                "ms, num_sms=" + std::to_string(o.num_sms) +
                ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) +
                ", overlap_dispatch_host_wait=" + (o.overlap_dispatch_host_wait ? "True" : "False") +
-               ", recv_slabs=" + std::to_string(o.recv_slabs) + ")";
+               ", recv_slabs=" + std::to_string(o.recv_slabs) +
+               ", ranks_per_node=" + std::to_string(o.ranks_per_node) + ")";
       });
 }
 
@@ -173,6 +193,31 @@ void bindProcessGroup(py::module_& m) {
       .def_property_readonly("options", &ep::EPProcessGroup::options)
       .def_property_readonly("store", &ep::EPProcessGroup::store)
       .def_property_readonly("has_cuda_backend", &ep::EPProcessGroup::hasCudaBackend)
+      .def(
+          "_set_topology",
+          [](ep::EPProcessGroup& self, int num_nodes, int ranks_per_node,
+             std::vector<int> node_of_rank, std::vector<int> local_rank, bool emulated,
+             std::string problem) {
+            ep::Topology t;
+            t.num_nodes = num_nodes;
+            t.ranks_per_node = ranks_per_node;
+            t.node_of_rank = std::move(node_of_rank);
+            t.local_rank = std::move(local_rank);
+            t.emulated = emulated;
+            t.problem = std::move(problem);
+            self.setTopology(std::move(t));
+          },
+          py::arg("num_nodes"), py::arg("ranks_per_node"), py::arg("node_of_rank"),
+          py::arg("local_rank"), py::arg("emulated"), py::arg("problem"),
+          "Sets the group's nodes (ep_backend/topology.py calls it at group creation).")
+      .def(
+          "_topology",
+          [](const ep::EPProcessGroup& self) {
+            const ep::Topology& t = self.topology();
+            return py::make_tuple(t.num_nodes, t.ranks_per_node, t.node_of_rank, t.local_rank,
+                                  t.emulated, t.problem);
+          },
+          "(num_nodes, ranks_per_node, node_of_rank, local_rank, emulated, problem).")
       .def_property_readonly("is_shutdown", &ep::EPProcessGroup::isShutdown)
       .def(
           "inner_backend",

@@ -153,6 +153,11 @@ def _worker_main(
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     os.environ.update(env)  # forkserver children do not inherit the parent's current environ
+    # ...but they do inherit the forkserver's, which holds the env of the run that started it:
+    # drop the ep variables the parent does not have now (``env`` is the parent's whole environ
+    # plus the run's extras), so one run's EP_* settings never leak into later runs.
+    for name in [k for k in os.environ if k.startswith("EP_") and k not in env]:
+        del os.environ[name]
     # torch (preloaded by the forkserver) read TORCH_DISTRIBUTED_DEBUG before env was applied
     dist.set_debug_level_from_env()
     if "OMP_NUM_THREADS" not in env:  # share the cores: world_size workers x all cores thrashes

@@ -169,6 +169,7 @@ class Buffer:
             )
         self.group = group if group is not None else dist.group.WORLD
         self.ep_group = ep_group_for(group, Buffer.num_sms)
+        self._num_nodes = ep_backend.topology(self.ep_group).num_nodes
         self.rank = dist.get_rank(self.ep_group)
         self.group_size = self.ep_group.size()
         self._backend = ep_backend.get_backend(self.ep_group)
@@ -338,8 +339,9 @@ class Buffer:
                 (``deep_ep.streams``).
 
         Returns:
-            ``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [R/8] or None
-            within a node (R <= 8), num_tokens_per_expert int32 [E], is_token_in_rank bool
+            ``(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [num_nodes]
+            for a group of several nodes (``ep_backend.topology``: hosts, or emulated ones),
+            else int32 [R/8] for one host of more than 8 ranks, None within a node, num_tokens_per_expert int32 [E], is_token_in_rank bool
             [T, R], event)``.
         """
         self._check_open()
@@ -364,7 +366,11 @@ class Buffer:
         )
         self._last_layout = (layout, weakref.ref(topk_idx), _version(topk_idx))
         per_rdma_rank = None
-        if self.group_size > _NVL_PEERS_PER_NODE and self.group_size % _NVL_PEERS_PER_NODE == 0:
+        if self._num_nodes > 1:
+            # The group's real (or emulated) nodes: tokens crossing the inter-node leg per node.
+            per_rdma_rank = layout.num_tokens_per_node
+        elif self.group_size > _NVL_PEERS_PER_NODE and self.group_size % _NVL_PEERS_PER_NODE == 0:
+            # One host of more than 8 ranks: DeepEP's convention of nodes of 8.
             nodes = self.group_size // _NVL_PEERS_PER_NODE
             in_node = layout.is_token_in_rank.view(-1, nodes, _NVL_PEERS_PER_NODE).any(dim=2)
             per_rdma_rank = in_node.sum(dim=0, dtype=torch.int32)

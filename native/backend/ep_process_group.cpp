@@ -132,7 +132,25 @@ EPProcessGroup::EPProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, 
       cuda_(std::move(cuda_backend)) {
   TORCH_CHECK(options_ != nullptr, "ep: options must not be None");
   TORCH_CHECK(cpu_ != nullptr, "ep: the group needs an internal CPU backend");
+  topology_ = Topology::singleNode(size);
   init();
+}
+
+void EPProcessGroup::setTopology(Topology topology) {
+  const int n = getSize();
+  TORCH_CHECK(static_cast<int>(topology.node_of_rank.size()) == n &&
+                  static_cast<int>(topology.local_rank.size()) == n,
+              "ep: a topology must name the node and local index of each of the ", n, " ranks");
+  TORCH_CHECK(topology.num_nodes >= 1 && topology.num_nodes <= n, "ep: a topology of ", n,
+              " ranks cannot have ", topology.num_nodes, " nodes");
+  for (int r = 0; r < n; ++r) {
+    TORCH_CHECK(topology.node_of_rank[r] >= 0 && topology.node_of_rank[r] < topology.num_nodes,
+                "ep: rank ", r, "'s node ", topology.node_of_rank[r], " is outside [0, ",
+                topology.num_nodes, ")");
+  }
+  TORCH_CHECK(chosen_transports_[0] == nullptr && chosen_transports_[1] == nullptr,
+              "ep: the topology is fixed once a transport has been chosen");
+  topology_ = std::move(topology);
 }
 
 namespace {

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "backend/topology.hpp"
+
 namespace ep {
 
 class Transport;
@@ -44,6 +46,10 @@ struct EPOptions : c10d::Backend::Options {
   // again once every output tensor viewing it is freed, and a dispatch finding none free writes
   // its outputs to ordinary tensors. 0: never.
   int64_t recv_slabs = 2;
+  // Ranks per node for emulated internode runs: 0 (default) finds the nodes from the ranks'
+  // hosts; k in 1..8 splits each host's ranks into nodes of k consecutive ranks, so the legs
+  // between them take the internode path. EP_RANKS_PER_NODE sets it where this is 0.
+  int64_t ranks_per_node = 0;
 };
 
 class EPProcessGroup : public c10d::Backend {
@@ -165,6 +171,11 @@ class EPProcessGroup : public c10d::Backend {
   // at the family's first call on CUDA tensors; null before.
   std::array<Transport*, 2>& chosenTransports() { return chosen_transports_; }
 
+  // The group's nodes (backend/topology.hpp): set once at group creation by the Python creator
+  // (ep_backend/topology.py), before any MoE call; one node of every rank until then.
+  const Topology& topology() const { return topology_; }
+  void setTopology(Topology topology);
+
  private:
   c10::intrusive_ptr<c10d::Backend> route(const at::Tensor& tensor, const char* op);
   c10::intrusive_ptr<c10d::Backend> route(const std::vector<at::Tensor>& tensors, const char* op);
@@ -197,6 +208,7 @@ class EPProcessGroup : public c10d::Backend {
   std::vector<std::function<void()>> shutdown_hooks_;
   void runShutdownHooks();
   std::array<Transport*, 2> chosen_transports_{};
+  Topology topology_;
 };
 
 }  // namespace ep

@@ -25,6 +25,18 @@ std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
     return "the group has " + std::to_string(num_ranks) +
            " ranks; the NVLink kernels serve at most " + std::to_string(kMaxRanks);
   }
+  // Several nodes (found from the hosts, or emulated by Options.ranks_per_node): the legs
+  // between them must take the internode path, never NVLink, even where one host could map them.
+  // Every rank holds the same topology, so every rank returns here alike.
+  const Topology& topology = pg.topology();
+  if (topology.num_nodes > 1) {
+    return "the group spans " + std::to_string(topology.num_nodes) + " nodes" +
+           (topology.emulated
+                ? " (emulated: ranks_per_node=" + std::to_string(topology.ranks_per_node) + ")"
+                : "") +
+           "; the NVLink kernels serve one node and the internode kernels are not built yet" +
+           (topology.problem.empty() ? "" : " (and " + topology.problem + ")");
+  }
   const bool asked_aten = env::equals<env::kHighThroughput>("aten");
   const std::string prefix = keyPrefix(pg) + "topology/";
   const std::vector<std::string> posted = allGatherStrings(

@@ -298,6 +298,8 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   cfg.max_topk = static_cast<int>(std::max<int64_t>(topk, 1));
   cfg.num_experts = static_cast<int>(experts);
   cfg.num_ranks = static_cast<int>(pg.getSize());
+  // Emulated nodes: the legs between them on the put path, as across hosts (docs/internode.md).
+  cfg.emulated_ranks_per_node = pg.topology().emulated ? pg.topology().ranks_per_node : 0;
   cfg.timeout_seconds = pg.options()->kernel_timeout_s;
   const std::string key =
       "ep_ll/" + pg.options()->group_name + "/uid/" + std::to_string(++st.generation);

@@ -171,6 +171,8 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
     for (int pe = 0; pe < num_ranks_; ++pe) {
       char* base = static_cast<char*>(nvshmem_ptr(symmetric_, pe));
       if (!config_.p2p_fast_path) base = nullptr;
+      const int k = config_.emulated_ranks_per_node;
+      if (k > 0 && pe / k != rank_ / k) base = nullptr;  // another (emulated) node: put path
       peer_base_[pe] = base;
       for (int b = 0; b < 2; ++b)
         table[size_t(b) * num_ranks_ + pe] = base != nullptr ? base + b * layout_.bytes : nullptr;

@@ -83,6 +83,10 @@ struct NvshmemConfig {
   double timeout_seconds = 60.0;  // every device spin-wait
   int num_sms = 0;                // blocks per kernel; 0 = one per SM
   bool p2p_fast_path = true;      // false: NVSHMEM put APIs even for P2P-mapped peers (tests)
+  // Emulated nodes (Options.ranks_per_node on one host): k > 0 puts ranks r and q on one node
+  // when r / k == q / k, and peers on other nodes take the NVSHMEM put path even where P2P
+  // mapped, as they would across hosts; on-node peers keep P2P. 0: no emulation.
+  int emulated_ranks_per_node = 0;
 };
 
 // Dispatch arguments (device pointers; see the header comment for shapes).
