@@ -25,6 +25,7 @@ from . import _fake, reference  # noqa: E402, F401
 from ._fallback import FallbackWarning  # noqa: E402
 from ._groups import _bind_backend_methods, get_backend  # noqa: E402
 from ._streams import record_stream  # noqa: E402
+from .all_to_all import all_to_all_check, all_to_all_v, all_to_all_v_2d  # noqa: E402
 from .errors import MoEError, MoEInputError, MoETimeoutError, MoETypeError  # noqa: E402
 from .handles import (  # noqa: E402
     CombineOutput,
@@ -70,7 +71,10 @@ __all__ = [
     "MoETypeError",
     "Options",
     "__version__",
+    "all_to_all_check",
     "all_to_all_moe_dispatch",
+    "all_to_all_v",
+    "all_to_all_v_2d",
     "combine",
     "dispatch",
     "get_backend",
