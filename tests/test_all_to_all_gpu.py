@@ -194,11 +194,16 @@ def _device_splits(rank: int, world: int) -> dict:
             rows, want_splits, want_offsets = reference.all_to_all_v_2d(
                 inputs, [s.cpu() for s in splits], experts
             )[rank]
+            cap = int(table.sum())  # enough for any rank
             if experts == 1:
-                got, got_splits, got_offsets = ep_backend.all_to_all_v(x, splits[rank])
+                got, got_splits, got_offsets = ep_backend.all_to_all_v(
+                    x, splits[rank], capacity=cap
+                )
                 want_splits, want_offsets = want_splits.view(-1), want_offsets.view(-1)
             else:
-                got, got_splits, got_offsets = ep_backend.all_to_all_v_2d(x, splits[rank], experts)
+                got, got_splits, got_offsets = ep_backend.all_to_all_v_2d(
+                    x, splits[rank], experts, capacity=cap
+                )
             n = rows.shape[0]
             key = f"E{experts}_{it}"
             out[key] = (
