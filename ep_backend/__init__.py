@@ -27,6 +27,7 @@ from ._groups import _bind_backend_methods, get_backend  # noqa: E402
 from ._recovery import abort, monitored_barrier  # noqa: E402
 from ._streams import record_stream  # noqa: E402
 from ._topology import Topology, topology  # noqa: E402
+from .all_to_all import all_to_all_check, all_to_all_v, all_to_all_v_2d  # noqa: E402
 from .errors import MoEError, MoEInputError, MoETimeoutError, MoETypeError  # noqa: E402
 from .handles import (  # noqa: E402
     CombineOutput,
@@ -74,7 +75,10 @@ __all__ = [
     "Topology",
     "__version__",
     "abort",
+    "all_to_all_check",
     "all_to_all_moe_dispatch",
+    "all_to_all_v",
+    "all_to_all_v_2d",
     "combine",
     "dispatch",
     "get_backend",

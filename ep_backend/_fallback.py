@@ -16,6 +16,7 @@ _FALLBACK_COST = {
     "high_throughput": "the NVLink kernels",
     "low_latency": "the NVSHMEM kernels (the ATen path is correct, but neither low-latency nor "
     "CUDA-graph capturable)",
+    "all_to_all": "the NVLink all-to-all kernel (the NCCL path syncs the host for device splits)",
 }
 
 

@@ -52,7 +52,7 @@ def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
     backend = dist.get_backend(pg)
     if backend != "ep":
         raise ValueError(f"ep: the MoE collectives need a group with backend 'ep', got {backend!r}")
-    pending = _ep_groups[pg] = {"high_throughput", "low_latency"}
+    pending = _ep_groups[pg] = {"high_throughput", "low_latency", "all_to_all"}
     return pg, pending
 
 

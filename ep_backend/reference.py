@@ -823,3 +823,42 @@ def low_latency_combine(
         out.copy_(result)
         return out
     return result
+
+
+def all_to_all_v_2d(
+    inputs: list[torch.Tensor], splits: list[torch.Tensor], num_local_experts: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The spec of ``ep_backend.all_to_all_v_2d`` (``num_local_experts=1``: ``all_to_all_v``),
+    over every rank at once (no process group).
+
+    Args:
+        inputs: rank r's ``input`` ``[N_r, ...]``, one per rank, one dtype and row shape.
+        splits: rank r's ``splits`` ``[R * E]`` int64: rows of ``inputs[r]`` for (destination d,
+            local expert e) at index ``d * E + e``, in that order from row 0; valid (>= 0, summing
+            to at most ``N_r``).
+        num_local_experts: ``E``.
+
+    Returns:
+        Per rank d: ``(rows, recv_splits, recv_offsets)``: ``rows`` ``[total, ...]`` the received
+        rows grouped by local expert, then by source rank; ``recv_splits`` ``[E, R]`` int64 rows
+        of expert e from source s; ``recv_offsets`` ``[E, R]`` int64 their first row.
+    """
+    num_ranks, experts = len(inputs), num_local_experts
+    chunks: list[list[torch.Tensor]] = []  # chunks[s][d * E + e]
+    for s in range(num_ranks):
+        sizes = [int(v) for v in splits[s].tolist()]
+        used = sum(sizes)
+        rest = inputs[s].shape[0] - used
+        chunks.append(list(torch.split(inputs[s], [*sizes, rest]))[: num_ranks * experts])
+    results = []
+    for d in range(num_ranks):
+        recv_splits = torch.tensor(
+            [[int(splits[s][d * experts + e]) for s in range(num_ranks)] for e in range(experts)],
+            dtype=torch.int64,
+        ).view(experts, num_ranks)
+        flat = recv_splits.reshape(-1)
+        recv_offsets = (flat.cumsum(0) - flat).view(experts, num_ranks)
+        pieces = [chunks[s][d * experts + e] for e in range(experts) for s in range(num_ranks)]
+        rows = torch.cat(pieces) if pieces else inputs[d][:0]
+        results.append((rows, recv_splits, recv_offsets))
+    return results

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "backend/all_to_all_v.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_ops.hpp"
 #include "backend/moe_validation.hpp"
@@ -259,6 +260,28 @@ void bindProcessGroup(py::module_& m) {
             return ep::transportChoice(self, ep::OpFamily::kLowLatency);
           },
           "low_latency_transport as a TransportChoice (kind, reason, requested).")
+      .def_property_readonly(
+          "all_to_all_transport",
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kAllToAll).describe();
+          },
+          "How all_to_all_single / all_to_all / all_to_all_v run on CUDA tensors: 'nvlink' (ep's "
+          "NVLink kernels), 'aten: <why not>' (the inner NCCL group), or 'undecided' before the "
+          "group's first all-to-all on CUDA.")
+      .def_property_readonly(
+          "all_to_all_transport_choice",
+          [](ep::EPProcessGroup& self) {
+            return ep::transportChoice(self, ep::OpFamily::kAllToAll);
+          },
+          "all_to_all_transport as a TransportChoice (kind, reason, requested).")
+      .def("_all_to_all_device_splits", &ep::allToAllDeviceSplits, py::arg("input"),
+           py::arg("splits"), py::arg("output"), py::arg("num_local_experts"),
+           py::arg("recv_splits"), py::arg("recv_offsets"),
+           py::call_guard<py::gil_scoped_release>(),
+           "See ep_backend.all_to_all_v (collective at the first call). False when the group's "
+           "all-to-all does not run on ep's kernels.")
+      .def("_take_all_to_all_error", &ep::takeAllToAllError,
+           "The error an earlier all-to-all kernel left ('' when none), taken.")
       .def("_low_latency_receive", &ep::nvshmem::receive, py::arg("layout_range"),
            "The receive phase of a low_latency_dispatch(return_recv_hook=True) (its hook).")
       .def("_low_latency_combine_buffer", &ep::nvshmem::combineBuffer, py::arg("layout_range"),

@@ -1,4 +1,5 @@
 #include "backend/ep_process_group.hpp"
+#include "backend/transport.hpp"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -538,15 +539,35 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  if (auto work = kernelAlltoall(output, input, output_split_sizes, input_split_sizes, opts)) {
+    return work;
+  }
   return track(route(input, "all_to_all_single")
                    ->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> EPProcessGroup::kernelAlltoall(
+    at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_split_sizes,
+    const std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  // CUDA tensors on a group whose all-to-all transport is ep's kernels (decided collectively at
+  // the group's first CUDA all-to-all); coalesced calls stay with NCCL's group.
+  if (!input.is_cuda() || coalescing_ || cuda_ == nullptr) return nullptr;
+  checkAlive("all_to_all_single");
+  Transport& transport = transportFor(*this, OpFamily::kAllToAll, input.device());
+  return transport.allToAll(*this, output, input, output_split_sizes, input_split_sizes,
+                            opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall(std::vector<at::Tensor>& output_tensors,
                                                         std::vector<at::Tensor>& input_tensors,
                                                         const c10d::AllToAllOptions& opts) {
   auto backend = route(input_tensors, "all_to_all");
-  if (backend != cpu_ || cpuHasListAlltoall_) {
+  // ep's kernels serve the list form as one all_to_all_single of the flattened tensors.
+  const bool on_kernels =
+      backend == cuda_ && !coalescing_ &&
+      transportFor(*this, OpFamily::kAllToAll, input_tensors.front().device()).kind() !=
+          TransportKind::kAten;
+  if (!on_kernels && (backend != cpu_ || cpuHasListAlltoall_)) {
     try {
       return track(backend->alltoall(output_tensors, input_tensors, opts));
     } catch (const c10::Error& e) {
@@ -582,7 +603,9 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::alltoall(std::vector<at::Tensor>&
       {std::accumulate(output_splits.begin(), output_splits.end(), int64_t{0})}, input.options());
   // alltoall_base may move from the split vectors it is given (Gloo does): it gets copies.
   std::vector<int64_t> send_splits = input_splits, recv_splits = output_splits;
-  auto work = backend->alltoall_base(output, input, recv_splits, send_splits, opts);
+  c10::intrusive_ptr<c10d::Work> work =
+      on_kernels ? kernelAlltoall(output, input, recv_splits, send_splits, opts) : nullptr;
+  if (!work) work = backend->alltoall_base(output, input, recv_splits, send_splits, opts);
   std::vector<at::Tensor> outputs = output_tensors;
   return track(thenApply(work, [output, outputs, output_splits] {
     int64_t offset = 0;

@@ -169,7 +169,7 @@ class EPProcessGroup : public c10d::Backend {
 
   // The transport serving each op family (backend/transport.hpp, indexed by OpFamily), chosen
   // at the family's first call on CUDA tensors; null before.
-  std::array<Transport*, 2>& chosenTransports() { return chosen_transports_; }
+  std::array<Transport*, 3>& chosenTransports() { return chosen_transports_; }
 
   // The group's nodes (backend/topology.hpp): set once at group creation by the Python creator
   // (ep_backend/topology.py), before any MoE call; one node of every rank until then.
@@ -177,6 +177,12 @@ class EPProcessGroup : public c10d::Backend {
   void setTopology(Topology topology);
 
  private:
+  // all_to_all_single on ep's kernels (the group's all-to-all transport): null when they do not
+  // serve the call, which then goes to the inner backend.
+  c10::intrusive_ptr<c10d::Work> kernelAlltoall(at::Tensor& output, const at::Tensor& input,
+                                                const std::vector<int64_t>& output_split_sizes,
+                                                const std::vector<int64_t>& input_split_sizes,
+                                                const c10d::AllToAllOptions& opts);
   c10::intrusive_ptr<c10d::Backend> route(const at::Tensor& tensor, const char* op);
   c10::intrusive_ptr<c10d::Backend> route(const std::vector<at::Tensor>& tensors, const char* op);
   void checkAlive(const char* op) const;
@@ -207,7 +213,7 @@ class EPProcessGroup : public c10d::Backend {
   std::mutex hooks_mutex_;
   std::vector<std::function<void()>> shutdown_hooks_;
   void runShutdownHooks();
-  std::array<Transport*, 2> chosen_transports_{};
+  std::array<Transport*, 3> chosen_transports_{};
   Topology topology_;
 };
 

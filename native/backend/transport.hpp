@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -34,7 +35,9 @@ const char* transportName(TransportKind kind);
 enum class OpFamily : int8_t {
   kHighThroughput = 0,  // layout, dispatch, cached dispatch, combine, reserve
   kLowLatency = 1,      // low_latency_dispatch / low_latency_combine
+  kAllToAll = 2,        // all_to_all_single / all_to_all / all_to_all_v on CUDA tensors
 };
+constexpr size_t kNumOpFamilies = 3;
 
 // Which transport serves a family of a group's ops, and why: `reason` says why a faster
 // transport does not serve it (empty when the first transport does); `requested` when that is
@@ -96,6 +99,22 @@ class Transport {
   // Tensor.record_stream for a tensor whose storage this transport lent (the caching allocator
   // does not own it): true when the tensor was the transport's, false (nothing done) otherwise.
   virtual bool recordStream(const at::Tensor& tensor, const c10::Stream& stream);
+
+  // All-to-all (OpFamily::kAllToAll). allToAll: dist.all_to_all_single with host split sizes
+  // (rows of dim 0; empty: equal), CUDA tensors of one device, output written in place. Returns
+  // the call's Work, or null when this transport does not serve it (the inner NCCL backend then
+  // runs it). allToAllDeviceSplits: ep_backend.all_to_all_v(_2d) into `output` (capacity rows),
+  // writing recv_splits / recv_offsets [E, R] int64; false when not served (the Python path over
+  // the inner backend runs it).
+  virtual c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
+                                                  const at::Tensor& input,
+                                                  const std::vector<int64_t>& output_split_sizes,
+                                                  const std::vector<int64_t>& input_split_sizes,
+                                                  bool async_op);
+  virtual bool allToAllDeviceSplits(EPProcessGroup& pg, const at::Tensor& input,
+                                    const at::Tensor& splits, const at::Tensor& output,
+                                    int64_t num_local_experts, const at::Tensor& recv_splits,
+                                    const at::Tensor& recv_offsets);
 
   // Low-latency ops (OpFamily::kLowLatency). lowLatencyCombine: nullopt hands the call to the
   // next transport (the handle came from it).

@@ -128,6 +128,16 @@ bool Transport::graphCaptured(EPProcessGroup&) {
 bool Transport::recordStream(const at::Tensor&, const c10::Stream&) {
   return false;
 }
+c10::intrusive_ptr<c10d::Work> Transport::allToAll(EPProcessGroup&, at::Tensor&, const at::Tensor&,
+                                                   const std::vector<int64_t>&,
+                                                   const std::vector<int64_t>&, bool) {
+  return nullptr;
+}
+bool Transport::allToAllDeviceSplits(EPProcessGroup&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, int64_t, const at::Tensor&,
+                                     const at::Tensor&) {
+  return false;
+}
 LowLatencyDispatchResult Transport::lowLatencyDispatch(EPProcessGroup&,
                                                        const LowLatencyDispatchInputs&, bool) {
   notServed(*this, "low_latency_dispatch");

@@ -11,6 +11,8 @@ enum ErrorCode : int {
   kErrorCapacity = 2,        // value_a = rows needed, value_b = room (nvlink: rows to receive and
                              // num_worst_tokens; low latency: rows for one expert and M)
   kErrorInvalidTopkIdx = 3,  // value_a = offending value, value_b = flat (t*K+k) position
+  kErrorInvalidSplits = 4,   // all-to-all device splits: value_a = rows they send (or the
+                             // negative split), value_b = rows of the input
 };
 
 // Host-mapped (cudaHostAllocMapped) record of the first error a kernel hit. `code` is written

@@ -3,7 +3,11 @@
 // EP_WITH_CUDA.
 #pragma once
 
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "backend/per_group_transport.hpp"
@@ -27,6 +31,14 @@ struct GroupState {
   // A CUDA graph was captured with kernels on this transport: rebuilding it would free buffers
   // those graphs replay into, so from then on it never grows (an agreed field of every call).
   bool graph_captured = false;
+  // All-to-all calls run one at a time per rank: the stream of the last one, and an event that
+  // orders a call on another stream behind it (recorded only when the stream changes).
+  std::optional<c10::cuda::CUDAStream> a2a_last_stream;
+  // Events created at first use and kept for the group's life (two per group).
+  cudaEvent_t a2a_order = nullptr;
+  cudaEvent_t a2a_comm_ready = nullptr;  // the comm stream waits for the caller's stream
+  // The stream async_op all-to-alls run on (one per group, so they stay in order).
+  std::optional<c10::cuda::CUDAStream> a2a_comm_stream;
 };
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg);

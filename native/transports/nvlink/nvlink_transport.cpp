@@ -17,7 +17,11 @@ namespace {
 class NvlinkTransport final : public PerGroupTransport<nvlink::GroupState> {
  public:
   TransportKind kind() const override { return TransportKind::kNvlink; }
-  bool serves(OpFamily family) const override { return family == OpFamily::kHighThroughput; }
+  // The all-to-all shares the high-throughput family's verdict (one host, peer access, a
+  // kernel image) and its runtime.
+  bool serves(OpFamily family) const override {
+    return family == OpFamily::kHighThroughput || family == OpFamily::kAllToAll;
+  }
   int64_t maxLayoutRanks() const override { return kMaxRanks; }
   LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts,
                        int64_t num_ranks) override {
@@ -42,6 +46,20 @@ class NvlinkTransport final : public PerGroupTransport<nvlink::GroupState> {
   }
   std::string takePendingError(EPProcessGroup& pg, const char* op) override {
     return nvlink::takePendingError(*nvlink::stateOf(pg), op);
+  }
+  c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
+                                          const at::Tensor& input,
+                                          const std::vector<int64_t>& output_split_sizes,
+                                          const std::vector<int64_t>& input_split_sizes,
+                                          bool async_op) override {
+    return nvlink::allToAll(pg, output, input, output_split_sizes, input_split_sizes, async_op);
+  }
+  bool allToAllDeviceSplits(EPProcessGroup& pg, const at::Tensor& input, const at::Tensor& splits,
+                            const at::Tensor& output, int64_t num_local_experts,
+                            const at::Tensor& recv_splits,
+                            const at::Tensor& recv_offsets) override {
+    return nvlink::allToAllDeviceSplits(pg, input, splits, output, num_local_experts, recv_splits,
+                                        recv_offsets);
   }
   bool graphCaptured(EPProcessGroup& pg) override { return nvlink::stateOf(pg)->graph_captured; }
   bool recordStream(const at::Tensor& tensor, const c10::Stream& stream) override {

@@ -50,6 +50,19 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
 std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
                                                          const CombineArgs& args);
 
+// dist.all_to_all_single on the NVLink kernels (nvlink_all_to_all_op.cpp): null when this call
+// is not served here (the caller runs the inner NCCL backend). Transport::allToAll.
+c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
+                                        const at::Tensor& input,
+                                        const std::vector<int64_t>& output_split_sizes,
+                                        const std::vector<int64_t>& input_split_sizes,
+                                        bool async_op);
+
+// ep_backend.all_to_all_v(_2d) with device splits. Transport::allToAllDeviceSplits.
+bool allToAllDeviceSplits(EPProcessGroup& pg, const at::Tensor& input, const at::Tensor& splits,
+                          const at::Tensor& output, int64_t num_local_experts,
+                          const at::Tensor& recv_splits, const at::Tensor& recv_offsets);
+
 }  // namespace nvlink
 
 // The NVLink transport (registered in backend/transport_registry.cpp).

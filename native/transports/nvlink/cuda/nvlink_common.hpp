@@ -24,7 +24,29 @@ enum NvlinkOp : int {
   kOpCachedDispatch = 4,
   kOpCombine = 5,
   kOpBarrier = 6,
+  kOpAllToAll = 7,
 };
+
+// ---- all-to-all (nvlink_all_to_all.cu) ----------------------------------------------------------
+// Every (source, destination) pair streams its bytes through a ring of staging slots in the
+// destination's buffer: kA2ALanes(R) lanes per pair (one sender block at the source, one
+// receiver block at the destination), kA2ASlots slots of kA2AChunkBytes per lane. A sender fills
+// a slot over NVLink and flags it; the receiver copies it to the output (local HBM) and returns
+// the slot with a credit word in the sender's buffer. Pipelined this way the local copy overlaps
+// the NVLink transfer.
+constexpr int kA2AChunkBytes = 64 * 1024;
+constexpr int kA2ASlots = 4;
+// Sender blocks per rank in all (divided among its peers): 24 reach the all-peer push limit of
+// design.md section 6 within a few percent.
+constexpr int kA2ASendBlocks = 24;
+constexpr int kA2ASelfBlocks = 16;        // blocks copying this rank's own segment
+constexpr int kA2AMaxLocalExperts = 256;  // of the 2-D (per expert) form
+constexpr int kA2AThreads = 512;
+EP_HOST_DEVICE constexpr int a2a_lanes(int num_ranks) {
+  return num_ranks <= 1 ? 1 : (kA2ASendBlocks + num_ranks - 2) / (num_ranks - 1);
+}
+// The low 32 bits of a credit word once the receiver is done with a whole call.
+constexpr uint64_t kA2ADone = 0xffffffffull;
 
 // Private per-rank control words at the start of the rank's buffer. Peers never touch these.
 struct ControlBlock {
@@ -120,6 +142,17 @@ struct BufferLayout {
   size_t combine_region_bytes;
   size_t dispatch_flags_offset;
   size_t combine_flags_offset;
+  // all-to-all: [private: last all-to-all sequence u64, all-to-all calls u64]
+  // [announce: 2 parity x R src x (1 + kA2AMaxLocalExperts) u64] (written by the sources)
+  // [credits: R dst x lanes u64] (written by the destinations' receivers)
+  // [slot flags: src regions x lanes x kA2ASlots u64] (written by the sources)
+  // [staging: src regions x lanes x kA2ASlots x kA2AChunkBytes] (written by the sources)
+  int a2a_lanes;
+  size_t a2a_private_offset;
+  size_t a2a_announce_offset;
+  size_t a2a_credit_offset;
+  size_t a2a_flags_offset;
+  size_t a2a_staging_offset;
   size_t total_bytes;
 
   EP_HOST_DEVICE int region_index(int src, int receiver) const {
@@ -339,6 +372,29 @@ struct CombineParams {
   void* out;                // [T, H]
   float* out_topk_weights;  // [T, K] or null (needs topk_weights)
   int num_send_warps;
+};
+
+// An all-to-all of raw bytes. Host mode (splits == null): every size and offset is given in
+// bytes. Device mode: splits [R * E] int64 rows this rank sends, chunked by (destination rank,
+// local expert); the receivers learn the counts from the senders' announcements and place the
+// rows grouped by local expert, then by source rank.
+struct AllToAllParams {
+  CommContext comm;
+  const char* input;
+  char* output;
+  // host mode
+  long long send_offset[kMaxRanks];
+  long long send_bytes[kMaxRanks];
+  long long recv_offset[kMaxRanks];
+  long long recv_bytes[kMaxRanks];
+  // device mode
+  const long long* splits;  // [R * E] rows, or null (host mode)
+  int num_local_experts;    // E (1: the plain all_to_all_v)
+  long long row_bytes;      // bytes per row, > 0
+  long long input_rows;     // rows of input (the splits must not exceed them)
+  long long capacity_rows;  // rows of output
+  long long* recv_splits;   // [E, R] rows received from each source for each local expert
+  long long* recv_offsets;  // [E, R] their first output row
 };
 
 struct BarrierParams {

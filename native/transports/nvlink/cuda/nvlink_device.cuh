@@ -216,16 +216,24 @@ __device__ __forceinline__ uint64_t read_sequence(const ControlBlock* ctrl) {
 // Called by thread 0 of every block after the block's work: the last block to finish advances
 // the epoch, so the next kernel on the stream gets the next sequence number. Every block read the
 // epoch at its start, before arriving here, so nobody can observe the new value too early.
-__device__ __forceinline__ void finish_block(ControlBlock* ctrl, uint64_t seq) {
+// `on_last()` runs in the last block before the epoch advances (kernel-private bookkeeping that
+// the next kernel reads).
+template <typename OnLast>
+__device__ __forceinline__ void finish_block(ControlBlock* ctrl, uint64_t seq, OnLast on_last) {
   __threadfence();
   const unsigned int arrived = atomicAdd(&ctrl->blocks_done, 1u);
   if (arrived == gridDim.x - 1) {
+    on_last();
     ctrl->blocks_done = 0;
     ctrl->work_claimed = 0;  // every sender of every block has claimed past the end
     for (int s = 0; s < kMaxRanks; ++s) ctrl->recv_claimed[s] = 0;  // likewise every receiver
     st_relaxed_sys(&ctrl->epoch, seq);
     __threadfence();
   }
+}
+
+__device__ __forceinline__ void finish_block(ControlBlock* ctrl, uint64_t seq) {
+  finish_block(ctrl, seq, [] {});
 }
 
 // ---- element sums used by combine ------------------------------------------------------

@@ -33,6 +33,9 @@ cudaError_t launch_nvlink_combine(const CombineParams& p, int num_sms, cudaStrea
 // nvlink_barrier.cu: all ranks' streams meet (a device-side barrier, no host involvement).
 cudaError_t launch_nvlink_barrier(const BarrierParams& p, cudaStream_t stream);
 
+// nvlink_all_to_all.cu: an all-to-all of raw bytes through the staging rings.
+cudaError_t launch_nvlink_all_to_all(const AllToAllParams& p, cudaStream_t stream);
+
 // Forces the kernels of each file to load now. With lazy module loading (the CUDA default), the
 // first launch of a kernel may wait for kernels already running on the device; a spinning
 // communication kernel of another rank on the same GPU would then never finish: deadlock.
@@ -41,5 +44,6 @@ cudaError_t preload_nvlink_notify();
 cudaError_t preload_nvlink_dispatch();
 cudaError_t preload_nvlink_combine();
 cudaError_t preload_nvlink_barrier();
+cudaError_t preload_nvlink_all_to_all();
 
 }  // namespace ep

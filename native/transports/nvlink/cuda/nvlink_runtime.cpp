@@ -36,6 +36,8 @@ const char* op_name(int op) {
       return "combine";
     case kOpBarrier:
       return "barrier";
+    case kOpAllToAll:
+      return "all_to_all";
     default:
       return "op";
   }
@@ -65,6 +67,18 @@ BufferLayout make_layout(const NvlinkConfig& c, int num_ranks) {
   off = align_up(off + sizeof(uint64_t) * regions * size_t(c.max_tokens_per_rank), 128);
   l.combine_flags_offset = off;
   off = align_up(off + sizeof(uint64_t) * regions * size_t(c.max_tokens_per_rank), 128);
+  l.a2a_lanes = a2a_lanes(num_ranks);
+  const size_t lanes = size_t(l.a2a_lanes);
+  l.a2a_private_offset = off;
+  off = align_up(off + 2 * sizeof(uint64_t), 128);
+  l.a2a_announce_offset = off;
+  off = align_up(off + sizeof(uint64_t) * 2 * num_ranks * (1 + kA2AMaxLocalExperts), 128);
+  l.a2a_credit_offset = off;
+  off = align_up(off + sizeof(uint64_t) * num_ranks * lanes, 128);
+  l.a2a_flags_offset = off;
+  off = align_up(off + sizeof(uint64_t) * regions * lanes * kA2ASlots, 128);
+  l.a2a_staging_offset = off;
+  off += size_t(regions) * lanes * kA2ASlots * kA2AChunkBytes;
   l.total_bytes = align_up(off, 4096);
   return l;
 }
@@ -106,6 +120,7 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
   kChecks.cuda(preload_nvlink_dispatch(), "loading the dispatch kernel");
   kChecks.cuda(preload_nvlink_combine(), "loading the combine kernels");
   kChecks.cuda(preload_nvlink_barrier(), "loading the barrier kernel");
+  kChecks.cuda(preload_nvlink_all_to_all(), "loading the all-to-all kernel");
   layout_ = make_layout(config_, num_ranks_);
   kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&buffer_), layout_.total_bytes),
                "cudaMalloc(buffer)");
@@ -615,6 +630,32 @@ void NvlinkRuntime::barrier(cudaStream_t stream) {
   kChecks.cuda(launch_nvlink_barrier(p, stream), "barrier launch");
 }
 
+void NvlinkRuntime::all_to_all(const AllToAllParams& args, cudaStream_t stream) {
+  check_ready("all_to_all");
+  check_no_dispatch_due("all_to_all");
+  kChecks.require(args.input != nullptr || args.output != nullptr || num_ranks_ >= 1,
+          "all_to_all: no tensors");
+  AllToAllParams p = args;
+  if (p.splits == nullptr) {
+    for (int r = 0; r < num_ranks_; ++r) {
+      kChecks.require(p.send_bytes[r] >= 0 && p.recv_bytes[r] >= 0 && p.send_offset[r] >= 0 &&
+                  p.recv_offset[r] >= 0,
+              "all_to_all: sizes and offsets must be >= 0");
+    }
+    p.num_local_experts = 1;
+  } else {
+    kChecks.require(p.num_local_experts >= 1 && p.num_local_experts <= kA2AMaxLocalExperts,
+            "all_to_all: num_local_experts must be in [1, 256]");
+    kChecks.require(p.row_bytes > 0, "all_to_all: row_bytes must be > 0");
+    kChecks.require(p.input_rows >= 0 && p.capacity_rows >= 0, "all_to_all: rows must be >= 0");
+    kChecks.require(p.recv_splits != nullptr && p.recv_offsets != nullptr,
+            "all_to_all: recv_splits and recv_offsets are required with device splits");
+  }
+  p.comm = comm_context();
+  DeviceGuard guard(device_);
+  kChecks.cuda(launch_nvlink_all_to_all(p, stream), "all_to_all launch");
+}
+
 ErrorRecord NvlinkRuntime::error_record() const {
   ErrorRecord r{};
   if (error_host_ == nullptr) return r;
@@ -646,11 +687,25 @@ std::string NvlinkRuntime::check_error() const {
       os << " timed out after " << config_.timeout_seconds << " s waiting for rank " << e->peer;
       break;
     case kErrorCapacity:
+      if (e->op == kOpAllToAll) {
+        os << " would receive " << e->value_a << " rows, more than the output's capacity of "
+           << e->value_b << " rows (nothing was written to the output)";
+        break;
+      }
       os << " would receive " << e->value_a << " rows, more than num_worst_tokens=" << e->value_b;
       break;
     case kErrorInvalidTopkIdx:
       os << " got topk_idx value " << e->value_a << " at flat position " << e->value_b
          << ", outside [-1, num_experts)";
+      break;
+    case kErrorInvalidSplits:
+      if (e->value_a < 0) {
+        os << " got a negative split (" << e->value_a << ")";
+      } else {
+        os << " was asked to send " << e->value_a << " rows (the sum of its splits), more than "
+           << "its input's " << e->value_b << " rows";
+      }
+      os << "; nothing was sent";
       break;
     default:
       os << " failed with error code " << code;

@@ -255,6 +255,15 @@ class NvlinkRuntime {
                       int small_row_dispatch_send_warps = -1, int slab_dispatch_send_warps = 0,
                       bool one_rank_send_warps = false);
 
+  // All-to-all of raw bytes (communicating): AllToAllParams without `comm` (the runtime fills
+  // it). Host mode: this rank's byte sizes and offsets, consistent with its peers' (rank s's
+  // send_bytes[d] == rank d's recv_bytes[s]; a mismatch ends in a timeout naming the peer, never
+  // a write outside the given ranges). Device mode: the splits stay on the device; an overflow
+  // of capacity_rows or invalid splits are recorded as a non-fatal error (check_error) and
+  // nothing is written to the output. Every byte lands where the split sizes say, so the result
+  // is bitwise that of any correct all-to-all.
+  void all_to_all(const AllToAllParams& args, cudaStream_t stream);
+
   // Device-side barrier of all ranks' streams (communicating).
   void barrier(cudaStream_t stream);
 

@@ -1,0 +1,204 @@
+"""All-to-all bench: ep (host splits), ep (device splits), NCCL all_to_all_single,
+torch symm_mem all_to_all_vdev where it runs, and the all-peer push limit, in one run.
+
+    python benchmarks/all_to_all.py [--ranks R] [--iters N] [--png out.png]
+
+One process per GPU (R defaults to every visible GPU). Per-peer sizes 4 KiB .. 256 MiB; every row
+moves the same bytes (equal splits, bf16 rows of 4 KiB where the size allows). Time: median over
+ranks' CUDA-event times of `iters` back-to-back calls after warm-up, the slowest rank's. GB/s:
+per-GPU egress to peers, (R - 1) x per-peer bytes / time (the convention of design.md section 6).
+The push limit row: every GPU copies to every peer's symmetric-memory buffer at once, one SM copy
+kernel per peer on its own stream (all SMs), the same bytes as the other rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20, 256 << 20]
+
+
+def _time_us(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _slowest(us: float) -> float:
+    t = torch.tensor([us], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _rows(
+    rank: int, world: int, per_peer: int, iters: int, nccl: dist.ProcessGroup
+) -> dict[str, float | str]:
+    import ep_backend
+
+    elems = per_peer // 2
+    width = min(2048, elems)
+    rows = elems // width
+    x = torch.randn(world * rows, width, device="cuda").to(torch.bfloat16)
+    y = torch.empty_like(x)
+    out: dict[str, float | str] = {}
+    out["ep host splits"] = _time_us(lambda: dist.all_to_all_single(y, x), iters)
+    splits = torch.full((world,), rows, dtype=torch.int64, device="cuda")
+    out["ep device splits"] = _time_us(lambda: ep_backend.all_to_all_v(x, splits, y), iters)
+    out["NCCL all_to_all_single"] = _time_us(
+        lambda: dist.all_to_all_single(y, x, group=nccl), iters
+    )
+    out["symm_mem all_to_all_vdev"] = _symm_mem_row(rank, world, x, rows, iters, nccl)
+    out["push limit (all SMs)"] = _push_limit(rank, world, x, iters, nccl)
+    return out
+
+
+def _symm_mem_row(rank, world, x, rows, iters, nccl) -> float | str:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+        inp = symm_mem.empty(x.numel(), dtype=x.dtype, device="cuda")
+        outb = symm_mem.empty(x.numel() * 2, dtype=x.dtype, device="cuda")
+        in_splits = symm_mem.empty(world, dtype=torch.int64, device="cuda")
+        out_so = symm_mem.empty((2, world), dtype=torch.int64, device="cuda")
+        symm_mem.rendezvous(inp, nccl.group_name)
+        symm_mem.rendezvous(outb, nccl.group_name)
+        symm_mem.rendezvous(in_splits, nccl.group_name)
+        symm_mem.rendezvous(out_so, nccl.group_name)
+        inp.copy_(x.view(-1))
+        in_splits.fill_(x.numel() // world)
+        op = torch.ops.symm_mem.all_to_all_vdev
+        return _time_us(lambda: op(inp, outb, in_splits, out_so, nccl.group_name), iters)
+    except Exception as e:  # noqa: BLE001 - the row says why it cannot run
+        return f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def _push_limit(rank, world, x, iters, nccl) -> float | str:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("CUDA")
+        buf = symm_mem.empty(x.numel(), dtype=x.dtype, device="cuda")
+        handle = symm_mem.rendezvous(buf, nccl.group_name)
+        chunk = x.numel() // world
+        src = x.view(-1)
+        peers = [p for p in range(world) if p != rank]
+        views = [
+            handle.get_buffer(p, (chunk,), x.dtype, storage_offset=rank * chunk) for p in peers
+        ]
+        streams = [torch.cuda.Stream() for _ in peers]
+        main = torch.cuda.current_stream()
+
+        def push() -> None:
+            for view, stream in zip(views, streams, strict=True):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    view.copy_(src[:chunk])  # a same-device SM copy kernel into the peer
+            for stream in streams:
+                main.wait_stream(stream)
+
+        return _time_us(push, iters)
+    except Exception as e:  # noqa: BLE001
+        return f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def _worker(rank: int, world: int, iters: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    import ep_backend  # noqa: F401 - registers "ep"
+
+    dist.init_process_group("ep", rank=rank, world_size=world)
+    nccl = dist.new_group(backend="nccl")
+    table = {}
+    for size in SIZES:
+        row = _rows(rank, world, size, iters if size < (64 << 20) else max(3, iters // 10), nccl)
+        table[size] = {k: (_slowest(v) if isinstance(v, float) else v) for k, v in row.items()}
+    if rank == 0:
+        table["transport"] = ep_backend.get_backend().all_to_all_transport
+        results.update(table)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print(results: dict, world: int) -> None:
+    print(f"all-to-all, {world} ranks, ep transport: {results.get('transport')}")
+    names = [k for k in results[SIZES[0]]]
+    print(f"{'per peer':>10} " + " ".join(f"{n:>28}" for n in names))
+    for size in SIZES:
+        cells = []
+        for n in names:
+            v = results[size][n]
+            if isinstance(v, float):
+                gbs = (world - 1) * size / v / 1e3
+                cells.append(f"{v:10.1f} us {gbs:7.1f} GB/s")
+            else:
+                cells.append(f"{v[:28]:>28}")
+        print(f"{size >> 10:>7} KiB " + " ".join(f"{c:>28}" for c in cells))
+    for n in names:
+        for size in SIZES:
+            v = results[size][n]
+            if not isinstance(v, float):
+                print(f"  {n}: {v}")
+                break
+
+
+def _plot(results: dict, world: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for n in results[SIZES[0]]:
+        pts = [(s, results[s][n]) for s in SIZES if isinstance(results[s][n], float)]
+        if not pts:
+            continue
+        xs = [s / 1024 for s, _ in pts]
+        a.plot(xs, [v for _, v in pts], marker="o", label=n)
+        b.plot(xs, [(world - 1) * s / v / 1e3 for s, v in pts], marker="o", label=n)
+    for ax, label in ((a, "time (us)"), (b, "egress GB/s per GPU")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per peer (KiB)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    a.set_yscale("log")
+    b.legend(fontsize=8)
+    fig.suptitle(f"all-to-all, {world} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--port", type=int, default=29531)
+    parser.add_argument("--png", default="")
+    args = parser.parse_args()
+    if args.ranks < 2:
+        raise SystemExit("needs at least 2 GPUs")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(args.ranks, args.iters, args.port, results), nprocs=args.ranks)
+        results = dict(results)
+    _print(results, args.ranks)
+    if args.png:
+        _plot(results, args.ranks, args.png)
+
+
+if __name__ == "__main__":
+    main()
