@@ -241,16 +241,31 @@ class CMakeBuild(build_ext):
     def _package_dirs(self, built_package: Path) -> list[Path]:
         """Where libep_nvshmem.so goes: beside every copy of _C that can be imported.
 
-        An editable install (`pip install -e`) and `build_ext --inplace` copy only the extension
-        module from the build folder into the source tree; the library _C loads from beside
-        itself must land there too.
+        An editable install (`pip install -e`) copies only the extension module from the build
+        folder into the source tree; the library _C loads from beside itself must land there
+        too. (`build_ext --inplace` builds into the build folder too, with `inplace` off, and
+        copies afterwards: `copy_extensions_to_source` below.)
         """
         targets = [built_package]
         source_package = ROOT / "ep_backend"
-        in_source = getattr(self, "editable_mode", False) or getattr(self, "inplace", False)
-        if in_source and source_package.resolve() != built_package.resolve():
+        if (
+            getattr(self, "editable_mode", False)
+            and source_package.resolve() != built_package.resolve()
+        ):
             targets.append(source_package)
         return targets
+
+    def copy_extensions_to_source(self) -> None:
+        """`build_ext --inplace`: the low-latency library goes to the source tree with _C."""
+        super().copy_extensions_to_source()
+        source = ROOT / "ep_backend" / "libep_nvshmem.so"
+        built = Path(self.build_lib) / "ep_backend" / "libep_nvshmem.so"
+        if built.resolve() == source.resolve():
+            return
+        source.unlink(missing_ok=True)  # never load a stale one beside a new _C
+        if built.exists():
+            shutil.copy2(built, source)
+            _say(f"copied {built.name} to {source.parent}")
 
     @staticmethod
     def _build_low_latency_library(build_dir: Path, jobs: str, package_dirs: list[Path]) -> None:

@@ -129,7 +129,9 @@ def train_fsdp2(dispatcher: str, backend: str, steps: int, dtype: torch.dtype,
     fully_shard(model.inp, mesh=mesh)
     fully_shard(model.out, mesh=mesh)
     fully_shard(model, mesh=mesh, ignored_params=set(model.moe.experts.parameters()))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # foreach=False: the experts stay plain tensors (outside FSDP) beside DTensor parameters,
+    # and the multi-tensor kernels CUDA would use refuse the mix.
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=False)
     losses = []
     for step in range(steps):
         x = megatron_cases.layer_inputs(dist.get_rank(), shape, dtype, device, step)

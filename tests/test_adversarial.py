@@ -143,13 +143,16 @@ def test_ten_thousand_cuda_calls_do_not_grow_the_device_allocator() -> None:
         assert res["rss_growth"] < 64 << 20, (rank, res)
 
 
+CYCLES = 6
+
+
 def _abort_cycles(rank: int, world: int) -> list[tuple[int, int]]:
-    """(torch allocator bytes, device bytes in use) after each of 4 create / use / abort cycles
+    """(torch allocator bytes, device bytes in use) after each of CYCLES create / use / abort cycles
     (the second counts buffers the transports allocate outside torch's allocator)."""
     import ep_backend as ep
 
     allocated = []
-    for _ in range(4):
+    for _ in range(CYCLES):
         group = dist.new_group(backend="ep")
         x = torch.randn((64, 512), device="cuda").bfloat16()
         idx = torch.randint(0, 2 * world, (64, 2), device="cuda")
@@ -171,6 +174,9 @@ def test_abort_and_recreate_frees_the_groups_gpu_memory() -> None:
     for rank, allocated in enumerate(
         run_distributed(_abort_cycles, gpu_world_size(), backend="ep", timeout=300)
     ):
-        # the first cycle may leave process-wide state (CUDA context pools); later ones must not
-        assert allocated[3][0] <= allocated[1][0], (rank, allocated)
-        assert allocated[3][1] <= allocated[1][1] + (8 << 20), (rank, allocated)
+        # Early cycles may leave process-wide state behind once, not always in the first cycle
+        # (CUDA context pools, NVSHMEM's heap reservation); a leak grows every cycle, so the
+        # last three must be flat.
+        assert allocated[-1][0] <= allocated[1][0], (rank, allocated)
+        last = [used for _, used in allocated[-3:]]
+        assert max(last) <= min(last) + (8 << 20), (rank, allocated)

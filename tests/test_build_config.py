@@ -139,18 +139,32 @@ def test_unusable_arch_lists_are_refused(clean_env: Path, monkeypatch, torch_lis
         setup_py.cuda_architectures()
 
 
-@pytest.mark.parametrize(
-    ("flags", "in_source"),
-    [({}, False), ({"inplace": True}, True), ({"editable_mode": True}, True)],
-)
+@pytest.mark.parametrize(("editable", "in_source"), [(False, False), (True, True)])
 def test_low_latency_library_goes_beside_every_importable_c_module(
-    tmp_path: Path, flags: dict[str, bool], in_source: bool
+    tmp_path: Path, editable: bool, in_source: bool
 ) -> None:
     command = setup_py.CMakeBuild.__new__(setup_py.CMakeBuild)  # no distribution needed
-    command.inplace = False
-    for name, value in flags.items():
-        setattr(command, name, value)
+    command.editable_mode = editable
     built = tmp_path / "build" / "lib" / "ep_backend"
     dirs = command._package_dirs(built)
     assert dirs[0] == built
     assert (ROOT / "ep_backend" in dirs) == in_source
+
+
+def test_in_place_build_copies_the_low_latency_library(tmp_path: Path, monkeypatch) -> None:
+    """setuptools builds `--inplace` into build_lib with `inplace` off, then copies only the
+    extension modules: the library must follow them (a stale one is removed when none was built)."""
+    source_pkg = tmp_path / "src" / "ep_backend"
+    source_pkg.mkdir(parents=True)
+    build_pkg = tmp_path / "build" / "ep_backend"
+    build_pkg.mkdir(parents=True)
+    monkeypatch.setattr(setup_py, "ROOT", tmp_path / "src")
+    monkeypatch.setattr(setup_py.build_ext, "copy_extensions_to_source", lambda self: None)
+    command = setup_py.CMakeBuild.__new__(setup_py.CMakeBuild)
+    command.build_lib = str(tmp_path / "build")
+    (source_pkg / "libep_nvshmem.so").write_bytes(b"stale")
+    command.copy_extensions_to_source()
+    assert not (source_pkg / "libep_nvshmem.so").exists()
+    (build_pkg / "libep_nvshmem.so").write_bytes(b"new")
+    command.copy_extensions_to_source()
+    assert (source_pkg / "libep_nvshmem.so").read_bytes() == b"new"
