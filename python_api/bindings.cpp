@@ -64,8 +64,8 @@ void bindOptions(py::module_& m) {
       R"(Options of an ``"ep"`` process group; pass as ``pg_options`` to
 ``init_process_group``/``new_group``. On a live group, ``get_backend().options`` is the group's
 own: a field set there applies from the next call on (``recv_slabs`` from the next dispatch, which
-rebuilds the NVLink transport; not once a CUDA graph was captured on it). Every rank must set the
-same values.
+rebuilds the NVLink transport; not once a CUDA graph was captured on it), except
+``ranks_per_node``, read once at the group's creation. Every rank must set the same values.
 
 Args:
     timeout: collective timeout (``datetime.timedelta``), default 30 minutes.

@@ -58,7 +58,7 @@ std::vector<int64_t> splitsOf(const std::vector<int64_t>& given, int64_t rows, i
 NvlinkRuntime* runtimeFor(EPProcessGroup& pg, GroupState& st, const at::Device& device,
                           bool capture) {
   if (capture && !st.runtime) return nullptr;
-  return &ensureRuntime(pg, st, device, Needs{}, "all_to_all", capture);
+  return &ensureRuntime(pg, st, device, Needs{}, "all_to_all", capture, -1);
 }
 
 // The error an earlier kernel left (an overflow, invalid splits) is raised only after this

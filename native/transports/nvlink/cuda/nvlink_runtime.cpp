@@ -634,22 +634,22 @@ void NvlinkRuntime::all_to_all(const AllToAllParams& args, cudaStream_t stream) 
   check_ready("all_to_all");
   check_no_dispatch_due("all_to_all");
   kChecks.require(args.input != nullptr || args.output != nullptr || num_ranks_ >= 1,
-          "all_to_all: no tensors");
+                  "all_to_all: no tensors");
   AllToAllParams p = args;
   if (p.splits == nullptr) {
     for (int r = 0; r < num_ranks_; ++r) {
       kChecks.require(p.send_bytes[r] >= 0 && p.recv_bytes[r] >= 0 && p.send_offset[r] >= 0 &&
-                  p.recv_offset[r] >= 0,
-              "all_to_all: sizes and offsets must be >= 0");
+                          p.recv_offset[r] >= 0,
+                      "all_to_all: sizes and offsets must be >= 0");
     }
     p.num_local_experts = 1;
   } else {
     kChecks.require(p.num_local_experts >= 1 && p.num_local_experts <= kA2AMaxLocalExperts,
-            "all_to_all: num_local_experts must be in [1, 256]");
+                    "all_to_all: num_local_experts must be in [1, 256]");
     kChecks.require(p.row_bytes > 0, "all_to_all: row_bytes must be > 0");
     kChecks.require(p.input_rows >= 0 && p.capacity_rows >= 0, "all_to_all: rows must be >= 0");
     kChecks.require(p.recv_splits != nullptr && p.recv_offsets != nullptr,
-            "all_to_all: recv_splits and recv_offsets are required with device splits");
+                    "all_to_all: recv_splits and recv_offsets are required with device splits");
   }
   p.comm = comm_context();
   DeviceGuard guard(device_);
