@@ -18,6 +18,11 @@ pytestmark = pytest.mark.skipif(not megatron_installed(), reason=MEGATRON_SKIP_R
 TIMEOUT = 240.0
 
 
+# The CPU comparison hides GPUs from its workers: Megatron puts its parameters on CUDA whenever
+# CUDA is available, which the CPU shim (current_device() -> cpu) does not change.
+CPU_ONLY = {"env": {"CUDA_VISIBLE_DEVICES": ""}, "set_cuda_device": False}
+
+
 def _layer_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     import megatron_cases
@@ -28,7 +33,7 @@ def _layer_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_megatron_moe_layer_flex_on_ep_matches_alltoall_on_gloo(world: int) -> None:
-    results = run_distributed(_layer_worker, world, backend="gloo", timeout=TIMEOUT)
+    results = run_distributed(_layer_worker, world, backend="gloo", timeout=TIMEOUT, **CPU_ONLY)
     for rank, result in enumerate(results):
         check_setup(result["setup"], "gloo")
         flex, alltoall = result["flex"], result["alltoall"]
@@ -65,9 +70,11 @@ def test_megatron_training_on_ep_matches_gloo(what: str) -> None:
     """The CPU run of the GPU training tests: the whole job on ``init_process_group("ep")`` with
     the flex dispatcher vs on Gloo with the alltoall dispatcher; the same losses, bit for bit (as
     the layer test: same rows moved, top-2 sums, row-independent CPU GEMMs)."""
-    ep = run_distributed(_training_worker, 2, what, "flex", "ep", backend="ep", timeout=TIMEOUT)
+    ep = run_distributed(
+        _training_worker, 2, what, "flex", "ep", backend="ep", timeout=TIMEOUT, **CPU_ONLY
+    )
     gloo = run_distributed(
-        _training_worker, 2, what, "alltoall", "gloo", backend="gloo", timeout=TIMEOUT
+        _training_worker, 2, what, "alltoall", "gloo", backend="gloo", timeout=TIMEOUT, **CPU_ONLY
     )
     assert ep[0]["init"] == gloo[0]["init"]
     assert ep[0]["losses"] == gloo[0]["losses"], (ep[0]["losses"], gloo[0]["losses"])
