@@ -368,7 +368,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         out = ep.dispatch(x, idx, weights, num_experts)
         recv_rows = out.recv_x.shape[0]
         # Warm-up beyond the timer's own, before the first op a process times (clocks,
-        # allocator, page mappings): a precaution; see docs/performance.md, 2026-11-23.
+        # allocator, page mappings): a precaution, so the first timed row is not the slowest.
         for _ in range(10 * args.warmup if use_cuda else 0):
             warm = ep.dispatch(x, idx, weights, num_experts)
             ep.combine(warm.recv_x, warm.handle)

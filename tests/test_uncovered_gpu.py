@@ -29,6 +29,22 @@ def _covered() -> tuple[bool, str]:
     return arch in built, f"the build covers sm_{arch} ({c.cuda_architectures})"
 
 
+def _aten_path_problems(seen: list[warnings.WarningMessage], transport_attr: str) -> list[str]:
+    """What is wrong with an op family's fallback on an uncovered GPU: a FallbackWarning naming
+    the build's architectures among the warnings `seen`, and the group's transport (the
+    backend's `transport_attr`) on the ATen path."""
+    import ep_backend as ep
+
+    problems = []
+    fallbacks = [str(s.message) for s in seen if issubclass(s.category, ep.FallbackWarning)]
+    if not any("built for" in m for m in fallbacks):
+        problems.append(f"{transport_attr}: no FallbackWarning naming the build: {fallbacks}")
+    transport = getattr(ep.get_backend(), transport_attr)
+    if not transport.startswith("aten"):
+        problems.append(f"{transport_attr} is {transport!r}, expected the ATen path")
+    return problems
+
+
 def _uncovered_worker(rank: int, world: int) -> list[str]:
     import ep_backend as ep
 
@@ -38,12 +54,7 @@ def _uncovered_worker(rank: int, world: int) -> list[str]:
         warnings.simplefilter("always")
         out = ep.dispatch(x, idx, w, num_experts=8)
         combined = ep.combine(out.recv_x, out.handle).combined_x
-    fallbacks = [str(s.message) for s in seen if issubclass(s.category, ep.FallbackWarning)]
-    if not any("built for" in m for m in fallbacks):
-        problems.append(f"no FallbackWarning naming the build's architectures: {fallbacks}")
-    transport = ep.get_backend().high_throughput_transport
-    if not transport.startswith("aten"):
-        problems.append(f"high_throughput_transport is {transport!r}, expected the ATen path")
+    problems += _aten_path_problems(seen, "high_throughput_transport")
     # The same calls on CPU copies (the Gloo path, checked against reference.py by the CPU tests).
     want = ep.dispatch(x.cpu(), idx.cpu(), w.cpu(), num_experts=8)
     if not torch.equal(out.recv_x.cpu(), want.recv_x):
@@ -56,12 +67,7 @@ def _uncovered_worker(rank: int, world: int) -> list[str]:
             d = ep.low_latency_dispatch(x, idx, 128, 8, use_fp8=False)
             y = d.recv_x.clone()
             ll = ep.low_latency_combine(y, idx, w, d.handle)
-        fallbacks = [str(s.message) for s in seen if issubclass(s.category, ep.FallbackWarning)]
-        if not any("built for" in m for m in fallbacks):
-            problems.append(f"low latency: no FallbackWarning naming the build: {fallbacks}")
-        transport = ep.get_backend().low_latency_transport
-        if not transport.startswith("aten"):
-            problems.append(f"low_latency_transport is {transport!r}, expected the ATen path")
+        problems += _aten_path_problems(seen, "low_latency_transport")
         if ll.shape != x.shape or not torch.isfinite(ll.float()).all():
             problems.append(f"low-latency combine gave {tuple(ll.shape)} / non-finite values")
     return problems
