@@ -87,6 +87,9 @@ struct NvshmemConfig {
   // when r / k == q / k, and peers on other nodes take the NVSHMEM put path even where P2P
   // mapped, as they would across hosts; on-node peers keep P2P. 0: no emulation.
   int emulated_ranks_per_node = 0;
+  // Heap room for other users of this NVSHMEM session (the internode transport's buffers,
+  // transports/internode): added to the heap size the runtime sets (NVSHMEM_SYMMETRIC_SIZE).
+  size_t extra_symmetric_bytes = 0;
 };
 
 // Dispatch arguments (device pointers; see the header comment for shapes).
