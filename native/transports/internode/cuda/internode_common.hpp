@@ -199,8 +199,8 @@ struct CombineParams {
   int topk;                      // K of topk_weights (0: none)
   const bool* is_token_in_rank;  // [T, R] of this rank as source
   int num_tokens;
-  const char* bias0;  // [T, H] of x_dtype, or null
-  const char* bias1;
+  const float* bias0;  // [T, H] float32 (the reference adds biases in float32), or null
+  const float* bias1;
   char* out;           // [T, H] of x_dtype
   float* out_weights;  // [T, K] or null
 };

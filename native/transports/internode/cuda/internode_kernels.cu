@@ -411,8 +411,8 @@ __global__ void __launch_bounds__(kThreads) combine_out_kernel(CombineParams p) 
           acc = __fadd_rn(acc, row[h]);
         }
       }
-      if (p.bias0 != nullptr) acc = __fadd_rn(acc, load_value(p.bias0 + t * x_bytes, p.x_dtype, h));
-      if (p.bias1 != nullptr) acc = __fadd_rn(acc, load_value(p.bias1 + t * x_bytes, p.x_dtype, h));
+      if (p.bias0 != nullptr) acc = __fadd_rn(acc, p.bias0[t * p.hidden + h]);
+      if (p.bias1 != nullptr) acc = __fadd_rn(acc, p.bias1[t * p.hidden + h]);
       store_value(p.out + t * x_bytes, p.x_dtype, h, acc);
     }
     if (p.out_weights != nullptr && lane < p.topk) {

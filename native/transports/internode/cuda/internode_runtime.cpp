@@ -220,8 +220,8 @@ void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t strea
   p.topk = a.topk_weights != nullptr ? a.topk : 0;
   p.is_token_in_rank = a.is_token_in_rank;
   p.num_tokens = a.num_tokens;
-  p.bias0 = static_cast<const char*>(a.bias0);
-  p.bias1 = static_cast<const char*>(a.bias1);
+  p.bias0 = a.bias0;
+  p.bias1 = a.bias1;
   p.out = static_cast<char*>(a.out);
   p.out_weights = a.out_weights;
   kChecks.cuda(launch_combine(p, blocks_, stream), "launching the internode combine");

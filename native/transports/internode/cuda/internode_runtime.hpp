@@ -66,8 +66,8 @@ struct InternodeCombineArgs {
   const int* recv_src_idx = nullptr;
   const bool* is_token_in_rank = nullptr;
   int num_tokens = 0;
-  const void* bias0 = nullptr;
-  const void* bias1 = nullptr;
+  const float* bias0 = nullptr;  // [num_tokens, hidden] float32
+  const float* bias1 = nullptr;
   void* out = nullptr;
   float* out_weights = nullptr;
   double timeout_seconds = 60;
