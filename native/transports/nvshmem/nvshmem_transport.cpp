@@ -263,7 +263,8 @@ bool fits(const NvshmemConfig& c, int64_t m, int64_t hidden, int64_t topk, int64
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, int64_t m,
                     int64_t hidden, int64_t topk, int64_t experts) {
   const bool capture = streamCapturing();
-  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts)) {
+  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts) &&
+      st.config.extra_symmetric_bytes >= st.extra_symmetric_bytes) {
     st.graph_captured = st.graph_captured || capture;
     return st.runtime;
   }
@@ -683,13 +684,16 @@ void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_sy
   auto st = stateOf(pg);
   TORCH_CHECK(st->usability.yes(), "ep: the NVSHMEM session of this group is not usable");
   st->release_session_user = std::move(release);
+  st->extra_symmetric_bytes = std::max(st->extra_symmetric_bytes, extra_symmetric_bytes);
+  c10::cuda::CUDAGuard guard(device);
   if (st->runtime != nullptr) {
+    // Rebuilt (same low-latency shape) only where the heap was sized for less room.
+    const NvshmemConfig& c = st->config;
+    ensureRuntime(pg, *st, device, c.max_tokens_per_rank, c.max_hidden, c.max_topk, c.num_experts);
     return;
   }
   // A session started for the internode transport: the smallest low-latency buffers (a later
   // low-latency call of another shape rebuilds them, releasing the internode buffers first).
-  st->extra_symmetric_bytes = extra_symmetric_bytes;
-  c10::cuda::CUDAGuard guard(device);
   ensureRuntime(pg, *st, device, /*m=*/1, /*hidden=*/nvshmem::kGroupSize, /*topk=*/1,
                 /*experts=*/pg.getSize());
 }
