@@ -94,7 +94,7 @@ __device__ __forceinline__ uint64_t* sig_word(const Context& c, int64_t offset, 
 // ---- dispatch ------------------------------------------------------------------------------
 
 // Stage 0: one RDMA record per (token, destination node) into send_buf[node][position].
-__global__ void __launch_bounds__(kThreads) pack_kernel(DispatchParams p) {
+__global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
   if (aborted(c)) return;
   const int lane = lane_id();
@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(DispatchParams p) {
 
 // Stage 1 (RDMA leg): the records for node n go, in chunks, to rdma_recv[parity][my node] of the
 // rank with my local index on node n (myself for my own node: a local copy).
-__global__ void __launch_bounds__(kThreads) rdma_put_kernel(DispatchParams p) {
+__global__ void __launch_bounds__(kThreads)
+    rdma_put_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
   if (aborted(c)) return;
   const RecordLayout& r = c.rec;
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) rdma_put_kernel(DispatchParams p) {
 
 // Stage 1 completion: after every put of this rank is complete (quiet), one signal per node
 // carries (seq << 32) | number of records.
-__global__ void rdma_signal_kernel(DispatchParams p) {
+__global__ void rdma_signal_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
   if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
   nvshmem_quiet();
@@ -171,7 +172,8 @@ __global__ void rdma_signal_kernel(DispatchParams p) {
 
 // Stage 2 (NVLink leg): every record received from the sources (n, my local) goes to the local
 // ranks its slot table names, at that slot of their nvl_recv, with top-k rewritten for them.
-__global__ void __launch_bounds__(kThreads) forward_kernel(DispatchParams p) {
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
   const RecordLayout& r = c.rec;
   const int64_t T = c.layout.cap.max_tokens;
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(DispatchParams p) {
 // Node barrier: every local rank has finished the previous kernel (its stores into my region are
 // done) once its word in my region reaches seq. Stores of the previous kernel are complete at its
 // end; the release store orders them before the flag for the peer.
-__global__ void node_barrier_kernel(Context c) {
+__global__ void node_barrier_kernel(const __grid_constant__ Context c) {
   if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
   ptx::fence_acq_rel_sys();
   for (int l = 0; l < c.ranks_per_node; ++l) {
@@ -279,7 +281,8 @@ __device__ __forceinline__ int64_t combine_slot(const Context& c, int src_node, 
 
 // NVLink leg: each held row goes to the forwarder of its source (my node, the source's local
 // index), at [source node][source token][my local index], flagged with seq.
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(CombineParams p) {
+__global__ void __launch_bounds__(kThreads)
+    combine_send_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
   if (aborted(c)) return;
   const int lane = lane_id();
@@ -308,7 +311,8 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(CombineParams p)
 
 // Forwarder: for each (source node, token) some local rank sent, the sum of the local ranks'
 // rows in local index order (float32, from +0.0), put once to the source (RDMA leg).
-__global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineParams p) {
+__global__ void __launch_bounds__(kThreads)
+    combine_reduce_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
   if (aborted(c)) return;
   const int lane = lane_id();
@@ -358,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineParams 
   }
 }
 
-__global__ void combine_signal_kernel(CombineParams p) {
+__global__ void combine_signal_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
   if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
   nvshmem_quiet();
@@ -370,7 +374,8 @@ __global__ void combine_signal_kernel(CombineParams p) {
 
 // Source: out[t] = cast(sum over nodes in node order of the node partials (float32, from +0.0),
 // then + bias0, + bias1).
-__global__ void __launch_bounds__(kThreads) combine_out_kernel(CombineParams p) {
+__global__ void __launch_bounds__(kThreads)
+    combine_out_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
   const int64_t T = c.layout.cap.max_tokens;
   __shared__ int ok;
