@@ -69,7 +69,8 @@ void NvshmemRuntime::set_environment(const NvshmemConfig& config) {
   setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
   static bool we_set_size = false;
   if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr || we_set_size) {
-    const size_t heap = symmetric_bytes(config) + config.extra_symmetric_bytes + (size_t(256) << 20);
+    const size_t heap =
+        symmetric_bytes(config) + config.extra_symmetric_bytes + (size_t(256) << 20);
     setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 1);
     we_set_size = true;
   }
