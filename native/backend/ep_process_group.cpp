@@ -120,6 +120,28 @@ void divideBy(const std::vector<at::Tensor>& tensors, int size) {
   }
 }
 
+// allreduce / allreduce_coalesced with a reduction the CPU backend lacks (AVG, PREMUL_SUM): the
+// tensors are scaled in place, summed by `sum(sum_opts)`, and divided by `size` for AVG. The
+// result overwrites the tensors on every rank, so scaling them in place is safe.
+template <typename Options, typename Sum>
+c10::intrusive_ptr<c10d::Work> composedAllreduce(std::vector<at::Tensor>& tensors,
+                                                 const Options& opts, const char* op, int size,
+                                                 Sum sum) {
+  for (auto& t : tensors) {
+    if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
+      checkFloatingForAvg(t, op);
+    }
+    premultiply(t, opts.reduceOp);
+  }
+  Options sum_opts = opts;
+  sum_opts.reduceOp = sumOp();
+  auto work = sum(sum_opts);
+  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
+    return work;
+  }
+  return thenApply(work, [tensors, size] { divideBy(tensors, size); });
+}
+
 }  // namespace
 
 EPProcessGroup::EPProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
@@ -352,21 +374,10 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(std::vector<at::Tensor>
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
     return track(backend->allreduce(tensors, opts));
   }
-  // The result overwrites the tensors on every rank, so scaling them in place is safe.
-  for (auto& t : tensors) {
-    if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
-      checkFloatingForAvg(t, "allreduce");
-    }
-    premultiply(t, opts.reduceOp);
-  }
-  c10d::AllreduceOptions sum_opts = opts;
-  sum_opts.reduceOp = sumOp();
-  auto work = backend->allreduce(tensors, sum_opts);
-  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return track(work);
-  }
-  const int size = getSize();
-  return track(thenApply(work, [tensors, size] { divideBy(tensors, size); }));
+  return track(composedAllreduce(tensors, opts, "allreduce", getSize(),
+                                 [&](const c10d::AllreduceOptions& sum_opts) {
+                                   return backend->allreduce(tensors, sum_opts);
+                                 }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
@@ -375,20 +386,10 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
   if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
     return track(backend->allreduce_coalesced(tensors, opts));
   }
-  for (auto& t : tensors) {
-    if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
-      checkFloatingForAvg(t, "allreduce_coalesced");
-    }
-    premultiply(t, opts.reduceOp);
-  }
-  c10d::AllreduceCoalescedOptions sum_opts = opts;
-  sum_opts.reduceOp = sumOp();
-  auto work = backend->allreduce_coalesced(tensors, sum_opts);
-  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return track(work);
-  }
-  const int size = getSize();
-  return track(thenApply(work, [tensors, size] { divideBy(tensors, size); }));
+  return track(composedAllreduce(tensors, opts, "allreduce_coalesced", getSize(),
+                                 [&](const c10d::AllreduceCoalescedOptions& sum_opts) {
+                                   return backend->allreduce_coalesced(tensors, sum_opts);
+                                 }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(std::vector<at::Tensor>& tensors,
