@@ -185,6 +185,18 @@ cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
   return e;
 }
 
+// The kP2P = true and false instances of a kernel (launched with the same count): the smaller of
+// their largest cooperative grids.
+template <typename Params>
+cudaError_t max_cooperative_blocks_of_both(void (*p2p)(Params), void (*other)(Params),
+                                           int* blocks) {
+  int p2p_blocks = 0;
+  cudaError_t e = max_cooperative_blocks(p2p, &p2p_blocks);
+  if (e == cudaSuccess) e = max_cooperative_blocks(other, blocks);
+  if (e == cudaSuccess && p2p_blocks < *blocks) *blocks = p2p_blocks;
+  return e;
+}
+
 // ---- reaching peers -----------------------------------------------------------------------------
 
 // Sets a peer's 64-bit signal word. No ordering with other data is implied (a relaxed store:
