@@ -20,6 +20,7 @@ This module imports only ``torch`` and ``.handles``; it never loads the C++ exte
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,8 +119,18 @@ def _group_size_and_rank(group: Group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _pad_rows(t: torch.Tensor, num_rows: int, fill_value: int | float) -> torch.Tensor:
-    """Return ``t`` extended to ``num_rows`` rows; the extra rows are ``fill_value``."""
+def _check_handle_group(handle: DispatchHandle | LowLatencyHandle, group: Group) -> int:
+    """Asserts that ``group`` has the size of the group that made ``handle``; returns it (``R``)."""
+    num_ranks, _ = _group_size_and_rank(group)
+    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    return num_ranks
+
+
+def _pad_rows(t: torch.Tensor | None, num_rows: int, fill_value: int | float) -> Any:
+    """Return ``t`` extended to ``num_rows`` rows; the extra rows are ``fill_value`` (``None``
+    stays ``None``)."""
+    if t is None:
+        return None
     shape = (num_rows, *t.shape[1:])
     out = t.new_zeros(shape) if fill_value == 0 else t.new_full(shape, fill_value)
     out[: t.shape[0]] = t
@@ -361,11 +372,9 @@ def dispatch(
     # 4. Fixed capacity.
     if num_worst_tokens > 0:
         recv_x = _pad_rows(recv_x, num_worst_tokens, 0)
-        if recv_x_scales is not None:
-            recv_x_scales = _pad_rows(recv_x_scales, num_worst_tokens, 0)
+        recv_x_scales = _pad_rows(recv_x_scales, num_worst_tokens, 0)
         recv_topk_idx = _pad_rows(recv_topk_idx, num_worst_tokens, -1)
-        if recv_topk_weights is not None:
-            recv_topk_weights = _pad_rows(recv_topk_weights, num_worst_tokens, 0.0)
+        recv_topk_weights = _pad_rows(recv_topk_weights, num_worst_tokens, 0.0)
         recv_src_idx = _pad_rows(recv_src_idx, num_worst_tokens, -1)
         recv_src_rank = _pad_rows(recv_src_rank, num_worst_tokens, -1)
 
@@ -395,8 +404,7 @@ def _cached_dispatch(
     x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, group: Group
 ) -> DispatchOutput:
     """Dispatch ``x`` (and ``x_scales``) along the routing recorded in ``handle``."""
-    num_ranks, _ = _group_size_and_rank(group)
-    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    _check_handle_group(handle, group)
     assert x.dim() == 2 and x.shape[0] == handle.num_tokens, (
         f"x must be [T={handle.num_tokens}, H], got shape {tuple(x.shape)}"
     )
@@ -412,8 +420,7 @@ def _cached_dispatch(
         recv_x_scales = _all_to_all_rows(x_scales[send_token], send_counts, recv_counts, group)
     if handle.num_worst_tokens > 0:
         recv_x = _pad_rows(recv_x, handle.num_worst_tokens, 0)
-        if recv_x_scales is not None:
-            recv_x_scales = _pad_rows(recv_x_scales, handle.num_worst_tokens, 0)
+        recv_x_scales = _pad_rows(recv_x_scales, handle.num_worst_tokens, 0)
     return DispatchOutput(
         recv_x=recv_x,
         recv_x_scales=recv_x_scales,
@@ -454,8 +461,7 @@ def combine(
         ``CombineOutput``: ``combined_x`` ``[T, H]`` of ``x.dtype``; ``combined_topk_weights``
         float32 ``[T, K]`` or ``None``; ``work=None``. Tokens sent nowhere get the bias (or 0).
     """
-    num_ranks, _ = _group_size_and_rank(group)
-    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    num_ranks = _check_handle_group(handle, group)
     assert x.dim() == 2 and x.shape[0] == handle.num_recv_rows, (
         f"x must be [N={handle.num_recv_rows}, H], got shape {tuple(x.shape)}"
     )
@@ -850,8 +856,7 @@ def low_latency_combine(
     Returns:
         BF16 ``[T, H]`` (``out`` when given). Tokens without experts give 0.
     """
-    num_ranks, _ = _group_size_and_rank(group)
-    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    num_ranks = _check_handle_group(handle, group)
     experts_per_rank = handle.num_experts // num_ranks
     slots = num_ranks * handle.num_max_dispatch_tokens_per_rank
     hidden = handle.hidden

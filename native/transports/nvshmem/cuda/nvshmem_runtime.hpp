@@ -195,8 +195,10 @@ class NvshmemRuntime {
   void destroy();
 
  private:
-  // timeout_seconds: the call's (0: config().timeout_seconds).
-  nvshmem::Context context(int buffer, double timeout_seconds) const;
+  // The launch context of a call. timeout_seconds: the call's (0: config().timeout_seconds);
+  // the one resolved here is kept for the call's timeout message.
+  nvshmem::Context context(int buffer, double timeout_seconds);
+  void require_num_experts(int num_experts, const std::string& pre) const;
   void check_ready(const char* op) const;
 
   int rank_ = 0;
