@@ -247,7 +247,12 @@ at::Tensor segmentIds(const std::vector<int64_t>& counts, const at::TensorOption
 // Columns [offset, offset + bytes) of the received records as a [rows, bytes / elem] tensor of
 // `dtype` (a copy: the records are reused by a later call).
 at::Tensor field(const at::Tensor& records, int64_t offset, int64_t bytes, at::ScalarType dtype) {
-  return records.narrow(1, offset, bytes).contiguous().view(dtype);
+  if (records.size(0) == 0) {
+    return at::empty({0, bytes / static_cast<int64_t>(c10::elementSize(dtype))},
+                     records.options().dtype(dtype));
+  }
+  // clone, not contiguous(): one row is contiguous already, and would stay a view of the buffer.
+  return records.narrow(1, offset, bytes).clone(at::MemoryFormat::Contiguous).view(dtype);
 }
 
 struct Plan {
