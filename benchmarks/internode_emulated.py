@@ -124,4 +124,5 @@ if __name__ == "__main__":
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
     iters = int(sys.argv[4]) if len(sys.argv) > 4 else 20
     os.environ["EP_RANKS_PER_NODE"] = str(per_node)
+    os.environ.setdefault("EP_HIGH_THROUGHPUT", "internode")  # the transport is opt-in for now
     local_ranks.spawn(worker, (world, per_node, tokens, iters, 29500 + os.getpid() % 1000), world)
