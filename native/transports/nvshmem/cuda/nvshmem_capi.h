@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_NVSHMEM_ABI_VERSION 3
+#define EP_NVSHMEM_ABI_VERSION 4
 
 namespace ep {
 struct NvshmemConfig;

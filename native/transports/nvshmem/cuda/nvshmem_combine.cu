@@ -106,6 +106,7 @@ __device__ bool send_weights(const CombineParams& p, const CombineShared& sh, in
   const uint64_t seq = sh.seq;
   const uint32_t tag = weight_tag(seq);
   for (int d = static_cast<int>(blockIdx.x); d < R; d += G) {
+    if (rank_masked(c, d)) continue;  // block-uniform: the barriers below stay matched
     char* peer = c.peer[d];
     const size_t area = c.layout.comb_weights_offset + size_t(c.rank) * c.max_tokens * KM * 8;
     uint64_t* dst = reinterpret_cast<uint64_t*>(
@@ -173,7 +174,9 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
     // The dispatch's slot (s, t) is still in this rank's receive area, final since its RECV (an
     // earlier kernel): with a message, its header says which rows of x belong to the token and
     // with which k. Block-uniform (every thread reads the same word).
-    const bool present = ld_volatile_u64(dflags + size_t(s) * M + t) == message_flag(seq, true);
+    // A source masked since the dispatch gets nothing back.
+    const bool present = !rank_masked(c, s) &&
+                         ld_volatile_u64(dflags + size_t(s) * M + t) == message_flag(seq, true);
     if (present) {
       const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + t) * stride;
       const int n = message_entries(m);
@@ -300,7 +303,8 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   if (tid == 0) sh.fail = 0;
   __syncthreads();
   for (int d = tid; d < R; d += kThreads)
-    if (!spin_wait(w, d, [&] { return ld_acquire_sys(wflags + d) == seq; })) sh.fail = 1;
+    if (!rank_masked(c, d) && !spin_wait(w, d, [&] { return ld_acquire_sys(wflags + d) == seq; }))
+      sh.fail = 1;
   __syncthreads();
   if (sh.fail) return;
 
@@ -308,7 +312,9 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   for (int t = t_begin; t < t_end; ++t) {
     // The token's destination ranks, first-appearance order, from the dispatch's routes.
     if (tid < 32) {
-      const int route = lane < K ? c.send_route[size_t(t) * K + lane] : -1;
+      // An entry on a rank masked since the dispatch is absent: no partial comes from it.
+      int route = lane < K ? c.send_route[size_t(t) * K + lane] : -1;
+      if (route >= 0 && rank_masked(c, route_rank(route))) route = -1;
       const int d = route_rank(route);
       const unsigned same = lanes_equal(d, 0, K);
       const int first = __ffs(same) - 1;

@@ -182,6 +182,10 @@ struct Context {
   int* send_route;
   int* recv_tokens;  // private [R]: message slots (tokens) of each source in the buffer's dispatch
   long long timeout_ns;
+  // [R] int32 (or null): 1 = rank masked (ep_backend.low_latency_update_mask). A masked rank is
+  // sent nothing, waited for by nobody, and entries naming its experts count as -1. Read at
+  // every launch from device memory that the host updates between calls (CUDA-graph safe).
+  const int* rank_mask;
   int buffer;  // 0 or 1
   int rank;
   int num_ranks;

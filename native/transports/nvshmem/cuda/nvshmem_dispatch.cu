@@ -155,7 +155,10 @@ __device__ __forceinline__ void quantize_share(const DispatchParams& p, int4 sha
 // Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped).
 __device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i) {
   const long long e = load_idx(p.topk_idx, p.idx_bytes, i);
-  if (e >= 0 && e < p.num_experts) return static_cast<int>(e);
+  if (e >= 0 && e < p.num_experts)
+    return rank_masked(p.ctx, static_cast<int>(e) / (p.num_experts / p.ctx.num_ranks))
+               ? -1  // an expert of a masked rank: absent
+               : static_cast<int>(e);
   if (e != -1 && blockIdx.x == 0)
     report_error(w, kErrorInvalidTopkIdx, -1, e, static_cast<long long>(i));
   return -1;
@@ -279,8 +282,9 @@ __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, Dispatch
   if (__syncthreads_or(abort_seen)) return false;
   const uint64_t seq = sh.seq;
   for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
-    signal_set<kP2P>(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
-                     (seq << 32) | static_cast<uint64_t>(p.num_tokens));
+    if (!rank_masked(c, d))
+      signal_set<kP2P>(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
+                       (seq << 32) | static_cast<uint64_t>(p.num_tokens));
   while (t < tokens.y) {
     const int nd = sh.num_dests;
     char* const staged_row = send_area + size_t(t) * R * msg.stride;
@@ -355,8 +359,9 @@ __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
       count = M;
     }
     const int slot = (e % E_loc) * R + c.rank;
-    signal_set<kP2P>(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
-                     (seq << 32) | static_cast<uint64_t>(count));
+    if (!rank_masked(c, e / E_loc))
+      signal_set<kP2P>(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
+                       (seq << 32) | static_cast<uint64_t>(count));
   }
 }
 
@@ -396,7 +401,7 @@ __device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t 
     for (int d = tid; d < R; d += wg.threads()) {
       bool reached = false;
       for (int j = 0; j < nd; ++j) reached |= sh.dest[j] == d;
-      if (!reached) signal_set<kP2P>(c, d, flag, message_flag(seq, false));
+      if (!reached && !rank_masked(c, d)) signal_set<kP2P>(c, d, flag, message_flag(seq, false));
     }
     wg.sync();
     if (warp < nd) {
@@ -445,11 +450,12 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   for (int i = tid; i < E + R; i += threads) {
     const bool is_count = i < E;
     const uint64_t* f = is_count ? counts + i : tokens + (i - E);
-    uint64_t v = 0;
-    const bool ok = spin_wait(w, is_count ? i % R : i - E, [&] {
-      v = ld_acquire_sys(f);
-      return static_cast<uint32_t>(v >> 32) == want;
-    });
+    const int source = is_count ? i % R : i - E;
+    uint64_t v = 0;  // a masked source: no rows, no tokens, nothing to wait for
+    const bool ok = rank_masked(c, source) || spin_wait(w, source, [&] {
+                      v = ld_acquire_sys(f);
+                      return static_cast<uint32_t>(v >> 32) == want;
+                    });
     if (is_count)
       sh.rows[i] = static_cast<int>(v & 0xFFFFFFFFu);
     else
