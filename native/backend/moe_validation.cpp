@@ -534,7 +534,7 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
                                      deadline - std::chrono::steady_clock::now()),
                                  std::chrono::milliseconds(1));
       try {
-        store->wait({key(call, p)}, left);
+        waitForKeys(*store, {key(call, p)}, left);
         const std::vector<uint8_t> bytes = store->get(key(call, p));
         TORCH_CHECK(bytes.size() == row.size() * sizeof(int64_t), "ep ", op, ": rank ", p,
                     " posted a row of ", bytes.size(), " bytes, this rank expects ",

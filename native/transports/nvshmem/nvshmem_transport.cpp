@@ -313,6 +313,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
     pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + (rc == 0 ? written : 0)));
     check(rc, "low_latency setup", err);
   }
+  waitForKeys(*pg.store(), {key}, pg.options()->timeout);  // not get's wait: see waitForKeys
   const std::vector<uint8_t> uid = pg.store()->get(key);
   TORCH_CHECK(!uid.empty(),
               "ep low_latency setup: rank 0 could not get an NVSHMEM unique id (see "
