@@ -152,13 +152,26 @@ __device__ __forceinline__ void quantize_share(const DispatchParams& p, int4 sha
                    warp + kThreads / 32, payload, scales);
 }
 
-// Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped).
-__device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i) {
+// The masked ranks (Context::rank_mask) as bits, rank r at bit r, for groups of up to 32 ranks;
+// whole warp. Its load does not depend on the entries, so it is in flight beside theirs (a load
+// of mask[rank of e] would wait for e).
+__device__ __forceinline__ unsigned masked_rank_bits(const Context& c) {
+  const int lane = lane_id();
+  const bool masked = c.rank_mask != nullptr && lane < c.num_ranks && c.rank_mask[lane] != 0;
+  return __ballot_sync(0xffffffffu, masked);
+}
+
+// Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped; an expert
+// of a masked rank is absent). `masked_bits`: masked_rank_bits (groups of more than 32 ranks
+// read the mask itself).
+__device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i,
+                                            unsigned masked_bits) {
   const long long e = load_idx(p.topk_idx, p.idx_bytes, i);
-  if (e >= 0 && e < p.num_experts)
-    return rank_masked(p.ctx, static_cast<int>(e) / (p.num_experts / p.ctx.num_ranks))
-               ? -1  // an expert of a masked rank: absent
-               : static_cast<int>(e);
+  if (e >= 0 && e < p.num_experts) {
+    const int r = static_cast<int>(e) / (p.num_experts / p.ctx.num_ranks);
+    const bool masked = r < 32 ? ((masked_bits >> r) & 1u) != 0 : rank_masked(p.ctx, r);
+    return masked ? -1 : static_cast<int>(e);
+  }
   if (e != -1 && blockIdx.x == 0)
     report_error(w, kErrorInvalidTopkIdx, -1, e, static_cast<long long>(i));
   return -1;
@@ -189,7 +202,8 @@ struct DispatchShared {
 // Lane k < K of warp 0: entry (t, k) as an expert id, or -1.
 __device__ __forceinline__ int lane_entry(const DispatchParams& p, const Waiter& w, int t) {
   const int lane = lane_id();
-  return lane < p.num_topk ? entry_expert(p, w, size_t(t) * p.num_topk + lane) : -1;
+  const unsigned masked = masked_rank_bits(p.ctx);
+  return lane < p.num_topk ? entry_expert(p, w, size_t(t) * p.num_topk + lane, masked) : -1;
 }
 
 // Where message slot (c.rank, t) of destination j lies (P2P-mapped), or null: NVSHMEM put.
@@ -248,8 +262,10 @@ __device__ __forceinline__ int count_entry(const DispatchParams& p, const Waiter
   const int per_warp = 32 / K;
   const int my_token = lane_id() / K;
   const int t = (round * (kThreads / 32) + warp_id()) * per_warp + my_token;
-  return my_token < per_warp && t < p.num_tokens ? entry_expert(p, w, size_t(t) * K + lane_id() % K)
-                                                 : -1;
+  const unsigned masked = masked_rank_bits(p.ctx);
+  return my_token < per_warp && t < p.num_tokens
+             ? entry_expert(p, w, size_t(t) * K + lane_id() % K, masked)
+             : -1;
 }
 
 // SEND step 1, the whole block: the payload of each of the block's tokens goes to slot (r, t)
