@@ -24,17 +24,10 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20, 256 << 20]
 
 
 def _time_us(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    """µs per call of ``iters`` back-to-back calls after three warm-up calls."""
+    from ep_backend.bench import gpu_us_per_call  # after the worker's set_device
+
+    return gpu_us_per_call(fn, iters, warmup=3)
 
 
 def _slowest(us: float) -> float:

@@ -32,18 +32,6 @@ def _median_host(fn, iters: int = 30) -> float:
     return statistics.median(samples)
 
 
-def _gpu_back_to_back(fn, iters: int = 30) -> float:
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
 def _timeline(path: str) -> str:
     """Per ep:: op of a chrome trace: when each CUDA launch was issued, and when its kernel ran."""
     events = json.load(open(path))["traceEvents"]
@@ -69,6 +57,7 @@ def _timeline(path: str) -> str:
 def worker(rank: int, tokens: int, port: int) -> None:
     import ep_backend as ep
     from ep_backend import moe
+    from ep_backend.bench import gpu_us_per_call
 
     local_ranks.join_group(rank, 2, port)
     x, idx, w = local_ranks.standard_inputs(tokens, rank)
@@ -94,7 +83,7 @@ def worker(rank: int, tokens: int, port: int) -> None:
         for _ in range(5):
             fn()
         host = _median_host(fn)
-        gpu = _gpu_back_to_back(fn)
+        gpu = gpu_us_per_call(fn, 30)
         lines.append(f"rank {rank} {op:18s} host {host:8.1f} us   back-to-back {gpu:8.1f} us/call")
     print("\n".join(lines), file=sys.stderr, flush=True)
 

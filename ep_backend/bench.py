@@ -75,6 +75,26 @@ def _routing(num_tokens: int, num_experts: int, topk: int, device: torch.device,
     return idx, weights.float()
 
 
+def gpu_us_per_call(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+    """Mean GPU time of one call of ``fn``, in µs, over ``iters`` calls queued back to back.
+
+    ``warmup`` untimed calls first; then the device is synchronised, the ranks of the default
+    group meet at a barrier, and two CUDA events around the loop time it. The benchmarks under
+    ``benchmarks/`` time their back-to-back rows with it.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
 class _Timer:
     """Median times of a callable: CUDA events (L2 flushed) on GPU, perf_counter on CPU."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -189,8 +190,18 @@ def _group_size_and_rank(group: Group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _pad_rows(t: torch.Tensor, num_rows: int, fill_value: int | float) -> torch.Tensor:
-    """Return ``t`` extended to ``num_rows`` rows; the extra rows are ``fill_value``."""
+def _check_handle_group(handle: DispatchHandle | LowLatencyHandle, group: Group) -> int:
+    """Asserts that ``group`` has the size of the group that made ``handle``; returns it (``R``)."""
+    num_ranks, _ = _group_size_and_rank(group)
+    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    return num_ranks
+
+
+def _pad_rows(t: torch.Tensor | None, num_rows: int, fill_value: int | float) -> Any:
+    """Return ``t`` extended to ``num_rows`` rows; the extra rows are ``fill_value`` (``None``
+    stays ``None``)."""
+    if t is None:
+        return None
     shape = (num_rows, *t.shape[1:])
     out = t.new_zeros(shape) if fill_value == 0 else t.new_full(shape, fill_value)
     out[: t.shape[0]] = t
@@ -432,11 +443,9 @@ def dispatch(
     # 4. Fixed capacity.
     if num_worst_tokens > 0:
         recv_x = _pad_rows(recv_x, num_worst_tokens, 0)
-        if recv_x_scales is not None:
-            recv_x_scales = _pad_rows(recv_x_scales, num_worst_tokens, 0)
+        recv_x_scales = _pad_rows(recv_x_scales, num_worst_tokens, 0)
         recv_topk_idx = _pad_rows(recv_topk_idx, num_worst_tokens, -1)
-        if recv_topk_weights is not None:
-            recv_topk_weights = _pad_rows(recv_topk_weights, num_worst_tokens, 0.0)
+        recv_topk_weights = _pad_rows(recv_topk_weights, num_worst_tokens, 0.0)
         recv_src_idx = _pad_rows(recv_src_idx, num_worst_tokens, -1)
         recv_src_rank = _pad_rows(recv_src_rank, num_worst_tokens, -1)
 
@@ -466,8 +475,7 @@ def _cached_dispatch(
     x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, group: Group
 ) -> DispatchOutput:
     """Dispatch ``x`` (and ``x_scales``) along the routing recorded in ``handle``."""
-    num_ranks, _ = _group_size_and_rank(group)
-    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    _check_handle_group(handle, group)
     assert x.dim() == 2 and x.shape[0] == handle.num_tokens, (
         f"x must be [T={handle.num_tokens}, H], got shape {tuple(x.shape)}"
     )
@@ -483,8 +491,7 @@ def _cached_dispatch(
         recv_x_scales = _all_to_all_rows(x_scales[send_token], send_counts, recv_counts, group)
     if handle.num_worst_tokens > 0:
         recv_x = _pad_rows(recv_x, handle.num_worst_tokens, 0)
-        if recv_x_scales is not None:
-            recv_x_scales = _pad_rows(recv_x_scales, handle.num_worst_tokens, 0)
+        recv_x_scales = _pad_rows(recv_x_scales, handle.num_worst_tokens, 0)
     return DispatchOutput(
         recv_x=recv_x,
         recv_x_scales=recv_x_scales,
@@ -525,8 +532,7 @@ def combine(
         ``CombineOutput``: ``combined_x`` ``[T, H]`` of ``x.dtype``; ``combined_topk_weights``
         float32 ``[T, K]`` or ``None``; ``work=None``. Tokens sent nowhere get the bias (or 0).
     """
-    num_ranks, _ = _group_size_and_rank(group)
-    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    num_ranks = _check_handle_group(handle, group)
     assert x.dim() == 2 and x.shape[0] == handle.num_recv_rows, (
         f"x must be [N={handle.num_recv_rows}, H], got shape {tuple(x.shape)}"
     )
@@ -573,6 +579,78 @@ def combine(
         offset += tokens.numel()
     for b in biases:
         acc = acc + b.to(device=acc.device, dtype=acc_dtype)
+    return CombineOutput(combined_x=acc.to(x.dtype), combined_topk_weights=acc_w, work=None)
+
+
+def combine_by_node(
+    x: torch.Tensor,
+    handle: DispatchHandle,
+    node_of_rank: Sequence[int],
+    topk_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+    group: Group = None,
+) -> CombineOutput:
+    """``combine`` in the summation order of the hierarchical internode transport.
+
+    The internode transport reduces on the forwarding GPU of each node and sends one partial
+    sum per node, so its order differs from ``combine``'s (ranks ascending): for token ``t`` and
+    each node ``n`` (ascending) that holds ``t`` on some rank, ``partial_n`` starts at +0.0 in
+    float32 and adds the rows of the node's ranks in rank order (the local index order); then
+    ``acc`` starts at +0.0 and adds ``partial_n`` for each such node in node order; then each
+    bias; the result is ``acc`` cast to ``x.dtype``. The same for ``topk_weights``. With one rank
+    per node this is exactly ``combine``'s order (nodes are numbered by their lowest rank); with
+    several, float32 rounding may differ from ``combine`` in the last bits. For BF16 and float32
+    ``x`` (the dtypes the internode kernels sum).
+
+    Args: as ``combine``, plus ``node_of_rank`` (``[R]``, e.g. ``ep_backend.topology().node_of_rank``).
+    Returns: as ``combine``.
+    """
+    num_ranks, _ = _group_size_and_rank(group)
+    assert len(node_of_rank) == num_ranks, "node_of_rank must name the node of every rank"
+    assert x.dtype in (torch.bfloat16, torch.float32), "combine_by_node sums BF16 or float32 rows"
+    assert x.dim() == 2 and x.shape[0] == handle.num_recv_rows, (
+        f"x must be [N={handle.num_recv_rows}, H], got shape {tuple(x.shape)}"
+    )
+    biases: tuple[torch.Tensor, ...]
+    if bias is None:
+        biases = ()
+    elif isinstance(bias, torch.Tensor):
+        biases = (bias,)
+    else:
+        biases = tuple(b for b in bias if b is not None)
+    num_tokens, hidden = handle.num_tokens, x.shape[1]
+    held_counts = handle.num_recv_tokens_per_rank.tolist()
+    num_valid = sum(held_counts)
+    back_counts = handle.num_tokens_per_rank.tolist()
+    returned_x = _all_to_all_rows(x[:num_valid], held_counts, back_counts, group)
+    returned_w = None
+    if topk_weights is not None:
+        returned_w = _all_to_all_rows(topk_weights[:num_valid], held_counts, back_counts, group)
+    offsets = [0]
+    for c in back_counts:
+        offsets.append(offsets[-1] + c)
+    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+    acc_w = None
+    if returned_w is not None:
+        acc_w = torch.zeros((num_tokens, returned_w.shape[1]), dtype=torch.float32, device=x.device)
+    for node in sorted(set(node_of_rank)):
+        part = torch.zeros_like(acc)
+        part_w = torch.zeros_like(acc_w) if acc_w is not None else None
+        visited = torch.zeros(num_tokens, dtype=torch.bool, device=x.device)
+        for r in range(num_ranks):
+            if node_of_rank[r] != node:
+                continue
+            tokens = handle.is_token_in_rank[:, r].nonzero().squeeze(1)
+            rows = slice(offsets[r], offsets[r + 1])
+            part[tokens] = part[tokens] + returned_x[rows].to(torch.float32)
+            if part_w is not None and returned_w is not None:
+                part_w[tokens] = part_w[tokens] + returned_w[rows]
+            visited[tokens] = True
+        acc[visited] = acc[visited] + part[visited]
+        if acc_w is not None and part_w is not None:
+            acc_w[visited] = acc_w[visited] + part_w[visited]
+    for b in biases:
+        acc = acc + b.to(device=acc.device, dtype=torch.float32)
     return CombineOutput(combined_x=acc.to(x.dtype), combined_topk_weights=acc_w, work=None)
 
 
@@ -868,9 +946,8 @@ def low_latency_combine(
     Returns:
         BF16 ``[T, H]`` (``out`` when given). Tokens without experts give 0.
     """
-    num_ranks, rank = _group_size_and_rank(group)
-    masked = _check_mask(mask, num_ranks, rank)
-    assert handle.num_ranks == num_ranks, "the handle was made on a group of another size"
+    num_ranks = _check_handle_group(handle, group)
+    masked = _check_mask(mask, num_ranks, _group_size_and_rank(group)[1])
     experts_per_rank = handle.num_experts // num_ranks
     slots = num_ranks * handle.num_max_dispatch_tokens_per_rank
     hidden = handle.hidden

@@ -173,7 +173,8 @@ void bindTransportChoice(py::module_& m) {
       .value("undecided", ep::TransportKind::kUndecided)
       .value("nvlink", ep::TransportKind::kNvlink)
       .value("nvshmem", ep::TransportKind::kNvshmem)
-      .value("aten", ep::TransportKind::kAten);
+      .value("aten", ep::TransportKind::kAten)
+      .value("internode", ep::TransportKind::kInternode);
   py::class_<ep::TransportChoice>(m, "TransportChoice",
                                   "Which transport serves an op family of a group, and why.")
       .def_readonly("kind", &ep::TransportChoice::kind)

@@ -1,13 +1,16 @@
 """Emulated nodes on one host (``EP_RANKS_PER_NODE``): 2 GPUs as 2 nodes x 1, 4 GPUs as 2 x 2 and
-4 x 1. Checks the topology each rank sees, that the NVLink transport declines the group (legs
-between nodes must not take NVLink) with a reason naming the nodes, that the per-call agreement
-goes through Gloo, and that dispatch (BF16, FP8), cached dispatch, combine and the layout's
-per-node counts equal the reference. Until the internode transport exists these run on the
-ATen + NCCL path; the same assertions on the results hold for it.
+4 x 1. Checks the topology each rank sees, that the internode transport serves the group (the
+NVLink transport declines it: legs between nodes must not take NVLink), that the per-call
+agreement goes through Gloo, and that dispatch (BF16, FP8), cached dispatch, combine and the
+layout's per-node counts equal the reference: bitwise for the copies; combine bitwise against
+``reference.combine_by_node`` (the hierarchical summation order), and against
+``reference.combine`` too where a node holds one rank. Also: worst-case mode, async_op, empty
+ranks, a bad input on one rank, and a soak (``EP_INTERNODE_SOAK_CALLS``, default 300).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -18,6 +21,15 @@ from moe_helpers import cuda_routing
 pytestmark = pytest.mark.gpu(min_gpus=2)
 
 H, K = 512, 8
+
+# The internode transport is opt-in (EP_HIGH_THROUGHPUT=internode) until it has passed these
+# tests on GPUs; its tests run where EP_TEST_INTERNODE=1 (tools/internode_emulation_check.sh).
+INTERNODE = {"EP_HIGH_THROUGHPUT": "internode"}
+needs_internode = pytest.mark.skipif(
+    os.environ.get("EP_TEST_INTERNODE") != "1",
+    reason="the internode transport is experimental: EP_TEST_INTERNODE=1 runs its tests "
+    "(tools/internode_emulation_check.sh)",
+)
 
 TOPOLOGIES = [
     pytest.param(2, 1, id="2x1"),
@@ -70,15 +82,15 @@ def _emulated(rank: int, world: int, per_node: int) -> dict:
             "agreement": backend.moe_agreement_transport}  # fmt: skip
 
 
+@pytest.mark.parametrize("transport", ["aten", pytest.param("internode", marks=needs_internode)])
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
-def test_emulated_nodes_match_the_reference(world: int, per_node: int) -> None:
+def test_emulated_nodes_match_the_reference(world: int, per_node: int, transport: str) -> None:
     import ep_backend as ep
 
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    results = run_distributed(
-        _emulated, world, per_node, backend="ep", env={"EP_RANKS_PER_NODE": str(per_node)}
-    )
+    env = {"EP_RANKS_PER_NODE": str(per_node), **(INTERNODE if transport == "internode" else {})}
+    results = run_distributed(_emulated, world, per_node, backend="ep", env=env)
     nodes = world // per_node
     for rank, r in enumerate(results):
         t = r["topology"]
@@ -87,10 +99,8 @@ def test_emulated_nodes_match_the_reference(world: int, per_node: int) -> None:
             tuple(q % per_node for q in range(world)), emulated=True,
         ), (rank, t)  # fmt: skip
         assert r["failures"] == [], (rank, r["failures"])
-        # Not NVLink across emulated nodes; the reason names the topology.
-        assert r["transport"].startswith(
-            f"aten: the group spans {nodes} nodes (emulated: ranks_per_node={per_node})"
-        ), r["transport"]
+        # Never NVLink across emulated nodes: the internode transport where opted in, else ATen.
+        assert r["transport"] == transport, r["transport"]
         assert r["agreement"] == "gloo", r["agreement"]
 
 
@@ -110,3 +120,224 @@ def test_low_latency_with_emulated_nodes(world: int, per_node: int) -> None:
     )  # fmt: skip
     for rank, failures in enumerate(results):
         assert failures == [], (rank, failures)
+
+
+# ---- the internode transport against the spec ------------------------------------------------
+
+
+def _compare(
+    failures: list[str], name: str, got: torch.Tensor | None, want: torch.Tensor | None
+) -> None:
+    if got is None or want is None:
+        if (got is None) != (want is None):
+            failures.append(f"{name}: presence differs")
+        return
+    got, want = got.cpu(), want.cpu()
+    if got.dtype != want.dtype or got.shape != want.shape:
+        failures.append(f"{name}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}")
+        return
+    if got.dtype.is_floating_point and got.element_size() == 1:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if not torch.equal(got, want):
+        bad = (got != want).reshape(got.shape[0], -1).any(1).nonzero().flatten()[:5].tolist()
+        failures.append(f"{name}: differs (first rows {bad})")
+
+
+def _check_dispatch(failures: list[str], tag: str, a, b) -> None:  # noqa: ANN001
+    _compare(failures, f"{tag} recv_x", a.recv_x, b.recv_x)
+    _compare(failures, f"{tag} recv_x_scales", a.recv_x_scales, b.recv_x_scales)
+    _compare(failures, f"{tag} recv_topk_idx", a.recv_topk_idx, b.recv_topk_idx)
+    _compare(failures, f"{tag} recv_topk_weights", a.recv_topk_weights, b.recv_topk_weights)
+    _compare(failures, f"{tag} per-expert counts", a.num_recv_tokens_per_expert,
+             b.num_recv_tokens_per_expert)  # fmt: skip
+    if a.num_recv_tokens_per_expert_list != b.num_recv_tokens_per_expert_list:
+        failures.append(f"{tag} per-expert list")
+    for field in ("recv_src_idx", "recv_src_rank", "num_recv_tokens_per_rank",
+                  "num_tokens_per_rank", "is_token_in_rank"):  # fmt: skip
+        _compare(failures, f"{tag} handle.{field}", getattr(a.handle, field),
+                 getattr(b.handle, field))  # fmt: skip
+
+
+def _check_combine(
+    failures: list[str],
+    tag: str,
+    y: torch.Tensor,
+    a,
+    b,
+    nodes,
+    per_node: int,
+    w: torch.Tensor | None = None,
+    bias=None,
+) -> None:  # noqa: ANN001
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    got = ep.combine(y, a.handle, w, bias)
+    again = ep.combine(y, a.handle, w, bias)
+    _compare(failures, f"{tag} combine run to run", got.combined_x, again.combined_x)
+    bias_cpu = None
+    if bias is not None:
+        bias_cpu = tuple(t.cpu() for t in bias) if isinstance(bias, tuple) else bias.cpu()
+    wc = w.cpu() if w is not None else None
+    want = ref.combine_by_node(y.cpu(), b.handle, nodes, wc, bias_cpu)
+    _compare(failures, f"{tag} combine (node order)", got.combined_x, want.combined_x)
+    _compare(failures, f"{tag} combine weights (node order)", got.combined_topk_weights,
+             want.combined_topk_weights)  # fmt: skip
+    flat = ref.combine(y.cpu(), b.handle, wc, bias_cpu)
+    if per_node == 1:  # one rank per node: the node order is the rank order
+        _compare(failures, f"{tag} combine (rank order)", got.combined_x, flat.combined_x)
+    elif not torch.allclose(got.combined_x.cpu().float(), flat.combined_x.float(), rtol=2e-2,
+                            atol=2e-2):  # fmt: skip
+        failures.append(f"{tag} combine: far from the rank-order sum")
+
+
+def _spec(rank: int, world: int, per_node: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    failures: list[str] = []
+    nodes = ep.topology().node_of_rank
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    # Rank 0 of a 4-rank group sends nothing in the "empty" case.
+    for tag, tokens, dtype_idx in (("bf16", 300, torch.int64), ("int32 idx", 77, torch.int32),
+                                   ("empty", 0 if rank == 0 else 33, torch.int64)):  # fmt: skip
+        x, idx, w = cuda_routing(tokens, H, experts, K, seed=rank * 11 + tokens)
+        idx = idx.to(dtype_idx)
+        xc, idxc, wc = x.cpu(), idx.cpu(), w.cpu()
+        layout = ep.get_dispatch_layout(idx, experts)
+        for with_layout in (False, True):
+            a = ep.dispatch(x, idx, w, experts, expert_alignment=4,
+                            layout=layout if with_layout else None)  # fmt: skip
+            b = ref.dispatch(xc, idxc, wc, experts, expert_alignment=4)
+            _check_dispatch(failures, f"{tag} layout={with_layout}", a, b)
+        y = (a.recv_x.float() * 3 - 1).bfloat16()
+        _check_combine(failures, tag, y, a, b, nodes, per_node, a.recv_topk_weights)
+        bias = (torch.randn(tokens, H, device=x.device).bfloat16(),
+                torch.randn(tokens, H, device=x.device))  # fmt: skip
+        _check_combine(failures, f"{tag} bias", y, a, b, nodes, per_node, None, bias)
+        _check_combine(failures, f"{tag} float32", y.float(), a, b, nodes, per_node)
+        x2 = torch.randn_like(x.float()).bfloat16()
+        _compare(failures, f"{tag} cached recv_x", ep.dispatch(x2, handle=a.handle).recv_x,
+                 ref.dispatch(x2.cpu(), handle=b.handle).recv_x)  # fmt: skip
+        # FP8 with scales, and its cached dispatch.
+        x8, s8 = ref.quantize_fp8_per128(x.float())
+        a8 = ep.dispatch(x8, idx, None, experts, x_scales=s8)
+        b8 = ref.dispatch(x8.cpu(), idxc, None, experts, x_scales=s8.cpu())
+        _check_dispatch(failures, f"{tag} fp8", a8, b8)
+        c8 = ep.dispatch(x8, handle=a8.handle, x_scales=s8)
+        d8 = ref.dispatch(x8.cpu(), handle=b8.handle, x_scales=s8.cpu())
+        _compare(failures, f"{tag} fp8 cached recv_x", c8.recv_x, d8.recv_x)
+        _compare(failures, f"{tag} fp8 cached scales", c8.recv_x_scales, d8.recv_x_scales)
+        # Worst-case mode: fixed row counts, padding as the reference's.
+        worst = 300 * world
+        aw = ep.dispatch(x, idx, w, experts, num_worst_tokens=worst)
+        bw = ref.dispatch(xc, idxc, wc, experts, num_worst_tokens=worst)
+        _check_dispatch(failures, f"{tag} worst", aw, bw)
+        _check_combine(failures, f"{tag} worst", aw.recv_x, aw, bw, nodes, per_node)
+        # async_op: the outputs once the Work is waited for.
+        aa = ep.dispatch(x, idx, w, experts, async_op=True)
+        if aa.work is not None:
+            aa.work.wait()
+        _check_dispatch(failures, f"{tag} async", aa, ref.dispatch(xc, idxc, wc, experts))
+    torch.cuda.synchronize()
+    backend = ep.get_backend()
+    return {"failures": failures, "transport": backend.high_throughput_transport}
+
+
+@needs_internode
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_distributed(
+        _spec, world, per_node, backend="ep", timeout=600.0,
+        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
+    )  # fmt: skip
+    summary = {rank: (r["transport"], len(r["failures"])) for rank, r in enumerate(results)}
+    print(f"internode spec {world // per_node}x{per_node}: {summary}")
+    for rank, r in enumerate(results):
+        assert r["transport"] == "internode", (rank, r["transport"])
+        assert r["failures"] == [], (rank, r["failures"][:20])
+
+
+def _bad_input_then_exact(rank: int, world: int, per_node: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    x, idx, w = cuda_routing(64, H, experts, K, seed=rank + 5)
+    bad = idx.clone()
+    if rank == world - 1:
+        bad[3, 0] = experts  # out of range on one rank only
+    raised = ""
+    try:
+        ep.dispatch(x, bad, w, experts)
+    except Exception as exc:  # noqa: BLE001 - every rank must raise, whatever the type
+        raised = f"{type(exc).__name__}: {exc}"[:200]
+    failures: list[str] = []
+    a = ep.dispatch(x, idx, w, experts)
+    b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
+    _check_dispatch(failures, "after bad input", a, b)
+    torch.cuda.synchronize()
+    return {"raised": raised, "failures": failures}
+
+
+@needs_internode
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_bad_input_raises_everywhere_then_exact(world: int, per_node: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_distributed(
+        _bad_input_then_exact, world, per_node, backend="ep",
+        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
+    )  # fmt: skip
+    for rank, r in enumerate(results):
+        assert r["raised"], (rank, "did not raise")
+        assert r["failures"] == [], (rank, r["failures"])
+
+
+def _soak(rank: int, world: int, per_node: int, calls: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    nodes = ep.topology().node_of_rank
+    failures: list[str] = []
+    g = torch.Generator().manual_seed(1234 + rank)
+    floor = None
+    for i in range(calls):
+        tokens = int(torch.randint(0, 257, (1,), generator=g))
+        x, idx, w = cuda_routing(tokens, H, experts, K, seed=rank * 100_003 + i)
+        a = ep.dispatch(x, idx, w, experts)
+        y = a.recv_x
+        out = ep.combine(y, a.handle, a.recv_topk_weights)
+        if i % 25 == 0:
+            b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
+            _check_dispatch(failures, f"soak {i}", a, b)
+            want = ref.combine_by_node(y.cpu(), b.handle, nodes, b.recv_topk_weights)
+            _compare(failures, f"soak {i} combine", out.combined_x, want.combined_x)
+        del a, y, out
+        if i == min(50, calls - 1):
+            torch.cuda.synchronize()
+            floor = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    end = torch.cuda.memory_allocated()
+    return {"failures": failures, "growth": end - (floor or end)}
+
+
+@needs_internode
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_soak(world: int, per_node: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    calls = int(os.environ.get("EP_INTERNODE_SOAK_CALLS", "300"))
+    results = run_distributed(
+        _soak, world, per_node, calls, backend="ep", timeout=900.0,
+        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
+    )  # fmt: skip
+    print(f"internode soak {world // per_node}x{per_node}, {calls} calls: "
+          f"{[(len(r['failures']), r['growth']) for r in results]}")  # fmt: skip
+    for rank, r in enumerate(results):
+        assert r["failures"] == [], (rank, r["failures"][:10])
+        assert r["growth"] < 16 << 20, (rank, "device memory grew", r["growth"])

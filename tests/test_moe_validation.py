@@ -15,6 +15,7 @@ parametrized tests then check the recorded outcome of their case.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import time
 from collections.abc import Callable
@@ -663,20 +664,29 @@ def _valid_round_trip(ep, ref, rank: int, world: int, step: int) -> list[str]:
     return m.items
 
 
-def _validation_worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+def case_worker(rank: int, world: int, module: str, names: list[str]) -> dict[str, Any]:
+    """One rank's outcomes of the cases ``names`` of ``module.CASES`` (each has a ``call``),
+    each followed by a valid round trip: per case, ``error`` (``None``, or the exception's
+    ``name``, ``message`` and ``bases``, the names of its type's MRO), ``seconds`` and
+    ``after`` (the round trip's mismatches). Shared with ``test_malformed_calls``."""
     import ep_backend as ep
     from ep_backend import reference as ref
 
+    cases = importlib.import_module(module).CASES
     single_thread()
     ctx = _make_ctx(ep, rank, world)
     outcomes: dict[str, Any] = {}
     for step, name in enumerate(names):
         start = time.monotonic()
         try:
-            CASES[name].call(ctx)
+            cases[name].call(ctx)
             error = None
         except Exception as exc:  # recorded, checked by the parent
-            error = (type(exc).__name__, str(exc), [k.__name__ for k in type(exc).__mro__])
+            error = {
+                "name": type(exc).__name__,
+                "message": str(exc),
+                "bases": [k.__name__ for k in type(exc).__mro__],
+            }
         elapsed = time.monotonic() - start
         outcomes[name] = {
             "error": error,
@@ -693,7 +703,7 @@ def _results(world: int) -> list[dict[str, Any]]:
     """All cases' outcomes per rank for one world size (one worker run, cached per process)."""
     if world not in _RESULTS:
         _RESULTS[world] = run_distributed(
-            _validation_worker, world, list(CASES), backend="ep", timeout=TIMEOUT
+            case_worker, world, __name__, list(CASES), backend="ep", timeout=TIMEOUT
         )
     return _RESULTS[world]
 
@@ -709,13 +719,18 @@ def test_every_rank_raises(world: int, name: str) -> None:
     per_rank = [outcome[name] for outcome in _results(world)]
     for rank, outcome in enumerate(per_rank):
         assert outcome["error"] is not None, f"rank {rank} did not raise"
-        type_name, message, bases = outcome["error"]
+        type_name, message, bases = (outcome["error"][k] for k in ("name", "message", "bases"))
         if case.everywhere or rank == 1:
             expected_type, pattern = (case.error if rank == 1 else RuntimeError), case.message
         else:
             expected_type, pattern = RuntimeError, REJECTED
         # The MoE errors keep the types these cases were written for as bases.
-        assert expected_type.__name__ in bases, f"rank {rank}: {type_name}: {message}"
+        described = f"rank {rank}: {type_name}: {message}"
+        assert expected_type.__name__ in bases, described
+        # Every rank raises MoEInputError; the rank that passed a wrong type its MoETypeError.
+        assert "MoEInputError" in bases, described
+        assert ("MoETypeError" in bases) == (case.error is TypeError and rank == 1), described
+        assert "Exception raised from" not in message, described  # no C++ stack
         assert re.search(pattern, message), f"rank {rank}: {message!r} !~ {pattern!r}"
         assert "nothing was exchanged" in message.lower() or rank == 1, message
         assert outcome["seconds"] < CASE_SECONDS, f"rank {rank} took {outcome['seconds']:.1f} s"

@@ -120,6 +120,32 @@ void divideBy(const std::vector<at::Tensor>& tensors, int size) {
   }
 }
 
+// allreduce / allreduce_coalesced: `reduce(opts)` on the routed backend, unless that is the CPU
+// backend (`on_cpu`) and the reduction one it lacks (AVG, PREMUL_SUM): then the tensors are
+// scaled in place, summed by `reduce(sum_opts)`, and divided by `size` for AVG. The result
+// overwrites the tensors on every rank, so scaling them in place is safe.
+template <typename Options, typename Reduce>
+c10::intrusive_ptr<c10d::Work> allreduceInPlace(std::vector<at::Tensor>& tensors,
+                                                const Options& opts, const char* op, bool on_cpu,
+                                                int size, Reduce reduce) {
+  if (!on_cpu || !isComposedReduction(opts.reduceOp)) {
+    return reduce(opts);
+  }
+  for (auto& t : tensors) {
+    if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
+      checkFloatingForAvg(t, op);
+    }
+    premultiply(t, opts.reduceOp);
+  }
+  Options sum_opts = opts;
+  sum_opts.reduceOp = sumOp();
+  auto work = reduce(sum_opts);
+  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
+    return work;
+  }
+  return thenApply(work, [tensors, size] { divideBy(tensors, size); });
+}
+
 }  // namespace
 
 EPProcessGroup::EPProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
@@ -349,46 +375,18 @@ c10::intrusive_ptr<c10d::Work> EPProcessGroup::broadcast(std::vector<at::Tensor>
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
   auto backend = route(tensors, "allreduce");
-  if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return track(backend->allreduce(tensors, opts));
-  }
-  // The result overwrites the tensors on every rank, so scaling them in place is safe.
-  for (auto& t : tensors) {
-    if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
-      checkFloatingForAvg(t, "allreduce");
-    }
-    premultiply(t, opts.reduceOp);
-  }
-  c10d::AllreduceOptions sum_opts = opts;
-  sum_opts.reduceOp = sumOp();
-  auto work = backend->allreduce(tensors, sum_opts);
-  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return track(work);
-  }
-  const int size = getSize();
-  return track(thenApply(work, [tensors, size] { divideBy(tensors, size); }));
+  return track(allreduceInPlace(
+      tensors, opts, "allreduce", backend == cpu_, getSize(),
+      [&](const c10d::AllreduceOptions& o) { return backend->allreduce(tensors, o); }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   auto backend = route(tensors, "allreduce_coalesced");
-  if (backend != cpu_ || !isComposedReduction(opts.reduceOp)) {
-    return track(backend->allreduce_coalesced(tensors, opts));
-  }
-  for (auto& t : tensors) {
-    if (opts.reduceOp.op_ == c10d::ReduceOp::AVG) {
-      checkFloatingForAvg(t, "allreduce_coalesced");
-    }
-    premultiply(t, opts.reduceOp);
-  }
-  c10d::AllreduceCoalescedOptions sum_opts = opts;
-  sum_opts.reduceOp = sumOp();
-  auto work = backend->allreduce_coalesced(tensors, sum_opts);
-  if (opts.reduceOp.op_ != c10d::ReduceOp::AVG) {
-    return track(work);
-  }
-  const int size = getSize();
-  return track(thenApply(work, [tensors, size] { divideBy(tensors, size); }));
+  return track(allreduceInPlace(tensors, opts, "allreduce_coalesced", backend == cpu_, getSize(),
+                                [&](const c10d::AllreduceCoalescedOptions& o) {
+                                  return backend->allreduce_coalesced(tensors, o);
+                                }));
 }
 
 c10::intrusive_ptr<c10d::Work> EPProcessGroup::reduce(std::vector<at::Tensor>& tensors,

@@ -232,9 +232,11 @@ TORCH_LIBRARY_IMPL(ep, CompositeExplicitAutograd, m) {
   m.impl("quantize_fp8", &quantizeFp8Op);
 }
 
+namespace {
+
 // CPU and CUDA tensors alike: each op asks the registry (transportOf) which transport serves it;
 // CPU tensors always take ATen. Every result is identical whichever transport runs.
-TORCH_LIBRARY_IMPL(ep, CUDA, m) {
+void implementTransportOps(torch::Library& m) {
   m.impl("dispatch", &dispatchOp);
   m.impl("cached_dispatch", &cachedDispatchOp);
   m.impl("combine", &combineOp);
@@ -242,12 +244,14 @@ TORCH_LIBRARY_IMPL(ep, CUDA, m) {
   m.impl("low_latency_combine", &lowLatencyCombineOp);
 }
 
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ep, CUDA, m) {
+  implementTransportOps(m);
+}
+
 TORCH_LIBRARY_IMPL(ep, CPU, m) {
-  m.impl("dispatch", &dispatchOp);
-  m.impl("cached_dispatch", &cachedDispatchOp);
-  m.impl("combine", &combineOp);
-  m.impl("low_latency_dispatch", &lowLatencyDispatchOp);
-  m.impl("low_latency_combine", &lowLatencyCombineOp);
+  implementTransportOps(m);
 }
 
 }  // namespace ep

@@ -27,6 +27,7 @@ enum class TransportKind : int8_t {
   kNvlink = 1,     // native/transports/nvlink: CUDA IPC peer buffers, one host, <= 8 GPUs
   kNvshmem = 2,    // native/transports/nvshmem: NVSHMEM symmetric heap (low-latency ops)
   kAten = 3,       // native/transports/aten: ATen + the inner Gloo/NCCL group, serves every call
+  kInternode = 4,  // native/transports/internode: NVSHMEM puts between nodes + NVLink inside
 };
 
 const char* transportName(TransportKind kind);

@@ -8,6 +8,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/transport.hpp"
 #include "transports/aten/aten_transport.hpp"
+#include "transports/internode/internode_transport.hpp"
 #include "transports/nvlink/nvlink_transport.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 
@@ -18,6 +19,7 @@ const std::vector<Transport*>& registry() {
   static const std::vector<Transport*> transports = {
 #ifdef EP_WITH_CUDA
       &nvlinkTransport(),
+      &internodeTransport(),  // groups of several nodes (the NVLink transport declines them)
       &nvshmemTransport(),
 #endif
       &atenTransport(),
@@ -35,6 +37,8 @@ const char* transportName(TransportKind kind) {
       return "nvshmem";
     case TransportKind::kAten:
       return "aten";
+    case TransportKind::kInternode:
+      return "internode";
     case TransportKind::kUndecided:
       break;
   }

@@ -34,7 +34,7 @@ std::string decideUsable(EPProcessGroup& pg, const at::Device& device) {
            (topology.emulated
                 ? " (emulated: ranks_per_node=" + std::to_string(topology.ranks_per_node) + ")"
                 : "") +
-           "; the NVLink kernels serve one node and the internode kernels are not built yet" +
+           "; the NVLink kernels serve one node" +
            (topology.problem.empty() ? "" : " (and " + topology.problem + ")");
   }
   const bool asked_aten = env::equals<env::kHighThroughput>("aten");

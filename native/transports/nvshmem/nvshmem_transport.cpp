@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -152,6 +153,10 @@ struct GroupState {
   // A CUDA graph was captured with kernels on these buffers: a rebuild would free what it
   // replays into, so from then on there is none (an agreed field of every dispatch).
   bool graph_captured = false;
+  // The internode transport's use of this session (nvshmem::ensureSession): heap it reserves
+  // when it starts the session, and how it frees its allocations before NVSHMEM is finalised.
+  size_t extra_symmetric_bytes = 0;
+  std::function<void()> release_session_user;
 #endif
 };
 
@@ -168,6 +173,9 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
       }
     }
 #ifdef EP_WITH_CUDA
+    if (state.release_session_user) {
+      state.release_session_user();  // the internode buffers go before NVSHMEM does
+    }
     if (state.runtime != nullptr) {
       // Collective in NVSHMEM terms; at shutdown every rank tears its group down too.
       char err[512] = {0};
@@ -256,7 +264,8 @@ bool fits(const NvshmemConfig& c, int64_t m, int64_t hidden, int64_t topk, int64
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, int64_t m,
                     int64_t hidden, int64_t topk, int64_t experts) {
   const bool capture = streamCapturing();
-  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts)) {
+  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts) &&
+      st.config.extra_symmetric_bytes >= st.extra_symmetric_bytes) {
     st.graph_captured = st.graph_captured || capture;
     return st.runtime;
   }
@@ -289,6 +298,9 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
     allGatherStrings(
         pg, "ep_ll/" + pg.options()->group_name + "/rebuild/" + std::to_string(st.generation) + "/",
         "", "ep low_latency_dispatch: rebuilding the NVSHMEM buffers");
+    if (st.release_session_user) {
+      st.release_session_user();  // the internode buffers go before NVSHMEM does
+    }
     const int rc = lib.destroy(st.runtime, err, sizeof(err));
     st.runtime = nullptr;
     st.recent.clear();
@@ -302,6 +314,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   // Emulated nodes: the legs between them on the put path, as across hosts (docs/internode.md).
   cfg.emulated_ranks_per_node = pg.topology().emulated ? pg.topology().ranks_per_node : 0;
   cfg.timeout_seconds = pg.options()->kernel_timeout_s;
+  cfg.extra_symmetric_bytes = st.extra_symmetric_bytes;
   const std::string key =
       "ep_ll/" + pg.options()->group_name + "/uid/" + std::to_string(++st.generation);
   if (pg.getRank() == 0) {
@@ -668,6 +681,41 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
     h->combined = true;
   }
   return out;
+}
+
+void* librarySymbol(const char* name, std::string* error) {
+  const Library& lib = library();
+  if (!lib.ok) {
+    *error = lib.error;
+    return nullptr;
+  }
+  // The library is loaded already: dlopen returns its handle (and takes one more reference,
+  // which the process keeps, as library() does).
+  void* dl = dlopen(libraryPath().c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  void* sym = dl != nullptr ? dlsym(dl, name) : nullptr;
+  if (sym == nullptr) {
+    *error = std::string("libep_nvshmem.so lacks ") + name + " (rebuild it)";
+  }
+  return sym;
+}
+
+void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_symmetric_bytes,
+                   std::function<void()> release) {
+  auto st = stateOf(pg);
+  TORCH_CHECK(st->usability.yes(), "ep: the NVSHMEM session of this group is not usable");
+  st->release_session_user = std::move(release);
+  st->extra_symmetric_bytes = std::max(st->extra_symmetric_bytes, extra_symmetric_bytes);
+  c10::cuda::CUDAGuard guard(device);
+  if (st->runtime != nullptr) {
+    // Rebuilt (same low-latency shape) only where the heap was sized for less room.
+    const NvshmemConfig& c = st->config;
+    ensureRuntime(pg, *st, device, c.max_tokens_per_rank, c.max_hidden, c.max_topk, c.num_experts);
+    return;
+  }
+  // A session started for the internode transport: the smallest low-latency buffers (a later
+  // low-latency call of another shape rebuilds them, releasing the internode buffers first).
+  ensureRuntime(pg, *st, device, /*m=*/1, /*hidden=*/nvshmem::kGroupSize, /*topk=*/1,
+                /*experts=*/pg.getSize());
 }
 
 #endif  // EP_WITH_CUDA

@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -53,6 +54,20 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
 #ifdef EP_WITH_CUDA
 // The NVSHMEM transport (registered in backend/transport_registry.cpp).
 Transport& nvshmemTransport();
+
+namespace nvshmem {
+// ---- for the internode transport (transports/internode), which shares this transport's library
+// and NVSHMEM session ----
+// A symbol of libep_nvshmem.so: null, with *error set, where the library is not usable.
+void* librarySymbol(const char* name, std::string* error);
+// Collective (every rank, the group's low-latency transport usable): makes sure the group's
+// low-latency runtime, and with it the NVSHMEM session, exists; one started here reserves
+// `extra_symmetric_bytes` of heap for the caller. `release` runs (on every rank alike, before
+// NVSHMEM is finalised) when that runtime is rebuilt or the group shuts down: the caller frees
+// its symmetric allocations there.
+void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_symmetric_bytes,
+                   std::function<void()> release);
+}  // namespace nvshmem
 #endif
 
 }  // namespace ep

@@ -153,6 +153,20 @@ __device__ void plan_sends(const AllToAllParams& p, Shared& sh, int R) {
   __syncthreads();
 }
 
+// The bytes this rank sends to rank `d` and their first input byte: from the device splits
+// (planned here) or from the host's byte counts.
+__device__ __forceinline__ void send_segment(const AllToAllParams& p, Shared& sh, int R, int d,
+                                             long long& bytes, long long& offset) {
+  if (p.splits != nullptr) {
+    plan_sends(p, sh, R);
+    bytes = static_cast<long long>(sh.send_rows[d]) * p.row_bytes;
+    offset = sh.send_start[d] * p.row_bytes;
+  } else {
+    bytes = p.send_bytes[d];
+    offset = p.send_offset[d];
+  }
+}
+
 // The announcement slot (parity, src) in `buffer`: [seq][rows per local expert].
 __device__ __forceinline__ uint64_t* announce_slot(const CommContext& c, char* buffer, int parity,
                                                    int src) {
@@ -268,14 +282,7 @@ __device__ void run_sender(const AllToAllParams& p, Shared& sh, const WaitContex
   const int me = c.rank, R = c.num_ranks, L = c.layout.a2a_lanes, t = threadIdx.x;
   const int d = (me + 1 + pair) % R;
   long long bytes, offset;
-  if (p.splits != nullptr) {
-    plan_sends(p, sh, R);
-    bytes = static_cast<long long>(sh.send_rows[d]) * p.row_bytes;
-    offset = sh.send_start[d] * p.row_bytes;
-  } else {
-    bytes = p.send_bytes[d];
-    offset = p.send_offset[d];
-  }
+  send_segment(p, sh, R, d, bytes, offset);
   if (lane == 0) announce(p, sh, d, parity);
   const uint64_t seq = sh.seq;
   const uint64_t* credit = word_at(c.buffers.ptr[me], c.layout.a2a_credit_offset, d * L + lane);
@@ -361,14 +368,7 @@ __device__ void run_self(const AllToAllParams& p, Shared& sh, const WaitContext&
   const CommContext& c = p.comm;
   const int me = c.rank, R = c.num_ranks, t = threadIdx.x, E = p.num_local_experts;
   long long bytes, offset;
-  if (p.splits != nullptr) {
-    plan_sends(p, sh, R);
-    bytes = static_cast<long long>(sh.send_rows[me]) * p.row_bytes;
-    offset = sh.send_start[me] * p.row_bytes;
-  } else {
-    bytes = p.send_bytes[me];
-    offset = p.send_offset[me];
-  }
+  send_segment(p, sh, R, me, bytes, offset);
   if (index == 0) announce(p, sh, me, parity);
   bool drop = false;
   if (index == 0 || p.splits != nullptr) {

@@ -55,13 +55,16 @@ __device__ __forceinline__ int4 pack_16bit(const float* acc) {
   return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
-template <>
-struct ElemOps<CombineElem::kBFloat16> {
+// What BF16 and FP16 share: eight elements per vector, summed in float32 after `Widen`.
+template <float (*Widen)(uint32_t)>
+struct SixteenBitOps {
   using Acc = float;
   static constexpr int kPerVec = 8;
-  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
-    add_16bit<device::bf16_to_float>(acc, v);
-  }
+  static __device__ __forceinline__ void add(Acc* acc, const int4& v) { add_16bit<Widen>(acc, v); }
+};
+
+template <>
+struct ElemOps<CombineElem::kBFloat16> : SixteenBitOps<device::bf16_to_float> {
   // One cvt.rn.bf16x2 per two elements (round to nearest even, like float_to_bf16_rne, subnormals
   // kept). A NaN takes the slow path so it keeps float_to_bf16_rne's bits (0x7FC0; the hardware
   // writes 0x7FFF). The reduction's instructions bound the owner side on 2 ranks.
@@ -85,12 +88,7 @@ struct ElemOps<CombineElem::kBFloat16> {
 };
 
 template <>
-struct ElemOps<CombineElem::kFloat16> {
-  using Acc = float;
-  static constexpr int kPerVec = 8;
-  static __device__ __forceinline__ void add(Acc* acc, const int4& v) {
-    add_16bit<device::f16_to_float>(acc, v);
-  }
+struct ElemOps<CombineElem::kFloat16> : SixteenBitOps<device::f16_to_float> {
   // cvt.rn.f16x2: round to nearest even, subnormals kept, overflow to infinity (a NaN becomes
   // the canonical 0x7FFF; the contract leaves NaN payloads unspecified).
   static __device__ __forceinline__ int4 pack(const Acc* acc) { return pack_16bit<false>(acc); }

@@ -81,6 +81,25 @@ __device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Read
   }
 }
 
+// ---- warp row copies --------------------------------------------------------------------------
+
+// One warp copies the 16-byte chunks `first`, `first + 32`, ... below `n16` of a row (`first` is
+// the lane plus any chunks already copied), kUnroll loads in flight per lane before their stores.
+// `load(i, u)` reads chunk i + 32 u and `store(i, u, v)` writes it, with the cache hints of the
+// caller's data (the callers index `base + i + 32 * u`, which keeps the offsets immediate).
+template <int kUnroll, typename Load, typename Store>
+__device__ __forceinline__ void warp_copy_chunks(int first, int n16, Load load, Store store) {
+  for (int i = first; i < n16; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + 32 * u < n16) v[u] = load(i, u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + 32 * u < n16) store(i, u, v[u]);
+  }
+}
+
 // ---- sender warps -> publisher warp ------------------------------------------------------------
 
 // Dispatch sender warps claim their tokens one at a time from the kernel's counter

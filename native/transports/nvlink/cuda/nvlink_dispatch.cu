@@ -33,6 +33,7 @@
 #include <atomic>
 
 #include "common/dynamic_smem.hpp"
+#include "common/launch_attribute.hpp"
 #include "transports/nvlink/cuda/nvlink_device.cuh"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
 
@@ -66,28 +67,17 @@ __device__ __forceinline__ void send_row(const int4* __restrict__ src, int n16,
 #pragma unroll
   for (int u = 0; u < kSendEarly; ++u)
     if (lane + 32 * u < n16) store_all(lane, u, first[u]);
-  for (int i = 32 * kSendEarly + lane; i < n16; i += 32 * kSendUnroll) {
-    int4 v[kSendUnroll];
-#pragma unroll
-    for (int u = 0; u < kSendUnroll; ++u)
-      if (i + 32 * u < n16) v[u] = device::ld_nc_v4_l2_prefetch_256b(src + i + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kSendUnroll; ++u)
-      if (i + 32 * u < n16) store_all(i, u, v[u]);
-  }
+  device::warp_copy_chunks<kSendUnroll>(
+      32 * kSendEarly + lane, n16,
+      [&](int i, int u) { return device::ld_nc_v4_l2_prefetch_256b(src + i + 32 * u); }, store_all);
 }
 
 // Copies chunks [begin, n16) of a row a peer wrote into our buffer (coherent loads).
 __device__ __forceinline__ void copy_row(const int4* src, int4* dst, int n16, int lane, int begin) {
-  for (int i = begin + lane; i < n16; i += 32 * kRecvUnroll) {
-    int4 v[kRecvUnroll];
-#pragma unroll
-    for (int u = 0; u < kRecvUnroll; ++u)
-      if (i + 32 * u < n16) v[u] = device::ld_v4_no_l1_allocate(src + i + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kRecvUnroll; ++u)
-      if (i + 32 * u < n16) device::st_v4_no_l1_allocate(dst + i + 32 * u, v[u]);
-  }
+  device::warp_copy_chunks<kRecvUnroll>(
+      begin + lane, n16,
+      [&](int i, int u) { return device::ld_v4_no_l1_allocate(src + i + 32 * u); },
+      [&](int i, int u, const int4& v) { device::st_v4_no_l1_allocate(dst + i + 32 * u, v); });
 }
 
 __device__ __forceinline__ void store_idx(void* base, size_t i, int idx_bytes, int v) {
@@ -905,17 +895,10 @@ cudaError_t launch_nvlink_dispatch(const DispatchParams& p, int num_sms, cudaStr
     return cudaGetLastError();
   }
   // Behind its notify: may start as soon as notify has started (it triggers at once).
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(num_sms);
-  config.blockDim = dim3(kNvlinkThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, p);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return launch_with_attribute(kernel, p, dim3(num_sms), dim3(kNvlinkThreads), smem, stream, attr);
 }
 
 }  // namespace ep

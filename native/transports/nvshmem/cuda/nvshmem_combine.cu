@@ -411,12 +411,8 @@ cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t 
 }
 
 cudaError_t max_combine_blocks(int* blocks) {
-  // Both instantiations: the smaller grid (they are launched with the same count).
-  int p2p = 0;
-  cudaError_t e = device::max_cooperative_blocks(combine_kernel<true>, &p2p);
-  if (e == cudaSuccess) e = device::max_cooperative_blocks(combine_kernel<false>, blocks);
-  if (e == cudaSuccess && p2p < *blocks) *blocks = p2p;
-  return e;
+  return device::max_cooperative_blocks_of_both(combine_kernel<true>, combine_kernel<false>,
+                                                blocks);
 }
 
 }  // namespace nvshmem

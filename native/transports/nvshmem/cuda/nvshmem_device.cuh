@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "common/launch_attribute.hpp"
 #include "common/ptx.cuh"
 #include "transports/nvshmem/cuda/nvshmem_common.hpp"
 
@@ -170,17 +171,11 @@ __device__ __forceinline__ bool spin_wait(const Waiter& w, int peer, Ready ready
 template <typename Params>
 cudaError_t launch_cooperative(void (*kernel)(Params), const Params& p, int num_blocks,
                                cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  return launch_with_attribute(kernel, p, dim3(static_cast<unsigned>(num_blocks)), dim3(kThreads),
+                               0, stream, attr);
 }
 
 // Largest grid a cooperative launch of `kernel` accepts on the current device.
@@ -192,6 +187,18 @@ cudaError_t max_cooperative_blocks(void (*kernel)(Params), int* blocks) {
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   *blocks = sms * per_sm;
+  return e;
+}
+
+// The kP2P = true and false instances of a kernel (launched with the same count): the smaller of
+// their largest cooperative grids.
+template <typename Params>
+cudaError_t max_cooperative_blocks_of_both(void (*p2p)(Params), void (*other)(Params),
+                                           int* blocks) {
+  int p2p_blocks = 0;
+  cudaError_t e = max_cooperative_blocks(p2p, &p2p_blocks);
+  if (e == cudaSuccess) e = max_cooperative_blocks(other, blocks);
+  if (e == cudaSuccess && p2p_blocks < *blocks) *blocks = p2p_blocks;
   return e;
 }
 

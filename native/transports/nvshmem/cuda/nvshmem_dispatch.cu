@@ -652,12 +652,8 @@ cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_
 }
 
 cudaError_t max_dispatch_blocks(int* blocks) {
-  // Both instantiations: the smaller grid (they are launched with the same count).
-  int p2p = 0;
-  cudaError_t e = device::max_cooperative_blocks(dispatch_kernel<true>, &p2p);
-  if (e == cudaSuccess) e = device::max_cooperative_blocks(dispatch_kernel<false>, blocks);
-  if (e == cudaSuccess && p2p < *blocks) *blocks = p2p;
-  return e;
+  return device::max_cooperative_blocks_of_both(dispatch_kernel<true>, dispatch_kernel<false>,
+                                                blocks);
 }
 
 }  // namespace nvshmem

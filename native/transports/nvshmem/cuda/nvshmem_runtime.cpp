@@ -52,6 +52,12 @@ struct PrivateLayout {
   }
 };
 
+void require_phases(int phases, const std::string& pre) {
+  kChecks.require(phases == nvshmem::kPhaseSend || phases == nvshmem::kPhaseRecv ||
+                      phases == nvshmem::kPhaseBoth,
+                  pre + "phases must be SEND (1), RECV (2) or both (3)");
+}
+
 // Ranks a config's buffers are sized for (an upper bound when the config does not say).
 int sized_ranks(const NvshmemConfig& c) {
   return c.num_ranks > 0 ? c.num_ranks : std::max(1, c.num_experts);
@@ -69,7 +75,8 @@ void NvshmemRuntime::set_environment(const NvshmemConfig& config) {
   setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
   static bool we_set_size = false;
   if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr || we_set_size) {
-    const size_t heap = symmetric_bytes(config) + (size_t(256) << 20);
+    const size_t heap =
+        symmetric_bytes(config) + config.extra_symmetric_bytes + (size_t(256) << 20);
     setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap).c_str(), 1);
     we_set_size = true;
   }
@@ -243,12 +250,20 @@ bool NvshmemRuntime::peer_is_p2p(int pe) const {
   return !peer_base_.empty() && peer_base_[pe] != nullptr;
 }
 
+void NvshmemRuntime::require_num_experts(int num_experts, const std::string& pre) const {
+  kChecks.require(
+      num_experts >= num_ranks_ && num_experts % num_ranks_ == 0 &&
+          num_experts <= config_.num_experts,
+      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+}
+
 void NvshmemRuntime::check_ready(const char* op) const {
   kChecks.require(symmetric_ != nullptr, std::string(op) + ": runtime destroyed");
   if (failed()) throw std::runtime_error(check_error());
 }
 
-nvshmem::Context NvshmemRuntime::context(int buffer, double timeout_seconds) const {
+nvshmem::Context NvshmemRuntime::context(int buffer, double timeout_seconds) {
+  last_timeout_seconds_ = timeout_seconds > 0 ? timeout_seconds : config_.timeout_seconds;
   const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
   nvshmem::Context c{};
   c.local = symmetric_ + size_t(buffer) * layout_.bytes;
@@ -260,8 +275,7 @@ nvshmem::Context NvshmemRuntime::context(int buffer, double timeout_seconds) con
                  size_t(buffer) * config_.max_tokens_per_rank * config_.max_topk;
   c.recv_tokens =
       reinterpret_cast<int*>(private_ + pl.recv_tokens_offset) + size_t(buffer) * num_ranks_;
-  c.timeout_ns = static_cast<long long>(
-      (timeout_seconds > 0 ? timeout_seconds : config_.timeout_seconds) * 1e9);
+  c.timeout_ns = static_cast<long long>(last_timeout_seconds_ * 1e9);
   c.buffer = buffer;
   c.rank = rank_;
   c.num_ranks = num_ranks_;
@@ -273,9 +287,7 @@ nvshmem::Context NvshmemRuntime::context(int buffer, double timeout_seconds) con
 int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) {
   check_ready("dispatch");
   const std::string pre = "dispatch: ";
-  kChecks.require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
-                      a.phases == nvshmem::kPhaseBoth,
-                  pre + "phases must be SEND (1), RECV (2) or both (3)");
+  require_phases(a.phases, pre);
   kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
                   pre + "num_tokens (T=" + std::to_string(a.num_tokens) +
                       ") must be in [0, max_tokens_per_rank=" +
@@ -287,10 +299,7 @@ int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) 
   kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
                   pre + "K must be in [1, max_topk=" + std::to_string(config_.max_topk) + "]");
   kChecks.require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
-  kChecks.require(
-      a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
-          a.num_experts <= config_.num_experts,
-      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+  require_num_experts(a.num_experts, pre);
   kChecks.require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale),
                   pre + "use_ue8m0 requires use_fp8 and round_scale");
   kChecks.require(!a.use_ue8m0 || a.hidden % (4 * nvshmem::kGroupSize) == 0,
@@ -319,7 +328,6 @@ int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) 
     next_buffer_ = buffer ^ 1;
   }
   nvshmem::DispatchParams p{};
-  last_timeout_seconds_ = a.timeout_seconds > 0 ? a.timeout_seconds : config_.timeout_seconds;
   p.ctx = context(buffer, a.timeout_seconds);
   p.ctx.rank_mask = a.rank_mask;
   p.x = static_cast<const uint16_t*>(a.x);
@@ -350,23 +358,17 @@ int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) 
 void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
   check_ready("combine");
   const std::string pre = "combine: ";
-  kChecks.require(a.phases == nvshmem::kPhaseSend || a.phases == nvshmem::kPhaseRecv ||
-                      a.phases == nvshmem::kPhaseBoth,
-                  pre + "phases must be SEND (1), RECV (2) or both (3)");
+  require_phases(a.phases, pre);
   kChecks.require(a.buffer_index == 0 || a.buffer_index == 1,
                   pre + "buffer_index must be the dispatch's (0 or 1)");
   kChecks.require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
                       a.hidden <= config_.max_hidden,
                   pre + "H must be a multiple of 128 in [128, max_hidden]");
-  kChecks.require(
-      a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0 &&
-          a.num_experts <= config_.num_experts,
-      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+  require_num_experts(a.num_experts, pre);
   kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
                   pre + "num_tokens must be in [0, max_tokens_per_rank]");
   kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
                   pre + "K must be in [1, max_topk]");
-  last_timeout_seconds_ = a.timeout_seconds > 0 ? a.timeout_seconds : config_.timeout_seconds;
   const nvshmem::Context ctx = context(a.buffer_index, a.timeout_seconds);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   if (a.phases & nvshmem::kPhaseSend) {

@@ -87,6 +87,9 @@ struct NvshmemConfig {
   // when r / k == q / k, and peers on other nodes take the NVSHMEM put path even where P2P
   // mapped, as they would across hosts; on-node peers keep P2P. 0: no emulation.
   int emulated_ranks_per_node = 0;
+  // Heap room for other users of this NVSHMEM session (the internode transport's buffers,
+  // transports/internode): added to the heap size the runtime sets (NVSHMEM_SYMMETRIC_SIZE).
+  size_t extra_symmetric_bytes = 0;
 };
 
 // Dispatch arguments (device pointers; see the header comment for shapes).
@@ -194,8 +197,10 @@ class NvshmemRuntime {
   void destroy();
 
  private:
-  // timeout_seconds: the call's (0: config().timeout_seconds).
-  nvshmem::Context context(int buffer, double timeout_seconds) const;
+  // The launch context of a call. timeout_seconds: the call's (0: config().timeout_seconds);
+  // the one resolved here is kept for the call's timeout message.
+  nvshmem::Context context(int buffer, double timeout_seconds);
+  void require_num_experts(int num_experts, const std::string& pre) const;
   void check_ready(const char* op) const;
 
   int rank_ = 0;

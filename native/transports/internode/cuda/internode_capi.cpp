@@ -1,0 +1,90 @@
+// C entry points of the internode runtime (see internode_capi.h): every function returns 0 on
+// success or -1 with a message in `err`; no C++ exception crosses the boundary.
+#include "transports/internode/cuda/internode_capi.h"
+
+#include <cstdio>
+#include <exception>
+#include <type_traits>
+
+#include "transports/internode/cuda/internode_runtime.hpp"
+
+namespace {
+
+int fail(const std::exception& e, char* err, size_t err_len) {
+  if (err != nullptr && err_len > 0) std::snprintf(err, err_len, "%s", e.what());
+  return -1;
+}
+
+ep::InternodeRuntime* runtime(void* handle) {
+  return static_cast<ep::InternodeRuntime*>(handle);
+}
+
+}  // namespace
+
+extern "C" {
+
+int ep_internode_abi_version() {
+  return EP_INTERNODE_ABI_VERSION;
+}
+
+size_t ep_internode_symmetric_bytes(int num_nodes, int ranks_per_node,
+                                    const ep::internode::Capacity* capacity) {
+  return ep::InternodeRuntime::symmetric_bytes(num_nodes, ranks_per_node, *capacity);
+}
+
+int ep_internode_create(const ep::InternodeSetup* setup, void** out, char* err, size_t err_len) {
+  try {
+    *out = new ep::InternodeRuntime(*setup);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_internode_dispatch(void* handle, const ep::InternodeDispatchArgs* args, cudaStream_t stream,
+                          ep::InternodeRecvView* view, char* err, size_t err_len) {
+  try {
+    *view = runtime(handle)->dispatch(*args, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_internode_combine(void* handle, const ep::InternodeCombineArgs* args, cudaStream_t stream,
+                         char* err, size_t err_len) {
+  try {
+    runtime(handle)->combine(*args, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+int ep_internode_check_error(void* handle, char* msg, size_t msg_len, int* failed) {
+  const std::string e = runtime(handle)->check_error();
+  *failed = runtime(handle)->failed() ? 1 : 0;
+  if (msg != nullptr && msg_len > 0) std::snprintf(msg, msg_len, "%s", e.c_str());
+  return e.empty() ? 0 : 1;
+}
+
+int ep_internode_destroy(void* handle, char* err, size_t err_len) {
+  try {
+    runtime(handle)->destroy();
+    delete runtime(handle);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+}  // extern "C"
+
+static_assert(std::is_same_v<decltype(&ep_internode_abi_version), ep_internode_abi_version_fn>);
+static_assert(
+    std::is_same_v<decltype(&ep_internode_symmetric_bytes), ep_internode_symmetric_bytes_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_create), ep_internode_create_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_dispatch), ep_internode_dispatch_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_combine), ep_internode_combine_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_check_error), ep_internode_check_error_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_destroy), ep_internode_destroy_fn>);

@@ -1,0 +1,33 @@
+// C entry points of the internode runtime in libep_nvshmem.so (internode_capi.cpp); the pointer
+// types below are what ep_backend._C looks up with dlsym (transports/internode/
+// internode_transport.cpp). Bump EP_INTERNODE_ABI_VERSION when any of them changes.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#define EP_INTERNODE_ABI_VERSION 1
+
+namespace ep {
+struct InternodeSetup;
+struct InternodeDispatchArgs;
+struct InternodeCombineArgs;
+struct InternodeRecvView;
+namespace internode {
+struct Capacity;
+}
+}  // namespace ep
+
+extern "C" {
+typedef int (*ep_internode_abi_version_fn)();
+typedef size_t (*ep_internode_symmetric_bytes_fn)(int, int, const ep::internode::Capacity*);
+typedef int (*ep_internode_create_fn)(const ep::InternodeSetup*, void**, char*, size_t);
+typedef int (*ep_internode_dispatch_fn)(void*, const ep::InternodeDispatchArgs*, cudaStream_t,
+                                        ep::InternodeRecvView*, char*, size_t);
+typedef int (*ep_internode_combine_fn)(void*, const ep::InternodeCombineArgs*, cudaStream_t, char*,
+                                       size_t);
+typedef int (*ep_internode_check_error_fn)(void*, char*, size_t, int*);
+typedef int (*ep_internode_destroy_fn)(void*, char*, size_t);
+}

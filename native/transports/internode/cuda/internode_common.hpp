@@ -1,0 +1,209 @@
+// Types shared by the hierarchical internode kernels (internode_kernels.cu) and their host side
+// (internode_runtime.cpp): the record layouts, the symmetric region's layout and the kernel
+// parameter blocks. Torch-free, NVSHMEM-free, includable from plain C++.
+//
+// Roles (docs/internode.md). Every rank r = (node n, local index i) is at once
+//  * a source: it packs each token once per destination node and puts the records to the rank
+//    with its own local index on that node (its "RDMA peer"; for its own node that is itself);
+//  * a forwarder: it receives the records of the sources (m, i) of every node m and writes each
+//    row over NVLink (P2P stores) to the local ranks of its node that own one of the token's
+//    experts, at the row's final slot of their output;
+//  * a receiver: it copies its rows out once every forwarder of its node is done.
+// Combine is the reverse: receivers write rows to the forwarder of their source (NVLink), the
+// forwarder sums one token's rows of its node (local index ascending, float32) and puts the
+// partial sum to the source once (RDMA), the source sums the node partials in node order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/error_record.hpp"
+#include "common/host_device.hpp"
+
+namespace ep {
+namespace internode {
+
+constexpr int kMaxRanksPerNode = 8;
+constexpr int kMaxNodes =
+    32;  // a runtime value below it: per-node tables live in the kernels' parameters
+constexpr int kMaxRanks = kMaxNodes * kMaxRanksPerNode;
+constexpr int kMaxTopk = 32;
+constexpr int kThreads = 512;    // every internode kernel: 16 warps
+constexpr int kNumParities = 2;  // calls alternate between two sets of receive buffers
+
+enum Op : int { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2, kOpCachedDispatch = 3 };
+
+EP_HOST_DEVICE constexpr size_t align16(size_t v) {
+  return (v + 15) / 16 * 16;
+}
+
+// One record of the RDMA leg (source -> forwarder), 16-byte aligned fields:
+//   [int32 src_token, int32 pad x3][int32 slot per local rank of the destination node (-1: not
+//   sent there), padded to 16 B][x row bytes][scales row bytes][int64 global topk ids x K]
+//   [float32 weights x K]
+// and of the NVLink leg (forwarder -> receiver), the output row:
+//   [x row bytes][scales row bytes][int64 local topk ids x K][float32 weights x K]
+//   [int32 src_token, pad to 16 B]
+struct RecordLayout {
+  int64_t x_bytes = 0;      // H * element size
+  int64_t scale_bytes = 0;  // S * 4 (0: none)
+  int64_t topk = 0;         // K (0: cached dispatch, no top-k fields)
+  int64_t ranks_per_node = 1;
+  // RDMA record
+  int64_t r_slots = 16;  // offset of the slot table
+  int64_t r_x = 0;
+  int64_t r_scales = 0;
+  int64_t r_topk = 0;
+  int64_t r_weights = 0;
+  int64_t r_bytes = 0;
+  // NVLink record
+  int64_t n_x = 0;
+  int64_t n_scales = 0;
+  int64_t n_topk = 0;
+  int64_t n_weights = 0;
+  int64_t n_src = 0;
+  int64_t n_bytes = 0;
+
+  static RecordLayout make(int64_t x_bytes, int64_t scale_bytes, int64_t topk,
+                           int64_t ranks_per_node) {
+    RecordLayout l;
+    l.x_bytes = x_bytes;
+    l.scale_bytes = scale_bytes;
+    l.topk = topk;
+    l.ranks_per_node = ranks_per_node;
+    l.r_slots = 16;
+    l.r_x = l.r_slots + static_cast<int64_t>(align16(4 * static_cast<size_t>(ranks_per_node)));
+    l.r_scales = l.r_x + static_cast<int64_t>(align16(x_bytes));
+    l.r_topk = l.r_scales + static_cast<int64_t>(align16(scale_bytes));
+    l.r_weights = l.r_topk + static_cast<int64_t>(align16(8 * static_cast<size_t>(topk)));
+    l.r_bytes = l.r_weights + static_cast<int64_t>(align16(4 * static_cast<size_t>(topk)));
+    l.n_x = 0;
+    l.n_scales = static_cast<int64_t>(align16(x_bytes));
+    l.n_topk = l.n_scales + static_cast<int64_t>(align16(scale_bytes));
+    l.n_weights = l.n_topk + static_cast<int64_t>(align16(8 * static_cast<size_t>(topk)));
+    l.n_src = l.n_weights + static_cast<int64_t>(align16(4 * static_cast<size_t>(topk)));
+    l.n_bytes = l.n_src + 16;
+    return l;
+  }
+};
+
+// Capacity of a runtime's buffers (agreed maxima over the ranks).
+struct Capacity {
+  int64_t max_tokens = 0;       // T of any call (per source rank)
+  int64_t max_recv_rows = 0;    // rows one rank receives in a dispatch
+  int64_t max_record = 0;       // RDMA record bytes
+  int64_t max_out_record = 0;   // NVLink record bytes
+  int64_t max_combine_row = 0;  // combine NVLink row bytes (x row + K float32 weights)
+  int64_t max_partial_row = 0;  // combine RDMA row bytes (H float32 + K float32)
+};
+
+// Byte offsets of the symmetric region (identical on every rank).
+struct RegionLayout {
+  int64_t num_nodes = 0;
+  int64_t ranks_per_node = 0;
+  Capacity cap;
+  // signals (uint64): rdma[parity][node], nvl[local] (monotonic), combine[parity][node]
+  int64_t rdma_sig = 0;
+  int64_t nvl_sig = 0;
+  int64_t comb_sig = 0;
+  int64_t send_buf = 0;   // [node][max_tokens] RDMA records (local: the puts' source)
+  int64_t rdma_recv = 0;  // [parity][node][max_tokens] RDMA records
+  int64_t nvl_recv = 0;   // [parity][max_recv_rows] NVLink records
+  int64_t comb_flag = 0;  // [parity][node][max_tokens][ranks_per_node] uint64
+  int64_t comb_nvl = 0;   // [parity][node][max_tokens][ranks_per_node] combine rows
+  int64_t comb_send = 0;  // [node][max_tokens] partial rows (local: the puts' source)
+  int64_t comb_rdma = 0;  // [parity][node][max_tokens] partial rows
+  int64_t bytes = 0;
+
+  static RegionLayout make(int64_t num_nodes, int64_t ranks_per_node, const Capacity& c) {
+    RegionLayout l;
+    l.num_nodes = num_nodes;
+    l.ranks_per_node = ranks_per_node;
+    l.cap = c;
+    int64_t o = 0;
+    auto take = [&o](int64_t bytes) {
+      const int64_t at = o;
+      o += static_cast<int64_t>(align16(static_cast<size_t>(bytes)));
+      o = (o + 127) / 128 * 128;
+      return at;
+    };
+    const int64_t P = kNumParities, N = num_nodes, L = ranks_per_node, T = c.max_tokens;
+    l.rdma_sig = take(8 * P * N);
+    l.nvl_sig = take(8 * L);
+    l.comb_sig = take(8 * P * N);
+    l.send_buf = take(N * T * c.max_record);
+    l.rdma_recv = take(P * N * T * c.max_record);
+    l.nvl_recv = take(P * c.max_recv_rows * c.max_out_record);
+    l.comb_flag = take(8 * P * N * T * L);
+    l.comb_nvl = take(P * N * T * L * c.max_combine_row);
+    l.comb_send = take(N * T * c.max_partial_row);
+    l.comb_rdma = take(P * N * T * c.max_partial_row);
+    l.bytes = o;
+    return l;
+  }
+};
+
+// Private control words of a runtime (plain device memory).
+struct Control {
+  int abort;       // set on a timeout: every later wait gives up at once
+  int error_lock;  // first error wins
+  int pad[30];
+};
+
+// What every kernel needs to know about the group and the call.
+struct Context {
+  char* region;                       // this rank's symmetric region (nvshmem_malloc)
+  char* node_peer[kMaxRanksPerNode];  // P2P base of the region of each local rank of my node
+  int node_rank[kMaxRanks];           // global rank of (node, local): [node * rpn + local]
+  int16_t rank_node[kMaxRanks];       // node of each global rank
+  int16_t rank_local[kMaxRanks];      // local index of each global rank
+  int rank;
+  int node;
+  int local;
+  int num_nodes;
+  int ranks_per_node;
+  int num_ranks;
+  int parity;
+  uint64_t seq;  // call number, >= 1, the same on every rank
+  RegionLayout layout;
+  RecordLayout rec;
+  Control* ctrl;
+  ErrorRecord* err;
+  long long timeout_ns;
+  int op;
+};
+
+struct DispatchParams {
+  Context c;
+  const char* x;              // [T, H] bytes (row = rec.x_bytes)
+  const char* x_scales;       // [T, S] 4-byte values, or null
+  const int64_t* topk_idx;    // [T, K] int64 global ids, or null (cached dispatch)
+  const float* topk_weights;  // [T, K], or null
+  const int* dest_slot;       // [T, R] int32: slot in rank d's output, -1 where not sent
+  const int* node_pos;        // [T, N] int32: index among the tokens sent to node n, or -1
+  const int* node_count;      // [N] int32: tokens sent to node n
+  int num_tokens;
+  int experts_per_rank;
+  int64_t recv_rows;  // rows this rank receives (its output's valid rows; capacity check)
+};
+
+struct CombineParams {
+  Context c;
+  const char* x;              // [N, H] of x_dtype (row = x_bytes)
+  const float* topk_weights;  // [N, K] or null
+  const int* recv_src_rank;   // [N]
+  const int* recv_src_idx;    // [N]
+  int num_rows;               // valid rows of x
+  int x_dtype;                // 0: bf16, 1: float32
+  int hidden;
+  int topk;                      // K of topk_weights (0: none)
+  const bool* is_token_in_rank;  // [T, R] of this rank as source
+  int num_tokens;
+  const float* bias0;  // [T, H] float32 (the reference adds biases in float32), or null
+  const float* bias1;
+  char* out;           // [T, H] of x_dtype
+  float* out_weights;  // [T, K] or null
+};
+
+}  // namespace internode
+}  // namespace ep

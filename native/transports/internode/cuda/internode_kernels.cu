@@ -1,0 +1,459 @@
+// The hierarchical internode kernels: dispatch (pack -> RDMA leg -> signals -> NVLink forwarding
+// -> node barrier) and combine (NVLink leg -> node barrier -> per-node reduction and RDMA leg ->
+// signals -> sum over nodes). First version: the stages are separate kernels on one stream (the
+// RDMA leg completes before forwarding starts); see docs/internode.md for the overlapped design.
+//
+// Cross-node traffic uses only nvshmemx_putmem_nbi_block/_warp, nvshmem_quiet and
+// nvshmemx_signal_op; a rank reads the signal words of its own region. Peer memory is touched
+// with plain loads and stores only for ranks of the caller's own node (Context::node_peer, which
+// the runtime fills from nvshmem_ptr of node-local ranks only).
+#include <cuda_bf16.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdint>
+
+#include "common/ptx.cuh"
+#include "transports/internode/cuda/internode_common.hpp"
+#include "transports/internode/cuda/internode_kernels.hpp"
+
+namespace ep {
+namespace internode {
+namespace {
+
+constexpr int kWarps = kThreads / 32;
+constexpr int kPutChunkRows = 8;  // rows per put of the RDMA leg
+
+__device__ __forceinline__ int global_warp() {
+  return static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
+}
+__device__ __forceinline__ int num_warps() {
+  return static_cast<int>(gridDim.x) * kWarps;
+}
+__device__ __forceinline__ int lane_id() {
+  return static_cast<int>(threadIdx.x) & 31;
+}
+
+__device__ __forceinline__ bool aborted(const Context& c) {
+  return ptx::ld_volatile_int(&c.ctrl->abort) != 0;
+}
+
+// First error wins.
+__device__ __forceinline__ void report(const Context& c, int code, int peer, long long a,
+                                       long long b) {
+  if (atomicCAS(&c.ctrl->error_lock, 0, 1) == 0) {
+    publish_error_record(c.err, c.op, c.rank, code, peer, a, b);
+  }
+}
+
+// One thread: spins until *word >= target; false on timeout (recorded: the awaited rank, the
+// timeout, the awaited rank's node) or after an earlier timeout (abort).
+__device__ bool wait_at_least(const Context& c, const uint64_t* word, uint64_t target,
+                              int peer_rank) {
+  if (ptx::ld_acquire_sys(word) >= target) return true;
+  if (aborted(c)) return false;
+  const uint64_t start = ptx::global_timer_ns();
+  for (uint32_t iter = 1;; ++iter) {
+    if (ptx::ld_acquire_sys(word) >= target) return true;
+    if ((iter & 127u) == 0) {
+      if (aborted(c)) return false;
+      if (static_cast<long long>(ptx::global_timer_ns() - start) > c.timeout_ns) {
+        report(c, kErrorTimeout, peer_rank, c.timeout_ns, c.rank_node[peer_rank]);
+        atomicExch(&c.ctrl->abort, 1);
+        return false;
+      }
+    }
+  }
+}
+
+// A warp copies `bytes` bytes (any alignment; 16-byte vectors where both ends allow).
+__device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                      static_cast<uintptr_t>(bytes);
+  if ((a & 15u) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+  } else if ((a & 3u) == 0) {
+    const int* s = reinterpret_cast<const int*>(src);
+    int* d = reinterpret_cast<int*>(dst);
+    for (int64_t i = lane; i < bytes / 4; i += 32) d[i] = s[i];
+  } else {
+    for (int64_t i = lane; i < bytes; i += 32) dst[i] = src[i];
+  }
+}
+
+__device__ __forceinline__ int node_rank(const Context& c, int node, int local) {
+  return c.node_rank[node * c.ranks_per_node + local];
+}
+
+__device__ __forceinline__ uint64_t* sig_word(const Context& c, int64_t offset, int index) {
+  return reinterpret_cast<uint64_t*>(c.region + offset) + index;
+}
+
+// ---- dispatch ------------------------------------------------------------------------------
+
+// Stage 0: one RDMA record per (token, destination node) into send_buf[node][position].
+__global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ DispatchParams p) {
+  const Context& c = p.c;
+  if (aborted(c)) return;
+  const int lane = lane_id();
+  const RecordLayout& r = c.rec;
+  const int64_t T = c.layout.cap.max_tokens;
+  const int K = static_cast<int>(r.topk);
+  const int pairs = p.num_tokens * c.num_nodes;
+  for (int pair = global_warp(); pair < pairs; pair += num_warps()) {
+    const int t = pair / c.num_nodes;
+    const int n = pair % c.num_nodes;
+    const int k = p.node_pos[static_cast<int64_t>(t) * c.num_nodes + n];
+    if (k < 0) continue;
+    char* rec = c.region + c.layout.send_buf + (n * T + k) * r.r_bytes;
+    if (lane == 0) reinterpret_cast<int*>(rec)[0] = t;
+    if (lane < c.ranks_per_node) {
+      reinterpret_cast<int*>(rec + r.r_slots)[lane] =
+          p.dest_slot[static_cast<int64_t>(t) * c.num_ranks + node_rank(c, n, lane)];
+    }
+    warp_copy(rec + r.r_x, p.x + t * r.x_bytes, r.x_bytes, lane);
+    if (r.scale_bytes > 0) {
+      warp_copy(rec + r.r_scales, p.x_scales + t * r.scale_bytes, r.scale_bytes, lane);
+    }
+    if (K > 0 && lane < K) {
+      reinterpret_cast<int64_t*>(rec + r.r_topk)[lane] =
+          p.topk_idx[static_cast<int64_t>(t) * K + lane];
+      reinterpret_cast<float*>(rec + r.r_weights)[lane] =
+          p.topk_weights != nullptr ? p.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
+    }
+  }
+}
+
+// Stage 1 (RDMA leg): the records for node n go, in chunks, to rdma_recv[parity][my node] of the
+// rank with my local index on node n (myself for my own node: a local copy).
+__global__ void __launch_bounds__(kThreads)
+    rdma_put_kernel(const __grid_constant__ DispatchParams p) {
+  const Context& c = p.c;
+  if (aborted(c)) return;
+  const RecordLayout& r = c.rec;
+  const int64_t T = c.layout.cap.max_tokens;
+  __shared__ int chunks_before[kMaxNodes + 1];
+  if (threadIdx.x == 0) {
+    chunks_before[0] = 0;
+    for (int n = 0; n < c.num_nodes; ++n) {
+      chunks_before[n + 1] =
+          chunks_before[n] + (p.node_count[n] + kPutChunkRows - 1) / kPutChunkRows;
+    }
+  }
+  __syncthreads();
+  const int total = chunks_before[c.num_nodes];
+  for (int item = static_cast<int>(blockIdx.x); item < total; item += static_cast<int>(gridDim.x)) {
+    int n = 0;
+    while (chunks_before[n + 1] <= item) ++n;
+    const int first = (item - chunks_before[n]) * kPutChunkRows;
+    const int rows = min(kPutChunkRows, p.node_count[n] - first);
+    const char* src = c.region + c.layout.send_buf + (n * T + first) * r.r_bytes;
+    char* dst = c.region + c.layout.rdma_recv +
+                ((static_cast<int64_t>(c.parity) * c.num_nodes + c.node) * T + first) * r.r_bytes;
+    nvshmemx_putmem_nbi_block(dst, src, static_cast<size_t>(rows) * r.r_bytes,
+                              node_rank(c, n, c.local));
+  }
+}
+
+// Stage 1 completion: after every put of this rank is complete (quiet), one signal per node
+// carries (seq << 32) | number of records.
+__global__ void rdma_signal_kernel(const __grid_constant__ DispatchParams p) {
+  const Context& c = p.c;
+  if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
+  nvshmem_quiet();
+  for (int n = 0; n < c.num_nodes; ++n) {
+    const uint64_t value = (c.seq << 32) | static_cast<uint32_t>(p.node_count[n]);
+    nvshmemx_signal_op(sig_word(c, c.layout.rdma_sig, c.parity * c.num_nodes + c.node), value,
+                       NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
+  }
+}
+
+// Stage 2 (NVLink leg): every record received from the sources (n, my local) goes to the local
+// ranks its slot table names, at that slot of their nvl_recv, with top-k rewritten for them.
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(const __grid_constant__ DispatchParams p) {
+  const Context& c = p.c;
+  const RecordLayout& r = c.rec;
+  const int64_t T = c.layout.cap.max_tokens;
+  __shared__ int records_before[kMaxNodes + 1];
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    records_before[0] = 0;
+    for (int n = 0; n < c.num_nodes && ok; ++n) {
+      const uint64_t* word = sig_word(c, c.layout.rdma_sig, c.parity * c.num_nodes + n);
+      if (!wait_at_least(c, word, c.seq << 32, node_rank(c, n, c.local))) {
+        ok = 0;
+        break;
+      }
+      const int count = static_cast<int>(ptx::ld_acquire_sys(word) & 0xffffffffu);
+      if (count > T) {
+        report(c, kErrorCapacity, node_rank(c, n, c.local), count, T);
+        ok = 0;
+        break;
+      }
+      records_before[n + 1] = records_before[n] + count;
+    }
+  }
+  __syncthreads();
+  if (!ok) return;
+  const int lane = lane_id();
+  const int K = static_cast<int>(r.topk);
+  const int total = records_before[c.num_nodes];
+  for (int item = global_warp(); item < total; item += num_warps()) {
+    int n = 0;
+    while (records_before[n + 1] <= item) ++n;
+    const int k = item - records_before[n];
+    const char* rec = c.region + c.layout.rdma_recv +
+                      ((static_cast<int64_t>(c.parity) * c.num_nodes + n) * T + k) * r.r_bytes;
+    const int src_token = reinterpret_cast<const int*>(rec)[0];
+    const int my_slot =
+        lane < c.ranks_per_node ? reinterpret_cast<const int*>(rec + r.r_slots)[lane] : -1;
+    const int64_t expert =
+        K > 0 && lane < K ? reinterpret_cast<const int64_t*>(rec + r.r_topk)[lane] : -1;
+    const float weight =
+        K > 0 && lane < K ? reinterpret_cast<const float*>(rec + r.r_weights)[lane] : 0.0f;
+    for (int l = 0; l < c.ranks_per_node; ++l) {
+      const int slot = __shfl_sync(0xffffffffu, my_slot, l);
+      if (slot < 0) continue;
+      if (slot >= c.layout.cap.max_recv_rows) {
+        if (lane == 0)
+          report(c, kErrorCapacity, node_rank(c, c.node, l), slot, c.layout.cap.max_recv_rows);
+        continue;
+      }
+      const int d = node_rank(c, c.node, l);
+      char* out = c.node_peer[l] + c.layout.nvl_recv +
+                  (static_cast<int64_t>(c.parity) * c.layout.cap.max_recv_rows + slot) * r.n_bytes;
+      // x and scales are adjacent, 16-byte aligned, in both records.
+      warp_copy(out + r.n_x, rec + r.r_x, r.n_topk - r.n_x, lane);
+      if (K > 0 && lane < K) {
+        const bool mine = expert >= 0 && expert / p.experts_per_rank == d;
+        reinterpret_cast<int64_t*>(out + r.n_topk)[lane] =
+            mine ? expert - static_cast<int64_t>(d) * p.experts_per_rank : -1;
+        reinterpret_cast<float*>(out + r.n_weights)[lane] = mine ? weight : 0.0f;
+      }
+      if (lane == 0) reinterpret_cast<int*>(out + r.n_src)[0] = src_token;
+    }
+  }
+}
+
+// Node barrier: every local rank has finished the previous kernel (its stores into my region are
+// done) once its word in my region reaches seq. Stores of the previous kernel are complete at its
+// end; the release store orders them before the flag for the peer.
+__global__ void node_barrier_kernel(const __grid_constant__ Context c) {
+  if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
+  ptx::fence_acq_rel_sys();
+  for (int l = 0; l < c.ranks_per_node; ++l) {
+    ptx::st_release_sys(reinterpret_cast<uint64_t*>(c.node_peer[l] + c.layout.nvl_sig) + c.local,
+                        c.seq);
+  }
+  for (int l = 0; l < c.ranks_per_node; ++l) {
+    if (!wait_at_least(c, sig_word(c, c.layout.nvl_sig, l), c.seq, node_rank(c, c.node, l))) {
+      return;
+    }
+  }
+}
+
+// ---- combine -------------------------------------------------------------------------------
+
+__device__ __forceinline__ float load_value(const char* row, int dtype, int i) {
+  return dtype == 0 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(row)[i])
+                    : reinterpret_cast<const float*>(row)[i];
+}
+
+__device__ __forceinline__ void store_value(char* row, int dtype, int i, float v) {
+  if (dtype == 0) {
+    reinterpret_cast<__nv_bfloat16*>(row)[i] = __float2bfloat16_rn(v);
+  } else {
+    reinterpret_cast<float*>(row)[i] = v;
+  }
+}
+
+__device__ __forceinline__ int64_t combine_slot(const Context& c, int src_node, int token,
+                                                int local) {
+  const int64_t T = c.layout.cap.max_tokens;
+  return ((static_cast<int64_t>(c.parity) * c.num_nodes + src_node) * T + token) *
+             c.ranks_per_node +
+         local;
+}
+
+// NVLink leg: each held row goes to the forwarder of its source (my node, the source's local
+// index), at [source node][source token][my local index], flagged with seq.
+__global__ void __launch_bounds__(kThreads)
+    combine_send_kernel(const __grid_constant__ CombineParams p) {
+  const Context& c = p.c;
+  if (aborted(c)) return;
+  const int lane = lane_id();
+  const int64_t x_bytes = c.rec.x_bytes;
+  const int64_t w_offset = static_cast<int64_t>(align16(static_cast<size_t>(x_bytes)));
+  for (int row = global_warp(); row < p.num_rows; row += num_warps()) {
+    const int s = p.recv_src_rank[row];
+    const int t = p.recv_src_idx[row];
+    if (s < 0 || s >= c.num_ranks || t < 0 || t >= c.layout.cap.max_tokens) {
+      if (lane == 0) report(c, kErrorInvalidTopkIdx, s, t, row);
+      continue;
+    }
+    const int64_t slot = combine_slot(c, c.rank_node[s], t, c.local);
+    char* base = c.node_peer[c.rank_local[s]];
+    char* dst = base + c.layout.comb_nvl + slot * c.layout.cap.max_combine_row;
+    warp_copy(dst, p.x + row * x_bytes, x_bytes, lane);
+    if (p.topk > 0 && lane < p.topk) {
+      reinterpret_cast<float*>(dst + w_offset)[lane] =
+          p.topk_weights[static_cast<int64_t>(row) * p.topk + lane];
+    }
+    if (lane == 0) {
+      reinterpret_cast<volatile uint64_t*>(base + c.layout.comb_flag)[slot] = c.seq;
+    }
+  }
+}
+
+// Forwarder: for each (source node, token) some local rank sent, the sum of the local ranks'
+// rows in local index order (float32, from +0.0), put once to the source (RDMA leg).
+__global__ void __launch_bounds__(kThreads)
+    combine_reduce_kernel(const __grid_constant__ CombineParams p) {
+  const Context& c = p.c;
+  if (aborted(c)) return;
+  const int lane = lane_id();
+  const int64_t T = c.layout.cap.max_tokens;
+  const int64_t x_bytes = c.rec.x_bytes;
+  const int64_t w_offset = static_cast<int64_t>(align16(static_cast<size_t>(x_bytes)));
+  const int64_t pw_offset = static_cast<int64_t>(align16(4 * static_cast<size_t>(p.hidden)));
+  const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.region + c.layout.comb_flag);
+  const int items = c.num_nodes * static_cast<int>(T);
+  for (int item = global_warp(); item < items; item += num_warps()) {
+    const int n = item / static_cast<int>(T);
+    const int t = item % static_cast<int>(T);
+    const int64_t first = combine_slot(c, n, t, 0);
+    const bool flagged =
+        lane < c.ranks_per_node && ptx::ld_volatile_u64(flags + first + lane) == c.seq;
+    const unsigned present = __ballot_sync(0xffffffffu, flagged);
+    if (present == 0) continue;
+    const char* rows = c.region + c.layout.comb_nvl + first * c.layout.cap.max_combine_row;
+    float* partial = reinterpret_cast<float*>(c.region + c.layout.comb_send +
+                                              (n * T + t) * c.layout.cap.max_partial_row);
+    for (int h = lane; h < p.hidden; h += 32) {
+      float acc = 0.0f;
+      for (int l = 0; l < c.ranks_per_node; ++l) {
+        if (present & (1u << l)) {
+          acc = __fadd_rn(acc, load_value(rows + l * c.layout.cap.max_combine_row, p.x_dtype, h));
+        }
+      }
+      partial[h] = acc;
+    }
+    if (lane < p.topk) {
+      float acc = 0.0f;
+      for (int l = 0; l < c.ranks_per_node; ++l) {
+        if (present & (1u << l)) {
+          acc = __fadd_rn(acc, reinterpret_cast<const float*>(
+                                   rows + l * c.layout.cap.max_combine_row + w_offset)[lane]);
+        }
+      }
+      reinterpret_cast<float*>(reinterpret_cast<char*>(partial) + pw_offset)[lane] = acc;
+    }
+    __syncwarp();
+    __threadfence();
+    char* dst = c.region + c.layout.comb_rdma +
+                ((static_cast<int64_t>(c.parity) * c.num_nodes + c.node) * T + t) *
+                    c.layout.cap.max_partial_row;
+    nvshmemx_putmem_nbi_warp(dst, partial, static_cast<size_t>(pw_offset + 4 * p.topk),
+                             node_rank(c, n, c.local));
+  }
+}
+
+__global__ void combine_signal_kernel(const __grid_constant__ CombineParams p) {
+  const Context& c = p.c;
+  if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
+  nvshmem_quiet();
+  for (int n = 0; n < c.num_nodes; ++n) {
+    nvshmemx_signal_op(sig_word(c, c.layout.comb_sig, c.parity * c.num_nodes + c.node), c.seq,
+                       NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
+  }
+}
+
+// Source: out[t] = cast(sum over nodes in node order of the node partials (float32, from +0.0),
+// then + bias0, + bias1).
+__global__ void __launch_bounds__(kThreads)
+    combine_out_kernel(const __grid_constant__ CombineParams p) {
+  const Context& c = p.c;
+  const int64_t T = c.layout.cap.max_tokens;
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    for (int n = 0; n < c.num_nodes; ++n) {
+      if (!wait_at_least(c, sig_word(c, c.layout.comb_sig, c.parity * c.num_nodes + n), c.seq,
+                         node_rank(c, n, c.local))) {
+        ok = 0;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (!ok) return;
+  const int lane = lane_id();
+  const int64_t pw_offset = static_cast<int64_t>(align16(4 * static_cast<size_t>(p.hidden)));
+  const int64_t x_bytes = c.rec.x_bytes;
+  for (int t = global_warp(); t < p.num_tokens; t += num_warps()) {
+    // Nodes this token visited (some rank of the node holds it).
+    uint32_t visited = 0;
+    for (int n = 0; n < c.num_nodes; ++n) {
+      bool any = false;
+      for (int l = 0; l < c.ranks_per_node; ++l) {
+        any = any || p.is_token_in_rank[static_cast<int64_t>(t) * c.num_ranks + node_rank(c, n, l)];
+      }
+      if (any) visited |= 1u << n;
+    }
+    const char* part = c.region + c.layout.comb_rdma;
+    const int64_t node_stride = T * c.layout.cap.max_partial_row;
+    const int64_t parity_base = static_cast<int64_t>(c.parity) * c.num_nodes * node_stride;
+    for (int h = lane; h < p.hidden; h += 32) {
+      float acc = 0.0f;
+      for (int n = 0; n < c.num_nodes; ++n) {
+        if (visited & (1u << n)) {
+          const float* row = reinterpret_cast<const float*>(part + parity_base + n * node_stride +
+                                                            t * c.layout.cap.max_partial_row);
+          acc = __fadd_rn(acc, row[h]);
+        }
+      }
+      if (p.bias0 != nullptr) acc = __fadd_rn(acc, p.bias0[t * p.hidden + h]);
+      if (p.bias1 != nullptr) acc = __fadd_rn(acc, p.bias1[t * p.hidden + h]);
+      store_value(p.out + t * x_bytes, p.x_dtype, h, acc);
+    }
+    if (p.out_weights != nullptr && lane < p.topk) {
+      float acc = 0.0f;
+      for (int n = 0; n < c.num_nodes; ++n) {
+        if (visited & (1u << n)) {
+          const char* row = part + parity_base + n * node_stride + t * c.layout.cap.max_partial_row;
+          acc = __fadd_rn(acc, reinterpret_cast<const float*>(row + pw_offset)[lane]);
+        }
+      }
+      p.out_weights[static_cast<int64_t>(t) * p.topk + lane] = acc;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_blocks));
+  pack_kernel<<<grid, kThreads, 0, stream>>>(p);
+  rdma_put_kernel<<<grid, kThreads, 0, stream>>>(p);
+  rdma_signal_kernel<<<1, 32, 0, stream>>>(p);
+  forward_kernel<<<grid, kThreads, 0, stream>>>(p);
+  node_barrier_kernel<<<1, 32, 0, stream>>>(p.c);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_blocks));
+  combine_send_kernel<<<grid, kThreads, 0, stream>>>(p);
+  node_barrier_kernel<<<1, 32, 0, stream>>>(p.c);
+  combine_reduce_kernel<<<grid, kThreads, 0, stream>>>(p);
+  combine_signal_kernel<<<1, 32, 0, stream>>>(p);
+  combine_out_kernel<<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace internode
+}  // namespace ep

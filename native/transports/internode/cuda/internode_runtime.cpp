@@ -1,0 +1,269 @@
+// InternodeRuntime (internode_runtime.hpp): symmetric buffers in the NVSHMEM session of the
+// low-latency runtime, P2P bases of the node's ranks, and the kernel launches.
+#include "transports/internode/cuda/internode_runtime.hpp"
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "common/runtime_util.hpp"
+#include "transports/internode/cuda/internode_kernels.hpp"
+
+namespace ep {
+namespace {
+
+constexpr runtime::Checks kChecks{"ep internode"};
+using runtime::DeviceGuard;
+
+const char* op_name(int op) {
+  switch (op) {
+    case internode::kOpDispatch:
+      return "dispatch";
+    case internode::kOpCachedDispatch:
+      return "cached dispatch";
+    case internode::kOpCombine:
+      return "combine";
+    default:
+      return "internode kernel";
+  }
+}
+
+}  // namespace
+
+size_t InternodeRuntime::symmetric_bytes(int num_nodes, int ranks_per_node,
+                                         const internode::Capacity& capacity) {
+  return static_cast<size_t>(
+      internode::RegionLayout::make(num_nodes, ranks_per_node, capacity).bytes);
+}
+
+InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) {
+  using namespace internode;
+  kChecks.require(setup.num_nodes >= 1 && setup.num_nodes <= kMaxNodes,
+                  "num_nodes must be in [1, " + std::to_string(kMaxNodes) + "]");
+  kChecks.require(setup.ranks_per_node >= 1 && setup.ranks_per_node <= kMaxRanksPerNode,
+                  "ranks_per_node must be in [1, 8]");
+  kChecks.require(setup.num_nodes * setup.ranks_per_node == setup.num_ranks,
+                  "num_nodes * ranks_per_node must be the number of ranks");
+  kChecks.require(setup.rank >= 0 && setup.rank < setup.num_ranks, "rank out of range");
+  kChecks.require(setup.node_rank != nullptr, "node_rank table missing");
+  kChecks.require(setup.capacity.max_tokens >= 1 && setup.capacity.max_recv_rows >= 1,
+                  "capacity must be positive");
+  kChecks.require(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED,
+                  "NVSHMEM is not initialised (the low-latency runtime starts it)");
+  kChecks.require(nvshmem_n_pes() == setup.num_ranks && nvshmem_my_pe() == setup.rank,
+                  "the NVSHMEM session has other PEs than this group");
+  node_rank_.assign(setup.node_rank, setup.node_rank + setup.num_ranks);
+  setup_.node_rank = node_rank_.data();
+  try {
+    DeviceGuard guard(setup.device);
+    int sms = 0;
+    kChecks.cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, setup.device),
+                 "cudaDeviceGetAttribute(SMs)");
+    blocks_ = std::max(1, setup.num_blocks > 0 ? setup.num_blocks : sms);
+    layout_ = RegionLayout::make(setup.num_nodes, setup.ranks_per_node, setup.capacity);
+    region_ = static_cast<char*>(nvshmem_malloc(static_cast<size_t>(layout_.bytes)));
+    if (region_ == nullptr) {
+      std::ostringstream os;
+      os << "ep internode: nvshmem_malloc(" << layout_.bytes
+         << ") failed: the symmetric heap is too small (NVSHMEM_SYMMETRIC_SIZE)";
+      throw std::runtime_error(os.str());
+    }
+    kChecks.cuda(cudaMemset(region_, 0, static_cast<size_t>(layout_.bytes)), "cudaMemset(region)");
+    int node = -1, local = -1;
+    for (int i = 0; i < setup.num_ranks; ++i) {
+      if (node_rank_[i] == setup.rank) {
+        node = i / setup.ranks_per_node;
+        local = i % setup.ranks_per_node;
+      }
+    }
+    kChecks.require(node >= 0, "this rank is missing from the node table");
+    // Only the ranks of this rank's node are reached with loads and stores: the legs between
+    // nodes take the put path even where one host could map them (emulated nodes).
+    for (int l = 0; l < setup.ranks_per_node; ++l) {
+      const int pe = node_rank_[node * setup.ranks_per_node + l];
+      node_peer_[l] = static_cast<char*>(nvshmem_ptr(region_, pe));
+      if (node_peer_[l] == nullptr) {
+        throw std::runtime_error("ep internode: rank " + std::to_string(pe) +
+                                 " of this rank's node is not reachable over NVLink (P2P)");
+      }
+    }
+    kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&control_), sizeof(Control)),
+                 "cudaMalloc(control)");
+    kChecks.cuda(cudaMemset(control_, 0, sizeof(Control)), "cudaMemset(control)");
+    kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ErrorRecord),
+                               cudaHostAllocMapped | cudaHostAllocPortable),
+                 "cudaHostAlloc(error)");
+    std::memset(static_cast<void*>(error_host_), 0, sizeof(ErrorRecord));
+    kChecks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+                 "cudaHostGetDevicePointer(error)");
+    kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    nvshmem_barrier_all();  // every region is zeroed before anyone signals into it
+  } catch (...) {
+    destroy();
+    throw;
+  }
+}
+
+InternodeRuntime::~InternodeRuntime() {
+  try {
+    destroy();
+  } catch (...) {
+  }
+}
+
+void InternodeRuntime::destroy() {
+  if (region_ == nullptr && control_ == nullptr && error_host_ == nullptr) return;
+  DeviceGuard guard(setup_.device);
+  cudaDeviceSynchronize();
+  if (region_ != nullptr) nvshmem_free(region_);  // collective
+  if (control_ != nullptr) cudaFree(control_);
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  region_ = nullptr;
+  control_ = nullptr;
+  error_host_ = error_dev_ = nullptr;
+}
+
+internode::Context InternodeRuntime::context(int op, double timeout_seconds,
+                                             const internode::RecordLayout& rec) {
+  using namespace internode;
+  Context c{};
+  c.region = region_;
+  for (int l = 0; l < kMaxRanksPerNode; ++l) c.node_peer[l] = node_peer_[l];
+  for (int i = 0; i < setup_.num_ranks; ++i) {
+    c.node_rank[i] = node_rank_[i];
+    c.rank_node[node_rank_[i]] = static_cast<int16_t>(i / setup_.ranks_per_node);
+    c.rank_local[node_rank_[i]] = static_cast<int16_t>(i % setup_.ranks_per_node);
+  }
+  c.rank = setup_.rank;
+  c.node = c.rank_node[setup_.rank];
+  c.local = c.rank_local[setup_.rank];
+  c.num_nodes = setup_.num_nodes;
+  c.ranks_per_node = setup_.ranks_per_node;
+  c.num_ranks = setup_.num_ranks;
+  c.seq = ++seq_;
+  c.parity = static_cast<int>(c.seq % kNumParities);
+  c.layout = layout_;
+  c.rec = rec;
+  c.ctrl = control_;
+  c.err = error_dev_;
+  last_timeout_ = timeout_seconds;
+  c.timeout_ns = static_cast<long long>(timeout_seconds * 1e9);
+  c.op = op;
+  return c;
+}
+
+InternodeRecvView InternodeRuntime::dispatch(const InternodeDispatchArgs& a, cudaStream_t stream) {
+  using namespace internode;
+  kChecks.require(region_ != nullptr, "dispatch on a destroyed runtime");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= layout_.cap.max_tokens,
+                  "more tokens than the buffers hold");
+  kChecks.require(a.recv_rows >= 0 && a.recv_rows <= layout_.cap.max_recv_rows,
+                  "more received rows than the buffers hold");
+  kChecks.require(a.topk >= 0 && a.topk <= kMaxTopk, "top-k must be in [0, 32]");
+  const RecordLayout rec =
+      RecordLayout::make(a.x_bytes, a.scale_bytes, a.topk, setup_.ranks_per_node);
+  kChecks.require(
+      rec.r_bytes <= layout_.cap.max_record && rec.n_bytes <= layout_.cap.max_out_record,
+      "rows larger than the buffers hold");
+  DeviceGuard guard(setup_.device);
+  DispatchParams p{};
+  p.c = context(a.cached ? kOpCachedDispatch : kOpDispatch, a.timeout_seconds, rec);
+  p.x = static_cast<const char*>(a.x);
+  p.x_scales = static_cast<const char*>(a.x_scales);
+  p.topk_idx = a.topk_idx;
+  p.topk_weights = a.topk_weights;
+  p.dest_slot = a.dest_slot;
+  p.node_pos = a.node_pos;
+  p.node_count = a.node_count;
+  p.num_tokens = a.num_tokens;
+  p.experts_per_rank = a.experts_per_rank;
+  p.recv_rows = a.recv_rows;
+  kChecks.cuda(launch_dispatch(p, blocks_, stream), "launching the internode dispatch");
+  InternodeRecvView view;
+  view.rows = region_ + layout_.nvl_recv +
+              static_cast<int64_t>(p.c.parity) * layout_.cap.max_recv_rows * rec.n_bytes;
+  view.layout = rec;
+  return view;
+}
+
+void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t stream) {
+  using namespace internode;
+  kChecks.require(region_ != nullptr, "combine on a destroyed runtime");
+  kChecks.require(a.x_dtype == 0 || a.x_dtype == 1, "combine takes bf16 or float32 rows");
+  kChecks.require(a.topk >= 0 && a.topk <= kMaxTopk, "top-k must be in [0, 32]");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= layout_.cap.max_tokens,
+                  "more tokens than the buffers hold");
+  const int64_t elem = a.x_dtype == 0 ? 2 : 4;
+  const int64_t x_bytes = elem * a.hidden;
+  kChecks.require(
+      static_cast<int64_t>(align16(x_bytes)) + static_cast<int64_t>(align16(4 * a.topk)) <=
+              layout_.cap.max_combine_row &&
+          static_cast<int64_t>(align16(4 * a.hidden)) + static_cast<int64_t>(align16(4 * a.topk)) <=
+              layout_.cap.max_partial_row,
+      "rows larger than the buffers hold");
+  DeviceGuard guard(setup_.device);
+  CombineParams p{};
+  p.c = context(kOpCombine, a.timeout_seconds,
+                RecordLayout::make(x_bytes, 0, a.topk, setup_.ranks_per_node));
+  p.x = static_cast<const char*>(a.x);
+  p.topk_weights = a.topk_weights;
+  p.recv_src_rank = a.recv_src_rank;
+  p.recv_src_idx = a.recv_src_idx;
+  p.num_rows = a.num_rows;
+  p.x_dtype = a.x_dtype;
+  p.hidden = a.hidden;
+  p.topk = a.topk_weights != nullptr ? a.topk : 0;
+  p.is_token_in_rank = a.is_token_in_rank;
+  p.num_tokens = a.num_tokens;
+  p.bias0 = a.bias0;
+  p.bias1 = a.bias1;
+  p.out = static_cast<char*>(a.out);
+  p.out_weights = a.out_weights;
+  kChecks.cuda(launch_combine(p, blocks_, stream), "launching the internode combine");
+}
+
+std::string InternodeRuntime::check_error() const {
+  if (error_host_ == nullptr) return "";
+  const volatile ErrorRecord* e = error_host_;
+  const int code = e->code;
+  if (code == kErrorNone) return "";
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const int per_node = setup_.ranks_per_node;
+  auto node_of = [&](int rank) {
+    for (int i = 0; i < setup_.num_ranks; ++i) {
+      if (node_rank_[i] == rank) return i / per_node;
+    }
+    return -1;
+  };
+  std::ostringstream os;
+  os << "ep internode " << op_name(e->op) << ": rank " << e->rank << " (node " << node_of(e->rank)
+     << ")";
+  switch (code) {
+    case kErrorTimeout:
+      os << " timed out after " << last_timeout_ << " s waiting for rank " << e->peer << " (node "
+         << e->value_b << ")";
+      break;
+    case kErrorCapacity:
+      os << " overflowed a buffer (" << e->value_a << " >= capacity " << e->value_b
+         << ", peer rank " << e->peer << ")";
+      break;
+    case kErrorInvalidTopkIdx:
+      os << " got an invalid routing entry (source rank " << e->peer << ", token " << e->value_a
+         << ", row " << e->value_b << ")";
+      break;
+    default:
+      os << " failed with error code " << code;
+  }
+  return os.str();
+}
+
+bool InternodeRuntime::failed() const {
+  return error_host_ != nullptr && error_host_->code != kErrorNone;
+}
+
+}  // namespace ep

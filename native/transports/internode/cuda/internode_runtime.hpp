@@ -1,0 +1,110 @@
+// InternodeRuntime: the torch-free host side of the hierarchical internode dispatch / combine.
+// It lives in libep_nvshmem.so next to the low-latency runtime and uses the NVSHMEM session that
+// runtime initialised (one unique id through the c10d store): its buffers are one extra
+// nvshmem_malloc of the same symmetric heap. Create it after the low-latency runtime, destroy it
+// before that runtime is destroyed (both collective).
+//
+// Per call (every rank issues the same calls in the same order, one stream or streams ordered
+// by events): dispatch() or combine() enqueue their kernels; check_error() reports a kernel error
+// of an earlier call ("" when none), naming the stalled peer as (node, rank) on a timeout.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "transports/internode/cuda/internode_common.hpp"
+
+namespace ep {
+
+struct InternodeSetup {
+  int rank = 0;
+  int num_ranks = 0;
+  int device = 0;
+  int num_nodes = 0;
+  int ranks_per_node = 0;
+  const int* node_rank = nullptr;  // [num_nodes * ranks_per_node]: global rank of (node, local)
+  internode::Capacity capacity;
+  int num_blocks = 0;  // blocks per kernel; 0: one per SM
+};
+
+// Host arguments of one dispatch (device pointers; shapes in internode_common.hpp).
+struct InternodeDispatchArgs {
+  const void* x = nullptr;
+  int64_t x_bytes = 0;  // bytes of one row of x
+  const void* x_scales = nullptr;
+  int64_t scale_bytes = 0;            // bytes of one row of x_scales (0: none)
+  const int64_t* topk_idx = nullptr;  // null: cached dispatch
+  const float* topk_weights = nullptr;
+  int topk = 0;
+  const int* dest_slot = nullptr;
+  const int* node_pos = nullptr;
+  const int* node_count = nullptr;
+  int num_tokens = 0;
+  int experts_per_rank = 1;
+  int64_t recv_rows = 0;
+  double timeout_seconds = 60;
+  bool cached = false;
+};
+
+// Where a dispatch's received rows are: NVLink records (RecordLayout n_*) in this rank's region.
+struct InternodeRecvView {
+  const char* rows = nullptr;
+  internode::RecordLayout layout;
+};
+
+struct InternodeCombineArgs {
+  const void* x = nullptr;  // [num_rows, hidden] bf16 or float32
+  int x_dtype = 0;          // 0: bf16, 1: float32
+  int hidden = 0;
+  int num_rows = 0;
+  const float* topk_weights = nullptr;
+  int topk = 0;
+  const int* recv_src_rank = nullptr;
+  const int* recv_src_idx = nullptr;
+  const bool* is_token_in_rank = nullptr;
+  int num_tokens = 0;
+  const float* bias0 = nullptr;  // [num_tokens, hidden] float32
+  const float* bias1 = nullptr;
+  void* out = nullptr;
+  float* out_weights = nullptr;
+  double timeout_seconds = 60;
+};
+
+class InternodeRuntime {
+ public:
+  explicit InternodeRuntime(const InternodeSetup& setup);  // collective (nvshmem_malloc)
+  ~InternodeRuntime();
+  InternodeRuntime(const InternodeRuntime&) = delete;
+  InternodeRuntime& operator=(const InternodeRuntime&) = delete;
+
+  // Symmetric bytes of a setup (to size the heap before NVSHMEM starts).
+  static size_t symmetric_bytes(int num_nodes, int ranks_per_node,
+                                const internode::Capacity& capacity);
+
+  const internode::Capacity& capacity() const { return layout_.cap; }
+  InternodeRecvView dispatch(const InternodeDispatchArgs& args, cudaStream_t stream);
+  void combine(const InternodeCombineArgs& args, cudaStream_t stream);
+  std::string check_error() const;
+  bool failed() const;
+  void destroy();  // collective (nvshmem_free); idempotent
+
+ private:
+  internode::Context context(int op, double timeout_seconds, const internode::RecordLayout& rec);
+
+  InternodeSetup setup_;
+  std::vector<int> node_rank_;
+  internode::RegionLayout layout_{};
+  char* region_ = nullptr;
+  char* node_peer_[internode::kMaxRanksPerNode] = {};
+  internode::Control* control_ = nullptr;
+  ErrorRecord* error_host_ = nullptr;
+  ErrorRecord* error_dev_ = nullptr;
+  uint64_t seq_ = 0;
+  int blocks_ = 1;
+  double last_timeout_ = 0;
+};
+
+}  // namespace ep

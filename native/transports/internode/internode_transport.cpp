@@ -1,0 +1,642 @@
+// The internode transport: high-throughput dispatch, cached dispatch and combine of a group that
+// spans several nodes (real hosts, or nodes emulated with Options.ranks_per_node), through the
+// hierarchical kernels of cuda/internode_kernels.cu (RDMA leg by NVSHMEM puts to the rank with
+// the same local index on each node, NVLink leg inside the node; docs/internode.md).
+//
+// First version: the counts are agreed on the host (the group's agreement all-gather over Gloo,
+// the same step the ATen path takes), not yet notified on the GPU, so the ops are not
+// graph-capturable; every rank then knows every source's row counts and computes the final
+// position of each of its rows at each receiver. The kernels run in libep_nvshmem.so (dlsym'd
+// here) on the NVSHMEM session of the group's low-latency runtime.
+#include "transports/internode/internode_transport.hpp"
+
+#ifdef EP_WITH_CUDA
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "backend/dispatch_layout.hpp"
+#include "backend/ep_process_group.hpp"
+#include "backend/group_state.hpp"
+#include "backend/moe_validation.hpp"
+#include "backend/per_group_transport.hpp"
+#include "backend/store_exchange.hpp"
+#include "backend/stream_capture.hpp"
+#include "common/env.hpp"
+#include "transports/aten/aten_transport.hpp"
+#include "transports/internode/cuda/internode_capi.h"
+#include "transports/internode/cuda/internode_runtime.hpp"
+#include "transports/nvshmem/nvshmem_transport.hpp"
+
+namespace ep::internode {
+namespace {
+
+// ---- the runtime's C entry points in libep_nvshmem.so -------------------------------------
+
+struct Library {
+  bool ok = false;
+  std::string error;
+  ep_internode_symmetric_bytes_fn symmetric_bytes = nullptr;
+  ep_internode_create_fn create = nullptr;
+  ep_internode_dispatch_fn dispatch = nullptr;
+  ep_internode_combine_fn combine = nullptr;
+  ep_internode_check_error_fn check_error = nullptr;
+  ep_internode_destroy_fn destroy = nullptr;
+};
+
+template <typename Fn>
+bool lookup(const char* name, Fn& fn, std::string& error) {
+  fn = reinterpret_cast<Fn>(nvshmem::librarySymbol(name, &error));
+  return fn != nullptr;
+}
+
+const Library& library() {
+  static const Library lib = [] {
+    Library l;
+    ep_internode_abi_version_fn version = nullptr;
+    if (!lookup("ep_internode_abi_version", version, l.error)) return l;
+    if (version() != EP_INTERNODE_ABI_VERSION) {
+      l.error = "libep_nvshmem.so was built for another version of the internode transport";
+      return l;
+    }
+    l.ok = lookup("ep_internode_symmetric_bytes", l.symmetric_bytes, l.error) &&
+           lookup("ep_internode_create", l.create, l.error) &&
+           lookup("ep_internode_dispatch", l.dispatch, l.error) &&
+           lookup("ep_internode_combine", l.combine, l.error) &&
+           lookup("ep_internode_check_error", l.check_error, l.error) &&
+           lookup("ep_internode_destroy", l.destroy, l.error);
+    return l;
+  }();
+  return lib;
+}
+
+void check(int rc, const char* what, const char* err) {
+  TORCH_CHECK(rc == 0, "ep ", what, ": ", err);
+}
+
+// ---- per-group state -----------------------------------------------------------------------
+
+struct GroupState {
+  GroupVerdict usability;
+  void* runtime = nullptr;
+  Capacity capacity;           // of `runtime`
+  std::vector<int> node_rank;  // [num_nodes * ranks_per_node]: global rank of (node, local)
+  at::Tensor node_rank_index;  // the same, int64 on the device (column gathers)
+  int num_nodes = 0;
+  int ranks_per_node = 0;
+  std::string failure;  // a timeout's message: the transport is unusable from then on
+};
+
+// Collective (NVSHMEM): frees the runtime's symmetric buffers.
+void releaseRuntime(GroupState& st) {
+  if (st.runtime == nullptr) return;
+  char err[512] = {0};
+  cudaDeviceSynchronize();
+  if (library().destroy(st.runtime, err, sizeof(err)) != 0) {
+    TORCH_WARN("ep: releasing the internode buffers: ", err);
+  }
+  st.runtime = nullptr;
+  st.capacity = Capacity{};
+}
+
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+  static auto* states = new GroupStates<GroupState>(
+      [](EPProcessGroup*, GroupState& state) { releaseRuntime(state); });
+  return states->of(pg);
+}
+
+Verdict decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
+  const Topology& topology = pg.topology();
+  std::string why;
+  if (env::equals<env::kHighThroughput>("aten")) {
+    return Verdict{"EP_HIGH_THROUGHPUT=aten", true};
+  }
+  if (topology.num_nodes <= 1) {
+    why = "the group is one node (the NVLink transport serves it)";
+  } else if (!topology.problem.empty()) {
+    why = topology.problem;
+  } else if (topology.num_nodes > kMaxNodes) {
+    why = "the group spans " + std::to_string(topology.num_nodes) +
+          " nodes; the internode kernels serve at most " + std::to_string(kMaxNodes);
+  }
+  if (why.empty() && !env::equals<env::kHighThroughput>("internode")) {
+    // Opt-in until the transport has passed its GPU tests: groups of several nodes keep the
+    // ATen path by default.
+    why =
+        "the internode transport is experimental (not yet validated on GPUs); set "
+        "EP_HIGH_THROUGHPUT=internode on every rank to use it";
+  }
+  if (!why.empty()) {
+    return Verdict{why, false};  // topology and environment: the same on every rank
+  }
+  // The NVSHMEM session is the low-latency transport's: usable only where it is (collective).
+  const Verdict ll = nvshmemTransport().usable(pg, device);
+  if (!ll.yes()) {
+    return Verdict{"NVSHMEM is not usable for this group (" + ll.why_not + ")", false};
+  }
+  const std::string local = library().ok ? "" : library().error;
+  const std::vector<std::string> posted =
+      allGatherStrings(pg, "ep_internode/" + pg.options()->group_name + "/decide/",
+                       local.empty() ? "1" : "0", "ep dispatch (internode transport setup)");
+  for (const std::string& p : posted) {
+    if (p != "1") {
+      why = local.empty() ? "another rank cannot load the internode kernels" : local;
+    }
+  }
+  if (!why.empty()) return Verdict{why, false};
+  st.num_nodes = topology.num_nodes;
+  st.ranks_per_node = topology.ranks_per_node;
+  st.node_rank.assign(static_cast<size_t>(pg.getSize()), -1);
+  for (int r = 0; r < pg.getSize(); ++r) {
+    st.node_rank[static_cast<size_t>(topology.node_of_rank[r] * topology.ranks_per_node +
+                                     topology.local_rank[r])] = r;
+  }
+  st.node_rank_index =
+      at::tensor(std::vector<int64_t>(st.node_rank.begin(), st.node_rank.end()), at::kLong)
+          .to(device);
+  return Verdict{};
+}
+
+// The error a kernel of an earlier call left ("" when none). Any kernel error is fatal here (a
+// timeout leaves peers in unknown states; a capacity error is a bug: the host sized the buffers).
+std::string pendingError(GroupState& st, const char* op) {
+  if (!st.failure.empty()) return st.failure;
+  if (st.runtime == nullptr) return "";
+  char msg[1024] = {0};
+  int failed = 0;
+  if (library().check_error(st.runtime, msg, sizeof(msg), &failed) == 0) return "";
+  st.failure = std::string(msg) + " (reported by the next call, " + op +
+               "; the group's internode transport is unusable from now on: destroy and re-create "
+               "the group)";
+  return st.failure;
+}
+
+// The counts of this version are agreed on the host (Gloo): nothing of it can be captured. A
+// local error, so that the agreement raises it on every rank.
+std::string captureError(const char* op) {
+  return streamCapturing() ? std::string("ep ") + op +
+                                 ": the internode transport cannot run under CUDA graph capture "
+                                 "yet (its counts are agreed on the host; docs/internode.md)"
+                           : "";
+}
+
+int64_t roundUp(int64_t v, int64_t m) {
+  return (std::max<int64_t>(v, 1) + m - 1) / m * m;
+}
+
+// Collective: a runtime whose buffers hold `need` (every input agreed across the ranks).
+void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
+                    const Capacity& need) {
+  const Capacity& have = st.capacity;
+  if (st.runtime != nullptr && have.max_tokens >= need.max_tokens &&
+      have.max_recv_rows >= need.max_recv_rows && have.max_record >= need.max_record &&
+      have.max_out_record >= need.max_out_record && have.max_combine_row >= need.max_combine_row &&
+      have.max_partial_row >= need.max_partial_row) {
+    return st.runtime;
+  }
+  Capacity cap;
+  cap.max_tokens = roundUp(std::max(have.max_tokens, need.max_tokens), 256);
+  cap.max_recv_rows = roundUp(std::max(have.max_recv_rows, need.max_recv_rows), 1024);
+  cap.max_record = std::max(have.max_record, need.max_record);
+  cap.max_out_record = std::max(have.max_out_record, need.max_out_record);
+  cap.max_combine_row = std::max(have.max_combine_row, need.max_combine_row);
+  cap.max_partial_row = std::max(have.max_partial_row, need.max_partial_row);
+  releaseRuntime(st);
+  const size_t bytes = library().symmetric_bytes(st.num_nodes, st.ranks_per_node, &cap);
+  // Ours are freed first whenever the low-latency runtime is rebuilt or the group shuts down.
+  std::weak_ptr<GroupState> weak = stateOf(pg);
+  nvshmem::ensureSession(pg, device, bytes, [weak] {
+    if (auto s = weak.lock()) releaseRuntime(*s);
+  });
+  InternodeSetup setup;
+  setup.rank = pg.getRank();
+  setup.num_ranks = pg.getSize();
+  setup.device = device.index();
+  setup.num_nodes = st.num_nodes;
+  setup.ranks_per_node = st.ranks_per_node;
+  setup.node_rank = st.node_rank.data();
+  setup.capacity = cap;
+  setup.num_blocks = static_cast<int>(pg.options()->num_sms);
+  char err[1024] = {0};
+  void* rt = nullptr;
+  check(library().create(&setup, &rt, err, sizeof(err)), "internode setup", err);
+  st.runtime = rt;
+  st.capacity = cap;
+  return rt;
+}
+
+std::vector<int64_t> toVector(const at::Tensor& t) {
+  at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill) {
+  if (t.size(0) >= rows) return t;
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = rows - t.size(0);
+  return at::cat({t, at::full(shape, fill, t.options())}, 0);
+}
+
+// [0]*counts[0] ++ [1]*counts[1] ++ ... as int32 on `options`' device.
+at::Tensor segmentIds(const std::vector<int64_t>& counts, const at::TensorOptions& options) {
+  std::vector<int32_t> ids;
+  for (size_t r = 0; r < counts.size(); ++r) ids.insert(ids.end(), counts[r], static_cast<int>(r));
+  return at::tensor(ids, at::kInt).to(options.device());
+}
+
+// Columns [offset, offset + bytes) of the received records as a [rows, bytes / elem] tensor of
+// `dtype` (a copy: the records are reused by a later call).
+at::Tensor field(const at::Tensor& records, int64_t offset, int64_t bytes, at::ScalarType dtype) {
+  if (records.size(0) == 0) {
+    return at::empty({0, bytes / static_cast<int64_t>(c10::elementSize(dtype))},
+                     records.options().dtype(dtype));
+  }
+  // clone, not contiguous(): one row is contiguous already, and would stay a view of the buffer.
+  return records.narrow(1, offset, bytes).clone(at::MemoryFormat::Contiguous).view(dtype);
+}
+
+struct Plan {
+  at::Tensor dest_slot;   // int32 [T, R]
+  at::Tensor node_pos;    // int32 [T, N]
+  at::Tensor node_count;  // int32 [N]
+};
+
+// Where each of this rank's rows goes: the slot in each receiver's output (source rank, then
+// token order: the rows of lower ranks first, then this rank's in token order), and each
+// token's position among the tokens sent to each node.
+Plan plan(const GroupState& st, const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
+          const std::vector<int64_t>& offsets) {
+  const int64_t T = is_token_in_rank.size(0);
+  const auto dev = is_token_in_rank.device();
+  at::Tensor off = at::tensor(offsets, at::kLong).to(dev);
+  Plan p;
+  p.dest_slot = at::where(send_pos.ge(0), send_pos.to(at::kLong) + off.unsqueeze(0), -1)
+                    .to(at::kInt)
+                    .contiguous();
+  at::Tensor in_node = is_token_in_rank.index_select(1, st.node_rank_index)
+                           .view({T, st.num_nodes, st.ranks_per_node})
+                           .any(2);
+  p.node_pos = at::where(in_node, in_node.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
+  p.node_count = in_node.sum(0).to(at::kInt).contiguous();
+  return p;
+}
+
+// Receive offsets of source `rank` at every destination: rows of lower source ranks first.
+std::vector<int64_t> offsetsOf(const at::Tensor& matrix, int64_t rank) {
+  auto m = matrix.accessor<int64_t, 2>();
+  const int64_t R = matrix.size(0);
+  std::vector<int64_t> off(R, 0);
+  for (int64_t d = 0; d < R; ++d) {
+    for (int64_t s = 0; s < rank; ++s) off[d] += m[s][d];
+  }
+  return off;
+}
+
+int64_t maxReceived(const at::Tensor& matrix) {
+  auto m = matrix.accessor<int64_t, 2>();
+  const int64_t R = matrix.size(0);
+  int64_t best = 0;
+  for (int64_t d = 0; d < R; ++d) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < R; ++s) total += m[s][d];
+    best = std::max(best, total);
+  }
+  return best;
+}
+
+int64_t maxColumn(const at::Tensor& gathered, int64_t column) {
+  return gathered.select(1, column).max().item<int64_t>();
+}
+
+int64_t elementBytes(const at::Tensor& t) {
+  return static_cast<int64_t>(t.element_size());
+}
+
+// Runs the kernels of one (cached) dispatch; returns the received records [rows, n_bytes].
+at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
+                    const std::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx64,
+                    const std::optional<at::Tensor>& topk_weights, const Plan& plan,
+                    int64_t experts_per_rank, int64_t recv_rows, const at::Tensor& gathered_t,
+                    int64_t max_recv, bool cached, InternodeRecvView* view_out) {
+  const at::Device device = x.device();
+  const int64_t x_bytes = x.size(1) * elementBytes(x);
+  const int64_t scale_bytes = x_scales ? x_scales->size(1) * elementBytes(*x_scales) : 0;
+  const int64_t topk = cached ? 0 : topk_idx64.size(1);
+  const RecordLayout rec = RecordLayout::make(x_bytes, scale_bytes, topk, st.ranks_per_node);
+  Capacity need;
+  need.max_tokens = maxColumn(gathered_t, 0);
+  need.max_recv_rows = max_recv;
+  need.max_record = rec.r_bytes;
+  need.max_out_record = rec.n_bytes;
+  // Room for the combine of this dispatch too (BF16 rows of the same H and top-k), so that the
+  // first combine does not rebuild the buffers.
+  const int64_t k_bytes = static_cast<int64_t>(align16(static_cast<size_t>(4 * topk)));
+  need.max_combine_row =
+      static_cast<int64_t>(align16(static_cast<size_t>(2 * x.size(1)))) + k_bytes;
+  need.max_partial_row =
+      static_cast<int64_t>(align16(static_cast<size_t>(4 * x.size(1)))) + k_bytes;
+  void* rt = ensureRuntime(pg, st, device, need);
+  InternodeDispatchArgs a;
+  a.x = x.data_ptr();
+  a.x_bytes = x_bytes;
+  a.x_scales = x_scales ? x_scales->data_ptr() : nullptr;
+  a.scale_bytes = scale_bytes;
+  a.topk_idx = cached ? nullptr : topk_idx64.data_ptr<int64_t>();
+  a.topk_weights = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
+  a.topk = static_cast<int>(topk);
+  a.dest_slot = plan.dest_slot.data_ptr<int>();
+  a.node_pos = plan.node_pos.data_ptr<int>();
+  a.node_count = plan.node_count.data_ptr<int>();
+  a.num_tokens = static_cast<int>(x.size(0));
+  a.experts_per_rank = static_cast<int>(experts_per_rank);
+  a.recv_rows = recv_rows;
+  a.timeout_seconds = pg.options()->kernel_timeout_s;
+  a.cached = cached;
+  char err[1024] = {0};
+  InternodeRecvView view;
+  check(library().dispatch(rt, &a, c10::cuda::getCurrentCUDAStream(device.index()).stream(), &view,
+                           err, sizeof(err)),
+        cached ? "cached dispatch" : "dispatch", err);
+  *view_out = view;
+  return at::from_blob(const_cast<char*>(view.rows), {recv_rows, view.layout.n_bytes},
+                       x.options().dtype(at::kByte));
+}
+
+// Rows, T and the [src, dst] count matrix agreed, with every rank's T in column R.
+at::Tensor countMatrix(const at::Tensor& gathered, int64_t R) {
+  return gathered.narrow(1, 0, R).contiguous();
+}
+
+}  // namespace
+
+DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
+  const int64_t R = pg.getSize();
+  const int64_t rank = pg.getRank();
+  auto st = stateOf(pg);
+  std::string error = pendingError(*st, "dispatch");
+  if (error.empty()) error = captureError("dispatch");
+  if (error.empty()) error = validateDispatch(a, R);
+  if (error.empty() && a.topk_idx.size(1) > kMaxTopk) {
+    error = "ep dispatch: the internode kernels take top-k <= 32";
+  }
+  const bool ok = error.empty();
+  at::Tensor is_token_in_rank, send_pos;
+  std::vector<int64_t> payload(static_cast<size_t>(R) + 1, 0);
+  if (ok) {
+    if (a.layout.empty()) {
+      LayoutTensors l = computeDispatchLayout(a.topk_idx, a.num_experts, R);
+      is_token_in_rank = std::get<2>(l);
+      send_pos = std::get<3>(l);
+    } else {
+      is_token_in_rank = a.layout[2];
+      send_pos = a.layout[3];
+    }
+    std::vector<int64_t> counts = toVector(is_token_in_rank.sum(0));
+    std::copy(counts.begin(), counts.end(), payload.begin());
+    payload[static_cast<size_t>(R)] = a.x.size(0);
+  }
+  at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), payload);
+  at::Tensor matrix = countMatrix(gathered, R);
+  std::vector<int64_t> recv_counts(R);
+  auto m = matrix.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[s][rank];
+  const int64_t num_recv = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+  const int64_t max_recv = maxReceived(matrix);
+  TORCH_CHECK(a.num_worst_tokens == 0 || max_recv <= a.num_worst_tokens,
+              "ep dispatch: num_worst_tokens=", a.num_worst_tokens,
+              " is smaller than the rows a rank receives (up to ", max_recv,
+              "); nothing was exchanged");
+
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  const int64_t experts_per_rank = a.num_experts / R;
+  const Plan p = plan(*st, is_token_in_rank, send_pos, offsetsOf(matrix, rank));
+  const at::Tensor x = a.x.contiguous();
+  const std::optional<at::Tensor> scales =
+      a.x_scales ? std::optional<at::Tensor>(a.x_scales->contiguous()) : std::nullopt;
+  const at::Tensor topk64 = a.topk_idx.to(at::kLong).contiguous();
+  const std::optional<at::Tensor> weights =
+      a.topk_weights ? std::optional<at::Tensor>(a.topk_weights->contiguous()) : std::nullopt;
+  InternodeRecvView view;
+  at::Tensor records = moveRows(pg, *st, x, scales, topk64, weights, p, experts_per_rank, num_recv,
+                                gathered.narrow(1, R, 1), max_recv, false, &view);
+  const RecordLayout& rec = view.layout;
+  const int64_t K = a.topk_idx.size(1);
+  DispatchResult out;
+  out.recv_x = field(records, rec.n_x, rec.x_bytes, x.scalar_type());
+  if (scales) {
+    out.recv_x_scales = field(records, rec.n_scales, rec.scale_bytes, scales->scalar_type());
+  }
+  at::Tensor recv_local = field(records, rec.n_topk, 8 * K, at::kLong);
+  if (weights) out.recv_topk_weights = field(records, rec.n_weights, 4 * K, at::kFloat);
+  at::Tensor recv_src_idx = field(records, rec.n_src, 4, at::kInt).reshape({num_recv});
+  at::Tensor recv_src_rank = segmentIds(recv_counts, x.options());
+
+  at::Tensor selected = recv_local.masked_select(recv_local.ge(0));
+  at::Tensor per_expert = at::bincount(selected, {}, experts_per_rank);
+  const int64_t align = a.expert_alignment;
+  out.num_recv_tokens_per_expert =
+      (per_expert + (align - 1)).div(align, "floor").mul(align).to(at::kInt);
+  out.num_recv_tokens_per_expert_host =
+      a.num_worst_tokens > 0 ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
+                             : out.num_recv_tokens_per_expert.to(at::kCPU, at::kLong);
+  out.recv_topk_idx = recv_local.to(a.topk_idx.scalar_type());
+  if (a.num_worst_tokens > 0) {
+    const int64_t cap = a.num_worst_tokens;
+    out.recv_x = padRows(out.recv_x, cap, 0);
+    if (out.recv_x_scales) out.recv_x_scales = padRows(*out.recv_x_scales, cap, 0);
+    out.recv_topk_idx = padRows(out.recv_topk_idx, cap, -1);
+    if (out.recv_topk_weights) out.recv_topk_weights = padRows(*out.recv_topk_weights, cap, 0);
+    recv_src_idx = padRows(recv_src_idx, cap, -1);
+    recv_src_rank = padRows(recv_src_rank, cap, -1);
+  }
+  out.routing.is_token_in_rank = is_token_in_rank;
+  out.routing.num_tokens_per_rank =
+      matrix.select(0, rank).to(device, at::kInt);  // what this rank sent, as agreed
+  out.routing.num_recv_tokens_per_rank = at::tensor(recv_counts, at::kLong).to(device, at::kInt);
+  out.routing.recv_src_idx = recv_src_idx;
+  out.routing.recv_src_rank = recv_src_rank;
+  return out;
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+    EPProcessGroup& pg, const at::Tensor& x_in, const std::optional<at::Tensor>& x_scales,
+    const DispatchRouting& routing) {
+  const int64_t R = pg.getSize();
+  const int64_t rank = pg.getRank();
+  auto st = stateOf(pg);
+  std::string error = pendingError(*st, "cached dispatch");
+  if (error.empty()) error = captureError("cached dispatch");
+  if (error.empty()) error = validateCachedDispatch(x_in, x_scales, routing, R);
+  const bool ok = error.empty();
+  std::vector<int64_t> payload =
+      ok ? routingCounts(routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
+  payload.push_back(ok ? x_in.size(0) : 0);
+  at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error,
+                                         cachedDispatchFields(x_in, x_scales, ok), payload);
+  checkRoutingAgrees("cached dispatch", gathered, 0, rank);
+  at::Tensor matrix = countMatrix(gathered, R);
+  std::vector<int64_t> recv_counts(R);
+  auto m = matrix.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[s][rank];
+  const int64_t num_recv = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+
+  const at::Device device = x_in.device();
+  c10::cuda::CUDAGuard guard(device);
+  const at::Tensor& in_rank = routing.is_token_in_rank;
+  at::Tensor send_pos =
+      at::where(in_rank, in_rank.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
+  const Plan p = plan(*st, in_rank.contiguous(), send_pos, offsetsOf(matrix, rank));
+  const at::Tensor x = x_in.contiguous();
+  const std::optional<at::Tensor> scales =
+      x_scales ? std::optional<at::Tensor>(x_scales->contiguous()) : std::nullopt;
+  InternodeRecvView view;
+  at::Tensor records = moveRows(pg, *st, x, scales, at::Tensor(), std::nullopt, p, 1, num_recv,
+                                gathered.narrow(1, 2 * R, 1), maxReceived(matrix), true, &view);
+  const RecordLayout& rec = view.layout;
+  const int64_t cap = routing.recv_src_idx.size(0);
+  at::Tensor recv_x = padRows(field(records, rec.n_x, rec.x_bytes, x.scalar_type()), cap, 0);
+  std::optional<at::Tensor> recv_scales;
+  if (scales) {
+    recv_scales =
+        padRows(field(records, rec.n_scales, rec.scale_bytes, scales->scalar_type()), cap, 0);
+  }
+  return {recv_x, recv_scales};
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
+  const int64_t R = pg.getSize();
+  const int64_t rank = pg.getRank();
+  auto st = stateOf(pg);
+  std::string error = pendingError(*st, "combine");
+  if (error.empty()) error = captureError("combine");
+  if (error.empty()) error = validateCombine(a, R);
+  if (error.empty() && a.topk_weights && a.topk_weights->size(1) > kMaxTopk) {
+    error = "ep combine: the internode kernels take top-k <= 32";
+  }
+  const bool ok = error.empty();
+  const bool kernel_dtype =
+      ok && (a.x.scalar_type() == at::kBFloat16 || a.x.scalar_type() == at::kFloat);
+  std::vector<int64_t> payload =
+      ok ? routingCounts(a.routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
+  payload.push_back(ok ? a.routing.is_token_in_rank.size(0) : 0);
+  payload.push_back(kernel_dtype ? 1 : 0);
+  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, combineFields(a, ok), payload);
+  checkRoutingAgrees("combine", gathered, 0, rank);
+  // x dtype is an agreed field: every rank takes the same path. Other dtypes (float64, half):
+  // the ATen path, whose own agreement step every rank then runs too.
+  if (gathered.select(1, 2 * R + 1).min().item<int64_t>() == 0) {
+    return aten::combine(pg, a);
+  }
+  const at::Device device = a.x.device();
+  c10::cuda::CUDAGuard guard(device);
+  const int64_t num_tokens = a.routing.is_token_in_rank.size(0);
+  const int64_t hidden = a.x.size(1);
+  const int64_t K = a.topk_weights ? a.topk_weights->size(1) : 0;
+  // Rows this rank holds: what every source sent it (checkRoutingAgrees tied both ends).
+  const int64_t num_valid = countMatrix(gathered, R).select(1, rank).sum().item<int64_t>();
+  const int64_t elem = a.x.scalar_type() == at::kBFloat16 ? 2 : 4;
+  Capacity need;
+  need.max_tokens = maxColumn(gathered, 2 * R);
+  need.max_recv_rows = 1;
+  need.max_combine_row = static_cast<int64_t>(align16(static_cast<size_t>(elem * hidden)) +
+                                              align16(static_cast<size_t>(4 * K)));
+  need.max_partial_row = static_cast<int64_t>(align16(static_cast<size_t>(4 * hidden)) +
+                                              align16(static_cast<size_t>(4 * K)));
+  void* rt = ensureRuntime(pg, *st, device, need);
+
+  const at::Tensor x = a.x.narrow(0, 0, num_valid).contiguous();
+  const std::optional<at::Tensor> weights =
+      a.topk_weights
+          ? std::optional<at::Tensor>(a.topk_weights->narrow(0, 0, num_valid).contiguous())
+          : std::nullopt;
+  const at::Tensor src_rank =
+      a.routing.recv_src_rank.narrow(0, 0, num_valid).to(at::kInt).contiguous();
+  const at::Tensor src_idx =
+      a.routing.recv_src_idx.narrow(0, 0, num_valid).to(at::kInt).contiguous();
+  const at::Tensor in_rank = a.routing.is_token_in_rank.contiguous();
+  // Biases are added in float32 (the reference casts them to its float32 accumulator).
+  std::optional<at::Tensor> b0, b1;
+  if (a.bias0) b0 = a.bias0->to(device, at::kFloat).contiguous();
+  if (a.bias1) b1 = a.bias1->to(device, at::kFloat).contiguous();
+  at::Tensor out = at::empty({num_tokens, hidden}, a.x.options());
+  std::optional<at::Tensor> out_w;
+  if (weights) out_w = at::empty({num_tokens, K}, a.x.options().dtype(at::kFloat));
+
+  InternodeCombineArgs c;
+  c.x = x.data_ptr();
+  c.x_dtype = elem == 2 ? 0 : 1;
+  c.hidden = static_cast<int>(hidden);
+  c.num_rows = static_cast<int>(num_valid);
+  c.topk_weights = weights ? weights->data_ptr<float>() : nullptr;
+  c.topk = static_cast<int>(K);
+  c.recv_src_rank = src_rank.data_ptr<int>();
+  c.recv_src_idx = src_idx.data_ptr<int>();
+  c.is_token_in_rank = in_rank.data_ptr<bool>();
+  c.num_tokens = static_cast<int>(num_tokens);
+  c.bias0 = b0 ? b0->data_ptr<float>() : nullptr;
+  c.bias1 = b1 ? b1->data_ptr<float>() : nullptr;
+  c.out = out.data_ptr();
+  c.out_weights = out_w ? out_w->data_ptr<float>() : nullptr;
+  c.timeout_seconds = pg.options()->kernel_timeout_s;
+  char err[1024] = {0};
+  check(library().combine(rt, &c, c10::cuda::getCurrentCUDAStream(device.index()).stream(), err,
+                          sizeof(err)),
+        "combine", err);
+  return {out, out_w};
+}
+
+namespace {
+
+// The internode transport behind the Transport interface (backend/transport.hpp).
+class InternodeTransport final : public PerGroupTransport<GroupState> {
+ public:
+  TransportKind kind() const override { return TransportKind::kInternode; }
+  bool serves(OpFamily family) const override { return family == OpFamily::kHighThroughput; }
+  // The layout op takes no group: the NVLink transport's layout kernel (up to its rank limit)
+  // or ATen's serve every group; this transport adds none.
+  DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args, DeferredCounts*) override {
+    return internode::dispatch(pg, args);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
+      EPProcessGroup& pg, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+      const DispatchRouting& routing) override {
+    return internode::cachedDispatch(pg, x, x_scales, routing);
+  }
+  std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg,
+                                                           const CombineArgs& args) override {
+    return internode::combine(pg, args);
+  }
+  std::string takePendingError(EPProcessGroup& pg, const char* op) override {
+    return pendingError(*internode::stateOf(pg), op);
+  }
+
+ private:
+  std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) override {
+    return internode::stateOf(pg);
+  }
+  Verdict decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) override {
+    return internode::decide(pg, st, device);
+  }
+};
+
+}  // namespace
+}  // namespace ep::internode
+
+namespace ep {
+
+Transport& internodeTransport() {
+  static internode::InternodeTransport transport;
+  return transport;
+}
+
+}  // namespace ep
+
+#endif  // EP_WITH_CUDA
