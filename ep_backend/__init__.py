@@ -49,6 +49,12 @@ from .moe import (  # noqa: E402
     get_dispatch_layout,
     reserve,
 )
+from .rank_mask import (  # noqa: E402
+    low_latency_auto_mask,
+    low_latency_clean_mask,
+    low_latency_query_mask,
+    low_latency_update_mask,
+)
 
 # The MoE collectives are also methods of the group's backend object (design card names).
 _bind_backend_methods(
@@ -85,7 +91,11 @@ __all__ = [
     "get_dispatch_layout",
     "get_low_latency_combine_buffer",
     "low_latency_combine",
+    "low_latency_auto_mask",
+    "low_latency_clean_mask",
     "low_latency_dispatch",
+    "low_latency_query_mask",
+    "low_latency_update_mask",
     "monitored_barrier",
     "record_stream",
     "reference",

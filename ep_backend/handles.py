@@ -84,6 +84,9 @@ class DispatchHandle:
         recv_src_idx: int32 ``[N]``; source token index of every received row, ``-1`` on padding.
         recv_src_rank: int32 ``[N]``; source rank of every received row, ``-1`` on padding.
         num_worst_tokens: fixed receive capacity, ``0`` when outputs are exactly sized.
+        group_name: the process group the dispatch ran on (``None`` for the reference's
+            handles): combine and cached dispatch refuse a handle of another group, which
+            includes a group aborted and re-created since (a new group has a new name).
     """
 
     num_ranks: int
@@ -94,6 +97,7 @@ class DispatchHandle:
     recv_src_idx: torch.Tensor
     recv_src_rank: torch.Tensor
     num_worst_tokens: int = 0
+    group_name: str | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +177,8 @@ class LowLatencyHandle:
         buffer_index: ``0``. Kept for the reference's layout; the NVSHMEM kernels track the
             buffer of each dispatch themselves (by the identity of ``layout_range``), so this
             field says nothing about it.
+        group_name: the process group the dispatch ran on (``None`` for the reference's
+            handles): ``low_latency_combine`` refuses a handle of another group.
     """
 
     src_info: torch.Tensor
@@ -182,6 +188,7 @@ class LowLatencyHandle:
     num_experts: int
     num_ranks: int
     buffer_index: int = 0
+    group_name: str | None = field(default=None, compare=False)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from ._fallback import _check_fallback
 from ._groups import Group, _group, _group_state, get_backend
 from ._streams import _run
 from .handles import LowLatencyDispatchOutput, LowLatencyHandle
+from .moe import _check_handle_group
 
 __all__ = [
     "get_low_latency_combine_buffer",
@@ -127,6 +128,7 @@ def low_latency_dispatch(
         hidden=x.shape[1],
         num_experts=num_experts,
         num_ranks=pg.size(),
+        group_name=pg.group_name,
     )
     hook = None
     if return_recv_hook:
@@ -188,6 +190,7 @@ def low_latency_combine(
     try:
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
+        _check_handle_group(handle.group_name, pg)
         _require_tensor(x, "x")
         _require_tensor(topk_idx, "topk_idx")
         _require_tensor(topk_weights, "topk_weights")

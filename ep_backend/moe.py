@@ -316,7 +316,7 @@ def all_to_all_moe_dispatch(
                     "with handle= (cached dispatch), topk_idx, topk_weights, num_experts and "
                     "layout must be None"
                 )
-            _check_handle(handle)
+            _check_handle(handle, pg)
         else:
             if topk_idx is None or num_experts is None:
                 raise ValueError("topk_idx and num_experts are required without a handle")
@@ -373,6 +373,7 @@ def all_to_all_moe_dispatch(
         recv_src_idx=src_idx,
         recv_src_rank=src_rank,
         num_worst_tokens=num_worst_tokens,
+        group_name=pg.group_name,
     )
     out = DispatchOutput(
         recv_x=recv_x,
@@ -408,9 +409,20 @@ def _routing(handle: DispatchHandle) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _check_handle(handle: Any) -> None:
+def _check_handle(handle: Any, pg: dist.ProcessGroup) -> None:
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
+    _check_handle_group(handle.group_name, pg)
+
+
+def _check_handle_group(group_name: str | None, pg: dist.ProcessGroup) -> None:
+    """A handle of another group (or of one aborted and re-created since) is refused."""
+    if group_name is not None and group_name != pg.group_name:
+        raise ValueError(
+            f"the handle was made on group {group_name!r}, this call is on group "
+            f"{pg.group_name!r} (a handle belongs to its group; after ep_backend.abort and a new "
+            "group, dispatch again)"
+        )
 
 
 def _cached_dispatch(
@@ -480,7 +492,7 @@ def combine(
     pg = _group(group)
     biases: list[torch.Tensor | None]
     try:
-        _check_handle(handle)
+        _check_handle(handle, pg)
         _require_tensor(x, "x")
         _require_tensor(topk_weights, "topk_weights", optional=True)
         _check_previous_event(previous_event, x.device)

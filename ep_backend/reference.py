@@ -19,6 +19,7 @@ This module imports only ``torch`` and ``.handles``; it never loads the C++ exte
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,14 +106,84 @@ def _all_to_all_rows(
     return recv.view(t.dtype).reshape(sum(recv_counts), *t.shape[1:])
 
 
-def _exchange_per_rank(values: torch.Tensor, group: Group) -> torch.Tensor:
+def _all_to_all_rows_among_live(
+    t: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: Group,
+    masked: Sequence[int],
+) -> torch.Tensor:
+    """``_all_to_all_rows`` among the ranks not in ``masked`` only (point to point).
+
+    A masked rank takes no part (it need not even call this); the counts to and from it must be
+    zero. Same arguments and result as ``_all_to_all_rows``.
+    """
+    num_ranks, rank = _group_size_and_rank(group)
+    send_counts = [int(c) for c in send_counts]
+    recv_counts = [int(c) for c in recv_counts]
+    assert all(send_counts[r] == 0 and recv_counts[r] == 0 for r in masked), (
+        "rows to or from a masked rank"
+    )
+    send = _rows_as_bytes(t)
+    recv = send.new_empty((sum(recv_counts), send.shape[1]))
+    send_off = [0, *itertools.accumulate(send_counts)]
+    recv_off = [0, *itertools.accumulate(recv_counts)]
+    works = []
+    for r in range(num_ranks):
+        mine, theirs = send[send_off[r] : send_off[r + 1]], recv[recv_off[r] : recv_off[r + 1]]
+        if r == rank:
+            theirs.copy_(mine)
+            continue
+        peer = r if group is None else dist.get_global_rank(group, r)
+        if mine.shape[0] > 0:
+            works.append(dist.isend(mine.contiguous(), peer, group=group))
+        if theirs.shape[0] > 0:
+            works.append(dist.irecv(theirs, peer, group=group))
+    for work in works:
+        work.wait()
+    return recv.view(t.dtype).reshape(sum(recv_counts), *t.shape[1:])
+
+
+def _exchange_per_rank(
+    values: torch.Tensor, group: Group, masked: Sequence[int] | None = None
+) -> torch.Tensor:
     """Send ``values[r]`` to rank ``r``; return ``out`` with ``out[s]`` = what rank ``s`` sent.
 
-    ``values`` is ``[R, *row]``; the result has the same shape and dtype.
+    ``values`` is ``[R, *row]``; the result has the same shape and dtype. With ``masked``, only
+    the other ranks take part, and ``out[s]`` of a masked ``s`` is zero.
     """
     num_ranks = values.shape[0]
-    ones = [1] * num_ranks
-    return _all_to_all_rows(values, ones, ones, group)
+    if masked is None:
+        ones = [1] * num_ranks
+        return _all_to_all_rows(values, ones, ones, group)
+    live = [0 if r in masked else 1 for r in range(num_ranks)]
+    received = _all_to_all_rows_among_live(values[[r for r in range(num_ranks) if live[r]]],
+                                           live, live, group, masked)  # fmt: skip
+    out = values.new_zeros(values.shape)
+    out[[r for r in range(num_ranks) if live[r]]] = received
+    return out
+
+
+def _check_mask(mask: Sequence[int] | None, num_ranks: int, rank: int) -> list[int] | None:
+    """``mask`` as a sorted list of masked ranks (None: no masking), checked."""
+    if mask is None:
+        return None
+    masked = sorted({int(r) for r in mask})
+    assert all(0 <= r < num_ranks for r in masked), f"mask names ranks outside the group: {mask}"
+    assert rank not in masked, "a masked rank takes no part in the call"
+    return masked
+
+
+def _without_masked_ranks(
+    topk_idx: torch.Tensor, masked: Sequence[int], experts_per_rank: int
+) -> torch.Tensor:
+    """``topk_idx`` with every entry naming an expert of a masked rank set to -1 (absent)."""
+    if not masked:
+        return topk_idx
+    on_masked = torch.zeros_like(topk_idx, dtype=torch.bool)
+    for r in masked:
+        on_masked |= (topk_idx >= r * experts_per_rank) & (topk_idx < (r + 1) * experts_per_rank)
+    return torch.where(on_masked, torch.full_like(topk_idx, -1), topk_idx)
 
 
 def _group_size_and_rank(group: Group) -> tuple[int, int]:
@@ -717,12 +788,18 @@ def low_latency_dispatch(
     use_ue8m0: bool = False,
     cumulative_local_expert_recv_stats: torch.Tensor | None = None,
     group: Group = None,
+    mask: Sequence[int] | None = None,
 ) -> LowLatencyDispatchOutput:
     """Low-latency dispatch: one row per ``(token, selected expert)`` into a per-expert layout.
 
     For local expert ``le`` of the receiving rank, rows are packed from slot 0: all rows from
     source rank 0, then rank 1, ...; within a source rank by source token index, then ``k``.
     With ``use_fp8`` each token is quantised by its sender (``quantize_fp8_per128``).
+
+    Rank masking (``mask``, the ranks masked; called by the live ranks only): every entry of
+    ``topk_idx`` naming an expert of a masked rank counts as ``-1``, and a masked source sends
+    nothing (its ``layout_range`` counts are 0). The result is that of the unmasked call in
+    which the masked ranks passed ``T = 0`` and the live ranks' entries on masked ranks were -1.
 
     Args:
         x: BF16 ``[T, H]``, ``T <= M``, ``H % 128 == 0``.
@@ -734,6 +811,7 @@ def low_latency_dispatch(
         use_ue8m0: pack the scales as UE8M0 (needs ``round_scale`` and ``H % 512 == 0``).
         cumulative_local_expert_recv_stats: optional int32 ``[E_loc]``; ``+= recv_count``.
         group: process group (default: WORLD).
+        mask: ranks masked (``ep_backend.low_latency_update_mask``), or None.
 
     Returns:
         ``LowLatencyDispatchOutput``: ``recv_x`` ``[E_loc, R*M, H]`` BF16 or float8_e4m3fn
@@ -742,7 +820,8 @@ def low_latency_dispatch(
         ``handle`` (``src_info`` int32 ``[E_loc, R*M]``, -1 past ``recv_count``;
         ``layout_range`` int64 ``[E_loc, R]``); ``hook=None``; ``work=None``.
     """
-    num_ranks, _ = _group_size_and_rank(group)
+    num_ranks, rank = _group_size_and_rank(group)
+    masked = _check_mask(mask, num_ranks, rank)
     max_tokens = num_max_dispatch_tokens_per_rank
     assert x.dim() == 2 and x.dtype == torch.bfloat16, "x must be BF16 [T, H]"
     num_tokens, hidden = x.shape
@@ -754,16 +833,21 @@ def low_latency_dispatch(
     _check_topk_idx(topk_idx, num_experts)
     experts_per_rank = num_experts // num_ranks
     slots = num_ranks * max_tokens
+    if masked is not None:
+        topk_idx = _without_masked_ranks(topk_idx, masked, experts_per_rank)
 
     # Sender: entries sorted by (destination rank, local expert, token, k).
     entry_token, _, per_expert = _ll_send_plan(topk_idx, num_experts)
     assert int(per_expert.max()) <= max_tokens, "a rank may send at most M rows to one expert"
     send_matrix = per_expert.reshape(num_ranks, experts_per_rank)  # [dest rank, local expert]
-    recv_matrix = _exchange_per_rank(send_matrix, group).to(x.device)  # [src rank, local expert]
+    # [src rank, local expert]
+    recv_matrix = _exchange_per_rank(send_matrix, group, masked).to(x.device)
     send_counts = send_matrix.sum(dim=1).tolist()
     recv_counts = recv_matrix.sum(dim=1).tolist()
 
     def exchange(t: torch.Tensor) -> torch.Tensor:
+        if masked is not None:
+            return _all_to_all_rows_among_live(t, send_counts, recv_counts, group, masked)
         return _all_to_all_rows(t, send_counts, recv_counts, group)
 
     if use_fp8:
@@ -837,8 +921,13 @@ def low_latency_combine(
     *,
     out: torch.Tensor | None = None,
     group: Group = None,
+    mask: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Low-latency combine: weighted sum of each token's expert outputs, in ``k`` order.
+
+    Rank masking (``mask``, called by the live ranks only): entries on a masked rank are
+    absent (skipped like ``-1``), and nothing goes back to a masked source, also when the rank
+    was masked after the dispatch.
 
     ``out[t] = bf16(acc)`` where ``acc`` (float32) starts at +0.0 and, for ``k = 0 .. K-1``
     with ``topk_idx[t, k] >= 0``: ``acc = acc + topk_weights[t, k] * float32(y)``, ``y`` being
@@ -852,11 +941,13 @@ def low_latency_combine(
         handle: the ``LowLatencyHandle`` of that dispatch.
         out: optional BF16 ``[T, H]`` to write the result into.
         group: process group (default: WORLD).
+        mask: ranks masked (``ep_backend.low_latency_update_mask``), or None.
 
     Returns:
         BF16 ``[T, H]`` (``out`` when given). Tokens without experts give 0.
     """
     num_ranks = _check_handle_group(handle, group)
+    masked = _check_mask(mask, num_ranks, _group_size_and_rank(group)[1])
     experts_per_rank = handle.num_experts // num_ranks
     slots = num_ranks * handle.num_max_dispatch_tokens_per_rank
     hidden = handle.hidden
@@ -871,6 +962,10 @@ def low_latency_combine(
     # Expert side: return every valid slot to its source rank; for each source rank, local
     # experts ascending, slots ascending: exactly the order in which that rank sent them.
     begin, count = _decode_layout_range(handle.layout_range)
+    if masked:
+        count = count.clone()
+        count[:, masked] = 0
+        topk_idx = _without_masked_ranks(topk_idx, masked, experts_per_rank)
     begin_list, count_list = begin.tolist(), count.tolist()
     back_rows = []
     for s in range(num_ranks):
@@ -883,7 +978,10 @@ def low_latency_combine(
     # Token side: receive the rows in the order of this rank's dispatch entries.
     entry_token, entry_k, per_expert = _ll_send_plan(topk_idx, handle.num_experts)
     recv_counts = per_expert.reshape(num_ranks, experts_per_rank).sum(dim=1).tolist()
-    returned = _all_to_all_rows(send_back, send_counts, recv_counts, group)
+    if masked is not None:
+        returned = _all_to_all_rows_among_live(send_back, send_counts, recv_counts, group, masked)
+    else:
+        returned = _all_to_all_rows(send_back, send_counts, recv_counts, group)
 
     y = torch.zeros((num_tokens, num_topk, hidden), dtype=torch.float32, device=x.device)
     y[entry_token, entry_k] = returned.float()

@@ -9,6 +9,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_ops.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/rank_mask.hpp"
 #include "backend/transport.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 #ifdef EP_WITH_CUDA
@@ -288,6 +289,42 @@ void bindProcessGroup(py::module_& m) {
       .def("_low_latency_combine_buffer", &ep::nvshmem::combineBuffer, py::arg("layout_range"),
            py::arg("num_max_dispatch_tokens_per_rank"), py::arg("num_experts"), py::arg("hidden"),
            "See ep_backend.get_low_latency_combine_buffer.")
+      .def(
+          "_low_latency_update_mask",
+          [](ep::EPProcessGroup& self, int64_t rank, bool masked) {
+            ep::updateRankMask(self, rank, masked);
+          },
+          py::arg("rank"), py::arg("masked"), "See ep_backend.low_latency_update_mask.")
+      .def(
+          "_low_latency_mask",
+          [](ep::EPProcessGroup& self) {
+            std::vector<int64_t> masked;
+            const auto snap = ep::rankMask(self);
+            for (size_t r = 0; r < snap.masked.size(); ++r) {
+              if (snap.masked[r] != 0) masked.push_back(static_cast<int64_t>(r));
+            }
+            return masked;
+          },
+          "The ranks this rank masks in low-latency calls, ascending.")
+      .def(
+          "_low_latency_clean_mask", [](ep::EPProcessGroup& self) { ep::cleanRankMask(self); },
+          "See ep_backend.low_latency_clean_mask.")
+      .def(
+          "_low_latency_auto_mask",
+          [](ep::EPProcessGroup& self, std::optional<double> timeout_s) {
+            std::optional<std::chrono::milliseconds> t;
+            if (timeout_s) {
+              TORCH_CHECK_VALUE(*timeout_s > 0,
+                                "ep low_latency_auto_mask: timeout must be "
+                                "positive, got ",
+                                *timeout_s);
+              t = std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000.0 + 0.5));
+            }
+            ep::setAutoMask(self, t);
+          },
+          py::arg("timeout_s"), "See ep_backend.low_latency_auto_mask.")
+      .def("_low_latency_mask_tensor", &ep::rankMaskDevice, py::arg("device"),
+           "The int32 [R] device copy of the mask the kernels read (1 = masked).")
       .def("_reserve", &ep::reserve, py::arg("device_index"), py::arg("num_tokens"),
            py::arg("hidden_bytes"), py::arg("topk"), py::arg("num_scales"), py::arg("num_experts"),
            py::call_guard<py::gil_scoped_release>(),

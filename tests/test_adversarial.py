@@ -72,8 +72,7 @@ def _two_groups(rank: int, world: int) -> list[str]:
     """Two "ep" groups on the same ranks, their calls interleaved (each group's calls in order,
     the groups' calls alternating); each group's results are those of its own inputs.
 
-    (From two Python threads at once the ranks can deadlock: the MoE ops hold the GIL while
-    they wait for their peers. Not yet fixed; see the report of issue 44.)"""
+    (From two Python threads at once: ``test_two_groups_from_two_threads_never_deadlock``.)"""
     import ep_backend as ep
     from ep_backend import reference as ref
 
@@ -89,6 +88,48 @@ def _two_groups(rank: int, world: int) -> list[str]:
 def test_two_groups_used_at_once_never_mix() -> None:
     for rank, failures in enumerate(run_distributed(_two_groups, 2, backend="ep", timeout=120)):
         assert failures == [], (rank, failures[:5])
+
+
+def _two_threads(rank: int, world: int) -> dict[str, Any]:
+    """Two "ep" groups, each used by its own thread; the ranks start their threads in opposite
+    orders, so each rank's first call waits for a peer whose own first call is on the other
+    group. The MoE ops release the GIL while they wait: both threads progress on every rank."""
+    import threading
+    import time
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    single_thread()
+    groups = [dist.new_group(backend="ep"), dist.new_group(backend="ep")]
+    results: dict[int, Any] = {}
+
+    def run(g: int) -> None:
+        try:
+            results[g] = _round_trips(ep, ref, groups[g], rank, world, 10 + g, 10)
+        except Exception as exc:  # reported to the parent
+            results[g] = [f"{type(exc).__name__}: {exc}"]
+
+    first = rank % 2  # rank 0 starts group 0's thread, rank 1 group 1's
+    threads = [threading.Thread(target=run, args=(g,)) for g in (first, 1 - first)]
+    start = time.monotonic()
+    threads[0].start()
+    time.sleep(0.5)  # the first thread is waiting for its peer's call on its group by now
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=90)
+    return {
+        "alive": [t.is_alive() for t in threads],
+        "failures": results.get(0, ["no result"]) + results.get(1, ["no result"]),
+        "seconds": time.monotonic() - start,
+    }
+
+
+def test_two_groups_from_two_threads_never_deadlock() -> None:
+    for rank, res in enumerate(run_distributed(_two_threads, 2, backend="ep", timeout=150)):
+        assert res["alive"] == [False, False], (rank, res)
+        assert res["failures"] == [], (rank, res["failures"][:5])
+        assert res["seconds"] < 60, (rank, res["seconds"])  # far below the 300 s group timeout
 
 
 def _rss_bytes() -> int:
@@ -182,3 +223,46 @@ def test_abort_and_recreate_frees_the_groups_gpu_memory() -> None:
         early = min(used for _, used in allocated[:2])
         late = min(used for _, used in allocated[-3:])
         assert late <= early + (8 << 20), (rank, allocated)
+
+
+def _foreign_handles(rank: int, world: int) -> dict[str, Any]:
+    """Handles of another group, or of a group aborted and re-created since, are refused on
+    every rank (nothing exchanged), and the next valid call is exact."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    single_thread()
+    first, second = dist.new_group(backend="ep"), dist.new_group(backend="ep")
+    x = torch.randn(5, 32).bfloat16()
+    idx = torch.randint(-1, 2 * world, (5, 2))
+    out: dict[str, Any] = {}
+
+    def outcome(call: Any) -> str:
+        try:
+            call()
+            return "no error"
+        except ep.MoEInputError as exc:
+            return str(exc)
+
+    a = ep.dispatch(x, idx, None, 2 * world, group=first)
+    out["combine"] = outcome(lambda: ep.combine(a.recv_x, a.handle, group=second))
+    out["cached"] = outcome(lambda: ep.dispatch(x, handle=a.handle, group=second))
+    ll = ep.low_latency_dispatch(torch.randn(5, 128).bfloat16(), idx, 8, 2 * world,
+                                 use_fp8=False, group=first)  # fmt: skip
+    y = ll.recv_x.clone()
+    out["ll_combine"] = outcome(
+        lambda: ep.low_latency_combine(y, idx, torch.ones(5, 2), ll.handle, group=second)
+    )
+    out["after"] = _round_trips(ep, ref, second, rank, world, 3, 1)
+    ep.abort(first)  # an older generation: a new group on the same ranks
+    renewed = dist.new_group(backend="ep")
+    out["renewed"] = outcome(lambda: ep.combine(a.recv_x, a.handle, group=renewed))
+    out["renewed_after"] = _round_trips(ep, ref, renewed, rank, world, 4, 1)
+    return out
+
+
+def test_handles_of_another_group_or_generation_are_refused() -> None:
+    for rank, res in enumerate(run_distributed(_foreign_handles, 2, backend="ep", timeout=120)):
+        for key in ("combine", "cached", "ll_combine", "renewed"):
+            assert "the handle was made on group" in res[key], (rank, key, res[key])
+        assert res["after"] == [] and res["renewed_after"] == [], (rank, res)

@@ -421,7 +421,7 @@ CASES: dict[str, Case] = {
     ),
     "cached_handle_from_other_group_size": Case(
         lambda c: c.ep.dispatch(c.x, handle=c.pick(c.out.handle, c.other_group_out.handle)),
-        "the handle was made on a group of",
+        "the handle was made on (a group of|group )",  # its group is checked first
     ),
     "cached_handle_is_a_tuple": Case(
         lambda c: c.ep.dispatch(c.x, handle=c.pick(c.out.handle, tuple(c.out.handle.__dict__))),
@@ -496,7 +496,7 @@ CASES: dict[str, Case] = {
             x=c.pick(c.out.recv_x, c.other_group_out.recv_x),
             handle=c.pick(c.out.handle, c.other_group_out.handle),
         ),
-        "the handle was made on a group of",
+        "the handle was made on (a group of|group )",  # its group is checked first
     ),
     "combine_disagree_on_hidden": Case(
         lambda c: c.combine(x=c.pick(c.out.recv_x, c.out.recv_x[:, : HIDDEN // 2].contiguous())),

@@ -112,7 +112,10 @@ class Buffer:
             nothing to enable.
         use_fabric: must be False (fabric memory handles: not in ep).
         explicitly_destroy: ``destroy()`` must then be called (and is allowed only then).
-        enable_shrink: must be False (DeepEP's rank masking is not in ep).
+        enable_shrink: allow rank masking (``low_latency_*_mask_buffer``), and mask a peer
+            that misses a low-latency call for the group's ``kernel_timeout_s`` instead of
+            failing the call (``ep_backend.low_latency_auto_mask``; the spec is
+            ``ep_backend.reference.low_latency_dispatch`` with ``mask``).
         comm: must be None (mpi4py bootstrap is not in ep; ep bootstraps through the group).
 
     Attributes:
@@ -159,10 +162,7 @@ class Buffer:
             )
         if _require_bool(use_fabric, "use_fabric"):
             raise NotImplementedError("deep_ep (ep): use_fabric=True is not available in ep")
-        if _require_bool(enable_shrink, "enable_shrink"):
-            raise NotImplementedError(
-                "deep_ep (ep): enable_shrink=True (rank masking) is not available in ep"
-            )
+        self.enable_shrink = _require_bool(enable_shrink, "enable_shrink")
         if comm is not None:
             raise NotImplementedError(
                 "deep_ep (ep): comm= (mpi4py bootstrap) is not available; pass a process group"
@@ -176,6 +176,10 @@ class Buffer:
         if self._backend.high_throughput_transport == "undecided":  # a group given as "ep"
             self._backend.options.num_sms = Buffer.num_sms
         self._streams = CommStreams()
+        if self.enable_shrink:
+            ep_backend.low_latency_auto_mask(
+                self._backend.options.kernel_timeout_s, group=self.ep_group
+            )
         # The last get_dispatch_layout: (its ep layout, weak ref to topk_idx, topk_idx version).
         self._last_layout: tuple[ep_backend.DispatchLayout, weakref.ref, int | None] | None = None
         self._destroyed = False
@@ -626,6 +630,48 @@ class Buffer:
         _require_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         _require_int(hidden, "hidden", 1)
         _require_int(num_experts, "num_experts", 1)
+
+    def _require_shrink(self, method: str) -> None:
+        self._check_open()
+        if not self.enable_shrink:
+            raise RuntimeError(f"deep_ep (ep): {method} needs Buffer(enable_shrink=True)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (``mask=True``) or unmasks a rank in this rank's low-latency calls.
+
+        A masked rank is sent nothing and waited for by nobody; its experts' entries count as
+        -1 (``ep_backend.low_latency_update_mask``). Local: every live rank masks it.
+
+        Raises:
+            RuntimeError: without ``enable_shrink=True``.
+            TypeError / ValueError: ``rank_to_mask`` not a rank of the group, or this rank.
+        """
+        self._require_shrink("low_latency_update_mask_buffer")
+        _require_bool(mask, "mask")
+        if not isinstance(rank_to_mask, int) or isinstance(rank_to_mask, bool):
+            raise TypeError(f"rank_to_mask must be an int, got {type(rank_to_mask).__name__}")
+        ep_backend.low_latency_update_mask(rank_to_mask, mask, group=self.ep_group)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Writes the mask into ``mask_status`` (int32 ``[num_ranks]``, 1 = masked), in place.
+
+        Masks set automatically (a peer that missed a call, see ``enable_shrink``) are included.
+        """
+        self._require_shrink("low_latency_query_mask_buffer")
+        _require_tensor(mask_status, "mask_status", dim=1)
+        if mask_status.dtype != torch.int32 or mask_status.numel() != self.group_size:
+            raise ValueError(
+                f"mask_status must be int32 [{self.group_size}], got {mask_status.dtype} "
+                f"{list(mask_status.shape)}"
+            )
+        status = torch.zeros(self.group_size, dtype=torch.int32)
+        status[ep_backend.low_latency_query_mask(self.ep_group)] = 1
+        mask_status.copy_(status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank (local)."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        ep_backend.low_latency_clean_mask(self.ep_group)
 
     def low_latency_dispatch(
         self,

@@ -78,7 +78,7 @@ std::unique_ptr<HostExchange> HostExchange::connect(EPProcessGroup& pg, const st
     }
     pg.store()->set(prefix + "name", bytesOf(ok ? name : std::string()));
   } else {
-    pg.store()->wait({prefix + "name"}, pg.options()->timeout);
+    waitForKeys(*pg.store(), {prefix + "name"}, pg.options()->timeout);
     name = stringOf(pg.store()->get(prefix + "name"));
   }
   void* base = MAP_FAILED;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -14,6 +15,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/group_state.hpp"
 #include "backend/host_exchange.hpp"
+#include "backend/rank_mask.hpp"
 #include "backend/store_exchange.hpp"
 
 namespace ep {
@@ -487,6 +489,94 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   return all.view({num_ranks, width});
 }
 
+// The agreement among the live ranks of a masked low-latency call (RankMaskSnapshot::live_only):
+// each live rank posts its row in the group's store and reads its live peers' rows there, so a
+// masked rank, which makes no call, is never waited for. (Not Gloo point-to-point: a Gloo receive
+// that times out closes every connection of its context, and auto-masking must time out on a
+// peer and go on.) A masked rank's row reads as `masked_row`. With auto-masking, a peer whose
+// row does not come within the auto-mask timeout is masked (in `mask` and in the group's mask)
+// and reads as `masked_row` too; without it, the call fails naming the peer, as the all-rank
+// agreement does.
+at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t call, int phase,
+                                const std::vector<int64_t>& row,
+                                const std::vector<int64_t>& masked_row, RankMaskSnapshot& mask) {
+  const int64_t num_ranks = pg.getSize();
+  const int64_t rank = pg.getRank();
+  const int64_t width = static_cast<int64_t>(row.size());
+  const auto& store = pg.store();
+  const std::string prefix = "ep_live/" + pg.options()->group_name + "/";
+  auto key = [&](uint64_t c, int64_t r) {
+    return prefix + std::to_string(c) + "/" + std::to_string(phase) + "/" + std::to_string(r);
+  };
+  const auto* first = reinterpret_cast<const uint8_t*>(row.data());
+  store->set(key(call, rank), std::vector<uint8_t>(first, first + row.size() * sizeof(int64_t)));
+  if (call >= 2) {
+    // Every live peer has read this rank's row of call - 2: it posted its row of call - 1 (which
+    // this rank read) only after finishing call - 2.
+    try {
+      store->deleteKey(key(call - 2, rank));
+    } catch (const std::exception&) {
+      // A store without deleteKey keeps the key (a few hundred bytes per masked call).
+    }
+  }
+  at::Tensor all = at::empty({num_ranks, width}, at::kLong);
+  auto acc = all.accessor<int64_t, 2>();
+  const auto timeout = mask.auto_mask ? mask.auto_timeout : pg.options()->timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<int64_t> missing;
+  for (int64_t p = 0; p < num_ranks; ++p) {
+    const std::vector<int64_t>* source = &masked_row;
+    std::vector<int64_t> theirs;
+    if (p == rank) {
+      source = &row;
+    } else if (!mask.is_masked(p)) {
+      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     deadline - std::chrono::steady_clock::now()),
+                                 std::chrono::milliseconds(1));
+      try {
+        waitForKeys(*store, {key(call, p)}, left);
+        const std::vector<uint8_t> bytes = store->get(key(call, p));
+        TORCH_CHECK(bytes.size() == row.size() * sizeof(int64_t), "ep ", op, ": rank ", p,
+                    " posted a row of ", bytes.size(), " bytes, this rank expects ",
+                    row.size() * sizeof(int64_t));
+        theirs.resize(row.size());
+        std::memcpy(theirs.data(), bytes.data(), bytes.size());
+        source = &theirs;
+      } catch (const c10::Error& e) {
+        if (std::string(e.what()).find("posted a row") != std::string::npos) throw;
+        missing.push_back(p);
+      } catch (const std::exception&) {
+        missing.push_back(p);
+      }
+    }
+    for (int64_t i = 0; i < width; ++i) {
+      acc[p][i] = (*source)[static_cast<size_t>(i)];
+    }
+  }
+  if (missing.empty()) {
+    return all;
+  }
+  std::ostringstream names;
+  for (size_t i = 0; i < missing.size(); ++i) names << (i ? ", " : "") << missing[i];
+  if (!mask.auto_mask) {
+    std::ostringstream message;
+    message << "ep " << op << ": rank " << rank << " waited "
+            << std::chrono::duration_cast<std::chrono::seconds>(timeout).count()
+            << " s for the live ranks of the group to join this call; rank(s) " << names.str()
+            << " never joined it";
+    pg.markMoeUnusable("call #" + std::to_string(call) + " (" + op + ") failed: " + message.str());
+    TORCH_CHECK(false, message.str());
+  }
+  for (int64_t p : missing) {
+    updateRankMask(pg, p, true);
+    mask.masked[static_cast<size_t>(p)] = 1;
+    for (int64_t i = 0; i < width; ++i) {
+      acc[p][i] = masked_row[static_cast<size_t>(i)];
+    }
+  }
+  return all;
+}
+
 }  // namespace
 
 namespace {
@@ -522,9 +612,17 @@ std::string moeAgreementTransport(EPProcessGroup& pg) {
   return state->exchange ? "shared memory" : "gloo";
 }
 
-at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
-                            const std::vector<AgreedField>& fields,
-                            const std::vector<int64_t>& payload) {
+namespace {
+
+at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                 const std::vector<AgreedField>& fields_in, const std::vector<int64_t>& payload,
+                 RankMaskSnapshot* mask) {
+  const bool live_only = mask != nullptr && mask->live_only();
+  std::vector<AgreedField> fields = fields_in;
+  if (live_only) {  // the live ranks must mask the same ranks
+    fields.push_back(
+        {"the masked ranks (ep_backend.low_latency_update_mask)", mask->fingerprint()});
+  }
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
   if (C10_UNLIKELY(!pg.moeUsable())) {
     TORCH_CHECK(false, "ep ", op, ": this group's MoE calls cannot go on: ", pg.moeUnusableReason(),
@@ -553,7 +651,13 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
   if (inline_payload) {
     std::copy(payload.begin(), payload.end(), header.begin() + kHeaderWidth);
   }
-  at::Tensor all = allGatherRows(pg, op, call, header);
+  // A masked rank's row: this rank's own header, without an error and with an empty payload,
+  // so it passes every check and announces no rows.
+  std::vector<int64_t> absent_header(header.begin(), header.begin() + kHeaderWidth);
+  absent_header[0] = 0;
+  absent_header.resize(header.size(), 0);
+  at::Tensor all = live_only ? gatherAmongLiveRanks(pg, op, call, 0, header, absent_header, *mask)
+                             : allGatherRows(pg, op, call, header);
   auto acc = all.accessor<int64_t, 2>();
 
   // Calls of different kinds or numbers never pair: every rank names both (before any rank's
@@ -602,7 +706,25 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
   }
   // Phase 2: a longer payload, now known to have the same size everywhere (and to belong to
   // the same call: phase 1 agreed on it).
+  if (live_only) {
+    return gatherAmongLiveRanks(pg, op, call, 1, payload, std::vector<int64_t>(payload.size(), 0),
+                                *mask);
+  }
   return allGatherRows(pg, op, call, payload);
+}
+
+}  // namespace
+
+at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                            const std::vector<AgreedField>& fields,
+                            const std::vector<int64_t>& payload) {
+  return agree(pg, op, local_error, fields, payload, nullptr);
+}
+
+at::Tensor agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                               const std::vector<AgreedField>& fields,
+                               const std::vector<int64_t>& payload, RankMaskSnapshot& mask) {
+  return agree(pg, op, local_error, fields, payload, &mask);
 }
 
 void rejectCollectively(EPProcessGroup& pg, const char* op, const std::string& message) {

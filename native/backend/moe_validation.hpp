@@ -43,6 +43,15 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
                             const std::vector<AgreedField>& fields,
                             const std::vector<int64_t>& payload);
 
+// agreeAcrossRanks for the low-latency ops, which honour rank masking: with ranks masked or
+// auto-masking on (RankMaskSnapshot::live_only), the row goes point-to-point among the live ranks
+// only, a masked rank's payload reads as zeros, and the ranks must agree on the mask. A peer that
+// misses the call is masked (into `mask` too) when auto-masking is on.
+struct RankMaskSnapshot;
+at::Tensor agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                               const std::vector<AgreedField>& fields,
+                               const std::vector<int64_t>& payload, RankMaskSnapshot& mask);
+
 // Test hook (adversarial tests): rows this rank adds to every send count it announces in a
 // dispatch's agreement, as a faulty or malicious peer would; 0 (the default) in real use.
 void setTestCountInflation(int64_t rows);

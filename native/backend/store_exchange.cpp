@@ -4,11 +4,30 @@
 #include <torch/csrc/utils/cpp_stacktraces.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <thread>
 
 #include "backend/ep_process_group.hpp"
 
 namespace ep {
+
+void waitForKeys(c10d::Store& store, const std::vector<std::string>& keys,
+                 std::chrono::milliseconds timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  // A peer usually posts within microseconds to milliseconds: short sleeps first, then up to 2 ms
+  // (a TCPStore check is one round trip to the store's server).
+  auto pause = std::chrono::microseconds(20);
+  while (!store.check(keys)) {
+    if (std::chrono::steady_clock::now() - start > timeout) {
+      C10_THROW_ERROR(DistStoreError, "wait timeout after " + std::to_string(timeout.count()) +
+                                          "ms, keys: " + keys.front() +
+                                          (keys.size() > 1 ? " ..." : ""));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(2000));
+  }
+}
 
 std::vector<std::string> readAllStrings(EPProcessGroup& pg, const std::string& prefix,
                                         const std::string& what) {
@@ -19,7 +38,7 @@ std::vector<std::string> readAllStrings(EPProcessGroup& pg, const std::string& p
   }
   const auto timeout = pg.options()->timeout;
   try {
-    pg.store()->wait(keys, timeout);
+    waitForKeys(*pg.store(), keys, timeout);
   } catch (const std::exception& e) {
     std::string missing;
     for (int r = 0; r < n; ++r) {

@@ -3,6 +3,9 @@
 // `prefix + rank` and reads everyone's.
 #pragma once
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
 #include <exception>
 #include <string>
 #include <vector>
@@ -10,6 +13,13 @@
 namespace ep {
 
 class EPProcessGroup;
+
+// Waits until every key is in `store`, by polling check(): never Store::wait, which holds a
+// TCPStore client's lock for the whole wait, so a second thread of the process using the same
+// store (another group's call, waiting for a peer that waits for this thread's keys) could not
+// post its own keys, and the ranks would deadlock. Throws c10::DistStoreError after `timeout`.
+void waitForKeys(c10d::Store& store, const std::vector<std::string>& keys,
+                 std::chrono::milliseconds timeout);
 
 // All ranks' strings, in rank order (ours included). Collective. A rank that never posts makes
 // the others raise, after the group timeout, "<what>: rank r waited N s ...; rank(s) X never

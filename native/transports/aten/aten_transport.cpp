@@ -9,6 +9,7 @@
 #include "backend/dispatch_layout.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/rank_mask.hpp"
 #include "backend/transport.hpp"
 
 namespace ep::aten {
@@ -151,6 +152,75 @@ std::pair<at::Tensor, at::Tensor> entriesByExpert(const at::Tensor& topk_idx) {
   const at::Tensor experts = flat.index_select(0, positions);
   const at::Tensor order = std::get<1>(experts.sort(/*stable=*/true, 0, false));
   return {positions.index_select(0, order), experts};
+}
+
+// topk_idx with every entry on a masked rank set to -1: the spec's absent experts (valid ids
+// only: callers pass inputs that passed validation).
+at::Tensor withoutMaskedRanks(const at::Tensor& topk_idx, const RankMaskSnapshot& mask,
+                              int64_t experts_per_rank) {
+  if (!mask.live_only() || experts_per_rank <= 0 || topk_idx.numel() == 0) {
+    return topk_idx;
+  }
+  const int64_t num_ranks = static_cast<int64_t>(mask.masked.size());
+  std::vector<int64_t> bits(mask.masked.begin(), mask.masked.end());
+  const at::Tensor masked = at::tensor(bits, at::kLong).to(topk_idx.device()).gt(0);
+  const at::Tensor rank_of = topk_idx.to(at::kLong)
+                                 .clamp(0, num_ranks * experts_per_rank - 1)
+                                 .div(experts_per_rank, "floor");
+  const at::Tensor drop = masked.index_select(0, rank_of.reshape(-1))
+                              .reshape(topk_idx.sizes())
+                              .logical_and(topk_idx.ge(0));
+  return at::where(drop, at::full({}, -1, topk_idx.options()), topk_idx);
+}
+
+// allToAllRows among the live ranks of a masked call: point-to-point over the group's CPU
+// backend (a CUDA tensor goes through the host), nothing to or from a masked rank (its counts are
+// zero by construction: its rows were announced as absent).
+at::Tensor allToAllRowsAmongLive(EPProcessGroup& pg, const char* op, const at::Tensor& send,
+                                 int64_t row_bytes, const std::vector<int64_t>& send_counts,
+                                 const std::vector<int64_t>& recv_counts,
+                                 const RankMaskSnapshot& mask) {
+  // A tag of its own: pairs deliver in order, and the agreement's tags carry the call number.
+  constexpr int kTag = 0x3FFFFFF0;
+  const int64_t num_ranks = pg.getSize();
+  const int64_t rank = pg.getRank();
+  const at::Tensor out_rows = send.to(at::kCPU).contiguous().view({-1, row_bytes});
+  at::Tensor recv = at::empty({sum(recv_counts), row_bytes}, out_rows.options());
+  auto backend = pg.innerBackend(c10::DeviceType::CPU, op);
+  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> works;
+  int64_t send_at = 0, recv_at = 0;
+  for (int64_t p = 0; p < num_ranks; ++p) {
+    const int64_t n_out = send_counts[p], n_in = recv_counts[p];
+    if (p == rank) {
+      recv.narrow(0, recv_at, n_in).copy_(out_rows.narrow(0, send_at, n_out));
+    } else if (mask.is_masked(p)) {
+      TORCH_INTERNAL_ASSERT(n_out == 0 && n_in == 0, "rows announced for masked rank ", p);
+    } else {
+      if (n_out > 0) {
+        std::vector<at::Tensor> t{out_rows.narrow(0, send_at, n_out)};
+        works.emplace_back(p, backend->send(t, static_cast<int>(p), kTag));
+      }
+      if (n_in > 0) {
+        std::vector<at::Tensor> t{recv.narrow(0, recv_at, n_in)};
+        works.emplace_back(p, backend->recv(t, static_cast<int>(p), kTag));
+      }
+    }
+    send_at += n_out;
+    recv_at += n_in;
+  }
+  for (auto& [peer, work] : works) {
+    bool done = false;
+    std::string why = "timed out";
+    try {
+      done = work->wait(pg.options()->timeout);
+    } catch (const std::exception& e) {
+      why = e.what();
+      why = why.substr(0, why.find('\n'));
+    }
+    TORCH_CHECK(done, "ep ", op, ": rank ", rank, ": the exchange with rank ", peer,
+                " failed after the agreement (", why, "); mask it or abort the group");
+  }
+  return recv.to(send.device());
 }
 
 }  // namespace
@@ -401,12 +471,18 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   const int64_t rank = pg.getRank();
   std::string error = validateLowLatencyDispatch(a, num_ranks);
   const int64_t max_tokens = a.num_max_dispatch_tokens_per_rank;
+  RankMaskSnapshot mask = rankMask(pg);
   at::Tensor entry_token, per_expert;
-  if (error.empty()) {
+  // The entries this rank sends: those on masked ranks are absent.
+  auto plan = [&] {
     const int64_t topk = a.topk_idx.size(1);
-    const auto [positions, experts] = entriesByExpert(a.topk_idx);
+    const at::Tensor topk_idx = withoutMaskedRanks(a.topk_idx, mask, a.num_experts / num_ranks);
+    const auto [positions, experts] = entriesByExpert(topk_idx);
     per_expert = at::bincount(experts, {}, a.num_experts);
     entry_token = positions.div(topk, "floor");
+  };
+  if (error.empty()) {
+    plan();
     if (per_expert.numel() > 0 && per_expert.max().item<int64_t>() > max_tokens) {
       error =
           "ep low_latency_dispatch: a rank may send at most num_max_dispatch_tokens_per_rank "
@@ -417,7 +493,12 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
   const std::vector<AgreedField> fields = lowLatencyDispatchFields(a, ok);
   std::vector<int64_t> payload =
       ok ? toVector(per_expert) : std::vector<int64_t>(a.num_experts > 0 ? a.num_experts : 0, 0);
-  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
+  const std::vector<uint8_t> masked_before = mask.masked;
+  at::Tensor gathered =
+      agreeAmongLiveRanks(pg, "low_latency_dispatch", error, fields, payload, mask);
+  if (mask.masked != masked_before) {
+    plan();  // a peer was auto-masked in the agreement: nothing goes to it either
+  }
 
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const int64_t slots = num_ranks * max_tokens;
@@ -440,8 +521,11 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
     x_block = packer.add(a.x.index_select(0, entry_token));
   }
   const size_t src_block = packer.add(entry_token.to(at::kInt));
-  at::Tensor recv = allToAllRows(pg, "low_latency_dispatch", packer.packed(), packer.width,
-                                 send_counts, recv_counts);
+  at::Tensor recv = mask.live_only()
+                        ? allToAllRowsAmongLive(pg, "low_latency_dispatch", packer.packed(),
+                                                packer.width, send_counts, recv_counts, mask)
+                        : allToAllRows(pg, "low_latency_dispatch", packer.packed(), packer.width,
+                                       send_counts, recv_counts);
   const int64_t num_entries = recv.size(0);
 
   // Received segments are (src rank, local expert) in that order; segment (s, le) lands at
@@ -492,16 +576,28 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
   // Expert side: what goes back to each source rank; token side: what comes back from each.
   std::vector<int64_t> send_back(num_ranks, 0), expect(num_ranks, 0);
   at::Tensor begin, count, entry_token, entry_k;
-  if (ok) {
+  RankMaskSnapshot mask = rankMask(pg);
+  // Nothing goes back to a masked source and nothing comes from a masked expert rank (also when
+  // the rank was masked after the dispatch): its entries are absent from the sum.
+  auto plan = [&] {
     begin = a.layout_range.bitwise_right_shift(32);
     count = a.layout_range.bitwise_and(0xFFFFFFFFLL);
+    if (mask.live_only()) {
+      std::vector<int64_t> live(mask.masked.size());
+      for (size_t r = 0; r < live.size(); ++r) live[r] = mask.masked[r] != 0 ? 0 : 1;
+      count = count * at::tensor(live, at::kLong).to(count.device()).unsqueeze(0);
+    }
     send_back = toVector(count.sum(0));
     const int64_t topk = a.topk_idx.size(1);
-    const auto [positions, experts] = entriesByExpert(a.topk_idx);
+    const auto [positions, experts] =
+        entriesByExpert(withoutMaskedRanks(a.topk_idx, mask, experts_per_rank));
     entry_token = positions.div(topk, "floor");
     entry_k = positions.remainder(topk);
     at::Tensor per_expert = at::bincount(experts, {}, num_experts);
     expect = toVector(per_expert.reshape({num_ranks, experts_per_rank}).sum(1));
+  };
+  if (ok) {
+    plan();
   }
   std::vector<int64_t> payload = send_back;
   payload.insert(payload.end(), expect.begin(), expect.end());
@@ -510,7 +606,18 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
       {"hidden size H", ok ? a.x.size(2) : -1},
       {"experts per rank", experts_per_rank},
   };
-  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, payload);
+  const std::vector<uint8_t> masked_before = mask.masked;
+  at::Tensor gathered =
+      agreeAmongLiveRanks(pg, "low_latency_combine", error, fields, payload, mask);
+  if (mask.masked != masked_before) {
+    plan();  // a peer was auto-masked in the agreement: its rows are absent
+  }
+  for (int64_t p = 0; p < num_ranks && mask.live_only(); ++p) {
+    if (mask.is_masked(p)) {  // what live ranks announced for a peer masked since then
+      gathered.select(1, p).zero_();
+      gathered.select(1, num_ranks + p).zero_();
+    }
+  }
   checkRoutingAgrees("low_latency_combine", gathered, 0, rank);
 
   const int64_t hidden = a.x.size(2);
@@ -526,8 +633,11 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
   }
   RowPacker packer;
   packer.add(at::cat(back_rows));
-  at::Tensor returned =
-      allToAllRows(pg, "low_latency_combine", packer.packed(), packer.width, send_back, expect);
+  at::Tensor returned = mask.live_only()
+                            ? allToAllRowsAmongLive(pg, "low_latency_combine", packer.packed(),
+                                                    packer.width, send_back, expect, mask)
+                            : allToAllRows(pg, "low_latency_combine", packer.packed(), packer.width,
+                                           send_back, expect);
   at::Tensor rows = bytesToRows(returned, 0, packer.width, at::kBFloat16, {hidden});
 
   const int64_t num_tokens = a.topk_idx.size(0);

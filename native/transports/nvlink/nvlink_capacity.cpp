@@ -134,6 +134,11 @@ NvlinkRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Devic
   pg.store()->set(prefix + std::to_string(pg.getRank()),
                   std::vector<uint8_t>(handle.begin(), handle.end()));
   std::vector<std::vector<char>> all(pg.getSize());
+  std::vector<std::string> keys;
+  for (int r = 0; r < pg.getSize(); ++r) {
+    keys.push_back(prefix + std::to_string(r));
+  }
+  waitForKeys(*pg.store(), keys, pg.options()->timeout);  // not get's wait: see waitForKeys
   for (int r = 0; r < pg.getSize(); ++r) {
     auto v = pg.store()->get(prefix + std::to_string(r));
     all[r] = std::vector<char>(v.begin(), v.end());

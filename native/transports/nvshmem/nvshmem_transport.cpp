@@ -29,6 +29,7 @@
 #include "backend/gpu_identity.hpp"
 #include "backend/kernel_image.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/rank_mask.hpp"
 #include "backend/stream_capture.hpp"
 #include "transports/nvshmem/cuda/nvshmem_capi.h"
 #include "transports/nvshmem/cuda/nvshmem_runtime.hpp"
@@ -325,6 +326,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
     pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + (rc == 0 ? written : 0)));
     check(rc, "low_latency setup", err);
   }
+  waitForKeys(*pg.store(), {key}, pg.options()->timeout);  // not get's wait: see waitForKeys
   const std::vector<uint8_t> uid = pg.store()->get(key);
   TORCH_CHECK(!uid.empty(),
               "ep low_latency setup: rank 0 could not get an NVSHMEM unique id (see "
@@ -499,7 +501,9 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   std::vector<AgreedField> fields = lowLatencyDispatchFields(a, ok);
   fields.push_back({"a CUDA graph captured on the NVSHMEM buffers", st->graph_captured ? 1 : 0});
   const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0, pendingReceives(*st)};
-  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_dispatch", error, fields, payload);
+  RankMaskSnapshot mask = rankMask(pg);
+  at::Tensor gathered =
+      agreeAmongLiveRanks(pg, "low_latency_dispatch", error, fields, payload, mask);
   int64_t max_topk = 1;
   int64_t pending = 0;  // receives still awaited, over all ranks
   auto g = gathered.accessor<int64_t, 2>();
@@ -523,6 +527,14 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
               " need new NVSHMEM buffers, but a dispatch still awaits its recv hook (on some "
               "rank); call the hooks first (nothing was exchanged)");
 
+  // Building the buffers is collective over every rank (a barrier): not while one is masked.
+  TORCH_CHECK(!mask.live_only() ||
+                  (st->runtime != nullptr && fits(st->config, m, hidden, max_topk, a.num_experts)),
+              "ep low_latency_dispatch: M=", m, ", H=", hidden, ", top-k=", max_topk,
+              ", E=", a.num_experts,
+              " need new NVSHMEM buffers, which every rank must build together; not possible "
+              "while ranks are masked or auto-masking is on (keep the shapes of the calls made "
+              "before; nothing was exchanged)");
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
@@ -564,6 +576,8 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   args.zero_padding = false;
   args.phases = send_only ? nvshmem::kPhaseSend : nvshmem::kPhaseBoth;
   args.timeout_seconds = pg.options()->kernel_timeout_s;  // per call: settable live
+  // Always the group's device mask (stable address): a graph captured now honours later masks.
+  args.rank_mask = rankMaskDevice(pg, device).data_ptr<int>();
   int buffer = 0;
   char err[1024] = {0};
   check(library().dispatch(rt, &args, c10::cuda::getCurrentCUDAStream(device.index()).stream(),
@@ -628,9 +642,14 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   // on every rank (a copy, an older one, another dispatch's) sends every rank down the ATen path
   // together, which reads the same handle format.
   const int64_t seq = buffer >= 0 ? static_cast<int64_t>(handle->seq) : -1;
-  at::Tensor gathered = agreeAcrossRanks(pg, "low_latency_combine", error, fields, {buffer, seq});
+  RankMaskSnapshot mask = rankMask(pg);
+  at::Tensor gathered =
+      agreeAmongLiveRanks(pg, "low_latency_combine", error, fields, {buffer, seq}, mask);
   auto g = gathered.accessor<int64_t, 2>();
   for (int64_t r = 0; r < g.size(0); ++r) {
+    if (mask.is_masked(r)) {
+      continue;  // its row reads as zeros: it takes no part
+    }
     if (g[r][0] < 0 || g[r][0] != buffer || g[r][1] != seq) {
       return std::nullopt;  // every rank sees the same gathered rows: all take the ATen path
     }
@@ -652,6 +671,7 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   args.out = out.data_ptr();
   args.phases = nvshmem::kPhaseBoth;
   args.timeout_seconds = pg.options()->kernel_timeout_s;  // per call: settable live
+  args.rank_mask = rankMaskDevice(pg, device).data_ptr<int>();
   char err[1024] = {0};
   check(
       library().combine(st->runtime, &args,

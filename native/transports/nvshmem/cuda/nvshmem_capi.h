@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_NVSHMEM_ABI_VERSION 4
+#define EP_NVSHMEM_ABI_VERSION 5
 
 namespace ep {
 struct NvshmemConfig;

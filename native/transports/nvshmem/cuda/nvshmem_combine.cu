@@ -5,8 +5,9 @@
 // token had a single entry there (the token side weights it). At EP2 with top-8 of 16 experts
 // that is half the bytes of returning every (token, expert) row.
 //
-// Sequence numbers: a call on buffer b uses the seq of b's dispatch (ControlBlock); every flag
-// below is set to it, so nothing needs resetting.
+// Numbers (ControlBlock): the dispatch's messages are found by the seq of b's dispatch; every
+// weight, weights flag and partial flag below carries this combine's own number (combine_seq[b]
+// + 1), so nothing needs resetting and a combine never reads what an earlier one left.
 // SEND (expert side, rank r):
 //  0. This rank's weights [T, K] go to every rank (comb_weights[r], stride max_topk), each as a
 //     tagged word (weight_word: the call's tag and the float32 bits), then the rank's weights
@@ -58,8 +59,9 @@ struct CombineShared {
   int items;
   int weights_of;  // SEND, put path: source whose weights flag this block has seen, or -1
   int fail;
-  uint64_t seq;  // the dispatch's sequence number, loaded by thread 0 (read after a barrier)
-  int stride;    // the dispatch's message stride, likewise
+  uint64_t seq;   // the dispatch's call number, loaded by thread 0 (read after a barrier)
+  uint64_t call;  // this combine's number (ControlBlock::combine_seq), likewise: its signals
+  int stride;     // the dispatch's message stride, likewise
   // SEND: items stored and not yet released: destination rank, token, entry count.
   int pending_rank[kMaxPending];
   int pending_token[kMaxPending];
@@ -103,9 +105,10 @@ __device__ bool send_weights(const CombineParams& p, const CombineShared& sh, in
   if (static_cast<int>(blockIdx.x) >= R) return true;
   const float first = tid < n ? weight(tid) : 0.0f;
   if (__syncthreads_or(abort_seen)) return false;
-  const uint64_t seq = sh.seq;
-  const uint32_t tag = weight_tag(seq);
+  const uint64_t call = sh.call;
+  const uint32_t tag = weight_tag(call);
   for (int d = static_cast<int>(blockIdx.x); d < R; d += G) {
+    if (rank_masked(c, d)) continue;  // block-uniform: the barriers below stay matched
     char* peer = c.peer[d];
     const size_t area = c.layout.comb_weights_offset + size_t(c.rank) * c.max_tokens * KM * 8;
     uint64_t* dst = reinterpret_cast<uint64_t*>(
@@ -118,10 +121,10 @@ __device__ bool send_weights(const CombineParams& p, const CombineShared& sh, in
     __syncthreads();
     const size_t flag = c.layout.comb_wflag_offset + size_t(c.rank) * 8;
     if (kP2P || peer != nullptr) {
-      if (tid == 0) st_release_sys(reinterpret_cast<uint64_t*>(peer + flag), seq);
+      if (tid == 0) st_release_sys(reinterpret_cast<uint64_t*>(peer + flag), call);
     } else if (!kP2P && warp_id() == 0) {
       const size_t bytes = size_t(max(p.num_tokens, 1)) * KM * 8;
-      warp_put_signal(c, d, area, reinterpret_cast<const char*>(dst), bytes, flag, seq);
+      warp_put_signal(c, d, area, reinterpret_cast<const char*>(dst), bytes, flag, call);
     }
     __syncthreads();  // the staged weights may be rewritten for the next rank
   }
@@ -158,7 +161,8 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
   }
   if (__syncthreads_or(abort_seen)) return false;
   const int items = sh.items;
-  const uint64_t seq = sh.seq;
+  const uint64_t seq = sh.seq;    // the dispatch's: its message flags
+  const uint64_t call = sh.call;  // this combine's: the weights it waits for, what it sends
   // The dispatch's messages (BF16 or FP8: their stride was recorded by its RECV).
   const int stride = sh.stride;
   // A block's items are stored back to back and their flags released together: a release waits
@@ -173,7 +177,9 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
     // The dispatch's slot (s, t) is still in this rank's receive area, final since its RECV (an
     // earlier kernel): with a message, its header says which rows of x belong to the token and
     // with which k. Block-uniform (every thread reads the same word).
-    const bool present = ld_volatile_u64(dflags + size_t(s) * M + t) == message_flag(seq, true);
+    // A source masked since the dispatch gets nothing back.
+    const bool present = !rank_masked(c, s) &&
+                         ld_volatile_u64(dflags + size_t(s) * M + t) == message_flag(seq, true);
     if (present) {
       const char* m = c.local + c.layout.disp_recv_offset + (size_t(s) * M + t) * stride;
       const int n = message_entries(m);
@@ -195,7 +201,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
         rows[tid] = static_cast<long long>(le) * R * M + begin + entry.y;
         k = key_k(entry.x);
         if (n > 1 && tagged) {
-          const uint32_t tag = weight_tag(seq);
+          const uint32_t tag = weight_tag(call);
           uint64_t word = 0;
           if (spin_wait(w, s,
                         [&] { return weight_word_is(word = ld_volatile_u64(words + k), tag); }))
@@ -206,7 +212,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
       }
       if (n > 1 && !tagged) {
         if (tid == 0 && sh.weights_of != s) {
-          if (spin_wait(w, s, [&] { return ld_acquire_sys(wflags + s) == seq; }))
+          if (spin_wait(w, s, [&] { return ld_acquire_sys(wflags + s) == call; }))
             sh.weights_of = s;
           else
             sh.fail = 1;
@@ -264,13 +270,13 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
       const size_t at = size_t(c.rank) * M + sh.pending_token[j];
       const size_t flag = c.layout.comb_flag_offset + at * 8;
       if (kP2P || c.peer[d] != nullptr) {
-        if (lane_id() == 0) st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), seq);
+        if (lane_id() == 0) st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), call);
       } else if constexpr (!kP2P) {
         const size_t bytes = size_t(H) * (sh.pending_entries[j] == 1 ? 2 : 4);
         const char* src = c.local + c.layout.comb_stage_offset +
                           (size_t(d) * M + sh.pending_token[j]) * size_t(H) * 4;
         warp_put_signal(c, d, c.layout.comb_recv_offset + at * size_t(H) * 4, src, bytes, flag,
-                        seq);
+                        call);
       }
     }
     __syncthreads();  // pending_* are rewritten by the next items
@@ -279,7 +285,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
   return true;
 }
 
-__device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq,
+__device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t call,
                            CombineShared& sh) {
   const Context& c = p.ctx;
   const int tid = static_cast<int>(threadIdx.x);
@@ -300,7 +306,8 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   if (tid == 0) sh.fail = 0;
   __syncthreads();
   for (int d = tid; d < R; d += kThreads)
-    if (!spin_wait(w, d, [&] { return ld_acquire_sys(wflags + d) == seq; })) sh.fail = 1;
+    if (!rank_masked(c, d) && !spin_wait(w, d, [&] { return ld_acquire_sys(wflags + d) == call; }))
+      sh.fail = 1;
   __syncthreads();
   if (sh.fail) return;
 
@@ -308,7 +315,9 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
   for (int t = t_begin; t < t_end; ++t) {
     // The token's destination ranks, first-appearance order, from the dispatch's routes.
     if (tid < 32) {
-      const int route = lane < K ? c.send_route[size_t(t) * K + lane] : -1;
+      // An entry on a rank masked since the dispatch is absent: no partial comes from it.
+      int route = lane < K ? c.send_route[size_t(t) * K + lane] : -1;
+      if (route >= 0 && rank_masked(c, route_rank(route))) route = -1;
       const int d = route_rank(route);
       const unsigned same = lanes_equal(d, 0, K);
       const int first = __ffs(same) - 1;
@@ -330,7 +339,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t seq
     const int nd = sh.count;
     if (tid < nd) {
       const uint64_t* f = flags + size_t(sh.dest[tid]) * M + t;
-      if (!spin_wait(w, sh.dest[tid], [&] { return ld_acquire_sys(f) == seq; })) sh.fail = 1;
+      if (!spin_wait(w, sh.dest[tid], [&] { return ld_acquire_sys(f) == call; })) sh.fail = 1;
     }
     __syncthreads();
     if (sh.fail) return;
@@ -377,15 +386,21 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   // Control words are read by one thread per block (all threads of all blocks reading the same
   // words queue thousands of requests on one L2 line at kernel start).
   int abort_seen = 0;
+  const bool send = (p.phases & kPhaseSend) != 0;
   if (threadIdx.x == 0) {
     sh.seq = ld_volatile_u64(&c.ctrl->dispatch_seq[c.buffer]);
+    // A SEND takes the buffer's next combine number; a RECV-only launch its SEND's.
+    sh.call = ld_volatile_u64(&c.ctrl->combine_seq[c.buffer]) + (send ? 1 : 0);
     sh.stride = ld_volatile_int(&c.ctrl->message_stride[c.buffer]);
     abort_seen = aborted(w) ? 1 : 0;
   }
-  const bool sent = (p.phases & kPhaseSend) ? send_phase<kP2P>(p, w, sh, abort_seen)
-                                            : !__syncthreads_or(abort_seen);
-  if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, sh.seq, sh);
+  const bool sent = send ? send_phase<kP2P>(p, w, sh, abort_seen) : !__syncthreads_or(abort_seen);
+  if (sent && (p.phases & kPhaseRecv)) recv_phase(p, w, sh.call, sh);
   __syncthreads();
+  if (threadIdx.x == 0 && send) {
+    const uint64_t call = sh.call;
+    finish_block(&c.ctrl->blocks_done[1], [&] { c.ctrl->combine_seq[c.buffer] = call; });
+  }
 }
 
 }  // namespace

@@ -40,13 +40,22 @@ using ::ep::kErrorNone;
 using ::ep::kErrorTimeout;
 
 // Private per-runtime control words (plain device memory, never touched by peers).
+//
+// Call tags: a dispatch's signals carry dispatch_seq[b] of its buffer, a combine's (weights,
+// weights flags, partial flags) combine_seq[b], each advanced by the SEND of its kind on that
+// buffer (a RECV-only launch takes its SEND's number), in device memory, so CUDA-graph replays
+// advance them too. A rank never takes a peer's signal of another call: ranks in different kinds
+// of call wait on different words, and a combine repeated or skipped on one rank waits for a
+// number its peers never send; either way they time out naming the peer, and nothing stale is
+// summed.
 struct ControlBlock {
-  uint64_t dispatch_seq[kNumBuffers];  // sequence number of the last dispatch SEND per buffer
+  uint64_t dispatch_seq[kNumBuffers];  // number of the last dispatch SEND per buffer
+  uint64_t combine_seq[kNumBuffers];   // number of the last combine SEND per buffer
   unsigned int blocks_done[4];         // finish counters: [dispatch, combine] x spare
   int abort;                           // set on timeout: every later spin-wait gives up
   int error_lock;                      // first-error-wins lock of the ErrorRecord
   int message_stride[kNumBuffers];     // of the last dispatch RECV per buffer (combine reads it)
-  int pad[20];
+  int pad[16];
 };
 static_assert(sizeof(ControlBlock) == 128, "control block must stay one 128-byte line");
 
@@ -182,6 +191,10 @@ struct Context {
   int* send_route;
   int* recv_tokens;  // private [R]: message slots (tokens) of each source in the buffer's dispatch
   long long timeout_ns;
+  // [R] int32 (or null): 1 = rank masked (ep_backend.low_latency_update_mask). A masked rank is
+  // sent nothing, waited for by nobody, and entries naming its experts count as -1. Read at
+  // every launch from device memory that the host updates between calls (CUDA-graph safe).
+  const int* rank_mask;
   int buffer;  // 0 or 1
   int rank;
   int num_ranks;

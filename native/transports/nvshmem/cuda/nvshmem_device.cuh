@@ -117,6 +117,11 @@ __device__ __forceinline__ int item_source(const int* first, int sources, int it
 
 // ---- errors and bounded waits -----------------------------------------------------------------
 
+// Whether rank r is masked for this call (Context::rank_mask).
+__device__ __forceinline__ bool rank_masked(const Context& c, int r) {
+  return c.rank_mask != nullptr && c.rank_mask[r] != 0;
+}
+
 struct Waiter {
   ControlBlock* ctrl;
   ErrorRecord* err;

@@ -152,10 +152,26 @@ __device__ __forceinline__ void quantize_share(const DispatchParams& p, int4 sha
                    warp + kThreads / 32, payload, scales);
 }
 
-// Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped).
-__device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i) {
+// The masked ranks (Context::rank_mask) as bits, rank r at bit r, for groups of up to 32 ranks;
+// whole warp. Its load does not depend on the entries, so it is in flight beside theirs (a load
+// of mask[rank of e] would wait for e).
+__device__ __forceinline__ unsigned masked_rank_bits(const Context& c) {
+  const int lane = lane_id();
+  const bool masked = c.rank_mask != nullptr && lane < c.num_ranks && c.rank_mask[lane] != 0;
+  return __ballot_sync(0xffffffffu, masked);
+}
+
+// Entry (t, k) as a valid expert id or -1 (invalid ids are reported once and skipped; an expert
+// of a masked rank is absent). `masked_bits`: masked_rank_bits (groups of more than 32 ranks
+// read the mask itself).
+__device__ __forceinline__ int entry_expert(const DispatchParams& p, const Waiter& w, size_t i,
+                                            unsigned masked_bits) {
   const long long e = load_idx(p.topk_idx, p.idx_bytes, i);
-  if (e >= 0 && e < p.num_experts) return static_cast<int>(e);
+  if (e >= 0 && e < p.num_experts) {
+    const int r = static_cast<int>(e) / (p.num_experts / p.ctx.num_ranks);
+    const bool masked = r < 32 ? ((masked_bits >> r) & 1u) != 0 : rank_masked(p.ctx, r);
+    return masked ? -1 : static_cast<int>(e);
+  }
   if (e != -1 && blockIdx.x == 0)
     report_error(w, kErrorInvalidTopkIdx, -1, e, static_cast<long long>(i));
   return -1;
@@ -186,7 +202,8 @@ struct DispatchShared {
 // Lane k < K of warp 0: entry (t, k) as an expert id, or -1.
 __device__ __forceinline__ int lane_entry(const DispatchParams& p, const Waiter& w, int t) {
   const int lane = lane_id();
-  return lane < p.num_topk ? entry_expert(p, w, size_t(t) * p.num_topk + lane) : -1;
+  const unsigned masked = masked_rank_bits(p.ctx);
+  return lane < p.num_topk ? entry_expert(p, w, size_t(t) * p.num_topk + lane, masked) : -1;
 }
 
 // Where message slot (c.rank, t) of destination j lies (P2P-mapped), or null: NVSHMEM put.
@@ -245,8 +262,10 @@ __device__ __forceinline__ int count_entry(const DispatchParams& p, const Waiter
   const int per_warp = 32 / K;
   const int my_token = lane_id() / K;
   const int t = (round * (kThreads / 32) + warp_id()) * per_warp + my_token;
-  return my_token < per_warp && t < p.num_tokens ? entry_expert(p, w, size_t(t) * K + lane_id() % K)
-                                                 : -1;
+  const unsigned masked = masked_rank_bits(p.ctx);
+  return my_token < per_warp && t < p.num_tokens
+             ? entry_expert(p, w, size_t(t) * K + lane_id() % K, masked)
+             : -1;
 }
 
 // SEND step 1, the whole block: the payload of each of the block's tokens goes to slot (r, t)
@@ -279,8 +298,9 @@ __device__ bool send_payloads(const DispatchParams& p, const Waiter& w, Dispatch
   if (__syncthreads_or(abort_seen)) return false;
   const uint64_t seq = sh.seq;
   for (int d = static_cast<int>(blockIdx.x) + tid * G; d < R; d += kThreads * G)
-    signal_set<kP2P>(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
-                     (seq << 32) | static_cast<uint64_t>(p.num_tokens));
+    if (!rank_masked(c, d))
+      signal_set<kP2P>(c, d, c.layout.disp_tokens_offset + size_t(c.rank) * 8,
+                       (seq << 32) | static_cast<uint64_t>(p.num_tokens));
   while (t < tokens.y) {
     const int nd = sh.num_dests;
     char* const staged_row = send_area + size_t(t) * R * msg.stride;
@@ -355,8 +375,9 @@ __device__ void count_phase(const DispatchParams& p, const Waiter& w, uint64_t s
       count = M;
     }
     const int slot = (e % E_loc) * R + c.rank;
-    signal_set<kP2P>(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
-                     (seq << 32) | static_cast<uint64_t>(count));
+    if (!rank_masked(c, e / E_loc))
+      signal_set<kP2P>(c, e / E_loc, c.layout.disp_count_offset + size_t(slot) * 8,
+                       (seq << 32) | static_cast<uint64_t>(count));
   }
 }
 
@@ -396,7 +417,7 @@ __device__ void send_headers(const DispatchParams& p, const Waiter& w, uint64_t 
     for (int d = tid; d < R; d += wg.threads()) {
       bool reached = false;
       for (int j = 0; j < nd; ++j) reached |= sh.dest[j] == d;
-      if (!reached) signal_set<kP2P>(c, d, flag, message_flag(seq, false));
+      if (!reached && !rank_masked(c, d)) signal_set<kP2P>(c, d, flag, message_flag(seq, false));
     }
     wg.sync();
     if (warp < nd) {
@@ -445,11 +466,12 @@ __device__ void recv_phase(const DispatchParams& p, const Waiter& w, uint64_t se
   for (int i = tid; i < E + R; i += threads) {
     const bool is_count = i < E;
     const uint64_t* f = is_count ? counts + i : tokens + (i - E);
-    uint64_t v = 0;
-    const bool ok = spin_wait(w, is_count ? i % R : i - E, [&] {
-      v = ld_acquire_sys(f);
-      return static_cast<uint32_t>(v >> 32) == want;
-    });
+    const int source = is_count ? i % R : i - E;
+    uint64_t v = 0;  // a masked source: no rows, no tokens, nothing to wait for
+    const bool ok = rank_masked(c, source) || spin_wait(w, source, [&] {
+                      v = ld_acquire_sys(f);
+                      return static_cast<uint32_t>(v >> 32) == want;
+                    });
     if (is_count)
       sh.rows[i] = static_cast<int>(v & 0xFFFFFFFFu);
     else

@@ -329,6 +329,7 @@ int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) 
   }
   nvshmem::DispatchParams p{};
   p.ctx = context(buffer, a.timeout_seconds);
+  p.ctx.rank_mask = a.rank_mask;
   p.x = static_cast<const uint16_t*>(a.x);
   static const long long kEmpty = -1;
   p.topk_idx = a.topk_idx != nullptr ? a.topk_idx : &kEmpty;
@@ -384,6 +385,7 @@ void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
   }
   nvshmem::CombineParams p{};
   p.ctx = ctx;
+  p.ctx.rank_mask = a.rank_mask;
   p.x = x;
   p.layout_range = reinterpret_cast<const long long*>(a.layout_range);
   p.topk_weights = a.topk_weights;

@@ -112,8 +112,9 @@ struct NvshmemDispatchArgs {
   int* cumulative_local_expert_recv_stats = nullptr;  // optional
   bool zero_padding = false;  // zero recv_x / recv_x_scales rows past recv_count
   int phases = nvshmem::kPhaseBoth;
-  int buffer_index = -1;       // -1: the next buffer (SEND, BOTH); required for RECV only
-  double timeout_seconds = 0;  // of this call's spin-waits; 0: config().timeout_seconds
+  int buffer_index = -1;           // -1: the next buffer (SEND, BOTH); required for RECV only
+  double timeout_seconds = 0;      // of this call's spin-waits; 0: config().timeout_seconds
+  const int* rank_mask = nullptr;  // device int32 [R], 1 = masked (nvshmem::Context), or null
 };
 
 // Combine arguments.
@@ -131,7 +132,8 @@ struct NvshmemCombineArgs {
   int buffer_index = 0;                   // returned by the dispatch
   void* out = nullptr;                    // BF16 [T, H]
   int phases = nvshmem::kPhaseBoth;
-  double timeout_seconds = 0;  // of this call's spin-waits; 0: config().timeout_seconds
+  double timeout_seconds = 0;      // of this call's spin-waits; 0: config().timeout_seconds
+  const int* rank_mask = nullptr;  // device int32 [R], 1 = masked (nvshmem::Context), or null
 };
 
 // A region of the symmetric heap seen as a contiguous row-major tensor.
