@@ -81,6 +81,9 @@ int ep_probe_ipc_open(const void* handle, void** ptr) {
   memcpy(&h, handle, sizeof(h));
   return cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess);
 }
+int ep_probe_copy_to_host(void* dst, const void* src, size_t bytes) {
+  return cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
+}
 int ep_probe_ipc_close(void* ptr) { return cudaIpcCloseMemHandle(ptr); }
 int ep_probe_handle_bytes() { return static_cast<int>(sizeof(cudaIpcMemHandle_t)); }
 const char* ep_probe_error(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
@@ -162,8 +165,11 @@ class PushLimitProbe:
         self.rows_per_peer = max(1, bytes_per_rank // (row_bytes * self.num_peers))
         slot_bytes = self.rows_per_peer * row_bytes
         self.bytes_per_launch = slot_bytes * self.num_peers  # leaves this GPU per launch
-        self.src = torch.randint(0, 255, (self.bytes_per_launch,), dtype=torch.uint8,
-                                 device=device)  # fmt: skip
+        # Seeded by rank: a test can rebuild any rank's rows and check where they landed.
+        gen = torch.Generator().manual_seed(rank)
+        self.src = torch.randint(0, 256, (self.bytes_per_launch,), dtype=torch.uint8,
+                                 generator=gen).to(device)  # fmt: skip
+        self.slot_bytes = slot_bytes
         self.recv = ctypes.c_void_p()
         self.opened: list[ctypes.c_void_p] = []
         with torch.cuda.device(device):
@@ -205,6 +211,31 @@ class PushLimitProbe:
         self._check(self.lib.ep_probe_push(ctypes.c_void_p(self.src.data_ptr()), self.dst,
                                            self.num_peers, self.rows_per_peer, self.row_bytes,
                                            num_sms, ctypes.c_void_p(stream)))  # fmt: skip
+
+    @staticmethod
+    def rows_sent(src_rank: int, dst_rank: int, world: int, rows_per_peer: int,
+                  row_bytes: int) -> torch.Tensor:  # fmt: skip
+        """What ``src_rank``'s launch writes into ``dst_rank``'s slot: uint8 [rows_per_peer,
+        row_bytes] on CPU (rows go round-robin over the sender's peers in rank order)."""
+        num_peers = world - 1
+        gen = torch.Generator().manual_seed(src_rank)
+        src = torch.randint(0, 256, (rows_per_peer * num_peers * row_bytes,), dtype=torch.uint8,
+                            generator=gen)  # fmt: skip
+        position = dst_rank if dst_rank < src_rank else dst_rank - 1
+        return src.view(rows_per_peer, num_peers, row_bytes)[:, position]
+
+    def received(self, src_rank: int) -> torch.Tensor:
+        """This rank's slot for ``src_rank``: uint8 [rows_per_peer, row_bytes] on CPU (after the
+        sender's launch completed: synchronise and meet at a barrier first)."""
+        if src_rank == self.rank or not 0 <= src_rank < self.world:
+            raise ValueError(f"received: src_rank {src_rank} is not a peer of rank {self.rank}")
+        out = torch.empty(self.rows_per_peer, self.row_bytes, dtype=torch.uint8)
+        self._check(self.lib.ep_probe_set_device(self.device.index))
+        self._check(self.lib.ep_probe_copy_to_host(
+            ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_void_p(self.recv.value + src_rank * self.slot_bytes),
+            ctypes.c_size_t(self.slot_bytes)))  # fmt: skip
+        return out
 
     def close(self) -> None:
         """Unmaps the peers' buffers and frees this rank's (after a device synchronise).

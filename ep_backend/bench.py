@@ -731,21 +731,34 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             gbps = entries * row_bytes / us / 1e3 if us else 0.0
             rows.append(Row(op, num_tokens, us, host_us, gbps, gbps, note, call_us))
 
-        # Each combine follows its own dispatch (a handle's kernel state serves one combine):
-        # the two are timed separately within each iteration. These rows are one call alone:
-        # its event span opens on an idle GPU right after a host barrier, so it holds the call's
-        # host launch work and the ranks' start skew, which a loop pays once, not per call.
-        alone = f"{transport}; one call alone" + (
-            " on an idle GPU (host work + rank skew inside)" if use_cuda else ""
+        # "time" as in the HT rows: queued behind a busy GPU with the GPUs in step, so the span
+        # holds the kernels and the gaps they cause, not the host's launch work. "call": one call
+        # alone on an idle GPU right after a host barrier; its span also holds the call's host
+        # launch work and the ranks' start skew, which a loop pays once, not per call. A combine
+        # needs its own dispatch first: its "time" is the queued pair minus the FP8 dispatch, its
+        # "call" and "host" come from the pair timed apart within each iteration.
+        def ll_fp8() -> object:
+            return ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
+
+        def ll_pair() -> object:
+            return ep.low_latency_combine(y, idx, weights, ll_fp8().handle)
+
+        q_fp8 = ll_timer.both(ll_fp8)
+        q_bf16 = ll_timer.both(
+            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False)
         )
-        t_fp8, t_comb = ll_timer.split(
-            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True),
-            lambda dd: ep.low_latency_combine(y, idx, weights, dd.handle),
-        )
-        t_bf16 = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False))
-        add("ll dispatch FP8", t_fp8, row_fp8, alone)
-        add("ll dispatch BF16", t_bf16, row_bf16, alone)
-        add("ll combine BF16", t_comb, row_bf16, alone)
+        q_pair = ll_timer.both(ll_pair)
+        _, t_comb = ll_timer.split(ll_fp8, lambda dd: ep.low_latency_combine(y, idx, weights,
+                                                                             dd.handle))  # fmt: skip
+        note = f"{transport}; time: queued, GPUs in step; call: alone on an idle GPU"
+        if not use_cuda:
+            note = transport
+        add("ll dispatch FP8", q_fp8[:2], row_fp8, note, q_fp8[2] if use_cuda else 0.0)
+        add("ll dispatch BF16", q_bf16[:2], row_bf16, note, q_bf16[2] if use_cuda else 0.0)
+        comb_us = q_pair[0] - q_fp8[0] if use_cuda else t_comb[0]
+        add("ll combine BF16", (comb_us, t_comb[1]), row_bf16,
+            note + (" (time: pair - FP8 dispatch)" if use_cuda else ""),
+            t_comb[0] if use_cuda else 0.0)  # fmt: skip
 
         # What a decode loop waits for: eager steps queued back to back, one sync at the end.
         def ll_step() -> object:

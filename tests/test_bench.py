@@ -117,3 +117,11 @@ def test_push_limit_probe_compiles_and_rejects_bad_launches(tmp_path) -> None:
         code = lib.ep_probe_push(None, peers, num_peers, 1, row_bytes, num_sms, None)
         assert code == 1, (num_peers, row_bytes, num_sms, code)  # cudaErrorInvalidValue
     assert lib.ep_probe_error(1) == b"invalid argument"
+
+
+def test_push_limit_rows_go_round_robin_over_the_senders_peers() -> None:
+    # rank 1 of 3 sends 4 rows per peer: rows 0, 2, 4, 6 to rank 0, rows 1, 3, 5, 7 to rank 2
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(0, 256, (8 * 16,), dtype=torch.uint8, generator=gen).view(8, 16)
+    assert torch.equal(PushLimitProbe.rows_sent(1, 0, 3, 4, 16), src[0::2])
+    assert torch.equal(PushLimitProbe.rows_sent(1, 2, 3, 4, 16), src[1::2])
