@@ -5,9 +5,17 @@ two local CPU processes (small default shape). It prints, per op, the median tim
 with the L2 cache flushed before every timed call, the max over ranks), remote GB/s (bytes that
 leave the GPU) and logical GB/s (all received rows × row bytes, local ones included), and, in the
 same run, the Megatron-style baseline: count exchange + host sync + permute + ``all_to_all_single``
-+ unpermute, both directions. With ``--sweep`` it also times dispatch+combine over T and writes a
-PNG plot. A low-latency (decode) section follows: dispatch (FP8, BF16) and combine latency at
-T=128, top-k of 16 experts (median of >= 200 calls on GPUs), hook-mode send/receive, a CUDA-graph
++ unpermute, both directions. On GPUs the first rows are the physical limit of the same run: every
+GPU pushing rows to all peers at once with the ops' SM budget (``Options.num_sms``) and with all
+SMs (``ep_backend/_push_limit.py``); every HT row's "% limit" is its remote GB/s over the limit at
+its SM budget. A loop row times layout + dispatch + combine queued for N steps with one sync,
+next to the bound "dispatch + combine bytes at the limit". ``--sm-sweep`` times dispatch and
+combine at num_sms 4..all SMs and prints the smallest count within 95% of each op's best. With
+``--sweep`` it also times dispatch+combine over T and writes a PNG plot. A low-latency (decode)
+section follows: dispatch (FP8, BF16) and combine latency of one call alone at
+T=128, top-k of 16 experts (median of >= 200 calls on GPUs), an eager loop of FP8 dispatch + BF16
+combine (µs per step, one sync at the end: what a decode loop waits for), hook-mode send/receive,
+a CUDA-graph
 replay of 16 calls when the NVSHMEM kernels are in use (timed after a host barrier, and again with
 the GPUs in step: one untimed replay right before), and two ``all_to_all_single`` of the same rows
 as the baseline; with ``--sweep`` also T = 1..256 (eager and graph rows, without hook mode).
@@ -37,11 +45,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from ep_backend._push_limit import PushLimitProbe
 
 _ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -60,6 +71,8 @@ class Row:
     logical_gbps: float
     note: str = ""
     call_us: float = 0.0  # HT rows: the same op called with the GPU idle (0: not timed so)
+    limit_pct: float = 0.0  # remote GB/s as % of the push limit at the ops' SM budget (0: none)
+    num_sms: int = 0  # Options.num_sms the row ran with (0: not an SM-budget row)
 
 
 def _free_port() -> int:
@@ -227,6 +240,51 @@ class _Timer:
             self.host_end.append(start.elapsed_time(mark) * 1e3 + (m1 - m0) / 1e3)
         return start.elapsed_time(end) * 1e3, host_us
 
+    def loop(self, step: Callable[[], object], steps: int) -> tuple[float, float, float]:
+        """A loop of ``steps`` calls of ``step`` with one sync at the end: (time, host, call) per
+        step, µs, medians over samples, max over ranks.
+
+        What a training or decode loop waits for: the host issues step k+1 while the GPU still runs
+        step k, so neither the host's launch work nor the ranks' skew at the start is paid per
+        step, only once per loop. Each sample starts after a host barrier and (``gpu_sync``) with
+        the GPUs in step. time: GPU span of the loop (events) / steps; host: the host's time to
+        issue the loop / steps; call: wall time until the end sync returned / steps. On CPU all
+        three are wall time.
+        """
+        for _ in range(self.warmup):
+            step()
+        samples = max(3, min(self.iters, 7))
+        times, hosts, calls = [], [], []
+        for _ in range(samples):
+            _host_barrier()
+            if self.flush is None:
+                h0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                wall = (time.perf_counter() - h0) * 1e6 / steps
+                times.append(wall)
+                hosts.append(wall)
+                calls.append(wall)
+                continue
+            if self.gpu_sync is not None:
+                self.gpu_sync()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            h0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            h1 = time.perf_counter()
+            end.record()
+            end.synchronize()
+            h2 = time.perf_counter()
+            times.append(start.elapsed_time(end) * 1e3 / steps)
+            hosts.append((h1 - h0) * 1e6 / steps)
+            calls.append((h2 - h0) * 1e6 / steps)
+        mine = torch.tensor([statistics.median(v) for v in (times, hosts, calls)],
+                            dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return float(mine[0]), float(mine[1]), float(mine[2])
+
     def aligned(self, replay: Callable[[], object]) -> float:
         """Median time of ``replay()`` when it starts with the GPUs in step (µs, max over ranks).
 
@@ -310,6 +368,76 @@ def _host_barrier() -> None:
             pass
 
 
+# num_sms settings of --sm-sweep (capped at the device's SM count, which is always included).
+SM_SWEEP = (4, 8, 12, 16, 20, 24, 32, 48, 64, 96, 132)
+
+
+def sm_sweep_counts(sm_count: int) -> list[int]:
+    """The SM budgets ``--sm-sweep`` times on a device of ``sm_count`` SMs, ascending."""
+    if sm_count < 1:
+        raise ValueError(f"sm_count {sm_count}: must be at least 1")
+    return sorted({n for n in SM_SWEEP if n < sm_count} | {sm_count})
+
+
+def smallest_sms_reaching(rows: list[dict], op: str, fraction: float = 0.95
+                          ) -> tuple[int, int, float] | None:  # fmt: skip
+    """(smallest num_sms whose time is within ``fraction`` of the best, best num_sms, best µs).
+
+    ``rows``: bench rows (dicts) of one op at several ``num_sms``; "within" means throughput:
+    ``best_us / us >= fraction``. None when ``op`` has no timed row.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction {fraction}: must be in (0, 1]")
+    timed = sorted((r["num_sms"], r["us"]) for r in rows if r["op"] == op and r["us"] > 0)
+    if not timed:
+        return None
+    best_sms, best_us = min(timed, key=lambda t: (t[1], t[0]))
+    smallest = next(n for n, us in timed if best_us / us >= fraction)
+    return smallest, best_sms, best_us
+
+
+def _open_push_limit_probe(
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    device: torch.device,
+    store: dist.Store,
+    shared_gpus: bool,
+) -> tuple[PushLimitProbe | None, str]:
+    """This rank's push-limit probe, or (None, why it cannot run)."""
+    if device.type != "cuda":
+        return None, "needs GPUs (one per rank)"
+    if shared_gpus:
+        return None, "ranks share a GPU (not a link figure)"
+    if world < 2:
+        return None, "needs at least 2 ranks"
+    from ep_backend._push_limit import MAX_PEERS, PushLimitProbe
+
+    if world > MAX_PEERS + 1:
+        return None, f"{world} ranks: the probe pushes to at most {MAX_PEERS} peers"
+    if not args.probe_lib:
+        return None, args.probe_reason
+    probe, why = None, ""
+    try:
+        probe = PushLimitProbe(Path(args.probe_lib), store, "ep_bench/push_limit", rank, world,
+                               device, args.hidden * 2, 64 << 20)  # fmt: skip
+    except (OSError, RuntimeError) as e:
+        why = f"probe failed on rank {rank}: {e}"
+        print(f"push limit: {why}", flush=True)
+    # Every rank measures the limit or none does (its timing is collective).
+    ok = torch.tensor([1 if probe is not None else 0], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if int(ok.item()) == 0 and probe is not None:
+        probe.close()
+        why = "the probe failed on another rank"
+    if int(ok.item()) == 0:
+        dist.barrier()  # every peer has unmapped the buffers before they are freed
+        if probe is not None:
+            probe.free()
+        return None, why
+    return probe, ""
+
+
 def _nccl_pipeline(x, idx, weights, num_experts: int, group) -> Callable[[], torch.Tensor]:
     """Megatron-style all-to-all dispatcher (permute, a2a, unpermute; then the way back)."""
     num_ranks = dist.get_world_size(group)
@@ -376,9 +504,62 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
     gpu_sync = (lambda: dist.all_reduce(sync_token)) if sync_token is not None else None
     timer = _Timer(device, args.iters, args.warmup, gpu_sync)
     # low latency: the median of >= 200 calls on GPUs (they are short)
-    ll_timer = _Timer(device, max(args.iters, 200) if use_cuda else args.iters, args.warmup)
+    ll_timer = _Timer(device, max(args.iters, 200) if use_cuda else args.iters, args.warmup,
+                      gpu_sync)  # fmt: skip
     hidden, topk, num_experts = args.hidden, args.topk, args.experts
     rows: list[Row] = []
+    ep_options = ep.get_backend(group).options
+    if args.num_sms:
+        ep_options.num_sms = args.num_sms
+    budget = int(ep_options.num_sms)  # the ops' SM budget: the limit's "%" column reads against it
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count if use_cuda else 0
+    probe, probe_why = _open_push_limit_probe(args, rank, world, device, store, shared_gpus)
+
+    def push_limit(num_sms: int) -> tuple[float, float]:
+        """(µs per launch, GB/s per GPU per direction), every GPU pushing to all peers at once."""
+        assert probe is not None and gpu_sync is not None
+        launches = 10
+        for _ in range(args.warmup):
+            probe.launch(num_sms)
+        samples = []
+        for _ in range(max(5, min(args.iters, 10))):
+            _host_barrier()
+            gpu_sync()  # the GPUs start in step: every link carries traffic both ways at once
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(launches):
+                probe.launch(num_sms)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / launches)
+        mine = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # as slow as the slowest GPU
+        us = float(mine[0])
+        return us, probe.bytes_per_launch / us / 1e3
+
+    limit: dict[int, float] = {}  # num_sms -> GB/s, measured once per run
+    limit_us: dict[int, float] = {}  # num_sms -> µs per launch of the limit's push
+
+    def measure_limit(num_tokens: int) -> None:
+        """The limit rows: all GPUs push to all peers, with the ops' SM budget and all SMs."""
+        settings = [(budget, f"{budget} SMs (Options.num_sms)")]
+        if sm_count and sm_count != budget:
+            settings.append((sm_count, f"all {sm_count} SMs"))
+        if probe is None:
+            rows.append(Row("limit: push to all peers", num_tokens, 0.0, 0.0, 0.0, 0.0,
+                            f"not run: {probe_why}"))  # fmt: skip
+            return
+        for num_sms, label in settings:
+            us, gbps = push_limit(num_sms)
+            limit[num_sms], limit_us[num_sms] = gbps, us
+            mib = probe.bytes_per_launch / 2**20
+            rows.append(Row(f"limit: push to all peers, {label}", num_tokens, us, 0.0, gbps, gbps,
+                            f"every GPU pushes {mib:.0f} MiB to its {world - 1} peer(s) at once",
+                            limit_pct=100.0 if num_sms == budget else 0.0,
+                            num_sms=num_sms))  # fmt: skip
+
+    def pct_of(gbps: float, num_sms: int) -> float:
+        return 100.0 * gbps / limit[num_sms] if limit.get(num_sms) and gbps else 0.0
 
     def measure(num_tokens: int, full: bool) -> None:
         x = torch.randn(num_tokens, hidden, device=device).bfloat16()
@@ -401,12 +582,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         row_fp8 = hidden + hidden // 128 * 4
 
         def add(op: str, t: tuple[float, float, float], row_bytes: int, remote: int,
-                logical: int, note: str = "") -> None:  # fmt: skip
+                logical: int, note: str = "", sm_row: bool = False) -> None:  # fmt: skip
             us, host_us, call_us = t
-            rows.append(Row(op, num_tokens, us, host_us,
-                            remote * row_bytes / us / 1e3 if us else 0.0,
+            remote_gbps = remote * row_bytes / us / 1e3 if us else 0.0
+            rows.append(Row(op, num_tokens, us, host_us, remote_gbps,
                             logical * row_bytes / us / 1e3 if us else 0.0, note,
-                            call_us))  # fmt: skip
+                            call_us, pct_of(remote_gbps, int(ep_options.num_sms)),
+                            int(ep_options.num_sms) if sm_row else 0))  # fmt: skip
 
         t_dispatch = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts))
         # Combine (and cached dispatch below) follow their own dispatch, as in a model: the group
@@ -473,6 +655,62 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         add("ep cached dispatch BF16", t_cached, row_bf16, remote_rows, recv_rows)
         add("ep combine BF16", t_combine, row_bf16, remote_rows, recv_rows)
 
+        # What a training loop waits for: N steps queued back to back, one sync at the end (the
+        # dispatch's own host wait for the counts stays inside each step, as in a model).
+        def ht_step() -> object:
+            step_layout = ep.get_dispatch_layout(idx, num_experts)
+            d = ep.dispatch(x, idx, weights, num_experts, layout=step_layout)
+            return ep.combine(d.recv_x, d.handle)
+
+        steps = args.iters
+        t_loop = timer.loop(ht_step, steps)
+        loop_note = f"loop of {steps} steps, one sync at the end; µs per step"
+        if limit.get(budget):
+            bound_us = 2 * remote_rows * row_bf16 / limit[budget] / 1e3
+            loop_note += f"; {t_loop[0] / bound_us:.3f}x the bound (target <= 1.05x)"
+            rows.append(Row("bound: dispatch + combine bytes at the limit", num_tokens, bound_us,
+                            0.0, limit[budget], limit[budget],
+                            f"{2 * remote_rows} remote rows x {row_bf16} B at the {budget}-SM "
+                            "limit", limit_pct=100.0))  # fmt: skip
+        else:
+            rows.append(Row("bound: dispatch + combine bytes at the limit", num_tokens, 0.0, 0.0,
+                            0.0, 0.0, f"not run: {probe_why}"))  # fmt: skip
+        add("ep loop: layout + dispatch + combine BF16", t_loop, row_bf16, 2 * remote_rows,
+            2 * recv_rows, loop_note)  # fmt: skip
+        if args.sm_sweep:
+            measure_sm_sweep(num_tokens, x, idx, weights, layout, add, remote_rows, recv_rows)
+
+    def measure_sm_sweep(
+        num_tokens: int,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        layout: Any,
+        add: Callable[..., None],
+        remote_rows: int,
+        recv_rows: int,
+    ) -> None:
+        """Dispatch and combine (HT, BF16) at each SM budget; Options.num_sms applies per call."""
+        if not use_cuda or shared_gpus:
+            why = "needs GPUs (one per rank)" if not use_cuda else "ranks share a GPU"
+            rows.append(Row("sm sweep", num_tokens, 0.0, 0.0, 0.0, 0.0, f"not run: {why}"))
+            return
+        row_bf16 = hidden * 2
+        for num_sms in sm_sweep_counts(sm_count):
+            ep_options.num_sms = num_sms  # every rank alike; read by the next call
+            if probe is not None and num_sms not in limit:
+                limit_us[num_sms], limit[num_sms] = push_limit(num_sms)
+            if probe is not None:
+                rows.append(Row("sm sweep: push limit", num_tokens, limit_us[num_sms], 0.0,
+                                limit[num_sms], limit[num_sms], limit_pct=100.0,
+                                num_sms=num_sms))  # fmt: skip
+            t_d = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts, layout=layout))
+            handed = ep.dispatch(x, idx, weights, num_experts, layout=layout)
+            t_c = timer.both(lambda d=handed: ep.combine(d.recv_x, d.handle))
+            add("sm sweep: dispatch BF16", t_d, row_bf16, remote_rows, recv_rows, sm_row=True)
+            add("sm sweep: combine BF16", t_c, row_bf16, remote_rows, recv_rows, sm_row=True)
+        ep_options.num_sms = budget
+
     def measure_low_latency(num_tokens: int, full: bool) -> None:
         """Decode shape: dispatch/combine latency, eager and (when capturable) graph-replayed."""
         m, ll_experts = args.ll_max_tokens, args.ll_experts
@@ -487,23 +725,51 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         row_bf16, row_fp8 = hidden * 2, hidden + hidden // 128 * 4
         transport = ep.get_backend().low_latency_transport if use_cuda else "aten (CPU)"
 
-        def add(op: str, t: tuple[float, float], row_bytes: int, note: str = "") -> None:
+        def add(op: str, t: tuple[float, float], row_bytes: int, note: str = "",
+                call_us: float = 0.0) -> None:  # fmt: skip
             us, host_us = t
             gbps = entries * row_bytes / us / 1e3 if us else 0.0
-            rows.append(Row(op, num_tokens, us, host_us, gbps, gbps, note))
+            rows.append(Row(op, num_tokens, us, host_us, gbps, gbps, note, call_us))
 
-        # Each combine follows its own dispatch (a handle's kernel state serves one combine):
-        # the two are timed separately within each iteration.
-        t_fp8, t_comb = ll_timer.split(
-            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True),
-            lambda dd: ep.low_latency_combine(y, idx, weights, dd.handle),
+        # "time" as in the HT rows: queued behind a busy GPU with the GPUs in step, so the span
+        # holds the kernels and the gaps they cause, not the host's launch work. "call": one call
+        # alone on an idle GPU right after a host barrier; its span also holds the call's host
+        # launch work and the ranks' start skew, which a loop pays once, not per call. A combine
+        # needs its own dispatch first: its "time" is the queued pair minus the FP8 dispatch, its
+        # "call" and "host" come from the pair timed apart within each iteration.
+        def ll_fp8() -> object:
+            return ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
+
+        def ll_pair() -> object:
+            return ep.low_latency_combine(y, idx, weights, ll_fp8().handle)
+
+        q_fp8 = ll_timer.both(ll_fp8)
+        q_bf16 = ll_timer.both(
+            lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False)
         )
-        t_bf16 = ll_timer(lambda: ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=False))
-        add("ll dispatch FP8", t_fp8, row_fp8, transport)
-        add("ll dispatch BF16", t_bf16, row_bf16, transport)
-        add("ll combine BF16", t_comb, row_bf16, transport)
-        add("ll dispatch FP8 + combine BF16", (t_fp8[0] + t_comb[0], t_fp8[1] + t_comb[1]),
-            row_fp8 + row_bf16, transport)  # fmt: skip
+        q_pair = ll_timer.both(ll_pair)
+        _, t_comb = ll_timer.split(ll_fp8, lambda dd: ep.low_latency_combine(y, idx, weights,
+                                                                             dd.handle))  # fmt: skip
+        note = f"{transport}; time: queued, GPUs in step; call: alone on an idle GPU"
+        if not use_cuda:
+            note = transport
+        add("ll dispatch FP8", q_fp8[:2], row_fp8, note, q_fp8[2] if use_cuda else 0.0)
+        add("ll dispatch BF16", q_bf16[:2], row_bf16, note, q_bf16[2] if use_cuda else 0.0)
+        comb_us = q_pair[0] - q_fp8[0] if use_cuda else t_comb[0]
+        add("ll combine BF16", (comb_us, t_comb[1]), row_bf16,
+            note + (" (time: pair - FP8 dispatch)" if use_cuda else ""),
+            t_comb[0] if use_cuda else 0.0)  # fmt: skip
+
+        # What a decode loop waits for: eager steps queued back to back, one sync at the end.
+        def ll_step() -> object:
+            dd = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
+            return ep.low_latency_combine(y, idx, weights, dd.handle)
+
+        steps = 100 if use_cuda else 10
+        t_loop, host_loop, wall_loop = ll_timer.loop(ll_step, steps)
+        add("ll dispatch FP8 + combine BF16", (t_loop, host_loop), row_fp8 + row_bf16,
+            f"{transport}; eager loop of {steps} steps, one sync at the end; µs per step",
+            wall_loop if use_cuda else 0.0)  # fmt: skip
         if full:
             measure_hook_mode(x, idx, m, ll_experts, add, transport, row_fp8)
         if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs
@@ -586,6 +852,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             row_fp8 + row_bf16, note)  # fmt: skip
 
     if args.high_throughput:
+        measure_limit(args.tokens)
         measure(args.tokens, full=True)
     if args.high_throughput and args.sweep:
         t = 128
@@ -605,6 +872,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
                     measure_low_latency(t, full=False)
     if rank == 0:
         Path(result_path).write_text(json.dumps([asdict(r) for r in rows]))
+    if probe is not None:  # unmap the peers' buffers everywhere before anyone frees its own
+        probe.close()
+        dist.barrier()
+        probe.free()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -617,6 +888,12 @@ def _print_table(rows: list[dict], header: str, on_gpu: bool) -> None:
     if on_gpu:
         cols += [("call µs", 9), ("host µs", 9)]
     cols += [("remote GB/s", 12), ("logical GB/s", 13)]
+    with_pct = any(r.get("limit_pct") for r in rows)
+    with_sms = any(r.get("num_sms") for r in rows)
+    if with_pct:
+        cols += [("% limit", 8)]
+    if with_sms:
+        cols += [("SMs", 4)]
     line = f"{'op':{width}s} " + " ".join(f"{name:>{w}s}" for name, w in cols)
     print(line + "  note")
     for r in rows:
@@ -625,6 +902,10 @@ def _print_table(rows: list[dict], header: str, on_gpu: bool) -> None:
             call = f"{r['call_us']:9.1f}" if r.get("call_us") else f"{'-':>9s}"
             cells += [call, f"{r['host_us']:9.1f}"]
         cells += [f"{r['remote_gbps']:12.3f}", f"{r['logical_gbps']:13.3f}"]
+        if with_pct:
+            cells += [f"{r['limit_pct']:8.1f}" if r.get("limit_pct") else f"{'-':>8s}"]
+        if with_sms:
+            cells += [f"{r['num_sms']:4d}" if r.get("num_sms") else f"{'-':>4s}"]
         text = f"{r['op']:{width}s} " + " ".join(cells)
         print(text + (f"  {r['note']}" if r["note"] else ""))
 
@@ -648,6 +929,8 @@ def _check_args(args: argparse.Namespace, nprocs: int, on_gpu: bool) -> str | No
                  "ll_experts"):  # fmt: skip
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1"
+    if args.num_sms < 0:
+        return f"--num-sms {args.num_sms}: must be at least 1 (0: the default)"
     if args.warmup < 0:
         return f"--warmup {args.warmup}: must be at least 0"
     if args.experts % nprocs:
@@ -720,6 +1003,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ll-max-tokens", type=int, default=256,
                         help="num_max_dispatch_tokens_per_rank M of the low-latency section")  # fmt: skip
     parser.add_argument("--ll-experts", type=int, default=16, help="low-latency E (default 16)")
+    parser.add_argument("--num-sms", type=int, default=0,
+                        help="Options.num_sms of the HT ops (default: Options' own, 24)")  # fmt: skip
+    parser.add_argument("--sm-sweep", action="store_true",
+                        help="also time HT dispatch and combine (BF16) at num_sms 4..all SMs, "
+                             "and the push limit at each (GPUs only)")  # fmt: skip
     parser.add_argument("--out", type=str, default="bench_out",
                         help="folder for bench.json and the plot (default ./bench_out)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -748,11 +1036,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ep bench: {nprocs} x {device_name}, T={args.tokens} H={args.hidden} top-{args.topk} "
           f"of E={args.experts}, BF16; torch {torch.__version__}", flush=True)  # fmt: skip
     print(f"ep build: {_build_summary()}", flush=True)
+    args.probe_lib, args.probe_reason = "", "needs GPUs (one per rank)"
+    if on_gpu and args.high_throughput and 2 <= nprocs <= gpus:
+        from ep_backend._push_limit import compile_probe, device_arch
+
+        lib, args.probe_reason = compile_probe(
+            out / ".push_limit", device_arch(torch.device("cuda", 0))
+        )
+        args.probe_lib = str(lib) if lib is not None else ""
+        if lib is None:
+            print(f"push limit: not measured: {args.probe_reason}", flush=True)
+    if args.sm_sweep and not on_gpu:
+        print("--sm-sweep: needs GPUs (one per rank); not run on CPU", flush=True)
     mp.start_processes(_worker, args=(nprocs, _free_port(), args, str(result_path)), nprocs=nprocs,
                        start_method="spawn")  # fmt: skip
     rows = json.loads(result_path.read_text())
     ll_rows = [r for r in rows if r["op"].startswith(("ll ", "baseline all_to_all_single"))]
-    rows_ht = [r for r in rows if r not in ll_rows]
+    sm_rows = [r for r in rows if r["op"].startswith("sm sweep")]
+    rows_ht = [r for r in rows if r not in ll_rows and r not in sm_rows]
     main_rows = [r for r in rows_ht if r["tokens"] == args.tokens]
     if main_rows:
         _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==", on_gpu)
@@ -765,6 +1066,14 @@ def main(argv: list[str] | None = None) -> int:
         png = out / "bench_sweep.png"
         if _plot(sweep_rows, png):
             print(f"plot: {png}")
+    if sm_rows:
+        _print_table(sm_rows, f"\n== SM budget sweep (T={args.tokens}; % limit: of the push "
+                              "limit at the same num_sms) ==", on_gpu)  # fmt: skip
+        for op in ("sm sweep: dispatch BF16", "sm sweep: combine BF16"):
+            found = smallest_sms_reaching(sm_rows, op)
+            if found is not None:
+                print(f"{op.removeprefix('sm sweep: ')}: {found[0]} SMs reach 95% of its best "
+                      f"({found[2]:.1f} µs at {found[1]} SMs)")  # fmt: skip
     print(f"results: {result_path}")
     return 0
 
