@@ -192,3 +192,27 @@ def flex_vs_alltoall(reference_backend: str, shape: MoeShape, dtype: torch.dtype
         "reference_backend": dist.get_backend(alltoall.token_dispatcher.ep_group),
     }
     return results
+
+
+def alltoall_on_ep_vs_reference(reference_backend: str, shape: MoeShape, dtype: torch.dtype,
+                                device: torch.device) -> dict[str, Any]:  # fmt: skip
+    """The same MoE layer step with Megatron's ``alltoall`` dispatcher on an ``"ep"`` group and on
+    a ``reference_backend`` group, on the same weights and inputs. Its token exchanges are
+    ``all_to_all_single`` calls (copies), so the two results must have the same bits. Returns
+    ``{"ep": ..., "reference": ..., "setup": ...}`` with the ``forward_backward`` results and what
+    ran (each group's backend, and on the ``"ep"`` group the all-to-all transport)."""
+    import ep_backend
+
+    on_ep = build_moe_layer("alltoall", "ep", shape, dtype, device)
+    reference = build_moe_layer("alltoall", reference_backend, shape, dtype, device)
+    reference.load_state_dict(on_ep.state_dict())
+    x = layer_inputs(dist.get_rank(), shape, dtype, device)
+    results: dict[str, Any] = {"ep": forward_backward(on_ep, x),
+                               "reference": forward_backward(reference, x)}  # fmt: skip
+    ep_group = on_ep.token_dispatcher.ep_group
+    results["setup"] = {
+        "ep_backend": dist.get_backend(ep_group),
+        "reference_backend": dist.get_backend(reference.token_dispatcher.ep_group),
+        "all_to_all_transport": ep_backend.get_backend(ep_group).all_to_all_transport,
+    }
+    return results

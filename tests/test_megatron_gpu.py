@@ -2,6 +2,7 @@
 
 * its ``MoELayer``: flex dispatcher (``deepep`` backend through the facade) on an ``"ep"`` group
   vs the ``alltoall`` dispatcher on NCCL, same weights and inputs (FP32);
+* its ``alltoall`` dispatcher on an ``"ep"`` group vs on NCCL: the same bits (BF16);
 * a tiny MoE ``GPTModel`` trained 20 steps with the whole job on ``init_process_group("ep")``
   and the flex dispatcher vs the whole job on NCCL with the alltoall dispatcher (BF16);
 * a small model around the ``MoELayer`` under FSDP2 (``fully_shard``) on an ``"ep"`` world
@@ -53,6 +54,34 @@ def test_megatron_moe_layer_flex_on_ep_matches_alltoall_on_nccl() -> None:
             torch.testing.assert_close(flex[name], alltoall[name], rtol=1e-4, atol=1e-5,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip
         assert flex["output"].abs().sum() > 0
+
+
+def _alltoall_worker(rank: int, world: int) -> dict:
+    import megatron_cases
+
+    megatron_cases.import_megatron()
+    device = torch.device("cuda", torch.cuda.current_device())
+    return megatron_cases.alltoall_on_ep_vs_reference("nccl", MoeShape(), torch.bfloat16, device)
+
+
+def test_megatron_alltoall_dispatcher_on_ep_is_bitwise_nccl() -> None:
+    """Megatron's own ``alltoall`` dispatcher, unchanged, on an ``"ep"`` group: its
+    ``all_to_all_single`` calls take ep's NVLink kernel, and the layer's outputs and gradients have
+    the bits of the same layer on NCCL (the exchanges are copies; everything else is the same
+    code on the same device)."""
+    world = _world()
+    results = run_distributed(
+        _alltoall_worker, world, backend="cpu:gloo,cuda:nccl", timeout=TIMEOUT
+    )
+    for rank, result in enumerate(results):
+        setup = result["setup"]
+        assert setup["ep_backend"] == "ep" and setup["reference_backend"] == "nccl", setup
+        assert setup["all_to_all_transport"] == "nvlink", setup
+        on_ep, reference = result["ep"], result["reference"]
+        assert on_ep.keys() == reference.keys()
+        for name in on_ep:
+            assert torch.equal(on_ep[name], reference[name]), (rank, name)
+        assert on_ep["output"].abs().sum() > 0
 
 
 def _gpt_worker(rank: int, world: int, dispatcher: str) -> dict:
