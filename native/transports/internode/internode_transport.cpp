@@ -17,9 +17,13 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <memory>
 #include <numeric>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/dispatch_layout.hpp"
@@ -49,6 +53,7 @@ struct Library {
   ep_internode_combine_fn combine = nullptr;
   ep_internode_check_error_fn check_error = nullptr;
   ep_internode_destroy_fn destroy = nullptr;
+  ep_internode_progress_fn progress = nullptr;
 };
 
 template <typename Fn>
@@ -71,7 +76,8 @@ const Library& library() {
            lookup("ep_internode_dispatch", l.dispatch, l.error) &&
            lookup("ep_internode_combine", l.combine, l.error) &&
            lookup("ep_internode_check_error", l.check_error, l.error) &&
-           lookup("ep_internode_destroy", l.destroy, l.error);
+           lookup("ep_internode_destroy", l.destroy, l.error) &&
+           lookup("ep_internode_progress", l.progress, l.error);
     return l;
   }();
   return lib;
@@ -92,7 +98,82 @@ struct GroupState {
   int num_nodes = 0;
   int ranks_per_node = 0;
   std::string failure;  // a timeout's message: the transport is unusable from then on
+  // Recorded after the kernels of every call: the next call waits for it with a deadline
+  // (waitForKernels) before anything else touches the GPU, so that no host wait of this
+  // transport is unbounded, even where a kernel hangs in an NVSHMEM call that has no timeout.
+  cudaEvent_t done = nullptr;
+  std::chrono::steady_clock::time_point launched;
+  const char* launched_op = "";
+  uint64_t builds = 0;  // runtimes built so far (the rendezvous key of the next build)
+  uint64_t calls = 0;   // ops of this group on this transport (EP_INTERNODE_TRACE)
 };
+
+// ---- diagnosis: EP_INTERNODE_TRACE=1 prints each op's host stages to stderr ----------------
+
+bool tracing() {
+  static const bool on = env::equals<env::kInternodeTrace>("1");
+  return on;
+}
+
+void trace(EPProcessGroup& pg, const GroupState& st, const char* op, const std::string& what) {
+  if (!tracing()) return;
+  static const auto start = std::chrono::steady_clock::now();
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "[ep internode r%d %9.3fs] #%llu %s: %s\n", pg.getRank(), t,
+               static_cast<unsigned long long>(st.calls), op, what.c_str());
+  std::fflush(stderr);
+}
+
+// Seconds a host waits for the kernels of a call, from their launch: their own waits give up
+// after kernel_timeout_s, so beyond this they hang somewhere that has no timeout.
+double hostWaitLimit(EPProcessGroup& pg) {
+  return 1.5 * pg.options()->kernel_timeout_s + 10.0;
+}
+
+void recordLaunch(GroupState& st, cudaStream_t stream, const char* op) {
+  if (st.done == nullptr) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+  }
+  C10_CUDA_CHECK(cudaEventRecord(st.done, stream));
+  st.launched = std::chrono::steady_clock::now();
+  st.launched_op = op;
+}
+
+// "" once the kernels of the latest launch have finished; else, after waiting until
+// hostWaitLimit past their launch, what they never got past (the runtime's stage marks).
+std::string waitForKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
+  if (st.done == nullptr) return "";
+  const auto limit = std::chrono::duration<double>(hostWaitLimit(pg));
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(st.done);
+    if (e == cudaSuccess) return "";
+    if (e != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return std::string("ep ") + op + ": the internode kernels of an earlier " + st.launched_op +
+             " failed: " + cudaGetErrorString(e);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now - st.launched > limit) {
+      char where[512] = {0};
+      if (st.runtime != nullptr) library().progress(st.runtime, where, sizeof(where));
+      const Topology& t = pg.topology();
+      std::ostringstream os;
+      os << "ep " << op << ": rank " << pg.getRank() << " (node " << t.node_of_rank[pg.getRank()]
+         << "): the internode kernels of its " << st.launched_op << " have not finished "
+         << static_cast<long long>(limit.count())
+         << " s after their launch (kernel_timeout_s=" << pg.options()->kernel_timeout_s
+         << " bounds every wait for a peer): " << (where[0] != 0 ? where : "no stage recorded")
+         << ". A stage that waits for no peer hangs (an NVSHMEM put or nvshmem_quiet, or the GPU)";
+      return os.str();
+    }
+    if (now < spin_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
 
 // Collective (NVSHMEM): frees the runtime's symmetric buffers.
 void releaseRuntime(GroupState& st) {
@@ -107,8 +188,13 @@ void releaseRuntime(GroupState& st) {
 }
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
-  static auto* states = new GroupStates<GroupState>(
-      [](EPProcessGroup*, GroupState& state) { releaseRuntime(state); });
+  static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
+    releaseRuntime(state);
+    if (state.done != nullptr) {
+      cudaEventDestroy(state.done);
+      state.done = nullptr;
+    }
+  });
   return states->of(pg);
 }
 
@@ -178,6 +264,20 @@ std::string pendingError(GroupState& st, const char* op) {
   return st.failure;
 }
 
+// The error an earlier call left, after waiting (bounded) for its kernels: this runs before the
+// op touches the GPU (its count copy would wait for them without a deadline).
+std::string previousCallError(EPProcessGroup& pg, GroupState& st, const char* op) {
+  if (!st.failure.empty()) return st.failure;
+  const std::string stuck = waitForKernels(pg, st, op);
+  if (!stuck.empty()) {
+    st.failure = stuck +
+                 " (the group's internode transport is unusable from now on: destroy and "
+                 "re-create the group)";
+    return st.failure;
+  }
+  return pendingError(st, op);
+}
+
 // The counts of this version are agreed on the host (Gloo): nothing of it can be captured. A
 // local error, so that the agreement raises it on every rank.
 std::string captureError(const char* op) {
@@ -191,9 +291,21 @@ int64_t roundUp(int64_t v, int64_t m) {
   return (std::max<int64_t>(v, 1) + m - 1) / m * m;
 }
 
-// Collective: a runtime whose buffers hold `need` (every input agreed across the ranks).
+std::string describe(const Capacity& c) {
+  std::ostringstream os;
+  os << "tokens " << c.max_tokens << ", received rows " << c.max_recv_rows << ", record "
+     << c.max_record << " B, output record " << c.max_out_record << " B, combine row "
+     << c.max_combine_row << " B, partial row " << c.max_partial_row << " B";
+  return os.str();
+}
+
+// Collective: a runtime whose buffers hold `need` (every input agreed across the ranks, so every
+// rank decides alike). The NVSHMEM calls of a build (free, malloc, barrier, a session restart)
+// have no timeout: the ranks first meet in the store (bounded by the group's timeout, naming a
+// rank that never comes) and check that they build the same buffers, so that a rank never waits
+// alone in one of them.
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
-                    const Capacity& need) {
+                    const Capacity& need, const char* op) {
   const Capacity& have = st.capacity;
   if (st.runtime != nullptr && have.max_tokens >= need.max_tokens &&
       have.max_recv_rows >= need.max_recv_rows && have.max_record >= need.max_record &&
@@ -208,6 +320,17 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   cap.max_out_record = std::max(have.max_out_record, need.max_out_record);
   cap.max_combine_row = std::max(have.max_combine_row, need.max_combine_row);
   cap.max_partial_row = std::max(have.max_partial_row, need.max_partial_row);
+  const std::string mine = describe(cap);
+  trace(pg, st, op, "building the internode buffers: " + mine);
+  const std::vector<std::string> wanted = allGatherStrings(
+      pg,
+      "ep_internode/" + pg.options()->group_name + "/build/" + std::to_string(st.builds++) + "/",
+      mine, std::string("ep ") + op + " (building the internode buffers)");
+  for (size_t r = 0; r < wanted.size(); ++r) {
+    TORCH_CHECK(wanted[r] == mine, "ep ", op, ": ranks disagree on the internode buffers (rank ",
+                pg.getRank(), ": ", mine, "; rank ", r, ": ", wanted[r],
+                "); nothing was exchanged (a bug: the sizes come from agreed values)");
+  }
   releaseRuntime(st);
   const size_t bytes = library().symmetric_bytes(st.num_nodes, st.ranks_per_node, &cap);
   // Ours are freed first whenever the low-latency runtime is rebuilt or the group shuts down.
@@ -229,6 +352,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   check(library().create(&setup, &rt, err, sizeof(err)), "internode setup", err);
   st.runtime = rt;
   st.capacity = cap;
+  trace(pg, st, op, "built");
   return rt;
 }
 
@@ -325,6 +449,7 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
                     const std::optional<at::Tensor>& topk_weights, const Plan& plan,
                     int64_t experts_per_rank, int64_t recv_rows, const at::Tensor& gathered_t,
                     int64_t max_recv, bool cached, InternodeRecvView* view_out) {
+  const char* op = cached ? "cached dispatch" : "dispatch";
   const at::Device device = x.device();
   const int64_t x_bytes = x.size(1) * elementBytes(x);
   const int64_t scale_bytes = x_scales ? x_scales->size(1) * elementBytes(*x_scales) : 0;
@@ -342,7 +467,7 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
       static_cast<int64_t>(align16(static_cast<size_t>(2 * x.size(1)))) + k_bytes;
   need.max_partial_row =
       static_cast<int64_t>(align16(static_cast<size_t>(4 * x.size(1)))) + k_bytes;
-  void* rt = ensureRuntime(pg, st, device, need);
+  void* rt = ensureRuntime(pg, st, device, need, op);
   InternodeDispatchArgs a;
   a.x = x.data_ptr();
   a.x_bytes = x_bytes;
@@ -361,9 +486,20 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   a.cached = cached;
   char err[1024] = {0};
   InternodeRecvView view;
-  check(library().dispatch(rt, &a, c10::cuda::getCurrentCUDAStream(device.index()).stream(), &view,
-                           err, sizeof(err)),
-        cached ? "cached dispatch" : "dispatch", err);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  check(library().dispatch(rt, &a, stream, &view, err, sizeof(err)), op, err);
+  recordLaunch(st, stream, op);
+  trace(pg, st, op, "launched");
+  // The outputs are read on the host next (copies, counts): wait here, with a deadline, and
+  // raise this call's own kernel error (a timeout names the stalled peer) rather than the next.
+  const std::string stuck = waitForKernels(pg, st, op);
+  if (!stuck.empty()) {
+    st.failure = stuck + " (the group's internode transport is unusable from now on)";
+    TORCH_CHECK(false, st.failure);
+  }
+  const std::string failed = pendingError(st, op);
+  TORCH_CHECK(failed.empty(), failed);
+  trace(pg, st, op, "kernels done");
   *view_out = view;
   return at::from_blob(const_cast<char*>(view.rows), {recv_rows, view.layout.n_bytes},
                        x.options().dtype(at::kByte));
@@ -380,7 +516,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  std::string error = pendingError(*st, "dispatch");
+  ++st->calls;
+  std::string error = previousCallError(pg, *st, "dispatch");
   if (error.empty()) error = captureError("dispatch");
   if (error.empty()) error = validateDispatch(a, R);
   if (error.empty() && a.topk_idx.size(1) > kMaxTopk) {
@@ -390,20 +527,37 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor is_token_in_rank, send_pos;
   std::vector<int64_t> payload(static_cast<size_t>(R) + 1, 0);
   if (ok) {
+    // validateDispatch leaves the values of CUDA topk_idx to the kernels, and these trust them:
+    // out-of-range ids are counted here (with the send counts: one copy to the host) and raised on
+    // every rank through the agreement; the layout below sees them as -1 (an id >= 2E would index
+    // past its columns).
+    const at::Tensor invalid = a.topk_idx.lt(-1).logical_or(a.topk_idx.ge(a.num_experts));
     if (a.layout.empty()) {
-      LayoutTensors l = computeDispatchLayout(a.topk_idx, a.num_experts, R);
+      LayoutTensors l =
+          computeDispatchLayout(a.topk_idx.masked_fill(invalid, -1), a.num_experts, R);
       is_token_in_rank = std::get<2>(l);
       send_pos = std::get<3>(l);
     } else {
       is_token_in_rank = a.layout[2];
       send_pos = a.layout[3];
     }
-    std::vector<int64_t> counts = toVector(is_token_in_rank.sum(0));
-    std::copy(counts.begin(), counts.end(), payload.begin());
+    std::vector<int64_t> counts =
+        toVector(at::cat({is_token_in_rank.sum(0).to(at::kLong), invalid.sum().view({1})}));
+    std::copy(counts.begin(), counts.begin() + R, payload.begin());
     payload[static_cast<size_t>(R)] = a.x.size(0);
+    if (const int64_t bad = counts[static_cast<size_t>(R)]; bad > 0) {
+      const at::Tensor flat = invalid.flatten();
+      const int64_t first = flat.to(at::kByte).argmax().item<int64_t>();
+      error = "ep dispatch: topk_idx has " + std::to_string(bad) +
+              " value(s) outside [-1, num_experts=" + std::to_string(a.num_experts) +
+              "), the first " + std::to_string(a.topk_idx.flatten()[first].item<int64_t>()) +
+              " at flat position " + std::to_string(first);
+    }
   }
+  trace(pg, *st, "dispatch", "agreeing (tokens " + std::to_string(ok ? a.x.size(0) : -1) + ")");
   at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), payload);
   at::Tensor matrix = countMatrix(gathered, R);
+  trace(pg, *st, "dispatch", "agreed");
   std::vector<int64_t> recv_counts(R);
   auto m = matrix.accessor<int64_t, 2>();
   for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[s][rank];
@@ -472,7 +626,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  std::string error = pendingError(*st, "cached dispatch");
+  ++st->calls;
+  std::string error = previousCallError(pg, *st, "cached dispatch");
   if (error.empty()) error = captureError("cached dispatch");
   if (error.empty()) error = validateCachedDispatch(x_in, x_scales, routing, R);
   const bool ok = error.empty();
@@ -515,7 +670,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  std::string error = pendingError(*st, "combine");
+  ++st->calls;
+  std::string error = previousCallError(pg, *st, "combine");
   if (error.empty()) error = captureError("combine");
   if (error.empty()) error = validateCombine(a, R);
   if (error.empty() && a.topk_weights && a.topk_weights->size(1) > kMaxTopk) {
@@ -550,7 +706,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
                                               align16(static_cast<size_t>(4 * K)));
   need.max_partial_row = static_cast<int64_t>(align16(static_cast<size_t>(4 * hidden)) +
                                               align16(static_cast<size_t>(4 * K)));
-  void* rt = ensureRuntime(pg, *st, device, need);
+  void* rt = ensureRuntime(pg, *st, device, need, "combine");
 
   const at::Tensor x = a.x.narrow(0, 0, num_valid).contiguous();
   const std::optional<at::Tensor> weights =
@@ -587,9 +743,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   c.out_weights = out_w ? out_w->data_ptr<float>() : nullptr;
   c.timeout_seconds = pg.options()->kernel_timeout_s;
   char err[1024] = {0};
-  check(library().combine(rt, &c, c10::cuda::getCurrentCUDAStream(device.index()).stream(), err,
-                          sizeof(err)),
-        "combine", err);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  check(library().combine(rt, &c, stream, err, sizeof(err)), "combine", err);
+  // No host wait here (combine returns while its kernels run): the next op waits for them.
+  recordLaunch(*st, stream, "combine");
+  trace(pg, *st, "combine", "launched");
   return {out, out_w};
 }
 
