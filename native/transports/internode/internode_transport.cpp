@@ -104,8 +104,9 @@ struct GroupState {
   cudaEvent_t done = nullptr;
   std::chrono::steady_clock::time_point launched;
   const char* launched_op = "";
-  uint64_t builds = 0;  // runtimes built so far (the rendezvous key of the next build)
-  uint64_t calls = 0;   // ops of this group on this transport (EP_INTERNODE_TRACE)
+  uint64_t builds = 0;    // runtimes built so far (the rendezvous key of the next build)
+  uint64_t launches = 0;  // kernel calls on `runtime`: its sequence number, agreed every call
+  uint64_t calls = 0;     // ops of this group on this transport (EP_INTERNODE_TRACE)
 };
 
 // ---- diagnosis: EP_INTERNODE_TRACE=1 prints each op's host stages to stderr ----------------
@@ -185,6 +186,7 @@ void releaseRuntime(GroupState& st) {
   }
   st.runtime = nullptr;
   st.capacity = Capacity{};
+  st.launches = 0;
 }
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
@@ -276,6 +278,32 @@ std::string previousCallError(EPProcessGroup& pg, GroupState& st, const char* op
     return st.failure;
   }
   return pendingError(st, op);
+}
+
+// The kernels match a call's signals across ranks by the runtime's sequence number (and read
+// the buffers of the same runtime generation): each call agrees on both, so that a rank whose
+// count went astray raises on every rank instead of reading another call's signals.
+void appendSequence(std::vector<int64_t>& payload, const GroupState& st) {
+  payload.push_back(static_cast<int64_t>(st.builds));
+  payload.push_back(static_cast<int64_t>(st.launches));
+}
+
+void checkSequenceAgrees(const at::Tensor& gathered, int64_t column, GroupState& st, const char* op,
+                         int64_t rank) {
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < gathered.size(0); ++r) {
+    if (g[r][column] != static_cast<int64_t>(st.builds) ||
+        g[r][column + 1] != static_cast<int64_t>(st.launches)) {
+      std::ostringstream os;
+      os << "ep " << op << ": the internode kernels are out of step across ranks (rank " << rank
+         << ": buffers #" << st.builds << ", call " << st.launches << "; rank " << r
+         << ": buffers #" << g[r][column] << ", call " << g[r][column + 1]
+         << "); nothing was exchanged, and the group's internode transport is unusable from now "
+            "on (a bug: report it)";
+      st.failure = os.str();
+      TORCH_CHECK(false, st.failure);
+    }
+  }
 }
 
 // The counts of this version are agreed on the host (Gloo): nothing of it can be captured. A
@@ -488,6 +516,7 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   InternodeRecvView view;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   check(library().dispatch(rt, &a, stream, &view, err, sizeof(err)), op, err);
+  ++st.launches;
   recordLaunch(st, stream, op);
   trace(pg, st, op, "launched");
   // The outputs are read on the host next (copies, counts): wait here, with a deadline, and
@@ -554,8 +583,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
               " at flat position " + std::to_string(first);
     }
   }
+  appendSequence(payload, *st);
   trace(pg, *st, "dispatch", "agreeing (tokens " + std::to_string(ok ? a.x.size(0) : -1) + ")");
   at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), payload);
+  checkSequenceAgrees(gathered, R + 1, *st, "dispatch", rank);
   at::Tensor matrix = countMatrix(gathered, R);
   trace(pg, *st, "dispatch", "agreed");
   std::vector<int64_t> recv_counts(R);
@@ -634,8 +665,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   std::vector<int64_t> payload =
       ok ? routingCounts(routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? x_in.size(0) : 0);
+  appendSequence(payload, *st);
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error,
                                          cachedDispatchFields(x_in, x_scales, ok), payload);
+  checkSequenceAgrees(gathered, 2 * R + 1, *st, "cached dispatch", rank);
   checkRoutingAgrees("cached dispatch", gathered, 0, rank);
   at::Tensor matrix = countMatrix(gathered, R);
   std::vector<int64_t> recv_counts(R);
@@ -684,7 +717,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
       ok ? routingCounts(a.routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? a.routing.is_token_in_rank.size(0) : 0);
   payload.push_back(kernel_dtype ? 1 : 0);
+  appendSequence(payload, *st);
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, combineFields(a, ok), payload);
+  checkSequenceAgrees(gathered, 2 * R + 2, *st, "combine", rank);
   checkRoutingAgrees("combine", gathered, 0, rank);
   // x dtype is an agreed field: every rank takes the same path. Other dtypes (float64, half):
   // the ATen path, whose own agreement step every rank then runs too.
@@ -745,6 +780,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   char err[1024] = {0};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   check(library().combine(rt, &c, stream, err, sizeof(err)), "combine", err);
+  ++st->launches;
   // No host wait here (combine returns while its kernels run): the next op waits for them.
   recordLaunch(*st, stream, "combine");
   trace(pg, *st, "combine", "launched");
