@@ -12,6 +12,7 @@
 
 #ifdef EP_WITH_CUDA
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -260,7 +261,7 @@ std::string pendingError(GroupState& st, const char* op) {
   char msg[1024] = {0};
   int failed = 0;
   if (library().check_error(st.runtime, msg, sizeof(msg), &failed) == 0) return "";
-  st.failure = std::string(msg) + " (reported by the next call, " + op +
+  st.failure = std::string(msg) + " (seen by " + op +
                "; the group's internode transport is unusable from now on: destroy and re-create "
                "the group)";
   return st.failure;
