@@ -162,8 +162,8 @@ std::string waitForKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
       const Topology& t = pg.topology();
       std::ostringstream os;
       os << "ep " << op << ": rank " << pg.getRank() << " (node " << t.node_of_rank[pg.getRank()]
-         << "): the internode kernels of its " << st.launched_op << " have not finished "
-         << static_cast<long long>(limit.count())
+         << ") timed out waiting for its own internode kernels: those of its " << st.launched_op
+         << " have not finished " << static_cast<long long>(limit.count())
          << " s after their launch (kernel_timeout_s=" << pg.options()->kernel_timeout_s
          << " bounds every wait for a peer): " << (where[0] != 0 ? where : "no stage recorded")
          << ". A stage that waits for no peer hangs (an NVSHMEM put or nvshmem_quiet, or the GPU)";
@@ -276,6 +276,8 @@ std::string previousCallError(EPProcessGroup& pg, GroupState& st, const char* op
     st.failure = stuck +
                  " (the group's internode transport is unusable from now on: destroy and "
                  "re-create the group)";
+    std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
+    std::fflush(stderr);
     return st.failure;
   }
   return pendingError(st, op);
@@ -299,8 +301,8 @@ void checkSequenceAgrees(const at::Tensor& gathered, int64_t column, GroupState&
       os << "ep " << op << ": the internode kernels are out of step across ranks (rank " << rank
          << ": buffers #" << st.builds << ", call " << st.launches << "; rank " << r
          << ": buffers #" << g[r][column] << ", call " << g[r][column + 1]
-         << "); nothing was exchanged, and the group's internode transport is unusable from now "
-            "on (a bug: report it)";
+         << "); no data moved, and the group's internode transport is unusable from now on (a "
+            "bug: report it)";
       st.failure = os.str();
       TORCH_CHECK(false, st.failure);
     }
@@ -358,7 +360,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   for (size_t r = 0; r < wanted.size(); ++r) {
     TORCH_CHECK(wanted[r] == mine, "ep ", op, ": ranks disagree on the internode buffers (rank ",
                 pg.getRank(), ": ", mine, "; rank ", r, ": ", wanted[r],
-                "); nothing was exchanged (a bug: the sizes come from agreed values)");
+                "); no data moved (a bug: the sizes come from agreed values)");
   }
   releaseRuntime(st);
   const size_t bytes = library().symmetric_bytes(st.num_nodes, st.ranks_per_node, &cap);
@@ -525,6 +527,8 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   const std::string stuck = waitForKernels(pg, st, op);
   if (!stuck.empty()) {
     st.failure = stuck + " (the group's internode transport is unusable from now on)";
+    std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
+    std::fflush(stderr);
     TORCH_CHECK(false, st.failure);
   }
   const std::string failed = pendingError(st, op);
