@@ -522,18 +522,22 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   ++st.launches;
   recordLaunch(st, stream, op);
   trace(pg, st, op, "launched");
-  // The outputs are read on the host next (copies, counts): wait here, with a deadline, and
-  // raise this call's own kernel error (a timeout names the stalled peer) rather than the next.
-  const std::string stuck = waitForKernels(pg, st, op);
-  if (!stuck.empty()) {
-    st.failure = stuck + " (the group's internode transport is unusable from now on)";
-    std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
-    std::fflush(stderr);
-    TORCH_CHECK(false, st.failure);
+  // A dispatch reads its outputs on the host next (the per-expert counts): it waits here, with a
+  // deadline, and raises its own kernel error (a timeout names the stalled peer) rather than the
+  // next call. A cached dispatch returns while its kernels run, as a combine does: the next op
+  // waits for them (previousCallError).
+  if (!cached) {
+    const std::string stuck = waitForKernels(pg, st, op);
+    if (!stuck.empty()) {
+      st.failure = stuck + " (the group's internode transport is unusable from now on)";
+      std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
+      std::fflush(stderr);
+      TORCH_CHECK(false, st.failure);
+    }
+    const std::string failed = pendingError(st, op);
+    TORCH_CHECK(failed.empty(), failed);
+    trace(pg, st, op, "kernels done");
   }
-  const std::string failed = pendingError(st, op);
-  TORCH_CHECK(failed.empty(), failed);
-  trace(pg, st, op, "kernels done");
   *view_out = view;
   return at::from_blob(const_cast<char*>(view.rows), {recv_rows, view.layout.n_bytes},
                        x.options().dtype(at::kByte));
