@@ -499,6 +499,7 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   need.max_partial_row =
       static_cast<int64_t>(align16(static_cast<size_t>(4 * x.size(1)))) + k_bytes;
   void* rt = ensureRuntime(pg, st, device, need, op);
+  trace(pg, st, op, "buffers ready; launching call " + std::to_string(st.launches + 1));
   InternodeDispatchArgs a;
   a.x = x.data_ptr();
   a.x_bytes = x_bytes;
@@ -675,9 +676,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
       ok ? routingCounts(routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? x_in.size(0) : 0);
   appendSequence(payload, *st);
+  trace(pg, *st, "cached dispatch", "agreeing");
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error,
                                          cachedDispatchFields(x_in, x_scales, ok), payload);
   checkSequenceAgrees(gathered, 2 * R + 1, *st, "cached dispatch", rank);
+  trace(pg, *st, "cached dispatch", "agreed");
   checkRoutingAgrees("cached dispatch", gathered, 0, rank);
   at::Tensor matrix = countMatrix(gathered, R);
   std::vector<int64_t> recv_counts(R);
@@ -727,8 +730,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   payload.push_back(ok ? a.routing.is_token_in_rank.size(0) : 0);
   payload.push_back(kernel_dtype ? 1 : 0);
   appendSequence(payload, *st);
+  trace(pg, *st, "combine", "agreeing");
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, combineFields(a, ok), payload);
   checkSequenceAgrees(gathered, 2 * R + 2, *st, "combine", rank);
+  trace(pg, *st, "combine", "agreed");
   checkRoutingAgrees("combine", gathered, 0, rank);
   // x dtype is an agreed field: every rank takes the same path. Other dtypes (float64, half):
   // the ATen path, whose own agreement step every rank then runs too.
@@ -751,6 +756,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   need.max_partial_row = static_cast<int64_t>(align16(static_cast<size_t>(4 * hidden)) +
                                               align16(static_cast<size_t>(4 * K)));
   void* rt = ensureRuntime(pg, *st, device, need, "combine");
+  trace(pg, *st, "combine", "buffers ready; launching call " + std::to_string(st->launches + 1));
 
   const at::Tensor x = a.x.narrow(0, 0, num_valid).contiguous();
   const std::optional<at::Tensor> weights =
