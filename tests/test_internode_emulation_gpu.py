@@ -10,7 +10,10 @@ ranks, a bad input on one rank, and a soak (``EP_INTERNODE_SOAK_CALLS``, default
 
 from __future__ import annotations
 
+import datetime
 import os
+import sys
+import time
 import warnings
 
 import pytest
@@ -31,6 +34,37 @@ needs_internode = pytest.mark.skipif(
     "(tools/internode_emulation_check.sh)",
 )
 
+# A hang of the internode transport fails these tests in about a minute instead of hanging them:
+# its kernels give up after KERNEL_TIMEOUT_S (naming the peer), every host wait of the
+# transport is bounded by 1.5 x that + 10 s, and the agreement and store waits by GROUP_TIMEOUT_S,
+# all well inside run_distributed's RUN_TIMEOUT_S (which kills the workers and dumps their stacks).
+KERNEL_TIMEOUT_S = 15.0
+GROUP_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 240.0
+
+
+def _fail_fast() -> None:
+    """Short timeouts for this worker's group (see KERNEL_TIMEOUT_S)."""
+    import ep_backend as ep
+
+    backend = ep.get_backend()
+    backend.options.kernel_timeout_s = KERNEL_TIMEOUT_S
+    backend.set_timeout(datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+
+
+class _Progress:
+    """Per-step lines on stderr (flushed; pytest shows them when the test fails): where each
+    rank was when a run failed or was killed."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.start = time.perf_counter()
+
+    def __call__(self, step: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(f"[internode r{self.rank} {elapsed:7.2f}s] {step}", file=sys.stderr, flush=True)
+
+
 TOPOLOGIES = [
     pytest.param(2, 1, id="2x1"),
     pytest.param(4, 2, id="2x2", marks=pytest.mark.gpu(min_gpus=4)),
@@ -44,6 +78,7 @@ def _emulated(rank: int, world: int, per_node: int) -> dict:
 
     experts = 8 * world
     failures: list[str] = []
+    _fail_fast()
 
     def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         if not torch.equal(got.cpu(), want.cpu()):
@@ -90,7 +125,9 @@ def test_emulated_nodes_match_the_reference(world: int, per_node: int, transport
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     env = {"EP_RANKS_PER_NODE": str(per_node), **(INTERNODE if transport == "internode" else {})}
-    results = run_distributed(_emulated, world, per_node, backend="ep", env=env)
+    results = run_distributed(
+        _emulated, world, per_node, backend="ep", env=env, timeout=RUN_TIMEOUT_S
+    )
     nodes = world // per_node
     for rank, r in enumerate(results):
         t = r["topology"]
@@ -169,10 +206,13 @@ def _check_combine(
     per_node: int,
     w: torch.Tensor | None = None,
     bias=None,
+    progress: _Progress | None = None,
 ) -> None:  # noqa: ANN001
     import ep_backend as ep
     from ep_backend import reference as ref
 
+    if progress is not None:
+        progress(f"{tag}: combine x2")
     got = ep.combine(y, a.handle, w, bias)
     again = ep.combine(y, a.handle, w, bias)
     _compare(failures, f"{tag} combine run to run", got.combined_x, again.combined_x)
@@ -200,28 +240,37 @@ def _spec(rank: int, world: int, per_node: int) -> dict:
     failures: list[str] = []
     nodes = ep.topology().node_of_rank
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    # Rank 0 of a 4-rank group sends nothing in the "empty" case.
+    _fail_fast()
+    step = _Progress(rank)
+    # Rank 0 sends nothing in the "empty" case.
     for tag, tokens, dtype_idx in (("bf16", 300, torch.int64), ("int32 idx", 77, torch.int32),
                                    ("empty", 0 if rank == 0 else 33, torch.int64)):  # fmt: skip
         x, idx, w = cuda_routing(tokens, H, experts, K, seed=rank * 11 + tokens)
         idx = idx.to(dtype_idx)
         xc, idxc, wc = x.cpu(), idx.cpu(), w.cpu()
+        step(f"{tag} ({tokens} tokens): get_dispatch_layout")
         layout = ep.get_dispatch_layout(idx, experts)
         for with_layout in (False, True):
+            step(f"{tag}: dispatch layout={with_layout}")
             a = ep.dispatch(x, idx, w, experts, expert_alignment=4,
                             layout=layout if with_layout else None)  # fmt: skip
+            step(f"{tag}: reference dispatch")
             b = ref.dispatch(xc, idxc, wc, experts, expert_alignment=4)
             _check_dispatch(failures, f"{tag} layout={with_layout}", a, b)
         y = (a.recv_x.float() * 3 - 1).bfloat16()
-        _check_combine(failures, tag, y, a, b, nodes, per_node, a.recv_topk_weights)
+        _check_combine(failures, tag, y, a, b, nodes, per_node, a.recv_topk_weights,
+                       progress=step)  # fmt: skip
         bias = (torch.randn(tokens, H, device=x.device).bfloat16(),
                 torch.randn(tokens, H, device=x.device))  # fmt: skip
-        _check_combine(failures, f"{tag} bias", y, a, b, nodes, per_node, None, bias)
-        _check_combine(failures, f"{tag} float32", y.float(), a, b, nodes, per_node)
+        _check_combine(failures, f"{tag} bias", y, a, b, nodes, per_node, None, bias, step)
+        _check_combine(failures, f"{tag} float32", y.float(), a, b, nodes, per_node,
+                       progress=step)  # fmt: skip
+        step(f"{tag}: cached dispatch")
         x2 = torch.randn_like(x.float()).bfloat16()
         _compare(failures, f"{tag} cached recv_x", ep.dispatch(x2, handle=a.handle).recv_x,
                  ref.dispatch(x2.cpu(), handle=b.handle).recv_x)  # fmt: skip
         # FP8 with scales, and its cached dispatch.
+        step(f"{tag}: FP8 dispatch and cached dispatch")
         x8, s8 = ref.quantize_fp8_per128(x.float())
         a8 = ep.dispatch(x8, idx, None, experts, x_scales=s8)
         b8 = ref.dispatch(x8.cpu(), idxc, None, experts, x_scales=s8.cpu())
@@ -232,16 +281,20 @@ def _spec(rank: int, world: int, per_node: int) -> dict:
         _compare(failures, f"{tag} fp8 cached scales", c8.recv_x_scales, d8.recv_x_scales)
         # Worst-case mode: fixed row counts, padding as the reference's.
         worst = 300 * world
+        step(f"{tag}: worst-case dispatch")
         aw = ep.dispatch(x, idx, w, experts, num_worst_tokens=worst)
         bw = ref.dispatch(xc, idxc, wc, experts, num_worst_tokens=worst)
         _check_dispatch(failures, f"{tag} worst", aw, bw)
-        _check_combine(failures, f"{tag} worst", aw.recv_x, aw, bw, nodes, per_node)
+        _check_combine(failures, f"{tag} worst", aw.recv_x, aw, bw, nodes, per_node,
+                       progress=step)  # fmt: skip
         # async_op: the outputs once the Work is waited for.
+        step(f"{tag}: async dispatch")
         aa = ep.dispatch(x, idx, w, experts, async_op=True)
         if aa.work is not None:
             aa.work.wait()
         _check_dispatch(failures, f"{tag} async", aa, ref.dispatch(xc, idxc, wc, experts))
     torch.cuda.synchronize()
+    step("done")
     backend = ep.get_backend()
     return {"failures": failures, "transport": backend.high_throughput_transport}
 
@@ -252,7 +305,7 @@ def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     results = run_distributed(
-        _spec, world, per_node, backend="ep", timeout=600.0,
+        _spec, world, per_node, backend="ep", timeout=RUN_TIMEOUT_S,
         env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
     )  # fmt: skip
     summary = {rank: (r["transport"], len(r["failures"])) for rank, r in enumerate(results)}
@@ -267,6 +320,7 @@ def _bad_input_then_exact(rank: int, world: int, per_node: int) -> dict:
     from ep_backend import reference as ref
 
     experts = 8 * world
+    _fail_fast()
     x, idx, w = cuda_routing(64, H, experts, K, seed=rank + 5)
     bad = idx.clone()
     if rank == world - 1:
@@ -290,7 +344,7 @@ def test_internode_bad_input_raises_everywhere_then_exact(world: int, per_node: 
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     results = run_distributed(
-        _bad_input_then_exact, world, per_node, backend="ep",
+        _bad_input_then_exact, world, per_node, backend="ep", timeout=RUN_TIMEOUT_S,
         env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
     )  # fmt: skip
     for rank, r in enumerate(results):
@@ -305,6 +359,8 @@ def _soak(rank: int, world: int, per_node: int, calls: int) -> dict:
     experts = 8 * world
     nodes = ep.topology().node_of_rank
     failures: list[str] = []
+    _fail_fast()
+    step = _Progress(rank)
     g = torch.Generator().manual_seed(1234 + rank)
     floor = None
     for i in range(calls):
@@ -314,6 +370,7 @@ def _soak(rank: int, world: int, per_node: int, calls: int) -> dict:
         y = a.recv_x
         out = ep.combine(y, a.handle, a.recv_topk_weights)
         if i % 25 == 0:
+            step(f"soak call {i}")
             b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
             _check_dispatch(failures, f"soak {i}", a, b)
             want = ref.combine_by_node(y.cpu(), b.handle, nodes, b.recv_topk_weights)

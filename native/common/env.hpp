@@ -45,6 +45,9 @@ inline constexpr Variable kDispatchSendWarpsSlab{"EP_DISPATCH_SEND_WARPS_SLAB", 
 inline constexpr Variable kCombineSendWarps{"EP_COMBINE_SEND_WARPS", Scope::kGroup};
 // Diagnosis: µs the host's wait for a dispatch's receive counts spins before it yields its core.
 inline constexpr Variable kHostWaitSpinUs{"EP_HOST_WAIT_SPIN_US", Scope::kProcess};
+// Diagnosis: "1" prints a flushed line to stderr per host stage of each internode op
+// (agreement, buffer builds, launch, kernels done).
+inline constexpr Variable kInternodeTrace{"EP_INTERNODE_TRACE", Scope::kProcess};
 
 // The raw value, or nullptr when unset. Process-scoped variables are read once and kept (one
 // static per variable: no lock after the first read); group-scoped ones are read now.

@@ -12,14 +12,19 @@
 
 #ifdef EP_WITH_CUDA
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <memory>
 #include <numeric>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/dispatch_layout.hpp"
@@ -49,6 +54,7 @@ struct Library {
   ep_internode_combine_fn combine = nullptr;
   ep_internode_check_error_fn check_error = nullptr;
   ep_internode_destroy_fn destroy = nullptr;
+  ep_internode_progress_fn progress = nullptr;
 };
 
 template <typename Fn>
@@ -71,7 +77,8 @@ const Library& library() {
            lookup("ep_internode_dispatch", l.dispatch, l.error) &&
            lookup("ep_internode_combine", l.combine, l.error) &&
            lookup("ep_internode_check_error", l.check_error, l.error) &&
-           lookup("ep_internode_destroy", l.destroy, l.error);
+           lookup("ep_internode_destroy", l.destroy, l.error) &&
+           lookup("ep_internode_progress", l.progress, l.error);
     return l;
   }();
   return lib;
@@ -92,7 +99,83 @@ struct GroupState {
   int num_nodes = 0;
   int ranks_per_node = 0;
   std::string failure;  // a timeout's message: the transport is unusable from then on
+  // Recorded after the kernels of every call: the next call waits for it with a deadline
+  // (waitForKernels) before anything else touches the GPU, so that no host wait of this
+  // transport is unbounded, even where a kernel hangs in an NVSHMEM call that has no timeout.
+  cudaEvent_t done = nullptr;
+  std::chrono::steady_clock::time_point launched;
+  const char* launched_op = "";
+  uint64_t builds = 0;    // runtimes built so far (the rendezvous key of the next build)
+  uint64_t launches = 0;  // kernel calls on `runtime`: its sequence number, agreed every call
+  uint64_t calls = 0;     // ops of this group on this transport (EP_INTERNODE_TRACE)
 };
+
+// ---- diagnosis: EP_INTERNODE_TRACE=1 prints each op's host stages to stderr ----------------
+
+bool tracing() {
+  static const bool on = env::equals<env::kInternodeTrace>("1");
+  return on;
+}
+
+void trace(EPProcessGroup& pg, const GroupState& st, const char* op, const std::string& what) {
+  if (!tracing()) return;
+  static const auto start = std::chrono::steady_clock::now();
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "[ep internode r%d %9.3fs] #%llu %s: %s\n", pg.getRank(), t,
+               static_cast<unsigned long long>(st.calls), op, what.c_str());
+  std::fflush(stderr);
+}
+
+// Seconds a host waits for the kernels of a call, from their launch: their own waits give up
+// after kernel_timeout_s, so beyond this they hang somewhere that has no timeout.
+double hostWaitLimit(EPProcessGroup& pg) {
+  return 1.5 * pg.options()->kernel_timeout_s + 10.0;
+}
+
+void recordLaunch(GroupState& st, cudaStream_t stream, const char* op) {
+  if (st.done == nullptr) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+  }
+  C10_CUDA_CHECK(cudaEventRecord(st.done, stream));
+  st.launched = std::chrono::steady_clock::now();
+  st.launched_op = op;
+}
+
+// "" once the kernels of the latest launch have finished; else, after waiting until
+// hostWaitLimit past their launch, what they never got past (the runtime's stage marks).
+std::string waitForKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
+  if (st.done == nullptr) return "";
+  const auto limit = std::chrono::duration<double>(hostWaitLimit(pg));
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+  for (;;) {
+    const cudaError_t e = cudaEventQuery(st.done);
+    if (e == cudaSuccess) return "";
+    if (e != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return std::string("ep ") + op + ": the internode kernels of an earlier " + st.launched_op +
+             " failed: " + cudaGetErrorString(e);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now - st.launched > limit) {
+      char where[512] = {0};
+      if (st.runtime != nullptr) library().progress(st.runtime, where, sizeof(where));
+      const Topology& t = pg.topology();
+      std::ostringstream os;
+      os << "ep " << op << ": rank " << pg.getRank() << " (node " << t.node_of_rank[pg.getRank()]
+         << ") timed out waiting for its own internode kernels: those of its " << st.launched_op
+         << " have not finished " << static_cast<long long>(limit.count())
+         << " s after their launch (kernel_timeout_s=" << pg.options()->kernel_timeout_s
+         << " bounds every wait for a peer): " << (where[0] != 0 ? where : "no stage recorded")
+         << ". A stage that waits for no peer hangs (an NVSHMEM put or nvshmem_quiet, or the GPU)";
+      return os.str();
+    }
+    if (now < spin_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
 
 // Collective (NVSHMEM): frees the runtime's symmetric buffers.
 void releaseRuntime(GroupState& st) {
@@ -104,11 +187,17 @@ void releaseRuntime(GroupState& st) {
   }
   st.runtime = nullptr;
   st.capacity = Capacity{};
+  st.launches = 0;
 }
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
-  static auto* states = new GroupStates<GroupState>(
-      [](EPProcessGroup*, GroupState& state) { releaseRuntime(state); });
+  static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
+    releaseRuntime(state);
+    if (state.done != nullptr) {
+      cudaEventDestroy(state.done);
+      state.done = nullptr;
+    }
+  });
   return states->of(pg);
 }
 
@@ -172,10 +261,52 @@ std::string pendingError(GroupState& st, const char* op) {
   char msg[1024] = {0};
   int failed = 0;
   if (library().check_error(st.runtime, msg, sizeof(msg), &failed) == 0) return "";
-  st.failure = std::string(msg) + " (reported by the next call, " + op +
+  st.failure = std::string(msg) + " (seen by " + op +
                "; the group's internode transport is unusable from now on: destroy and re-create "
                "the group)";
   return st.failure;
+}
+
+// The error an earlier call left, after waiting (bounded) for its kernels: this runs before the
+// op touches the GPU (its count copy would wait for them without a deadline).
+std::string previousCallError(EPProcessGroup& pg, GroupState& st, const char* op) {
+  if (!st.failure.empty()) return st.failure;
+  const std::string stuck = waitForKernels(pg, st, op);
+  if (!stuck.empty()) {
+    st.failure = stuck +
+                 " (the group's internode transport is unusable from now on: destroy and "
+                 "re-create the group)";
+    std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
+    std::fflush(stderr);
+    return st.failure;
+  }
+  return pendingError(st, op);
+}
+
+// The kernels match a call's signals across ranks by the runtime's sequence number (and read
+// the buffers of the same runtime generation): each call agrees on both, so that a rank whose
+// count went astray raises on every rank instead of reading another call's signals.
+void appendSequence(std::vector<int64_t>& payload, const GroupState& st) {
+  payload.push_back(static_cast<int64_t>(st.builds));
+  payload.push_back(static_cast<int64_t>(st.launches));
+}
+
+void checkSequenceAgrees(const at::Tensor& gathered, int64_t column, GroupState& st, const char* op,
+                         int64_t rank) {
+  auto g = gathered.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < gathered.size(0); ++r) {
+    if (g[r][column] != static_cast<int64_t>(st.builds) ||
+        g[r][column + 1] != static_cast<int64_t>(st.launches)) {
+      std::ostringstream os;
+      os << "ep " << op << ": the internode kernels are out of step across ranks (rank " << rank
+         << ": buffers #" << st.builds << ", call " << st.launches << "; rank " << r
+         << ": buffers #" << g[r][column] << ", call " << g[r][column + 1]
+         << "); no data moved, and the group's internode transport is unusable from now on (a "
+            "bug: report it)";
+      st.failure = os.str();
+      TORCH_CHECK(false, st.failure);
+    }
+  }
 }
 
 // The counts of this version are agreed on the host (Gloo): nothing of it can be captured. A
@@ -191,9 +322,21 @@ int64_t roundUp(int64_t v, int64_t m) {
   return (std::max<int64_t>(v, 1) + m - 1) / m * m;
 }
 
-// Collective: a runtime whose buffers hold `need` (every input agreed across the ranks).
+std::string describe(const Capacity& c) {
+  std::ostringstream os;
+  os << "tokens " << c.max_tokens << ", received rows " << c.max_recv_rows << ", record "
+     << c.max_record << " B, output record " << c.max_out_record << " B, combine row "
+     << c.max_combine_row << " B, partial row " << c.max_partial_row << " B";
+  return os.str();
+}
+
+// Collective: a runtime whose buffers hold `need` (every input agreed across the ranks, so every
+// rank decides alike). The NVSHMEM calls of a build (free, malloc, barrier, a session restart)
+// have no timeout: the ranks first meet in the store (bounded by the group's timeout, naming a
+// rank that never comes) and check that they build the same buffers, so that a rank never waits
+// alone in one of them.
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
-                    const Capacity& need) {
+                    const Capacity& need, const char* op) {
   const Capacity& have = st.capacity;
   if (st.runtime != nullptr && have.max_tokens >= need.max_tokens &&
       have.max_recv_rows >= need.max_recv_rows && have.max_record >= need.max_record &&
@@ -208,6 +351,17 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   cap.max_out_record = std::max(have.max_out_record, need.max_out_record);
   cap.max_combine_row = std::max(have.max_combine_row, need.max_combine_row);
   cap.max_partial_row = std::max(have.max_partial_row, need.max_partial_row);
+  const std::string mine = describe(cap);
+  trace(pg, st, op, "building the internode buffers: " + mine);
+  const std::vector<std::string> wanted = allGatherStrings(
+      pg,
+      "ep_internode/" + pg.options()->group_name + "/build/" + std::to_string(st.builds++) + "/",
+      mine, std::string("ep ") + op + " (building the internode buffers)");
+  for (size_t r = 0; r < wanted.size(); ++r) {
+    TORCH_CHECK(wanted[r] == mine, "ep ", op, ": ranks disagree on the internode buffers (rank ",
+                pg.getRank(), ": ", mine, "; rank ", r, ": ", wanted[r],
+                "); no data moved (a bug: the sizes come from agreed values)");
+  }
   releaseRuntime(st);
   const size_t bytes = library().symmetric_bytes(st.num_nodes, st.ranks_per_node, &cap);
   // Ours are freed first whenever the low-latency runtime is rebuilt or the group shuts down.
@@ -229,6 +383,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   check(library().create(&setup, &rt, err, sizeof(err)), "internode setup", err);
   st.runtime = rt;
   st.capacity = cap;
+  trace(pg, st, op, "built");
   return rt;
 }
 
@@ -325,6 +480,7 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
                     const std::optional<at::Tensor>& topk_weights, const Plan& plan,
                     int64_t experts_per_rank, int64_t recv_rows, const at::Tensor& gathered_t,
                     int64_t max_recv, bool cached, InternodeRecvView* view_out) {
+  const char* op = cached ? "cached dispatch" : "dispatch";
   const at::Device device = x.device();
   const int64_t x_bytes = x.size(1) * elementBytes(x);
   const int64_t scale_bytes = x_scales ? x_scales->size(1) * elementBytes(*x_scales) : 0;
@@ -342,7 +498,8 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
       static_cast<int64_t>(align16(static_cast<size_t>(2 * x.size(1)))) + k_bytes;
   need.max_partial_row =
       static_cast<int64_t>(align16(static_cast<size_t>(4 * x.size(1)))) + k_bytes;
-  void* rt = ensureRuntime(pg, st, device, need);
+  void* rt = ensureRuntime(pg, st, device, need, op);
+  trace(pg, st, op, "buffers ready; launching call " + std::to_string(st.launches + 1));
   InternodeDispatchArgs a;
   a.x = x.data_ptr();
   a.x_bytes = x_bytes;
@@ -361,9 +518,27 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   a.cached = cached;
   char err[1024] = {0};
   InternodeRecvView view;
-  check(library().dispatch(rt, &a, c10::cuda::getCurrentCUDAStream(device.index()).stream(), &view,
-                           err, sizeof(err)),
-        cached ? "cached dispatch" : "dispatch", err);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  check(library().dispatch(rt, &a, stream, &view, err, sizeof(err)), op, err);
+  ++st.launches;
+  recordLaunch(st, stream, op);
+  trace(pg, st, op, "launched");
+  // A dispatch reads its outputs on the host next (the per-expert counts): it waits here, with a
+  // deadline, and raises its own kernel error (a timeout names the stalled peer) rather than the
+  // next call. A cached dispatch returns while its kernels run, as a combine does: the next op
+  // waits for them (previousCallError).
+  if (!cached) {
+    const std::string stuck = waitForKernels(pg, st, op);
+    if (!stuck.empty()) {
+      st.failure = stuck + " (the group's internode transport is unusable from now on)";
+      std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
+      std::fflush(stderr);
+      TORCH_CHECK(false, st.failure);
+    }
+    const std::string failed = pendingError(st, op);
+    TORCH_CHECK(failed.empty(), failed);
+    trace(pg, st, op, "kernels done");
+  }
   *view_out = view;
   return at::from_blob(const_cast<char*>(view.rows), {recv_rows, view.layout.n_bytes},
                        x.options().dtype(at::kByte));
@@ -380,7 +555,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  std::string error = pendingError(*st, "dispatch");
+  ++st->calls;
+  std::string error = previousCallError(pg, *st, "dispatch");
   if (error.empty()) error = captureError("dispatch");
   if (error.empty()) error = validateDispatch(a, R);
   if (error.empty() && a.topk_idx.size(1) > kMaxTopk) {
@@ -390,20 +566,39 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   at::Tensor is_token_in_rank, send_pos;
   std::vector<int64_t> payload(static_cast<size_t>(R) + 1, 0);
   if (ok) {
+    // validateDispatch leaves the values of CUDA topk_idx to the kernels, and these trust them:
+    // out-of-range ids are counted here (with the send counts: one copy to the host) and raised on
+    // every rank through the agreement; the layout below sees them as -1 (an id >= 2E would index
+    // past its columns).
+    const at::Tensor invalid = a.topk_idx.lt(-1).logical_or(a.topk_idx.ge(a.num_experts));
     if (a.layout.empty()) {
-      LayoutTensors l = computeDispatchLayout(a.topk_idx, a.num_experts, R);
+      LayoutTensors l =
+          computeDispatchLayout(a.topk_idx.masked_fill(invalid, -1), a.num_experts, R);
       is_token_in_rank = std::get<2>(l);
       send_pos = std::get<3>(l);
     } else {
       is_token_in_rank = a.layout[2];
       send_pos = a.layout[3];
     }
-    std::vector<int64_t> counts = toVector(is_token_in_rank.sum(0));
-    std::copy(counts.begin(), counts.end(), payload.begin());
+    std::vector<int64_t> counts =
+        toVector(at::cat({is_token_in_rank.sum(0).to(at::kLong), invalid.sum().view({1})}));
+    std::copy(counts.begin(), counts.begin() + R, payload.begin());
     payload[static_cast<size_t>(R)] = a.x.size(0);
+    if (const int64_t bad = counts[static_cast<size_t>(R)]; bad > 0) {
+      const at::Tensor flat = invalid.flatten();
+      const int64_t first = flat.to(at::kByte).argmax().item<int64_t>();
+      error = "ep dispatch: topk_idx has " + std::to_string(bad) +
+              " value(s) outside [-1, num_experts=" + std::to_string(a.num_experts) +
+              "), the first " + std::to_string(a.topk_idx.flatten()[first].item<int64_t>()) +
+              " at flat position " + std::to_string(first);
+    }
   }
+  appendSequence(payload, *st);
+  trace(pg, *st, "dispatch", "agreeing (tokens " + std::to_string(ok ? a.x.size(0) : -1) + ")");
   at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), payload);
+  checkSequenceAgrees(gathered, R + 1, *st, "dispatch", rank);
   at::Tensor matrix = countMatrix(gathered, R);
+  trace(pg, *st, "dispatch", "agreed");
   std::vector<int64_t> recv_counts(R);
   auto m = matrix.accessor<int64_t, 2>();
   for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[s][rank];
@@ -472,15 +667,20 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  std::string error = pendingError(*st, "cached dispatch");
+  ++st->calls;
+  std::string error = previousCallError(pg, *st, "cached dispatch");
   if (error.empty()) error = captureError("cached dispatch");
   if (error.empty()) error = validateCachedDispatch(x_in, x_scales, routing, R);
   const bool ok = error.empty();
   std::vector<int64_t> payload =
       ok ? routingCounts(routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? x_in.size(0) : 0);
+  appendSequence(payload, *st);
+  trace(pg, *st, "cached dispatch", "agreeing");
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error,
                                          cachedDispatchFields(x_in, x_scales, ok), payload);
+  checkSequenceAgrees(gathered, 2 * R + 1, *st, "cached dispatch", rank);
+  trace(pg, *st, "cached dispatch", "agreed");
   checkRoutingAgrees("cached dispatch", gathered, 0, rank);
   at::Tensor matrix = countMatrix(gathered, R);
   std::vector<int64_t> recv_counts(R);
@@ -515,7 +715,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  std::string error = pendingError(*st, "combine");
+  ++st->calls;
+  std::string error = previousCallError(pg, *st, "combine");
   if (error.empty()) error = captureError("combine");
   if (error.empty()) error = validateCombine(a, R);
   if (error.empty() && a.topk_weights && a.topk_weights->size(1) > kMaxTopk) {
@@ -528,7 +729,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
       ok ? routingCounts(a.routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? a.routing.is_token_in_rank.size(0) : 0);
   payload.push_back(kernel_dtype ? 1 : 0);
+  appendSequence(payload, *st);
+  trace(pg, *st, "combine", "agreeing");
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, combineFields(a, ok), payload);
+  checkSequenceAgrees(gathered, 2 * R + 2, *st, "combine", rank);
+  trace(pg, *st, "combine", "agreed");
   checkRoutingAgrees("combine", gathered, 0, rank);
   // x dtype is an agreed field: every rank takes the same path. Other dtypes (float64, half):
   // the ATen path, whose own agreement step every rank then runs too.
@@ -550,7 +755,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
                                               align16(static_cast<size_t>(4 * K)));
   need.max_partial_row = static_cast<int64_t>(align16(static_cast<size_t>(4 * hidden)) +
                                               align16(static_cast<size_t>(4 * K)));
-  void* rt = ensureRuntime(pg, *st, device, need);
+  void* rt = ensureRuntime(pg, *st, device, need, "combine");
+  trace(pg, *st, "combine", "buffers ready; launching call " + std::to_string(st->launches + 1));
 
   const at::Tensor x = a.x.narrow(0, 0, num_valid).contiguous();
   const std::optional<at::Tensor> weights =
@@ -587,9 +793,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   c.out_weights = out_w ? out_w->data_ptr<float>() : nullptr;
   c.timeout_seconds = pg.options()->kernel_timeout_s;
   char err[1024] = {0};
-  check(library().combine(rt, &c, c10::cuda::getCurrentCUDAStream(device.index()).stream(), err,
-                          sizeof(err)),
-        "combine", err);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  check(library().combine(rt, &c, stream, err, sizeof(err)), "combine", err);
+  ++st->launches;
+  // No host wait here (combine returns while its kernels run): the next op waits for them.
+  recordLaunch(*st, stream, "combine");
+  trace(pg, *st, "combine", "launched");
   return {out, out_w};
 }
 

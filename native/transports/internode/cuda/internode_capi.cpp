@@ -68,6 +68,11 @@ int ep_internode_check_error(void* handle, char* msg, size_t msg_len, int* faile
   return e.empty() ? 0 : 1;
 }
 
+void ep_internode_progress(void* handle, char* msg, size_t msg_len) {
+  const std::string p = runtime(handle)->progress();
+  if (msg != nullptr && msg_len > 0) std::snprintf(msg, msg_len, "%s", p.c_str());
+}
+
 int ep_internode_destroy(void* handle, char* err, size_t err_len) {
   try {
     runtime(handle)->destroy();
@@ -88,3 +93,4 @@ static_assert(std::is_same_v<decltype(&ep_internode_dispatch), ep_internode_disp
 static_assert(std::is_same_v<decltype(&ep_internode_combine), ep_internode_combine_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_check_error), ep_internode_check_error_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_destroy), ep_internode_destroy_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_progress), ep_internode_progress_fn>);

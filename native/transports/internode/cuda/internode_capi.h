@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_INTERNODE_ABI_VERSION 1
+#define EP_INTERNODE_ABI_VERSION 2
 
 namespace ep {
 struct InternodeSetup;
@@ -30,4 +30,5 @@ typedef int (*ep_internode_combine_fn)(void*, const ep::InternodeCombineArgs*, c
                                        size_t);
 typedef int (*ep_internode_check_error_fn)(void*, char*, size_t, int*);
 typedef int (*ep_internode_destroy_fn)(void*, char*, size_t);
+typedef void (*ep_internode_progress_fn)(void*, char*, size_t);
 }

@@ -33,6 +33,50 @@ constexpr int kNumParities = 2;  // calls alternate between two sets of receive 
 
 enum Op : int { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2, kOpCachedDispatch = 3 };
 
+// Where the kernels of a call got to: block 0's thread 0 of each kernel writes the call's seq into
+// a host-mapped word per stage (on entry, and after the waits and NVSHMEM calls that have no
+// timeout of their own), so that a host whose wait for a call's kernels ran out can say which
+// stage never finished (InternodeRuntime::progress). Written once per kernel: no hot-path cost.
+enum Stage : int {
+  kStagePack = 0,
+  kStagePut,
+  kStageSignal,     // entered rdma_signal: nvshmem_quiet next
+  kStageQuietDone,  // nvshmem_quiet returned
+  kStageSignalled,  // every node's signal put
+  kStageForward,
+  kStageForwardWaited,  // block 0 saw every node's signal (or gave up)
+  kStageBarrier,
+  kStageBarrierDone,
+  kStageCombineSend,
+  kStageCombineReduce,
+  kStageCombineSignal,
+  kStageCombineQuietDone,
+  kStageCombineSignalled,
+  kStageCombineOut,
+  kStageCombineOutWaited,
+  kNumStages
+};
+
+inline const char* stage_name(int stage) {
+  static const char* const kNames[kNumStages] = {"pack",
+                                                 "RDMA puts",
+                                                 "signal (before nvshmem_quiet)",
+                                                 "nvshmem_quiet",
+                                                 "signals sent",
+                                                 "forward (waiting for the nodes' signals)",
+                                                 "forward waited",
+                                                 "node barrier",
+                                                 "node barrier done",
+                                                 "combine send",
+                                                 "combine reduce",
+                                                 "combine signal (before nvshmem_quiet)",
+                                                 "combine quiet",
+                                                 "combine signals sent",
+                                                 "combine out (waiting for the nodes' partials)",
+                                                 "combine out waited"};
+  return stage >= 0 && stage < kNumStages ? kNames[stage] : "?";
+}
+
 EP_HOST_DEVICE constexpr size_t align16(size_t v) {
   return (v + 15) / 16 * 16;
 }
@@ -169,6 +213,7 @@ struct Context {
   RecordLayout rec;
   Control* ctrl;
   ErrorRecord* err;
+  uint64_t* progress;  // [kNumStages] host-mapped: the last seq that reached each stage
   long long timeout_ns;
   int op;
 };

@@ -34,6 +34,13 @@ __device__ __forceinline__ int lane_id() {
   return static_cast<int>(threadIdx.x) & 31;
 }
 
+// Block 0's thread 0 records that this call's kernels reached `stage` (host-mapped, diagnosis).
+__device__ __forceinline__ void mark(const Context& c, int stage) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    reinterpret_cast<volatile uint64_t*>(c.progress)[stage] = c.seq;
+  }
+}
+
 __device__ __forceinline__ bool aborted(const Context& c) {
   return ptx::ld_volatile_int(&c.ctrl->abort) != 0;
 }
@@ -96,6 +103,7 @@ __device__ __forceinline__ uint64_t* sig_word(const Context& c, int64_t offset, 
 // Stage 0: one RDMA record per (token, destination node) into send_buf[node][position].
 __global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
+  mark(c, kStagePack);
   if (aborted(c)) return;
   const int lane = lane_id();
   const RecordLayout& r = c.rec;
@@ -131,6 +139,7 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ 
 __global__ void __launch_bounds__(kThreads)
     rdma_put_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
+  mark(c, kStagePut);
   if (aborted(c)) return;
   const RecordLayout& r = c.rec;
   const int64_t T = c.layout.cap.max_tokens;
@@ -161,13 +170,17 @@ __global__ void __launch_bounds__(kThreads)
 // carries (seq << 32) | number of records.
 __global__ void rdma_signal_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
-  if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  mark(c, kStageSignal);
+  if (aborted(c)) return;
   nvshmem_quiet();
+  mark(c, kStageQuietDone);
   for (int n = 0; n < c.num_nodes; ++n) {
     const uint64_t value = (c.seq << 32) | static_cast<uint32_t>(p.node_count[n]);
     nvshmemx_signal_op(sig_word(c, c.layout.rdma_sig, c.parity * c.num_nodes + c.node), value,
                        NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
   }
+  mark(c, kStageSignalled);
 }
 
 // Stage 2 (NVLink leg): every record received from the sources (n, my local) goes to the local
@@ -179,6 +192,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t T = c.layout.cap.max_tokens;
   __shared__ int records_before[kMaxNodes + 1];
   __shared__ int ok;
+  mark(c, kStageForward);
   if (threadIdx.x == 0) {
     ok = 1;
     records_before[0] = 0;
@@ -197,6 +211,7 @@ __global__ void __launch_bounds__(kThreads)
       records_before[n + 1] = records_before[n] + count;
     }
   }
+  mark(c, kStageForwardWaited);
   __syncthreads();
   if (!ok) return;
   const int lane = lane_id();
@@ -243,7 +258,9 @@ __global__ void __launch_bounds__(kThreads)
 // done) once its word in my region reaches seq. Stores of the previous kernel are complete at its
 // end; the release store orders them before the flag for the peer.
 __global__ void node_barrier_kernel(const __grid_constant__ Context c) {
-  if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  mark(c, kStageBarrier);
+  if (aborted(c)) return;
   ptx::fence_acq_rel_sys();
   for (int l = 0; l < c.ranks_per_node; ++l) {
     ptx::st_release_sys(reinterpret_cast<uint64_t*>(c.node_peer[l] + c.layout.nvl_sig) + c.local,
@@ -254,6 +271,7 @@ __global__ void node_barrier_kernel(const __grid_constant__ Context c) {
       return;
     }
   }
+  mark(c, kStageBarrierDone);
 }
 
 // ---- combine -------------------------------------------------------------------------------
@@ -284,6 +302,7 @@ __device__ __forceinline__ int64_t combine_slot(const Context& c, int src_node, 
 __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
+  mark(c, kStageCombineSend);
   if (aborted(c)) return;
   const int lane = lane_id();
   const int64_t x_bytes = c.rec.x_bytes;
@@ -314,6 +333,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     combine_reduce_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
+  mark(c, kStageCombineReduce);
   if (aborted(c)) return;
   const int lane = lane_id();
   const int64_t T = c.layout.cap.max_tokens;
@@ -364,12 +384,16 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void combine_signal_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
-  if (threadIdx.x != 0 || blockIdx.x != 0 || aborted(c)) return;
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  mark(c, kStageCombineSignal);
+  if (aborted(c)) return;
   nvshmem_quiet();
+  mark(c, kStageCombineQuietDone);
   for (int n = 0; n < c.num_nodes; ++n) {
     nvshmemx_signal_op(sig_word(c, c.layout.comb_sig, c.parity * c.num_nodes + c.node), c.seq,
                        NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
   }
+  mark(c, kStageCombineSignalled);
 }
 
 // Source: out[t] = cast(sum over nodes in node order of the node partials (float32, from +0.0),
@@ -379,6 +403,7 @@ __global__ void __launch_bounds__(kThreads)
   const Context& c = p.c;
   const int64_t T = c.layout.cap.max_tokens;
   __shared__ int ok;
+  mark(c, kStageCombineOut);
   if (threadIdx.x == 0) {
     ok = 1;
     for (int n = 0; n < c.num_nodes; ++n) {
@@ -389,6 +414,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+  mark(c, kStageCombineOutWaited);
   __syncthreads();
   if (!ok) return;
   const int lane = lane_id();

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <iterator>
 #include <sstream>
 #include <stdexcept>
 
@@ -101,6 +102,14 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     std::memset(static_cast<void*>(error_host_), 0, sizeof(ErrorRecord));
     kChecks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
                  "cudaHostGetDevicePointer(error)");
+    kChecks.cuda(
+        cudaHostAlloc(reinterpret_cast<void**>(&progress_host_), sizeof(uint64_t) * kNumStages,
+                      cudaHostAllocMapped | cudaHostAllocPortable),
+        "cudaHostAlloc(progress)");
+    std::memset(static_cast<void*>(progress_host_), 0, sizeof(uint64_t) * kNumStages);
+    kChecks.cuda(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&progress_dev_), progress_host_, 0),
+        "cudaHostGetDevicePointer(progress)");
     kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_barrier_all();  // every region is zeroed before anyone signals into it
   } catch (...) {
@@ -117,15 +126,19 @@ InternodeRuntime::~InternodeRuntime() {
 }
 
 void InternodeRuntime::destroy() {
-  if (region_ == nullptr && control_ == nullptr && error_host_ == nullptr) return;
+  if (region_ == nullptr && control_ == nullptr && error_host_ == nullptr &&
+      progress_host_ == nullptr)
+    return;
   DeviceGuard guard(setup_.device);
   cudaDeviceSynchronize();
   if (region_ != nullptr) nvshmem_free(region_);  // collective
   if (control_ != nullptr) cudaFree(control_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  if (progress_host_ != nullptr) cudaFreeHost(progress_host_);
   region_ = nullptr;
   control_ = nullptr;
   error_host_ = error_dev_ = nullptr;
+  progress_host_ = progress_dev_ = nullptr;
 }
 
 internode::Context InternodeRuntime::context(int op, double timeout_seconds,
@@ -151,6 +164,8 @@ internode::Context InternodeRuntime::context(int op, double timeout_seconds,
   c.rec = rec;
   c.ctrl = control_;
   c.err = error_dev_;
+  c.progress = progress_dev_;
+  last_op_ = op;
   last_timeout_ = timeout_seconds;
   c.timeout_ns = static_cast<long long>(timeout_seconds * 1e9);
   c.op = op;
@@ -259,6 +274,35 @@ std::string InternodeRuntime::check_error() const {
     default:
       os << " failed with error code " << code;
   }
+  return os.str();
+}
+
+std::string InternodeRuntime::progress() const {
+  using namespace internode;
+  if (progress_host_ == nullptr || last_op_ == kOpNone) return "";
+  // The stages of the latest call's op, in launch order.
+  static const int kDispatchStages[] = {kStagePack,          kStagePut,       kStageSignal,
+                                        kStageQuietDone,     kStageSignalled, kStageForward,
+                                        kStageForwardWaited, kStageBarrier,   kStageBarrierDone};
+  static const int kCombineStages[] = {
+      kStageCombineSend,      kStageBarrier,       kStageBarrierDone,
+      kStageCombineReduce,    kStageCombineSignal, kStageCombineQuietDone,
+      kStageCombineSignalled, kStageCombineOut,    kStageCombineOutWaited};
+  const bool combine = last_op_ == kOpCombine;
+  const int* stages = combine ? kCombineStages : kDispatchStages;
+  const int count = combine ? static_cast<int>(std::size(kCombineStages))
+                            : static_cast<int>(std::size(kDispatchStages));
+  const volatile uint64_t* marks = progress_host_;
+  std::ostringstream os;
+  os << "its kernels (call " << seq_ << " of this runtime, " << op_name(last_op_) << ") ";
+  for (int i = 0; i < count; ++i) {
+    if (marks[stages[i]] < seq_) {
+      os << "never got past " << (i == 0 ? "their launch" : stage_name(stages[i - 1]))
+         << " (next: " << stage_name(stages[i]) << ")";
+      return os.str();
+    }
+  }
+  os << "reached every stage";
   return os.str();
 }
 

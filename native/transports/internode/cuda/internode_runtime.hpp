@@ -89,6 +89,9 @@ class InternodeRuntime {
   void combine(const InternodeCombineArgs& args, cudaStream_t stream);
   std::string check_error() const;
   bool failed() const;
+  // Which stages the kernels of the latest call reached (host-mapped marks, see
+  // internode::Stage): "" while none was launched. For the error of a host wait that ran out.
+  std::string progress() const;
   void destroy();  // collective (nvshmem_free); idempotent
 
  private:
@@ -102,7 +105,10 @@ class InternodeRuntime {
   internode::Control* control_ = nullptr;
   ErrorRecord* error_host_ = nullptr;
   ErrorRecord* error_dev_ = nullptr;
+  uint64_t* progress_host_ = nullptr;  // [kNumStages], host-mapped
+  uint64_t* progress_dev_ = nullptr;
   uint64_t seq_ = 0;
+  int last_op_ = internode::kOpNone;
   int blocks_ = 1;
   double last_timeout_ = 0;
 };
