@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One pass over the branch `next` (main + rel44, bench43, meg42, inter40b) on the GPU machine
+# (2 GPUs; the EP4 cases run where 4 are present): builds once with CUDA, then runs the new GPU
+# tests of each merged branch and the low-latency GPU tests as regression, each step with its own
+# timeout, then the bench once (no sweep). Sized for a 10-minute command limit: every timeout is
+# cut to what is left of BUDGET_S (540 s from the start); a step that runs out of time is
+# reported as TIMED OUT, one never reached as NOT RUN. The full README test command is run separately.
+# Usage: OUT=/some/dir bash tools/verify_next.sh     (logs under $OUT, default ./out)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PIP_NO_INDEX=1
+export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
+export PYTHONUNBUFFERED=1 EP_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=${MAX_JOBS:-16}
+export EP_BUILD_DIR=${EP_BUILD_DIR:-$PWD/.build-gpu}
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+# Every step's timeout is cut to what is left of this budget, so that the whole script ends
+# before the machine's 10-minute command limit.
+BUDGET_S=${BUDGET_S:-540}
+deadline=$((start + BUDGET_S))
+summary="$OUT/summary.txt"
+: >"$summary"
+
+note() { echo "$*" | tee -a "$summary"; }
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" | tee -a "$OUT/gpus.txt"
+
+if ! timeout 330 python -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"
+  note "BUILD FAILED (log: $OUT/build.log)"
+  exit 1
+fi
+note "build: $(($(date +%s) - start)) s"
+python -c 'import ep_backend, pathlib; print("nvshmem lib:", (pathlib.Path(ep_backend.__file__).parent / "libep_nvshmem.so").exists())' | tee -a "$summary"
+
+# step NAME SECONDS [ENV=VALUE ...] -- PYTEST ARGS: one pytest run with a timeout; its log in
+# $OUT/NAME.log; prints the pytest summary line, FAILED/ERROR lines and a timeout if any.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  local t0=$(date +%s)
+  local left=$((deadline - t0))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    note "== $name: NOT RUN (the script's ${BUDGET_S} s budget is spent)"
+    return
+  fi
+  env "${envs[@]}" timeout -k 10 "$limit" python -m pytest -q -p no:cacheprovider -rs "$@" \
+    >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local line
+  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)|no tests ran' "$OUT/$name.log" | tail -1)
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && line="TIMED OUT after $limit s ($line)"
+  note "== $name: rc=$rc, $(($(date +%s) - t0)) s: ${line:-no summary line (see $OUT/$name.log)}"
+  grep -E '^(FAILED|ERROR) ' "$OUT/$name.log" | head -20 | tee -a "$summary"
+}
+
+# rel44 (issue #44): rank masking, LL call tags, handle group checks.
+step rank_mask 120 -- tests/test_rank_mask.py
+step ll_call_tags 60 -- tests/test_ll_call_tags_gpu.py
+step adversarial 60 -- tests/test_adversarial.py
+# bench43 (issue #43): push-limit and loop-of-steps rows.
+step bench_gpu 60 -- tests/test_bench_gpu.py
+# meg42: Megatron's alltoall dispatcher on an "ep" group (skipped where Megatron is missing).
+step megatron_alltoall 60 -- tests/test_megatron_gpu.py -k alltoall
+# inter40b (issue #40): the internode transport on emulated nodes, with its stage trace.
+step internode 150 EP_TEST_INTERNODE=1 EP_INTERNODE_TRACE=1 -- tests/test_internode_emulation_gpu.py
+# Regression: the low-latency kernels now read the rank mask on every launch.
+step moe_low_latency 90 -- tests/test_moe_gpu.py -k low_latency
+
+t0=$(date +%s)
+bench_limit=$((deadline - t0))
+[ "$bench_limit" -gt 90 ] && bench_limit=90
+[ "$bench_limit" -lt 15 ] && bench_limit=15
+timeout -k 10 "$bench_limit" python -m ep_backend.bench --no-sweep --out "$OUT/bench" >"$OUT/bench.log" 2>&1
+rc=$?
+note "== bench: rc=$rc, $(($(date +%s) - t0)) s (log: $OUT/bench.log)"
+tail -40 "$OUT/bench.log"
+echo
+echo "==== summary ($(($(date +%s) - start)) s in all) ===="
+cat "$summary"
+grep -q -E 'FAILED|ERROR |TIMED OUT|rc=[1-9]' "$summary" && exit 1
+exit 0
