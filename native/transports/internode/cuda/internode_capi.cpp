@@ -2,18 +2,15 @@
 // success or -1 with a message in `err`; no C++ exception crosses the boundary.
 #include "transports/internode/cuda/internode_capi.h"
 
-#include <cstdio>
-#include <exception>
 #include <type_traits>
 
+#include "common/c_entry_point.hpp"
 #include "transports/internode/cuda/internode_runtime.hpp"
 
 namespace {
 
-int fail(const std::exception& e, char* err, size_t err_len) {
-  if (err != nullptr && err_len > 0) std::snprintf(err, err_len, "%s", e.what());
-  return -1;
-}
+using ep::capi::cEntryPoint;
+using ep::capi::copyMessage;
 
 ep::InternodeRuntime* runtime(void* handle) {
   return static_cast<ep::InternodeRuntime*>(handle);
@@ -33,54 +30,36 @@ size_t ep_internode_symmetric_bytes(int num_nodes, int ranks_per_node,
 }
 
 int ep_internode_create(const ep::InternodeSetup* setup, void** out, char* err, size_t err_len) {
-  try {
-    *out = new ep::InternodeRuntime(*setup);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  return cEntryPoint(err, err_len, [&] { *out = new ep::InternodeRuntime(*setup); });
 }
 
 int ep_internode_dispatch(void* handle, const ep::InternodeDispatchArgs* args, cudaStream_t stream,
                           ep::InternodeRecvView* view, char* err, size_t err_len) {
-  try {
-    *view = runtime(handle)->dispatch(*args, stream);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  return cEntryPoint(err, err_len, [&] { *view = runtime(handle)->dispatch(*args, stream); });
 }
 
 int ep_internode_combine(void* handle, const ep::InternodeCombineArgs* args, cudaStream_t stream,
                          char* err, size_t err_len) {
-  try {
-    runtime(handle)->combine(*args, stream);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  return cEntryPoint(err, err_len, [&] { runtime(handle)->combine(*args, stream); });
 }
 
 int ep_internode_check_error(void* handle, char* msg, size_t msg_len, int* failed) {
   const std::string e = runtime(handle)->check_error();
   *failed = runtime(handle)->failed() ? 1 : 0;
-  if (msg != nullptr && msg_len > 0) std::snprintf(msg, msg_len, "%s", e.c_str());
+  copyMessage(e.c_str(), msg, msg_len);
   return e.empty() ? 0 : 1;
 }
 
 void ep_internode_progress(void* handle, char* msg, size_t msg_len) {
   const std::string p = runtime(handle)->progress();
-  if (msg != nullptr && msg_len > 0) std::snprintf(msg, msg_len, "%s", p.c_str());
+  copyMessage(p.c_str(), msg, msg_len);
 }
 
 int ep_internode_destroy(void* handle, char* err, size_t err_len) {
-  try {
+  return cEntryPoint(err, err_len, [&] {
     runtime(handle)->destroy();
     delete runtime(handle);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  });
 }
 
 }  // extern "C"

@@ -5,23 +5,18 @@
 //
 // Every function returns 0 on success, or -1 with a message in `err` (NUL-terminated, at most
 // `err_len` bytes); no C++ exception crosses the boundary.
-#include <cstdio>
 #include <cstring>
-#include <exception>
-#include <new>
 #include <stdexcept>
+#include <vector>
 
+#include "common/c_entry_point.hpp"
 #include "transports/nvshmem/cuda/nvshmem_capi.h"
 #include "transports/nvshmem/cuda/nvshmem_runtime.hpp"
 
 namespace {
 
-int fail(const std::exception& e, char* err, size_t err_len) {
-  if (err != nullptr && err_len > 0) {
-    std::snprintf(err, err_len, "%s", e.what());
-  }
-  return -1;
-}
+using ep::capi::cEntryPoint;
+using ep::capi::copyMessage;
 
 ep::NvshmemRuntime* runtime(void* handle) {
   return static_cast<ep::NvshmemRuntime*>(handle);
@@ -37,58 +32,40 @@ int ep_nvshmem_abi_version() {
 
 int ep_nvshmem_unique_id(const ep::NvshmemConfig* config, uint8_t* out, size_t out_len,
                          size_t* written, char* err, size_t err_len) {
-  try {
+  return cEntryPoint(err, err_len, [&] {
     const std::vector<uint8_t> id = ep::NvshmemRuntime::unique_id(*config);
     if (id.size() > out_len) {
       throw std::invalid_argument("unique id buffer too small");
     }
     std::memcpy(out, id.data(), id.size());
     *written = id.size();
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  });
 }
 
 int ep_nvshmem_create(int rank, int num_ranks, int device, const uint8_t* uid, size_t uid_len,
                       const ep::NvshmemConfig* config, void** out, char* err, size_t err_len) {
-  try {
+  return cEntryPoint(err, err_len, [&] {
     std::vector<uint8_t> id(uid, uid + uid_len);
     *out = new ep::NvshmemRuntime(rank, num_ranks, device, id, *config);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  });
 }
 
 int ep_nvshmem_dispatch(void* handle, const ep::NvshmemDispatchArgs* args, cudaStream_t stream,
                         int* buffer_index, char* err, size_t err_len) {
-  try {
-    *buffer_index = runtime(handle)->dispatch(*args, stream);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  return cEntryPoint(err, err_len,
+                     [&] { *buffer_index = runtime(handle)->dispatch(*args, stream); });
 }
 
 int ep_nvshmem_combine(void* handle, const ep::NvshmemCombineArgs* args, cudaStream_t stream,
                        char* err, size_t err_len) {
-  try {
-    runtime(handle)->combine(*args, stream);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  return cEntryPoint(err, err_len, [&] { runtime(handle)->combine(*args, stream); });
 }
 
 int ep_nvshmem_combine_buffer(void* handle, int buffer_index, int num_experts, int hidden,
                               ep::NvshmemBufferView* out, char* err, size_t err_len) {
-  try {
+  return cEntryPoint(err, err_len, [&] {
     *out = runtime(handle)->combine_buffer(buffer_index, num_experts, hidden);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  });
 }
 
 int ep_nvshmem_config(void* handle, ep::NvshmemConfig* out) {
@@ -99,9 +76,7 @@ int ep_nvshmem_config(void* handle, ep::NvshmemConfig* out) {
 int ep_nvshmem_check_error(void* handle, char* msg, size_t msg_len, int* failed) {
   const std::string e = runtime(handle)->check_error();
   *failed = runtime(handle)->failed() ? 1 : 0;
-  if (msg != nullptr && msg_len > 0) {
-    std::snprintf(msg, msg_len, "%s", e.c_str());
-  }
+  copyMessage(e.c_str(), msg, msg_len);
   return e.empty() ? 0 : 1;
 }
 
@@ -110,13 +85,10 @@ void ep_nvshmem_clear_error(void* handle) {
 }
 
 int ep_nvshmem_destroy(void* handle, char* err, size_t err_len) {
-  try {
+  return cEntryPoint(err, err_len, [&] {
     runtime(handle)->destroy();
     delete runtime(handle);
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, err_len);
-  }
+  });
 }
 
 }  // extern "C"

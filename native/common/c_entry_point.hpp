@@ -1,0 +1,31 @@
+// Shared by the C entry points of libep_nvshmem.so (nvshmem_capi.cpp, internode_capi.cpp), which
+// ep_backend._C calls through dlsym: no C++ exception may cross that boundary, so each entry point
+// runs its body through cEntryPoint, which turns an exception into -1 and a message.
+#pragma once
+
+#include <cstddef>
+#include <cstdio>
+#include <exception>
+
+namespace ep::capi {
+
+// Copies `message` into `out` (NUL-terminated, at most `out_len` bytes; nothing when out is null).
+inline void copyMessage(const char* message, char* out, size_t out_len) {
+  if (out != nullptr && out_len > 0) std::snprintf(out, out_len, "%s", message);
+}
+
+// Runs `body`: 0 when it returns, -1 with the exception's message in `err` when it throws.
+template <typename Body>
+int cEntryPoint(char* err, size_t err_len, Body&& body) noexcept {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    copyMessage(e.what(), err, err_len);
+  } catch (...) {
+    copyMessage("unknown C++ exception", err, err_len);
+  }
+  return -1;
+}
+
+}  // namespace ep::capi
