@@ -10,6 +10,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/rank_mask.hpp"
+#include "backend/received_rows.hpp"
 #include "backend/transport.hpp"
 
 namespace ep::aten {
@@ -71,11 +72,6 @@ struct RowPacker {
   at::Tensor packed() const { return at::cat(blocks, 1); }
 };
 
-std::vector<int64_t> toVector(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
 int64_t sum(const std::vector<int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), int64_t{0});
 }
@@ -106,29 +102,6 @@ at::Tensor allToAllRows(EPProcessGroup& pg, const char* op, const at::Tensor& se
     work->wait();
   }
   return recv.view({num_recv, row_bytes});
-}
-
-// [0]*counts[0] ++ [1]*counts[1] ++ ...: the segment of every row. Built on the host: counts are
-// per-rank vectors, and ATen's repeat_interleave is slow for them on CPU (thread wake-ups).
-at::Tensor segmentIds(const std::vector<int64_t>& counts, const at::TensorOptions& options) {
-  std::vector<int64_t> ids;
-  ids.reserve(static_cast<size_t>(sum(counts)));
-  for (size_t s = 0; s < counts.size(); ++s) {
-    ids.insert(ids.end(), static_cast<size_t>(counts[s]), static_cast<int64_t>(s));
-  }
-  return at::tensor(ids, at::kLong).to(options.device(), options.dtype().toScalarType());
-}
-
-// Pads the first dimension of `t` to `rows` with `fill`.
-at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill) {
-  if (t.size(0) == rows) {
-    return t;
-  }
-  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
-  shape[0] = rows;
-  at::Tensor out = at::full(shape, fill, t.options());
-  out.narrow(0, 0, t.size(0)).copy_(t);
-  return out;
 }
 
 // Token indices sent to each rank (ascending), concatenated in rank order, and the counts.
@@ -292,56 +265,25 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
 
   const int64_t hidden = a.x.size(1);
   const int64_t topk = a.topk_idx.size(1);
-  DispatchResult out;
-  out.recv_x = bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
-                           a.x.scalar_type(), {hidden});
+  ReceivedRows rows;
+  rows.x = bytesToRows(recv, packer.spans[x_block].first, packer.spans[x_block].second,
+                       a.x.scalar_type(), {hidden});
   if (has_scales) {
-    out.recv_x_scales = bytesToRows(recv, packer.spans[s_block].first, packer.spans[s_block].second,
-                                    a.x_scales->scalar_type(), {a.x_scales->size(1)});
+    rows.x_scales = bytesToRows(recv, packer.spans[s_block].first, packer.spans[s_block].second,
+                                a.x_scales->scalar_type(), {a.x_scales->size(1)});
   }
-  at::Tensor recv_local = bytesToRows(recv, packer.spans[i_block].first,
-                                      packer.spans[i_block].second, at::kLong, {topk});
+  rows.topk_local = bytesToRows(recv, packer.spans[i_block].first, packer.spans[i_block].second,
+                                at::kLong, {topk});
   if (has_weights) {
-    out.recv_topk_weights = bytesToRows(recv, packer.spans[w_block].first,
-                                        packer.spans[w_block].second, at::kFloat, {topk});
+    rows.topk_weights = bytesToRows(recv, packer.spans[w_block].first, packer.spans[w_block].second,
+                                    at::kFloat, {topk});
   }
-  at::Tensor recv_src_idx = bytesToRows(recv, packer.spans[src_block].first,
-                                        packer.spans[src_block].second, at::kInt, {1})
-                                .reshape({num_recv});
-  at::Tensor recv_src_rank = segmentIds(recv_counts, dev.dtype(at::kInt));
-
-  at::Tensor selected = recv_local.masked_select(recv_local.ge(0));
-  at::Tensor per_expert = at::bincount(selected, {}, experts_per_rank);
-  const int64_t align = a.expert_alignment;
-  out.num_recv_tokens_per_expert =
-      (per_expert + (align - 1)).div(align, "floor").mul(align).to(at::kInt);
-
-  // ATen path: the counts are on the device of x; reading them back is one more sync of a path
-  // that synchronises anyway.
-  out.num_recv_tokens_per_expert_host =
-      a.num_worst_tokens > 0 ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
-                             : out.num_recv_tokens_per_expert.to(at::kCPU, at::kLong);
-  out.recv_topk_idx = recv_local.to(a.topk_idx.scalar_type());
-  if (a.num_worst_tokens > 0) {
-    const int64_t cap = a.num_worst_tokens;
-    out.recv_x = padRows(out.recv_x, cap, 0);
-    if (out.recv_x_scales) {
-      out.recv_x_scales = padRows(*out.recv_x_scales, cap, 0);
-    }
-    out.recv_topk_idx = padRows(out.recv_topk_idx, cap, -1);
-    if (out.recv_topk_weights) {
-      out.recv_topk_weights = padRows(*out.recv_topk_weights, cap, 0);
-    }
-    recv_src_idx = padRows(recv_src_idx, cap, -1);
-    recv_src_rank = padRows(recv_src_rank, cap, -1);
-  }
-  out.routing.is_token_in_rank = is_token_in_rank;
-  out.routing.num_tokens_per_rank = at::tensor(send_counts, at::kLong).to(dev.device(), at::kInt);
-  out.routing.num_recv_tokens_per_rank =
-      at::tensor(recv_counts, at::kLong).to(dev.device(), at::kInt);
-  out.routing.recv_src_idx = recv_src_idx;
-  out.routing.recv_src_rank = recv_src_rank;
-  return out;
+  rows.src_idx = bytesToRows(recv, packer.spans[src_block].first, packer.spans[src_block].second,
+                             at::kInt, {1})
+                     .reshape({num_recv});
+  rows.src_rank = segmentIds(recv_counts, dev.dtype(at::kInt));
+  return finishDispatch(a, std::move(rows), experts_per_rank, is_token_in_rank, send_counts,
+                        recv_counts);
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(

@@ -32,6 +32,7 @@
 #include "backend/group_state.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/per_group_transport.hpp"
+#include "backend/received_rows.hpp"
 #include "backend/store_exchange.hpp"
 #include "backend/stream_capture.hpp"
 #include "common/env.hpp"
@@ -387,25 +388,6 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   return rt;
 }
 
-std::vector<int64_t> toVector(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
-at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill) {
-  if (t.size(0) >= rows) return t;
-  std::vector<int64_t> shape = t.sizes().vec();
-  shape[0] = rows - t.size(0);
-  return at::cat({t, at::full(shape, fill, t.options())}, 0);
-}
-
-// [0]*counts[0] ++ [1]*counts[1] ++ ... as int32 on `options`' device.
-at::Tensor segmentIds(const std::vector<int64_t>& counts, const at::TensorOptions& options) {
-  std::vector<int32_t> ids;
-  for (size_t r = 0; r < counts.size(); ++r) ids.insert(ids.end(), counts[r], static_cast<int>(r));
-  return at::tensor(ids, at::kInt).to(options.device());
-}
-
 // Columns [offset, offset + bytes) of the received records as a [rows, bytes / elem] tensor of
 // `dtype` (a copy: the records are reused by a later call).
 at::Tensor field(const at::Tensor& records, int64_t offset, int64_t bytes, at::ScalarType dtype) {
@@ -624,41 +606,16 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                                 gathered.narrow(1, R, 1), max_recv, false, &view);
   const RecordLayout& rec = view.layout;
   const int64_t K = a.topk_idx.size(1);
-  DispatchResult out;
-  out.recv_x = field(records, rec.n_x, rec.x_bytes, x.scalar_type());
-  if (scales) {
-    out.recv_x_scales = field(records, rec.n_scales, rec.scale_bytes, scales->scalar_type());
-  }
-  at::Tensor recv_local = field(records, rec.n_topk, 8 * K, at::kLong);
-  if (weights) out.recv_topk_weights = field(records, rec.n_weights, 4 * K, at::kFloat);
-  at::Tensor recv_src_idx = field(records, rec.n_src, 4, at::kInt).reshape({num_recv});
-  at::Tensor recv_src_rank = segmentIds(recv_counts, x.options());
-
-  at::Tensor selected = recv_local.masked_select(recv_local.ge(0));
-  at::Tensor per_expert = at::bincount(selected, {}, experts_per_rank);
-  const int64_t align = a.expert_alignment;
-  out.num_recv_tokens_per_expert =
-      (per_expert + (align - 1)).div(align, "floor").mul(align).to(at::kInt);
-  out.num_recv_tokens_per_expert_host =
-      a.num_worst_tokens > 0 ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
-                             : out.num_recv_tokens_per_expert.to(at::kCPU, at::kLong);
-  out.recv_topk_idx = recv_local.to(a.topk_idx.scalar_type());
-  if (a.num_worst_tokens > 0) {
-    const int64_t cap = a.num_worst_tokens;
-    out.recv_x = padRows(out.recv_x, cap, 0);
-    if (out.recv_x_scales) out.recv_x_scales = padRows(*out.recv_x_scales, cap, 0);
-    out.recv_topk_idx = padRows(out.recv_topk_idx, cap, -1);
-    if (out.recv_topk_weights) out.recv_topk_weights = padRows(*out.recv_topk_weights, cap, 0);
-    recv_src_idx = padRows(recv_src_idx, cap, -1);
-    recv_src_rank = padRows(recv_src_rank, cap, -1);
-  }
-  out.routing.is_token_in_rank = is_token_in_rank;
-  out.routing.num_tokens_per_rank =
-      matrix.select(0, rank).to(device, at::kInt);  // what this rank sent, as agreed
-  out.routing.num_recv_tokens_per_rank = at::tensor(recv_counts, at::kLong).to(device, at::kInt);
-  out.routing.recv_src_idx = recv_src_idx;
-  out.routing.recv_src_rank = recv_src_rank;
-  return out;
+  ReceivedRows rows;
+  rows.x = field(records, rec.n_x, rec.x_bytes, x.scalar_type());
+  if (scales) rows.x_scales = field(records, rec.n_scales, rec.scale_bytes, scales->scalar_type());
+  rows.topk_local = field(records, rec.n_topk, 8 * K, at::kLong);
+  if (weights) rows.topk_weights = field(records, rec.n_weights, 4 * K, at::kFloat);
+  rows.src_idx = field(records, rec.n_src, 4, at::kInt).reshape({num_recv});
+  rows.src_rank = segmentIds(recv_counts, x.options().dtype(at::kInt));
+  return finishDispatch(a, std::move(rows), experts_per_rank, is_token_in_rank,
+                        toVector(matrix.select(0, rank)),  // what this rank sent, as agreed
+                        recv_counts);
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
