@@ -58,28 +58,23 @@ struct Library {
   ep_internode_progress_fn progress = nullptr;
 };
 
-template <typename Fn>
-bool lookup(const char* name, Fn& fn, std::string& error) {
-  fn = reinterpret_cast<Fn>(nvshmem::librarySymbol(name, &error));
-  return fn != nullptr;
-}
-
 const Library& library() {
   static const Library lib = [] {
+    using nvshmem::librarySymbol;
     Library l;
     ep_internode_abi_version_fn version = nullptr;
-    if (!lookup("ep_internode_abi_version", version, l.error)) return l;
+    if (!librarySymbol("ep_internode_abi_version", version, l.error)) return l;
     if (version() != EP_INTERNODE_ABI_VERSION) {
       l.error = "libep_nvshmem.so was built for another version of the internode transport";
       return l;
     }
-    l.ok = lookup("ep_internode_symmetric_bytes", l.symmetric_bytes, l.error) &&
-           lookup("ep_internode_create", l.create, l.error) &&
-           lookup("ep_internode_dispatch", l.dispatch, l.error) &&
-           lookup("ep_internode_combine", l.combine, l.error) &&
-           lookup("ep_internode_check_error", l.check_error, l.error) &&
-           lookup("ep_internode_destroy", l.destroy, l.error) &&
-           lookup("ep_internode_progress", l.progress, l.error);
+    l.ok = librarySymbol("ep_internode_symmetric_bytes", l.symmetric_bytes, l.error) &&
+           librarySymbol("ep_internode_create", l.create, l.error) &&
+           librarySymbol("ep_internode_dispatch", l.dispatch, l.error) &&
+           librarySymbol("ep_internode_combine", l.combine, l.error) &&
+           librarySymbol("ep_internode_check_error", l.check_error, l.error) &&
+           librarySymbol("ep_internode_destroy", l.destroy, l.error) &&
+           librarySymbol("ep_internode_progress", l.progress, l.error);
     return l;
   }();
   return lib;

@@ -60,6 +60,12 @@ namespace nvshmem {
 // and NVSHMEM session ----
 // A symbol of libep_nvshmem.so: null, with *error set, where the library is not usable.
 void* librarySymbol(const char* name, std::string* error);
+// The same, typed: `fn` set to the symbol of `name`; false, with `error` set, where it is missing.
+template <typename Fn>
+bool librarySymbol(const char* name, Fn& fn, std::string& error) {
+  fn = reinterpret_cast<Fn>(librarySymbol(name, &error));
+  return fn != nullptr;
+}
 // Collective (every rank, the group's low-latency transport usable): makes sure the group's
 // low-latency runtime, and with it the NVSHMEM session, exists; one started here reserves
 // `extra_symmetric_bytes` of heap for the caller. `release` runs (on every rank alike, before
