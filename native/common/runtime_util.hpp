@@ -4,7 +4,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -35,6 +37,21 @@ class Checks {
  private:
   const char* component_;
 };
+
+// Allocates `bytes` of zeroed host memory mapped into the device's address space (portable: any
+// context may use it): *host is the host's pointer, *dev the kernels' view of the same bytes, so
+// that kernels post error records and progress marks the host reads without a copy. Free *host
+// with cudaFreeHost. Throws through `checks`, naming `what`.
+template <typename T>
+void allocMappedHost(const Checks& checks, const char* what, size_t bytes, T** host, T** dev) {
+  const std::string name = std::string("(") + what + ")";
+  checks.cuda(cudaHostAlloc(reinterpret_cast<void**>(host), bytes,
+                            cudaHostAllocMapped | cudaHostAllocPortable),
+              ("cudaHostAlloc" + name).c_str());
+  std::memset(static_cast<void*>(*host), 0, bytes);
+  checks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(dev), *host, 0),
+              ("cudaHostGetDevicePointer" + name).c_str());
+}
 
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;

@@ -19,6 +19,7 @@ namespace ep {
 namespace {
 
 constexpr runtime::Checks kChecks{"ep internode"};
+using runtime::allocMappedHost;
 using runtime::DeviceGuard;
 
 const char* op_name(int op) {
@@ -75,12 +76,9 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
       throw std::runtime_error(os.str());
     }
     kChecks.cuda(cudaMemset(region_, 0, static_cast<size_t>(layout_.bytes)), "cudaMemset(region)");
-    int node = -1, local = -1;
+    int node = -1;
     for (int i = 0; i < setup.num_ranks; ++i) {
-      if (node_rank_[i] == setup.rank) {
-        node = i / setup.ranks_per_node;
-        local = i % setup.ranks_per_node;
-      }
+      if (node_rank_[i] == setup.rank) node = i / setup.ranks_per_node;
     }
     kChecks.require(node >= 0, "this rank is missing from the node table");
     // Only the ranks of this rank's node are reached with loads and stores: the legs between
@@ -96,20 +94,9 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&control_), sizeof(Control)),
                  "cudaMalloc(control)");
     kChecks.cuda(cudaMemset(control_, 0, sizeof(Control)), "cudaMemset(control)");
-    kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ErrorRecord),
-                               cudaHostAllocMapped | cudaHostAllocPortable),
-                 "cudaHostAlloc(error)");
-    std::memset(static_cast<void*>(error_host_), 0, sizeof(ErrorRecord));
-    kChecks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
-                 "cudaHostGetDevicePointer(error)");
-    kChecks.cuda(
-        cudaHostAlloc(reinterpret_cast<void**>(&progress_host_), sizeof(uint64_t) * kNumStages,
-                      cudaHostAllocMapped | cudaHostAllocPortable),
-        "cudaHostAlloc(progress)");
-    std::memset(static_cast<void*>(progress_host_), 0, sizeof(uint64_t) * kNumStages);
-    kChecks.cuda(
-        cudaHostGetDevicePointer(reinterpret_cast<void**>(&progress_dev_), progress_host_, 0),
-        "cudaHostGetDevicePointer(progress)");
+    allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
+    allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kNumStages, &progress_host_,
+                    &progress_dev_);
     kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_barrier_all();  // every region is zeroed before anyone signals into it
   } catch (...) {

@@ -20,6 +20,7 @@ namespace {
 constexpr runtime::Checks kChecks{"ep nvlink"};
 
 using runtime::aligned16;
+using runtime::allocMappedHost;
 using runtime::DeviceGuard;
 
 const char* op_name(int op) {
@@ -128,20 +129,9 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
   kChecks.cuda(cudaMemset(buffer_, 0, layout_.total_bytes), "cudaMemset(buffer)");
   kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
-  kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ErrorRecord),
-                             cudaHostAllocMapped | cudaHostAllocPortable),
-               "cudaHostAlloc(error)");
-  std::memset(static_cast<void*>(error_host_), 0, sizeof(ErrorRecord));
-  kChecks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
-               "cudaHostGetDevicePointer(error)");
+  allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
   const size_t counter_bytes = sizeof(HostCounters) + sizeof(int) * config_.max_local_experts;
-  kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&counters_host_), counter_bytes,
-                             cudaHostAllocMapped | cudaHostAllocPortable),
-               "cudaHostAlloc(counters)");
-  std::memset(static_cast<void*>(counters_host_), 0, counter_bytes);
-  kChecks.cuda(
-      cudaHostGetDevicePointer(reinterpret_cast<void**>(&counters_dev_), counters_host_, 0),
-      "cudaHostGetDevicePointer(counters)");
+  allocMappedHost(kChecks, "counters", counter_bytes, &counters_host_, &counters_dev_);
 
   kChecks.cuda(cudaDeviceGetAttribute(&clock_khz_, cudaDevAttrClockRate, device_),
                "cudaDeviceGetAttribute(clock)");

@@ -25,6 +25,7 @@ std::atomic<bool> g_runtime_alive{false};
 constexpr runtime::Checks kChecks{"ep low_latency"};
 
 using runtime::aligned16;
+using runtime::allocMappedHost;
 using runtime::DeviceGuard;
 
 const char* op_name(int op) {
@@ -193,12 +194,7 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
         cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(), cudaMemcpyHostToDevice),
         "cudaMemcpy(peer table)");
 
-    kChecks.cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(nvshmem::ErrorRecord),
-                               cudaHostAllocMapped | cudaHostAllocPortable),
-                 "cudaHostAlloc(error)");
-    std::memset(static_cast<void*>(error_host_), 0, sizeof(nvshmem::ErrorRecord));
-    kChecks.cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
-                 "cudaHostGetDevicePointer(error)");
+    allocMappedHost(kChecks, "error", sizeof(nvshmem::ErrorRecord), &error_host_, &error_dev_);
     kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_barrier_all();  // every rank's region is zeroed before anyone signals into it
   } catch (...) {
