@@ -314,6 +314,31 @@ std::string captureError(const char* op) {
                            : "";
 }
 
+// The start of every op of this transport: counts it (EP_INTERNODE_TRACE) and returns the error
+// an earlier call left or a CUDA graph capture ("" when none): the op adds its own validation and
+// raises the result on every rank through agreeInStep.
+std::string beginOp(EPProcessGroup& pg, GroupState& st, const char* op) {
+  ++st.calls;
+  std::string error = previousCallError(pg, st, op);
+  if (error.empty()) error = captureError(op);
+  return error;
+}
+
+// The op's agreement (agreeAcrossRanks: raises `error` of any rank on every rank) with the
+// runtime's build and call number appended to `payload` and checked to match on every rank.
+// `what` names the agreement in the trace.
+at::Tensor agreeInStep(EPProcessGroup& pg, GroupState& st, const char* op, const std::string& error,
+                       const std::vector<AgreedField>& fields, std::vector<int64_t> payload,
+                       const std::string& what = "agreeing") {
+  const int64_t column = static_cast<int64_t>(payload.size());
+  appendSequence(payload, st);
+  trace(pg, st, op, what);
+  at::Tensor gathered = agreeAcrossRanks(pg, op, error, fields, payload);
+  checkSequenceAgrees(gathered, column, st, op, pg.getRank());
+  trace(pg, st, op, "agreed");
+  return gathered;
+}
+
 int64_t roundUp(int64_t v, int64_t m) {
   return (std::max<int64_t>(v, 1) + m - 1) / m * m;
 }
@@ -532,9 +557,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  ++st->calls;
-  std::string error = previousCallError(pg, *st, "dispatch");
-  if (error.empty()) error = captureError("dispatch");
+  std::string error = beginOp(pg, *st, "dispatch");
   if (error.empty()) error = validateDispatch(a, R);
   if (error.empty() && a.topk_idx.size(1) > kMaxTopk) {
     error = "ep dispatch: the internode kernels take top-k <= 32";
@@ -570,12 +593,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
               " at flat position " + std::to_string(first);
     }
   }
-  appendSequence(payload, *st);
-  trace(pg, *st, "dispatch", "agreeing (tokens " + std::to_string(ok ? a.x.size(0) : -1) + ")");
-  at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, dispatchFields(a, ok), payload);
-  checkSequenceAgrees(gathered, R + 1, *st, "dispatch", rank);
+  at::Tensor gathered =
+      agreeInStep(pg, *st, "dispatch", error, dispatchFields(a, ok), std::move(payload),
+                  "agreeing (tokens " + std::to_string(ok ? a.x.size(0) : -1) + ")");
   at::Tensor matrix = countMatrix(gathered, R);
-  trace(pg, *st, "dispatch", "agreed");
   std::vector<int64_t> recv_counts(R);
   auto m = matrix.accessor<int64_t, 2>();
   for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[s][rank];
@@ -619,20 +640,14 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  ++st->calls;
-  std::string error = previousCallError(pg, *st, "cached dispatch");
-  if (error.empty()) error = captureError("cached dispatch");
+  std::string error = beginOp(pg, *st, "cached dispatch");
   if (error.empty()) error = validateCachedDispatch(x_in, x_scales, routing, R);
   const bool ok = error.empty();
   std::vector<int64_t> payload =
       ok ? routingCounts(routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? x_in.size(0) : 0);
-  appendSequence(payload, *st);
-  trace(pg, *st, "cached dispatch", "agreeing");
-  at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error,
-                                         cachedDispatchFields(x_in, x_scales, ok), payload);
-  checkSequenceAgrees(gathered, 2 * R + 1, *st, "cached dispatch", rank);
-  trace(pg, *st, "cached dispatch", "agreed");
+  at::Tensor gathered = agreeInStep(pg, *st, "cached dispatch", error,
+                                    cachedDispatchFields(x_in, x_scales, ok), std::move(payload));
   checkRoutingAgrees("cached dispatch", gathered, 0, rank);
   at::Tensor matrix = countMatrix(gathered, R);
   std::vector<int64_t> recv_counts(R);
@@ -667,9 +682,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
-  ++st->calls;
-  std::string error = previousCallError(pg, *st, "combine");
-  if (error.empty()) error = captureError("combine");
+  std::string error = beginOp(pg, *st, "combine");
   if (error.empty()) error = validateCombine(a, R);
   if (error.empty() && a.topk_weights && a.topk_weights->size(1) > kMaxTopk) {
     error = "ep combine: the internode kernels take top-k <= 32";
@@ -681,11 +694,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
       ok ? routingCounts(a.routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? a.routing.is_token_in_rank.size(0) : 0);
   payload.push_back(kernel_dtype ? 1 : 0);
-  appendSequence(payload, *st);
-  trace(pg, *st, "combine", "agreeing");
-  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, combineFields(a, ok), payload);
-  checkSequenceAgrees(gathered, 2 * R + 2, *st, "combine", rank);
-  trace(pg, *st, "combine", "agreed");
+  at::Tensor gathered =
+      agreeInStep(pg, *st, "combine", error, combineFields(a, ok), std::move(payload));
   checkRoutingAgrees("combine", gathered, 0, rank);
   // x dtype is an agreed field: every rank takes the same path. Other dtypes (float64, half):
   // the ATen path, whose own agreement step every rank then runs too.
