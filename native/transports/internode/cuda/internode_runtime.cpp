@@ -19,7 +19,6 @@ namespace ep {
 namespace {
 
 constexpr runtime::Checks kChecks{"ep internode"};
-using runtime::allocMappedHost;
 using runtime::DeviceGuard;
 
 const char* op_name(int op) {
@@ -94,9 +93,9 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&control_), sizeof(Control)),
                  "cudaMalloc(control)");
     kChecks.cuda(cudaMemset(control_, 0, sizeof(Control)), "cudaMemset(control)");
-    allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
-    allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kNumStages, &progress_host_,
-                    &progress_dev_);
+    runtime::allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
+    runtime::allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kNumStages, &progress_host_,
+                             &progress_dev_);
     kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_barrier_all();  // every region is zeroed before anyone signals into it
   } catch (...) {

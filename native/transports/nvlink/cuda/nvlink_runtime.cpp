@@ -20,7 +20,6 @@ namespace {
 constexpr runtime::Checks kChecks{"ep nvlink"};
 
 using runtime::aligned16;
-using runtime::allocMappedHost;
 using runtime::DeviceGuard;
 
 const char* op_name(int op) {
@@ -129,9 +128,9 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
   kChecks.cuda(cudaMemset(buffer_, 0, layout_.total_bytes), "cudaMemset(buffer)");
   kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
-  allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
+  runtime::allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
   const size_t counter_bytes = sizeof(HostCounters) + sizeof(int) * config_.max_local_experts;
-  allocMappedHost(kChecks, "counters", counter_bytes, &counters_host_, &counters_dev_);
+  runtime::allocMappedHost(kChecks, "counters", counter_bytes, &counters_host_, &counters_dev_);
 
   kChecks.cuda(cudaDeviceGetAttribute(&clock_khz_, cudaDevAttrClockRate, device_),
                "cudaDeviceGetAttribute(clock)");

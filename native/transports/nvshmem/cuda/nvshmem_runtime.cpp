@@ -25,7 +25,6 @@ std::atomic<bool> g_runtime_alive{false};
 constexpr runtime::Checks kChecks{"ep low_latency"};
 
 using runtime::aligned16;
-using runtime::allocMappedHost;
 using runtime::DeviceGuard;
 
 const char* op_name(int op) {
@@ -194,7 +193,8 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
         cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(), cudaMemcpyHostToDevice),
         "cudaMemcpy(peer table)");
 
-    allocMappedHost(kChecks, "error", sizeof(nvshmem::ErrorRecord), &error_host_, &error_dev_);
+    runtime::allocMappedHost(kChecks, "error", sizeof(nvshmem::ErrorRecord), &error_host_,
+                             &error_dev_);
     kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_barrier_all();  // every rank's region is zeroed before anyone signals into it
   } catch (...) {
