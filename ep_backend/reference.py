@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -504,6 +504,55 @@ def _cached_dispatch(
     )
 
 
+class _RowsHome(NamedTuple):
+    """What both combine orders start from: the held rows sent back to their source ranks."""
+
+    num_ranks: int
+    biases: tuple[torch.Tensor, ...]
+    returned_x: torch.Tensor  # [sum(num_tokens_per_rank), H]: from rank 0 first, token order
+    returned_w: torch.Tensor | None  # the same rows of topk_weights
+    back_counts: list[int]  # rows returned by each rank
+
+
+def _rows_home(
+    x: torch.Tensor,
+    handle: DispatchHandle,
+    topk_weights: torch.Tensor | None,
+    bias: torch.Tensor | tuple[torch.Tensor, ...] | None,
+    group: Group,
+) -> _RowsHome:
+    """Checks a combine's arguments and sends the held rows (and weights) back: the rows held
+    from source rank s return to s, which receives from rank r its tokens with
+    ``is_token_in_rank[:, r]``, in token order."""
+    num_ranks = _check_handle_group(handle, group)
+    assert x.dim() == 2 and x.shape[0] == handle.num_recv_rows, (
+        f"x must be [N={handle.num_recv_rows}, H], got shape {tuple(x.shape)}"
+    )
+    if topk_weights is not None:
+        assert topk_weights.dim() == 2 and topk_weights.shape[0] == handle.num_recv_rows, (
+            "topk_weights must be [N, K]"
+        )
+        assert topk_weights.dtype == torch.float32, "topk_weights must be float32"
+    biases: tuple[torch.Tensor, ...]
+    if bias is None:
+        biases = ()
+    elif isinstance(bias, torch.Tensor):
+        biases = (bias,)
+    else:
+        biases = tuple(b for b in bias if b is not None)
+    assert len(biases) <= 2, "at most two bias tensors"
+    for b in biases:
+        assert tuple(b.shape) == (handle.num_tokens, x.shape[1]), "each bias must be [T, H]"
+    held_counts = handle.num_recv_tokens_per_rank.tolist()
+    num_valid = sum(held_counts)
+    back_counts = handle.num_tokens_per_rank.tolist()
+    returned_x = _all_to_all_rows(x[:num_valid], held_counts, back_counts, group)
+    returned_w = None
+    if topk_weights is not None:
+        returned_w = _all_to_all_rows(topk_weights[:num_valid], held_counts, back_counts, group)
+    return _RowsHome(num_ranks, biases, returned_x, returned_w, back_counts)
+
+
 def combine(
     x: torch.Tensor,
     handle: DispatchHandle,
@@ -532,38 +581,8 @@ def combine(
         ``CombineOutput``: ``combined_x`` ``[T, H]`` of ``x.dtype``; ``combined_topk_weights``
         float32 ``[T, K]`` or ``None``; ``work=None``. Tokens sent nowhere get the bias (or 0).
     """
-    num_ranks = _check_handle_group(handle, group)
-    assert x.dim() == 2 and x.shape[0] == handle.num_recv_rows, (
-        f"x must be [N={handle.num_recv_rows}, H], got shape {tuple(x.shape)}"
-    )
-    if topk_weights is not None:
-        assert topk_weights.dim() == 2 and topk_weights.shape[0] == handle.num_recv_rows, (
-            "topk_weights must be [N, K]"
-        )
-        assert topk_weights.dtype == torch.float32, "topk_weights must be float32"
-    biases: tuple[torch.Tensor, ...]
-    if bias is None:
-        biases = ()
-    elif isinstance(bias, torch.Tensor):
-        biases = (bias,)
-    else:
-        biases = tuple(b for b in bias if b is not None)
-    assert len(biases) <= 2, "at most two bias tensors"
-
+    num_ranks, biases, returned_x, returned_w, _ = _rows_home(x, handle, topk_weights, bias, group)
     num_tokens, hidden = handle.num_tokens, x.shape[1]
-    for b in biases:
-        assert tuple(b.shape) == (num_tokens, hidden), "each bias must be [T, H]"
-
-    # Rows go back the way they came: the rows held from source rank s return to s, which
-    # receives from rank r its tokens with is_token_in_rank[:, r], in token order.
-    held_counts = handle.num_recv_tokens_per_rank.tolist()
-    num_valid = sum(held_counts)
-    back_counts = handle.num_tokens_per_rank.tolist()
-    returned_x = _all_to_all_rows(x[:num_valid], held_counts, back_counts, group)
-    returned_w = None
-    if topk_weights is not None:
-        returned_w = _all_to_all_rows(topk_weights[:num_valid], held_counts, back_counts, group)
-
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     acc = torch.zeros((num_tokens, hidden), dtype=acc_dtype, device=x.device)
     acc_w = None
@@ -605,27 +624,12 @@ def combine_by_node(
     Args: as ``combine``, plus ``node_of_rank`` (``[R]``, e.g. ``ep_backend.topology().node_of_rank``).
     Returns: as ``combine``.
     """
-    num_ranks, _ = _group_size_and_rank(group)
-    assert len(node_of_rank) == num_ranks, "node_of_rank must name the node of every rank"
     assert x.dtype in (torch.bfloat16, torch.float32), "combine_by_node sums BF16 or float32 rows"
-    assert x.dim() == 2 and x.shape[0] == handle.num_recv_rows, (
-        f"x must be [N={handle.num_recv_rows}, H], got shape {tuple(x.shape)}"
+    num_ranks, biases, returned_x, returned_w, back_counts = _rows_home(
+        x, handle, topk_weights, bias, group
     )
-    biases: tuple[torch.Tensor, ...]
-    if bias is None:
-        biases = ()
-    elif isinstance(bias, torch.Tensor):
-        biases = (bias,)
-    else:
-        biases = tuple(b for b in bias if b is not None)
+    assert len(node_of_rank) == num_ranks, "node_of_rank must name the node of every rank"
     num_tokens, hidden = handle.num_tokens, x.shape[1]
-    held_counts = handle.num_recv_tokens_per_rank.tolist()
-    num_valid = sum(held_counts)
-    back_counts = handle.num_tokens_per_rank.tolist()
-    returned_x = _all_to_all_rows(x[:num_valid], held_counts, back_counts, group)
-    returned_w = None
-    if topk_weights is not None:
-        returned_w = _all_to_all_rows(topk_weights[:num_valid], held_counts, back_counts, group)
     offsets = [0]
     for c in back_counts:
         offsets.append(offsets[-1] + c)
