@@ -204,39 +204,66 @@ def test_ranks_that_disagree_on_the_mask_raise() -> None:
         assert "disagree on the masked ranks" in message, message
 
 
-def _deep_ep_worker(rank: int, world: int) -> list[str]:
+def _deep_ep_worker(rank: int, world: int, device_type: str = "cpu") -> list[str]:
     from ep_backend import deep_ep
     from ep_backend import reference as ref
 
     single_thread()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else (
+        torch.device("cpu"))  # fmt: skip
     side = dist.new_group(backend="gloo")
+    # enable_shrink turns auto-masking on before the first call: that call builds the NVSHMEM
+    # buffers, which a masked call cannot (every rank builds them together).
     buffer = deep_ep.Buffer(dist.group.WORLD, low_latency_mode=True, enable_shrink=True,
                             explicitly_destroy=True)  # fmt: skip
     m = Mismatches(context=f"deep_ep rank {rank}")
     status = torch.full((world,), 7, dtype=torch.int32)
     buffer.low_latency_query_mask_buffer(status)
     m.bitwise(status, torch.zeros(world, dtype=torch.int32), "query before")
+
+    def call(step: int, mask: list[int] | None) -> None:
+        x, idx, w = _inputs(rank, step, world, device)
+        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world,
+                                                                  use_fp8=False)  # fmt: skip
+        want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world, use_fp8=False, mask=mask)
+        m.bitwise(count, want.recv_count, f"recv_count step {step}")
+        y = _expert(want.recv_x)
+        combined, _, _ = buffer.low_latency_combine(y, idx, w, handle)
+        expected = ref.low_latency_combine(y, idx, w, want.handle, mask=mask)
+        if device.type == "cpu":
+            m.bitwise(combined, expected, f"combine step {step}")
+        else:
+            from moe_helpers import ll_combine_beyond_tolerance
+
+            magnitude = ref.low_latency_combine(y.abs(), idx, w.abs(), want.handle, mask=mask)
+            bad = ll_combine_beyond_tolerance(combined, expected, magnitude, TOPK)
+            m.check(bad == 0, f"combine step {step}: {bad} outputs beyond tolerance")
+
+    call(4, None)  # every rank, nothing masked (auto-masking on)
     if rank != world - 1:
         buffer.low_latency_update_mask_buffer(world - 1, True)
         buffer.low_latency_query_mask_buffer(status)
         m.bitwise(status, torch.tensor([0] * (world - 1) + [1], dtype=torch.int32), "query")
-        x, idx, w = _inputs(rank, 5, world, torch.device("cpu"))
-        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world,
-                                                                  use_fp8=False)  # fmt: skip
-        want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world, use_fp8=False,
-                                        mask=[world - 1])  # fmt: skip
-        m.bitwise(count, want.recv_count, "recv_count")
-        y = _expert(want.recv_x)
-        combined, _, _ = buffer.low_latency_combine(y, idx, w, handle)
-        m.bitwise(combined, ref.low_latency_combine(y, idx, w, want.handle, mask=[world - 1]),
-                  "combine")  # fmt: skip
+        call(5, [world - 1])
         buffer.low_latency_clean_mask_buffer()
         buffer.low_latency_query_mask_buffer(status)
         m.bitwise(status, torch.zeros(world, dtype=torch.int32), "query after clean")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     dist.barrier(group=side)
     return m.items
 
 
 def test_deep_ep_mask_buffer_methods() -> None:
     for items in run_distributed(_deep_ep_worker, 3, backend="ep", timeout=120):
+        assert items == [], items
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_deep_ep_mask_buffer_methods_cuda() -> None:
+    """The same on the NVSHMEM kernels: enable_shrink's first call builds the buffers."""
+    from _dist_utils import gpu_world_size
+
+    res = run_distributed(_deep_ep_worker, gpu_world_size(), "cuda", backend="ep", timeout=240)
+    for items in res:
         assert items == [], items

@@ -42,16 +42,17 @@ void setOnDevices(RankMaskState& st, int64_t rank, int value) {
 
 }  // namespace
 
-bool RankMaskSnapshot::live_only() const {
-  if (auto_mask) {
-    return true;
-  }
+bool RankMaskSnapshot::any_masked() const {
   for (uint8_t m : masked) {
     if (m != 0) {
       return true;
     }
   }
   return false;
+}
+
+bool RankMaskSnapshot::live_only() const {
+  return auto_mask || any_masked();
 }
 
 int64_t RankMaskSnapshot::fingerprint() const {

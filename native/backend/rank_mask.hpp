@@ -30,6 +30,8 @@ struct RankMaskSnapshot {
   std::chrono::milliseconds auto_timeout{0};
   // The p2p agreement and exchange among live ranks replace the all-rank ones.
   bool live_only() const;
+  // Some rank is masked now (live_only() without auto-masking's "every call might mask").
+  bool any_masked() const;
   bool is_masked(int64_t rank) const { return masked[static_cast<size_t>(rank)] != 0; }
   int64_t fingerprint() const;  // the same on ranks that mask the same ranks
 };

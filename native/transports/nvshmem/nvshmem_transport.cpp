@@ -528,13 +528,16 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
               "rank); call the hooks first (nothing was exchanged)");
 
   // Building the buffers is collective over every rank (a barrier): not while one is masked.
-  TORCH_CHECK(!mask.live_only() ||
+  // With auto-masking on and nobody masked (the mask as this call's agreement left it), every
+  // rank joined this call, so the first call (deep_ep's enable_shrink turns auto-masking on
+  // before any) and a reshape still build them together.
+  TORCH_CHECK(!mask.any_masked() ||
                   (st->runtime != nullptr && fits(st->config, m, hidden, max_topk, a.num_experts)),
               "ep low_latency_dispatch: M=", m, ", H=", hidden, ", top-k=", max_topk,
               ", E=", a.num_experts,
               " need new NVSHMEM buffers, which every rank must build together; not possible "
-              "while ranks are masked or auto-masking is on (keep the shapes of the calls made "
-              "before; nothing was exchanged)");
+              "while ranks are masked (keep the shapes of the calls made before; nothing was "
+              "exchanged)");
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
