@@ -60,6 +60,10 @@ def _alltoall_worker(rank: int, world: int) -> dict:
     import megatron_cases
 
     megatron_cases.import_megatron()
+    # Bitwise only if each run is deterministic: the permutation's backward (index_select's
+    # gradient) and unpermute (scatter_add_) accumulate with atomics in their default CUDA
+    # kernels, in an order that can differ between the two layers' runs.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device("cuda", torch.cuda.current_device())
     return megatron_cases.alltoall_on_ep_vs_reference("nccl", MoeShape(), torch.bfloat16, device)
 
