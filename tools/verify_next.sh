@@ -68,7 +68,7 @@ step() {
 }
 
 # rel44 (issue #44): rank masking, LL call tags, handle group checks.
-step rank_mask 120 -- tests/test_rank_mask.py
+step rank_mask 180 -- tests/test_rank_mask.py
 step ll_call_tags 60 -- tests/test_ll_call_tags_gpu.py
 step adversarial 60 -- tests/test_adversarial.py
 # Regression: the low-latency kernels now read the rank mask on every launch.
