@@ -418,7 +418,13 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   const Capacity need = dispatchNeed(maxColumn(gathered_t, 0), max_recv, x.size(1), x_bytes,
                                      scale_bytes, topk, st.ranks_per_node);
   void* rt = ensureRuntime(pg, st, device, need, op);
-  trace(pg, st, op, "buffers ready; launching call " + std::to_string(st.launches + 1));
+  if (tracing()) {  // the sizes of an empty rank's call, beside its peers' (no string otherwise)
+    trace(pg, st, op,
+          "buffers #" + std::to_string(st.builds) + " ready; launching call " +
+              std::to_string(st.launches + 1) + " (tokens " + std::to_string(x.size(0)) +
+              ", rows to receive " + std::to_string(recv_rows) + ", most any rank receives " +
+              std::to_string(max_recv) + ")");
+  }
   InternodeDispatchArgs a;
   a.x = x.data_ptr();
   a.x_bytes = x_bytes;
@@ -631,7 +637,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const int64_t elem = a.x.scalar_type() == at::kBFloat16 ? 2 : 4;
   const Capacity need = combineNeed(maxColumn(gathered, 2 * R), hidden, elem, K);
   void* rt = ensureRuntime(pg, *st, device, need, "combine");
-  trace(pg, *st, "combine", "buffers ready; launching call " + std::to_string(st->launches + 1));
+  if (tracing()) {
+    trace(pg, *st, "combine",
+          "buffers #" + std::to_string(st->builds) + " ready; launching call " +
+              std::to_string(st->launches + 1) + " (tokens " + std::to_string(num_tokens) +
+              ", rows held " + std::to_string(num_valid) + ")");
+  }
 
   const at::Tensor x = a.x.narrow(0, 0, num_valid).contiguous();
   const std::optional<at::Tensor> weights =

@@ -68,7 +68,7 @@ enum WaitWord : int {
   kWaitSeen,     // the value it saw (on entry; on a timeout, the last one)
   kNumWaitWords
 };
-constexpr int kProgressWords = kNumStages + kNumWaitWords;
+constexpr int kProgressWords = static_cast<int>(kNumStages) + static_cast<int>(kNumWaitWords);
 
 inline const char* stage_name(int stage) {
   static const char* const kNames[kNumStages] = {"pack",
