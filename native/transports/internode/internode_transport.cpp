@@ -154,7 +154,7 @@ std::string waitForKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
     }
     const auto now = std::chrono::steady_clock::now();
     if (now - st.launched > limit) {
-      char where[512] = {0};
+      char where[1024] = {0};  // stage marks and the latest wait (InternodeRuntime::progress)
       if (st.runtime != nullptr) library().progress(st.runtime, where, sizeof(where));
       const Topology& t = pg.topology();
       std::ostringstream os;

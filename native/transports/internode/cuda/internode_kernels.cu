@@ -63,7 +63,8 @@ __device__ __forceinline__ void mark_wait(const Context& c, int stage, int peer_
     w[kWaitPeer] = static_cast<uint64_t>(peer_rank);
     w[kWaitTarget] = target;
     w[kWaitSeen] = seen;
-    w[kWaitSeq] = c.seq;  // last: the host reads the record once it names this call
+    __threadfence_system();  // the fields before the call number the host reads them by
+    w[kWaitSeq] = c.seq;
   }
 }
 
