@@ -320,10 +320,12 @@ def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None
 EMPTY_PHASES = (("rank 0 empty", (0,)), ("rank 1 empty", (1,)), ("all empty", None))
 
 
-def _empty_ranks(rank: int, world: int, per_node: int) -> dict:
+def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dict:
     """The sequence the spec test once hung in (issue #40, "empty"): in each phase two
     dispatches (without and with a layout) and a combine after each, where some ranks have
-    T = 0; every output bitwise against the reference."""
+    T = 0; every output bitwise against the reference. ``grown_first``: first a full dispatch
+    and a float32 combine, which grows the buffers (a collective rebuild that also restarts the
+    NVSHMEM session for the larger heap), as the spec test did before its "empty" case."""
     import ep_backend as ep
     from ep_backend import reference as ref
 
@@ -333,6 +335,17 @@ def _empty_ranks(rank: int, world: int, per_node: int) -> dict:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     _fail_fast()
     step = _Progress(rank)
+    if grown_first:
+        x, idx, w = cuda_routing(300, H, experts, K, seed=rank + 77)
+        step("full dispatch before the empty phases")
+        a = ep.dispatch(x, idx, w, experts)
+        b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
+        _check_dispatch(failures, "full", a, b)
+        step("float32 combine (grows the buffers)")
+        y = a.recv_x.float()
+        got = ep.combine(y, a.handle)
+        want = ref.combine_by_node(y.cpu(), b.handle, nodes)
+        _compare(failures, "full float32 combine", got.combined_x, want.combined_x)
     for phase, (tag, empty) in enumerate(EMPTY_PHASES):
         tokens = 0 if empty is None or rank in empty else 29 + 5 * rank
         x, idx, w = cuda_routing(tokens, H, experts, K, seed=1000 * phase + rank)
@@ -363,12 +376,15 @@ def _empty_ranks(rank: int, world: int, per_node: int) -> dict:
 
 
 @needs_internode
+@pytest.mark.parametrize("grown_first", [False, True], ids=["fresh", "grown-first"])
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
-def test_internode_empty_ranks_match_the_reference(world: int, per_node: int) -> None:
+def test_internode_empty_ranks_match_the_reference(
+    world: int, per_node: int, grown_first: bool
+) -> None:
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     results = run_distributed(
-        _empty_ranks, world, per_node, backend="ep", timeout=RUN_TIMEOUT_S,
+        _empty_ranks, world, per_node, grown_first, backend="ep", timeout=RUN_TIMEOUT_S,
         env={"EP_RANKS_PER_NODE": str(per_node), "EP_INTERNODE_TRACE": "1", **INTERNODE},
     )  # fmt: skip
     for rank, r in enumerate(results):
