@@ -11,6 +11,7 @@
 #include "backend/moe_validation.hpp"
 #include "backend/rank_mask.hpp"
 #include "backend/transport.hpp"
+#include "transports/internode/internode_plan.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 #ifdef EP_WITH_CUDA
 #include "backend/kernel_image.hpp"
@@ -385,6 +386,54 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_test_count_inflation", &ep::setTestCountInflation, py::arg("rows"),
         "Test hook: rows this process adds to every send count a dispatch announces to its "
         "peers (an adversarial peer); 0 restores normal behaviour.");
+  // Test hooks of the internode transport's host planning (internode_plan.hpp), reachable in CPU
+  // builds: tests/test_internode_plan_cpu.py checks them with empty ranks.
+  m.def(
+      "_internode_plan",
+      [](const at::Tensor& is_token_in_rank, const at::Tensor& send_pos, const at::Tensor& matrix,
+         int64_t rank, const std::vector<int64_t>& node_rank, int64_t num_nodes,
+         int64_t ranks_per_node) {
+        const ep::internode::Plan p = ep::internode::makePlan(
+            is_token_in_rank, send_pos, ep::internode::receiveOffsets(matrix, rank),
+            at::tensor(node_rank, at::kLong), num_nodes, ranks_per_node);
+        return std::make_tuple(p.dest_slot, p.node_pos, p.node_count);
+      },
+      py::arg("is_token_in_rank"), py::arg("send_pos"), py::arg("matrix"), py::arg("rank"),
+      py::arg("node_rank"), py::arg("num_nodes"), py::arg("ranks_per_node"),
+      "Test hook: the internode dispatch plan of source `rank` (dest_slot [T, R], node_pos "
+      "[T, N], node_count [N]) from its layout and the agreed [src, dst] count matrix.");
+  m.def(
+      "_internode_capacity",
+      [](const std::vector<int64_t>& have, const std::string& op, int64_t max_tokens,
+         int64_t max_recv_rows, int64_t hidden, int64_t element_bytes, int64_t scale_bytes,
+         int64_t topk, int64_t num_nodes, int64_t ranks_per_node) {
+        namespace in = ep::internode;
+        TORCH_CHECK(have.empty() || have.size() == 6, "have: [] or the 6 capacity fields");
+        TORCH_CHECK(op == "dispatch" || op == "combine", "op: dispatch or combine");
+        in::Capacity h;
+        if (!have.empty()) {
+          h = {have[0], have[1], have[2], have[3], have[4], have[5]};
+        }
+        const in::Capacity need =
+            op == "dispatch"
+                ? in::dispatchNeed(max_tokens, max_recv_rows, hidden, element_bytes * hidden,
+                                   scale_bytes, topk, ranks_per_node)
+                : in::combineNeed(max_tokens, hidden, element_bytes, topk);
+        const bool rebuild = have.empty() || !in::holds(h, need);
+        const in::Capacity cap = rebuild ? in::grownCapacity(h, need) : h;
+        const in::RegionLayout region = in::RegionLayout::make(num_nodes, ranks_per_node, cap);
+        return std::make_tuple(
+            rebuild,
+            std::vector<int64_t>{cap.max_tokens, cap.max_recv_rows, cap.max_record,
+                                 cap.max_out_record, cap.max_combine_row, cap.max_partial_row},
+            region.bytes);
+      },
+      py::arg("have"), py::arg("op"), py::arg("max_tokens"), py::arg("max_recv_rows"),
+      py::arg("hidden"), py::arg("element_bytes"), py::arg("scale_bytes"), py::arg("topk"),
+      py::arg("num_nodes"), py::arg("ranks_per_node"),
+      "Test hook: whether internode buffers of capacity `have` ([] for none; fields in the order "
+      "of internode::Capacity) are rebuilt for a call, the capacity they then have (same order) "
+      "and the symmetric bytes of that capacity.");
   m.def("_dispatch_deferred", &ep::dispatchDeferred, py::arg("x"), py::arg("x_scales"),
         py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
         py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("group_name"),

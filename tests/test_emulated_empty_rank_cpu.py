@@ -1,4 +1,5 @@
-"""CPU: the internode spec's call sequence with an empty rank, on emulated nodes (2 x 1).
+"""CPU: the internode spec's call sequence with an empty rank, on emulated nodes (2 x 1), and the
+empty-rank phases of the GPU test (rank 0, then rank 1, then every rank with T = 0).
 
 With ``EP_RANKS_PER_NODE=1`` the per-call agreement goes through Gloo, as across hosts, and the
 reference's exchanges share that Gloo backend with it. The GPU spec test
@@ -67,4 +68,56 @@ def test_empty_rank_sequence_on_emulated_nodes_completes_and_matches() -> None:
     for rank, r in enumerate(results):
         assert r["agreement"] == "gloo", (rank, r["agreement"])
         assert r["steps"] == 10, (rank, r["steps"])
+        assert r["failures"] == [], (rank, r["failures"])
+
+
+# The phases of the GPU test test_internode_empty_ranks_match_the_reference: rank 0 empty, then
+# rank 1, then every rank (None).
+PHASES = (("rank 0 empty", (0,)), ("rank 1 empty", (1,)), ("all empty", None))
+
+
+def _empty_phases(rank: int, world: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    nodes = ep.topology().node_of_rank
+    failures: list[str] = []
+    calls = 0
+    for phase, (tag, empty) in enumerate(PHASES):
+        tokens = 0 if empty is None or rank in empty else 29 + 5 * rank
+        x, idx, w = _routing(tokens, experts, seed=1000 * phase + rank)
+        layout = ep.get_dispatch_layout(idx, experts)
+        for with_layout in (False, True):
+            name = f"{tag} layout={with_layout}"
+            a = ep.dispatch(x, idx, w, experts, expert_alignment=4,
+                            layout=layout if with_layout else None)  # fmt: skip
+            b = ref.dispatch(x, idx, w, experts, expert_alignment=4)
+            for field in ("recv_x", "recv_topk_idx", "recv_topk_weights",
+                          "num_recv_tokens_per_expert"):  # fmt: skip
+                if not torch.equal(getattr(a, field), getattr(b, field)):
+                    failures.append(f"{name} {field}")
+            y = (a.recv_x.float() * 3 - 1).bfloat16()
+            got = ep.combine(y, a.handle, a.recv_topk_weights)
+            want = ref.combine_by_node(y, b.handle, nodes, b.recv_topk_weights)
+            flat = ref.combine(y, b.handle, b.recv_topk_weights)
+            if not torch.equal(want.combined_x, flat.combined_x):  # one rank per node
+                failures.append(f"{name} combine_by_node != combine")
+            if not torch.equal(got.combined_x, flat.combined_x):
+                failures.append(f"{name} combine")
+            if got.combined_x.shape != (tokens, H):
+                failures.append(f"{name} combine shape {tuple(got.combined_x.shape)}")
+            calls += 2
+    return {"failures": failures, "calls": calls}
+
+
+def test_empty_rank_phases_on_emulated_nodes_complete_and_match() -> None:
+    """Rank 0 empty, rank 1 empty, then every rank empty: two dispatches (with and without a
+    layout) and a combine each, on CPU: the host side and the reference of the GPU test
+    test_internode_empty_ranks_match_the_reference."""
+    results = run_distributed(
+        _empty_phases, 2, backend="ep", timeout=120.0, env={"EP_RANKS_PER_NODE": "1"}
+    )
+    for rank, r in enumerate(results):
+        assert r["calls"] == 12, (rank, r["calls"])
         assert r["failures"] == [], (rank, r["failures"])

@@ -5,7 +5,8 @@ agreement goes through Gloo, and that dispatch (BF16, FP8), cached dispatch, com
 layout's per-node counts equal the reference: bitwise for the copies; combine bitwise against
 ``reference.combine_by_node`` (the hierarchical summation order), and against
 ``reference.combine`` too where a node holds one rank. Also: worst-case mode, async_op, empty
-ranks, a bad input on one rank, and a soak (``EP_INTERNODE_SOAK_CALLS``, default 300).
+ranks (rank 0, then rank 1, then every rank with T = 0: the sequence the spec test once hung in),
+a bad input on one rank, and a soak (``EP_INTERNODE_SOAK_CALLS``, default 300).
 """
 
 from __future__ import annotations
@@ -310,6 +311,82 @@ def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None
     )  # fmt: skip
     summary = {rank: (r["transport"], len(r["failures"])) for rank, r in enumerate(results)}
     print(f"internode spec {world // per_node}x{per_node}: {summary}")
+    for rank, r in enumerate(results):
+        assert r["transport"] == "internode", (rank, r["transport"])
+        assert r["failures"] == [], (rank, r["failures"][:20])
+
+
+# Tokens of each rank in the empty-rank sequence: rank 0 empty, then rank 1, then every rank.
+EMPTY_PHASES = (("rank 0 empty", (0,)), ("rank 1 empty", (1,)), ("all empty", None))
+
+
+def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dict:
+    """The sequence the spec test once hung in (issue #40, "empty"): in each phase two
+    dispatches (without and with a layout) and a combine after each, where some ranks have
+    T = 0; every output bitwise against the reference. ``grown_first``: first a full dispatch
+    and a float32 combine, which grows the buffers (a collective rebuild that also restarts the
+    NVSHMEM session for the larger heap), as the spec test did before its "empty" case."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    failures: list[str] = []
+    nodes = ep.topology().node_of_rank
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    _fail_fast()
+    step = _Progress(rank)
+    if grown_first:
+        x, idx, w = cuda_routing(300, H, experts, K, seed=rank + 77)
+        step("full dispatch before the empty phases")
+        a = ep.dispatch(x, idx, w, experts)
+        b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
+        _check_dispatch(failures, "full", a, b)
+        step("float32 combine (grows the buffers)")
+        y = a.recv_x.float()
+        got = ep.combine(y, a.handle)
+        want = ref.combine_by_node(y.cpu(), b.handle, nodes)
+        _compare(failures, "full float32 combine", got.combined_x, want.combined_x)
+    for phase, (tag, empty) in enumerate(EMPTY_PHASES):
+        tokens = 0 if empty is None or rank in empty else 29 + 5 * rank
+        x, idx, w = cuda_routing(tokens, H, experts, K, seed=1000 * phase + rank)
+        xc, idxc, wc = x.cpu(), idx.cpu(), w.cpu()
+        layout = ep.get_dispatch_layout(idx, experts)
+        for with_layout in (False, True):
+            name = f"{tag} layout={with_layout}"
+            step(f"{name} ({tokens} tokens): dispatch")
+            a = ep.dispatch(x, idx, w, experts, expert_alignment=4,
+                            layout=layout if with_layout else None)  # fmt: skip
+            b = ref.dispatch(xc, idxc, wc, experts, expert_alignment=4)
+            _check_dispatch(failures, name, a, b)
+            step(f"{name}: combine")
+            y = (a.recv_x.float() * 3 - 1).bfloat16()
+            got = ep.combine(y, a.handle, a.recv_topk_weights)
+            want = ref.combine_by_node(y.cpu(), b.handle, nodes, b.recv_topk_weights)
+            _compare(failures, f"{name} combine", got.combined_x, want.combined_x)
+            _compare(failures, f"{name} combine weights", got.combined_topk_weights,
+                     want.combined_topk_weights)  # fmt: skip
+            if per_node == 1:
+                flat = ref.combine(y.cpu(), b.handle, b.recv_topk_weights)
+                _compare(failures, f"{name} combine (rank order)", got.combined_x,
+                         flat.combined_x)  # fmt: skip
+    torch.cuda.synchronize()
+    step("done")
+    backend = ep.get_backend()
+    return {"failures": failures, "transport": backend.high_throughput_transport}
+
+
+@needs_internode
+@pytest.mark.parametrize("grown_first", [False, True], ids=["fresh", "grown-first"])
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_empty_ranks_match_the_reference(
+    world: int, per_node: int, grown_first: bool
+) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_distributed(
+        _empty_ranks, world, per_node, grown_first, backend="ep", timeout=RUN_TIMEOUT_S,
+        env={"EP_RANKS_PER_NODE": str(per_node), "EP_INTERNODE_TRACE": "1", **INTERNODE},
+    )  # fmt: skip
     for rank, r in enumerate(results):
         assert r["transport"] == "internode", (rank, r["transport"])
         assert r["failures"] == [], (rank, r["failures"][:20])

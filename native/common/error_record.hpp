@@ -13,6 +13,8 @@ enum ErrorCode : int {
   kErrorInvalidTopkIdx = 3,  // value_a = offending value, value_b = flat (t*K+k) position
   kErrorInvalidSplits = 4,   // all-to-all device splits: value_a = rows they send (or the
                              // negative split), value_b = rows of the input
+  kErrorOutOfStep = 5,       // internode: a peer's signal carries another call's number;
+                             // peer = its rank, value_a = that number, value_b = this call's
 };
 
 // Host-mapped (cudaHostAllocMapped) record of the first error a kernel hit. `code` is written

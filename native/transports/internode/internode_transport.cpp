@@ -39,6 +39,7 @@
 #include "transports/aten/aten_transport.hpp"
 #include "transports/internode/cuda/internode_capi.h"
 #include "transports/internode/cuda/internode_runtime.hpp"
+#include "transports/internode/internode_plan.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 
 namespace ep::internode {
@@ -153,7 +154,7 @@ std::string waitForKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
     }
     const auto now = std::chrono::steady_clock::now();
     if (now - st.launched > limit) {
-      char where[512] = {0};
+      char where[1024] = {0};  // stage marks and the latest wait (InternodeRuntime::progress)
       if (st.runtime != nullptr) library().progress(st.runtime, where, sizeof(where));
       const Topology& t = pg.topology();
       std::ostringstream os;
@@ -339,18 +340,6 @@ at::Tensor agreeInStep(EPProcessGroup& pg, GroupState& st, const char* op, const
   return gathered;
 }
 
-int64_t roundUp(int64_t v, int64_t m) {
-  return (std::max<int64_t>(v, 1) + m - 1) / m * m;
-}
-
-std::string describe(const Capacity& c) {
-  std::ostringstream os;
-  os << "tokens " << c.max_tokens << ", received rows " << c.max_recv_rows << ", record "
-     << c.max_record << " B, output record " << c.max_out_record << " B, combine row "
-     << c.max_combine_row << " B, partial row " << c.max_partial_row << " B";
-  return os.str();
-}
-
 // Collective: a runtime whose buffers hold `need` (every input agreed across the ranks, so every
 // rank decides alike). The NVSHMEM calls of a build (free, malloc, barrier, a session restart)
 // have no timeout: the ranks first meet in the store (bounded by the group's timeout, naming a
@@ -358,20 +347,8 @@ std::string describe(const Capacity& c) {
 // alone in one of them.
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
                     const Capacity& need, const char* op) {
-  const Capacity& have = st.capacity;
-  if (st.runtime != nullptr && have.max_tokens >= need.max_tokens &&
-      have.max_recv_rows >= need.max_recv_rows && have.max_record >= need.max_record &&
-      have.max_out_record >= need.max_out_record && have.max_combine_row >= need.max_combine_row &&
-      have.max_partial_row >= need.max_partial_row) {
-    return st.runtime;
-  }
-  Capacity cap;
-  cap.max_tokens = roundUp(std::max(have.max_tokens, need.max_tokens), 256);
-  cap.max_recv_rows = roundUp(std::max(have.max_recv_rows, need.max_recv_rows), 1024);
-  cap.max_record = std::max(have.max_record, need.max_record);
-  cap.max_out_record = std::max(have.max_out_record, need.max_out_record);
-  cap.max_combine_row = std::max(have.max_combine_row, need.max_combine_row);
-  cap.max_partial_row = std::max(have.max_partial_row, need.max_partial_row);
+  if (st.runtime != nullptr && holds(st.capacity, need)) return st.runtime;
+  const Capacity cap = grownCapacity(st.capacity, need);
   const std::string mine = describe(cap);
   trace(pg, st, op, "building the internode buffers: " + mine);
   const std::vector<std::string> wanted = allGatherStrings(
@@ -419,55 +396,6 @@ at::Tensor field(const at::Tensor& records, int64_t offset, int64_t bytes, at::S
   return records.narrow(1, offset, bytes).clone(at::MemoryFormat::Contiguous).view(dtype);
 }
 
-struct Plan {
-  at::Tensor dest_slot;   // int32 [T, R]
-  at::Tensor node_pos;    // int32 [T, N]
-  at::Tensor node_count;  // int32 [N]
-};
-
-// Where each of this rank's rows goes: the slot in each receiver's output (source rank, then
-// token order: the rows of lower ranks first, then this rank's in token order), and each
-// token's position among the tokens sent to each node.
-Plan plan(const GroupState& st, const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
-          const std::vector<int64_t>& offsets) {
-  const int64_t T = is_token_in_rank.size(0);
-  const auto dev = is_token_in_rank.device();
-  at::Tensor off = at::tensor(offsets, at::kLong).to(dev);
-  Plan p;
-  p.dest_slot = at::where(send_pos.ge(0), send_pos.to(at::kLong) + off.unsqueeze(0), -1)
-                    .to(at::kInt)
-                    .contiguous();
-  at::Tensor in_node = is_token_in_rank.index_select(1, st.node_rank_index)
-                           .view({T, st.num_nodes, st.ranks_per_node})
-                           .any(2);
-  p.node_pos = at::where(in_node, in_node.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
-  p.node_count = in_node.sum(0).to(at::kInt).contiguous();
-  return p;
-}
-
-// Receive offsets of source `rank` at every destination: rows of lower source ranks first.
-std::vector<int64_t> offsetsOf(const at::Tensor& matrix, int64_t rank) {
-  auto m = matrix.accessor<int64_t, 2>();
-  const int64_t R = matrix.size(0);
-  std::vector<int64_t> off(R, 0);
-  for (int64_t d = 0; d < R; ++d) {
-    for (int64_t s = 0; s < rank; ++s) off[d] += m[s][d];
-  }
-  return off;
-}
-
-int64_t maxReceived(const at::Tensor& matrix) {
-  auto m = matrix.accessor<int64_t, 2>();
-  const int64_t R = matrix.size(0);
-  int64_t best = 0;
-  for (int64_t d = 0; d < R; ++d) {
-    int64_t total = 0;
-    for (int64_t s = 0; s < R; ++s) total += m[s][d];
-    best = std::max(best, total);
-  }
-  return best;
-}
-
 int64_t maxColumn(const at::Tensor& gathered, int64_t column) {
   return gathered.select(1, column).max().item<int64_t>();
 }
@@ -487,21 +415,16 @@ at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
   const int64_t x_bytes = x.size(1) * elementBytes(x);
   const int64_t scale_bytes = x_scales ? x_scales->size(1) * elementBytes(*x_scales) : 0;
   const int64_t topk = cached ? 0 : topk_idx64.size(1);
-  const RecordLayout rec = RecordLayout::make(x_bytes, scale_bytes, topk, st.ranks_per_node);
-  Capacity need;
-  need.max_tokens = maxColumn(gathered_t, 0);
-  need.max_recv_rows = max_recv;
-  need.max_record = rec.r_bytes;
-  need.max_out_record = rec.n_bytes;
-  // Room for the combine of this dispatch too (BF16 rows of the same H and top-k), so that the
-  // first combine does not rebuild the buffers.
-  const int64_t k_bytes = static_cast<int64_t>(align16(static_cast<size_t>(4 * topk)));
-  need.max_combine_row =
-      static_cast<int64_t>(align16(static_cast<size_t>(2 * x.size(1)))) + k_bytes;
-  need.max_partial_row =
-      static_cast<int64_t>(align16(static_cast<size_t>(4 * x.size(1)))) + k_bytes;
+  const Capacity need = dispatchNeed(maxColumn(gathered_t, 0), max_recv, x.size(1), x_bytes,
+                                     scale_bytes, topk, st.ranks_per_node);
   void* rt = ensureRuntime(pg, st, device, need, op);
-  trace(pg, st, op, "buffers ready; launching call " + std::to_string(st.launches + 1));
+  if (tracing()) {  // the sizes of an empty rank's call, beside its peers' (no string otherwise)
+    trace(pg, st, op,
+          "buffers #" + std::to_string(st.builds) + " ready; launching call " +
+              std::to_string(st.launches + 1) + " (tokens " + std::to_string(x.size(0)) +
+              ", rows to receive " + std::to_string(recv_rows) + ", most any rank receives " +
+              std::to_string(max_recv) + ")");
+  }
   InternodeDispatchArgs a;
   a.x = x.data_ptr();
   a.x_bytes = x_bytes;
@@ -610,7 +533,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   const int64_t experts_per_rank = a.num_experts / R;
-  const Plan p = plan(*st, is_token_in_rank, send_pos, offsetsOf(matrix, rank));
+  const Plan p = makePlan(is_token_in_rank, send_pos, receiveOffsets(matrix, rank),
+                          st->node_rank_index, st->num_nodes, st->ranks_per_node);
   const at::Tensor x = a.x.contiguous();
   const std::optional<at::Tensor> scales =
       a.x_scales ? std::optional<at::Tensor>(a.x_scales->contiguous()) : std::nullopt;
@@ -660,7 +584,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const at::Tensor& in_rank = routing.is_token_in_rank;
   at::Tensor send_pos =
       at::where(in_rank, in_rank.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
-  const Plan p = plan(*st, in_rank.contiguous(), send_pos, offsetsOf(matrix, rank));
+  const Plan p = makePlan(in_rank.contiguous(), send_pos, receiveOffsets(matrix, rank),
+                          st->node_rank_index, st->num_nodes, st->ranks_per_node);
   const at::Tensor x = x_in.contiguous();
   const std::optional<at::Tensor> scales =
       x_scales ? std::optional<at::Tensor>(x_scales->contiguous()) : std::nullopt;
@@ -710,15 +635,14 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   // Rows this rank holds: what every source sent it (checkRoutingAgrees tied both ends).
   const int64_t num_valid = countMatrix(gathered, R).select(1, rank).sum().item<int64_t>();
   const int64_t elem = a.x.scalar_type() == at::kBFloat16 ? 2 : 4;
-  Capacity need;
-  need.max_tokens = maxColumn(gathered, 2 * R);
-  need.max_recv_rows = 1;
-  need.max_combine_row = static_cast<int64_t>(align16(static_cast<size_t>(elem * hidden)) +
-                                              align16(static_cast<size_t>(4 * K)));
-  need.max_partial_row = static_cast<int64_t>(align16(static_cast<size_t>(4 * hidden)) +
-                                              align16(static_cast<size_t>(4 * K)));
+  const Capacity need = combineNeed(maxColumn(gathered, 2 * R), hidden, elem, K);
   void* rt = ensureRuntime(pg, *st, device, need, "combine");
-  trace(pg, *st, "combine", "buffers ready; launching call " + std::to_string(st->launches + 1));
+  if (tracing()) {
+    trace(pg, *st, "combine",
+          "buffers #" + std::to_string(st->builds) + " ready; launching call " +
+              std::to_string(st->launches + 1) + " (tokens " + std::to_string(num_tokens) +
+              ", rows held " + std::to_string(num_valid) + ")");
+  }
 
   const at::Tensor x = a.x.narrow(0, 0, num_valid).contiguous();
   const std::optional<at::Tensor> weights =

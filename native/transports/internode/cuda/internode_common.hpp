@@ -57,6 +57,19 @@ enum Stage : int {
   kNumStages
 };
 
+// After the stage marks, the progress words say which peer's word block 0 of the call's kernels
+// waits for (written before each wait and again when it gives up; diagnosis only): a host whose
+// wait for the kernels runs out names that peer and the value it saw.
+enum WaitWord : int {
+  kWaitSeq = 0,  // the call (Context::seq) of the latest wait
+  kWaitStage,    // its Stage
+  kWaitPeer,     // the rank whose write it waits for
+  kWaitTarget,   // the value it waits for (at least)
+  kWaitSeen,     // the value it saw (on entry; on a timeout, the last one)
+  kNumWaitWords
+};
+constexpr int kProgressWords = static_cast<int>(kNumStages) + static_cast<int>(kNumWaitWords);
+
 inline const char* stage_name(int stage) {
   static const char* const kNames[kNumStages] = {"pack",
                                                  "RDMA puts",
@@ -213,7 +226,8 @@ struct Context {
   RecordLayout rec;
   Control* ctrl;
   ErrorRecord* err;
-  uint64_t* progress;  // [kNumStages] host-mapped: the last seq that reached each stage
+  uint64_t* progress;  // [kProgressWords] host-mapped: the last seq that reached each stage,
+                       // then the latest wait (WaitWord)
   long long timeout_ns;
   int op;
 };

@@ -53,24 +53,55 @@ __device__ __forceinline__ void report(const Context& c, int code, int peer, lon
   }
 }
 
-// One thread: spins until *word >= target; false on timeout (recorded: the awaited rank, the
-// timeout, the awaited rank's node) or after an earlier timeout (abort).
-__device__ bool wait_at_least(const Context& c, const uint64_t* word, uint64_t target,
-                              int peer_rank) {
-  if (ptx::ld_acquire_sys(word) >= target) return true;
-  if (aborted(c)) return false;
+// Block 0's thread 0 records the wait it is in (WaitWord; host-mapped, diagnosis): the host names
+// the peer when its own bounded wait for the kernels runs out.
+__device__ __forceinline__ void mark_wait(const Context& c, int stage, int peer_rank,
+                                          uint64_t target, uint64_t seen) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    volatile uint64_t* w = reinterpret_cast<volatile uint64_t*>(c.progress) + kNumStages;
+    w[kWaitStage] = static_cast<uint64_t>(stage);
+    w[kWaitPeer] = static_cast<uint64_t>(peer_rank);
+    w[kWaitTarget] = target;
+    w[kWaitSeen] = seen;
+    __threadfence_system();  // the fields before the call number the host reads them by
+    w[kWaitSeq] = c.seq;
+  }
+}
+
+// One thread: spins until *word >= target and returns the value it saw; 0 on timeout (recorded:
+// the awaited rank, the timeout, the awaited rank's node) or after an earlier timeout (abort).
+// `target` is never 0 (it carries the call number, >= 1), so 0 means "gave up".
+__device__ uint64_t wait_at_least(const Context& c, const uint64_t* word, uint64_t target,
+                                  int peer_rank, int stage) {
+  uint64_t v = ptx::ld_acquire_sys(word);
+  if (v >= target) return v;
+  mark_wait(c, stage, peer_rank, target, v);
+  if (aborted(c)) return 0;
   const uint64_t start = ptx::global_timer_ns();
   for (uint32_t iter = 1;; ++iter) {
-    if (ptx::ld_acquire_sys(word) >= target) return true;
+    v = ptx::ld_acquire_sys(word);
+    if (v >= target) return v;
     if ((iter & 127u) == 0) {
-      if (aborted(c)) return false;
+      if (aborted(c)) return 0;
       if (static_cast<long long>(ptx::global_timer_ns() - start) > c.timeout_ns) {
+        mark_wait(c, stage, peer_rank, target, v);
         report(c, kErrorTimeout, peer_rank, c.timeout_ns, c.rank_node[peer_rank]);
         atomicExch(&c.ctrl->abort, 1);
-        return false;
+        return 0;
       }
     }
   }
+}
+
+// A signal word of this call carries its call number (`seq` in the high 32 bits of an RDMA
+// signal, the whole word of a combine signal). A larger one is a later call's: the ranks are out
+// of step (a host-side bug), and the word's count belongs to another call. Reported, never used.
+__device__ __forceinline__ bool same_call(const Context& c, uint64_t call, int peer_rank) {
+  if (call == c.seq) return true;
+  report(c, kErrorOutOfStep, peer_rank, static_cast<long long>(call),
+         static_cast<long long>(c.seq));
+  atomicExch(&c.ctrl->abort, 1);
+  return false;
 }
 
 // A warp copies `bytes` bytes (any alignment; 16-byte vectors where both ends allow).
@@ -197,18 +228,22 @@ __global__ void __launch_bounds__(kThreads)
     ok = 1;
     records_before[0] = 0;
     for (int n = 0; n < c.num_nodes && ok; ++n) {
+      // Every source signals every node, with a count of 0 where it sends nothing there (an
+      // empty rank included): this wait always has a writer.
+      const int src = node_rank(c, n, c.local);
       const uint64_t* word = sig_word(c, c.layout.rdma_sig, c.parity * c.num_nodes + n);
-      if (!wait_at_least(c, word, c.seq << 32, node_rank(c, n, c.local))) {
+      const uint64_t v = wait_at_least(c, word, c.seq << 32, src, kStageForward);
+      if (v == 0 || !same_call(c, v >> 32, src)) {
         ok = 0;
         break;
       }
-      const int count = static_cast<int>(ptx::ld_acquire_sys(word) & 0xffffffffu);
+      const int64_t count = static_cast<int64_t>(v & 0xffffffffu);
       if (count > T) {
-        report(c, kErrorCapacity, node_rank(c, n, c.local), count, T);
+        report(c, kErrorCapacity, src, count, T);
         ok = 0;
         break;
       }
-      records_before[n + 1] = records_before[n] + count;
+      records_before[n + 1] = records_before[n] + static_cast<int>(count);
     }
   }
   mark(c, kStageForwardWaited);
@@ -267,9 +302,10 @@ __global__ void node_barrier_kernel(const __grid_constant__ Context c) {
                         c.seq);
   }
   for (int l = 0; l < c.ranks_per_node; ++l) {
-    if (!wait_at_least(c, sig_word(c, c.layout.nvl_sig, l), c.seq, node_rank(c, c.node, l))) {
-      return;
-    }
+    const int peer = node_rank(c, c.node, l);
+    const uint64_t v =
+        wait_at_least(c, sig_word(c, c.layout.nvl_sig, l), c.seq, peer, kStageBarrier);
+    if (v == 0 || !same_call(c, v, peer)) return;
   }
   mark(c, kStageBarrierDone);
 }
@@ -407,8 +443,12 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     ok = 1;
     for (int n = 0; n < c.num_nodes; ++n) {
-      if (!wait_at_least(c, sig_word(c, c.layout.comb_sig, c.parity * c.num_nodes + n), c.seq,
-                         node_rank(c, n, c.local))) {
+      // Every forwarder signals every source, whether it put rows to it or not.
+      const int fwd = node_rank(c, n, c.local);
+      const uint64_t v =
+          wait_at_least(c, sig_word(c, c.layout.comb_sig, c.parity * c.num_nodes + n), c.seq, fwd,
+                        kStageCombineOut);
+      if (v == 0 || !same_call(c, v, fwd)) {
         ok = 0;
         break;
       }

@@ -94,8 +94,8 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
                  "cudaMalloc(control)");
     kChecks.cuda(cudaMemset(control_, 0, sizeof(Control)), "cudaMemset(control)");
     runtime::allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
-    runtime::allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kNumStages, &progress_host_,
-                             &progress_dev_);
+    runtime::allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kProgressWords,
+                             &progress_host_, &progress_dev_);
     kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     nvshmem_barrier_all();  // every region is zeroed before anyone signals into it
   } catch (...) {
@@ -253,6 +253,11 @@ std::string InternodeRuntime::check_error() const {
       os << " overflowed a buffer (" << e->value_a << " >= capacity " << e->value_b
          << ", peer rank " << e->peer << ")";
       break;
+    case kErrorOutOfStep:
+      os << " got a signal of call " << e->value_a << " from rank " << e->peer << " (node "
+         << node_of(e->peer) << ") in its call " << e->value_b
+         << ": the ranks' internode calls are out of step (a bug: report it)";
+      break;
     case kErrorInvalidTopkIdx:
       os << " got an invalid routing entry (source rank " << e->peer << ", token " << e->value_a
          << ", row " << e->value_b << ")";
@@ -281,14 +286,28 @@ std::string InternodeRuntime::progress() const {
   const volatile uint64_t* marks = progress_host_;
   std::ostringstream os;
   os << "its kernels (call " << seq_ << " of this runtime, " << op_name(last_op_) << ") ";
-  for (int i = 0; i < count; ++i) {
+  bool all = true;
+  for (int i = 0; i < count && all; ++i) {
     if (marks[stages[i]] < seq_) {
       os << "never got past " << (i == 0 ? "their launch" : stage_name(stages[i - 1]))
          << " (next: " << stage_name(stages[i]) << ")";
-      return os.str();
+      all = false;
     }
   }
-  os << "reached every stage";
+  if (all) os << "reached every stage";
+  // The latest wait of block 0 in this call, if any: whom it waited for and what it saw.
+  const volatile uint64_t* wait = marks + kNumStages;
+  if (wait[kWaitSeq] == seq_) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const int peer = static_cast<int>(wait[kWaitPeer]);
+    int peer_node = -1;
+    for (int i = 0; i < setup_.num_ranks; ++i) {
+      if (node_rank_[i] == peer) peer_node = i / setup_.ranks_per_node;
+    }
+    os << "; its latest wait (" << stage_name(static_cast<int>(wait[kWaitStage]))
+       << ") was for rank " << peer << " (node " << peer_node << "): word 0x" << std::hex
+       << wait[kWaitSeen] << ", waiting for >= 0x" << wait[kWaitTarget] << std::dec;
+  }
   return os.str();
 }
 
