@@ -12,6 +12,7 @@
 #include "backend/rank_mask.hpp"
 #include "backend/transport.hpp"
 #include "transports/internode/internode_plan.hpp"
+#include "transports/nvshmem/nvshmem_session_plan.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 #ifdef EP_WITH_CUDA
 #include "backend/kernel_image.hpp"
@@ -434,6 +435,39 @@ PYBIND11_MODULE(_C, m) {
       "Test hook: whether internode buffers of capacity `have` ([] for none; fields in the order "
       "of internode::Capacity) are rebuilt for a call, the capacity they then have (same order) "
       "and the symmetric bytes of that capacity.");
+  // Test hook of the NVSHMEM transport's session decision (nvshmem_session_plan.hpp), reachable
+  // in CPU builds: tests/test_nvshmem_session_cpu.py.
+  m.def(
+      "_nvshmem_session_decision",
+      [](const std::vector<std::string>& sessions, const std::vector<std::string>& places) {
+        namespace nv = ep::nvshmem;
+        TORCH_CHECK(sessions.size() == places.size(), "one session post and one place per rank");
+        std::vector<nv::SessionPost> posts;
+        for (const std::string& s : sessions) {
+          try {
+            posts.push_back(nv::decodeSession(s));
+          } catch (const std::invalid_argument& e) {
+            TORCH_CHECK_VALUE(false, e.what());
+          }
+        }
+        const nv::SessionDecision d = nv::decideSession(posts, nv::placesFingerprint(places));
+        const char* action = d.action == nv::SessionAction::kStart   ? "start"
+                             : d.action == nv::SessionAction::kReuse ? "reuse"
+                                                                     : "refuse";
+        return std::make_tuple(std::string(action), d.why);
+      },
+      py::arg("sessions"), py::arg("places"),
+      "Test hook: what a group whose ranks post `sessions` (encodeSession texts: \"-\" or "
+      "\"pe:num_pes:parked:fingerprint\") and sit at `places` (\"host|index|bus\", rank order) "
+      "does "
+      "with NVSHMEM: (\"start\" | \"reuse\" | \"refuse\", the why-not).");
+  m.def("_nvshmem_session", &ep::nvshmem::sessionInfo,
+        "This process's NVSHMEM session: (started, PE, PE count), (False, -1, 0) without one. "
+        "Started once per process by the first group that uses NVSHMEM; never restarted.");
+  m.def(
+      "_nvshmem_places_fingerprint",
+      [](const std::vector<std::string>& places) { return ep::nvshmem::placesFingerprint(places); },
+      py::arg("places"), "Test hook: the session fingerprint of ranks at `places` (rank order).");
   m.def("_dispatch_deferred", &ep::dispatchDeferred, py::arg("x"), py::arg("x_scales"),
         py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
         py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("group_name"),

@@ -914,7 +914,8 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
   std::vector<uint8_t> uid = exchange_uid(rank, "/tmp/ep_nvshmem_uid_" + tag + "_a", cfg);
   Harness hx;
   hx.rank = rank;
-  hx.rt = new ep::NvshmemRuntime(rank, kRanks, device, uid, cfg);
+  ep::NvshmemRuntime::start_session(rank, kRanks, device, uid, cfg);  // once per process
+  hx.rt = new ep::NvshmemRuntime(rank, kRanks, device, cfg);
   // A blocking stream: the harness's cudaMemcpy calls (legacy stream) are ordered with it.
   CUDA_OK(cudaStreamCreate(&hx.stream));
   hx.buf.alloc();
@@ -1028,10 +1029,10 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
   hx.rt->destroy();
   delete hx.rt;
   if (opt.recreate) {
-    // NVSHMEM finalised: a new runtime (fresh unique id) must work again.
+    // Buffers freed, the session kept: new buffers of another size in the same session must
+    // work (NVSHMEM is never re-initialised in a process).
     cfg.max_hidden = 2048;
-    std::vector<uint8_t> uid2 = exchange_uid(rank, "/tmp/ep_nvshmem_uid_" + tag + "_b", cfg);
-    hx.rt = new ep::NvshmemRuntime(rank, kRanks, device, uid2, cfg);
+    hx.rt = new ep::NvshmemRuntime(rank, kRanks, device, cfg);
     Case c;
     c.name = "after destroy + re-creation";
     c.mode = kFp8;

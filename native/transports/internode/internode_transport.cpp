@@ -189,7 +189,18 @@ void releaseRuntime(GroupState& st) {
 
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
-    releaseRuntime(state);
+    if (state.runtime != nullptr) {
+      // Parked, not freed now: nvshmem_free waits for every PE with no timeout, and a peer may
+      // be dead (ep_backend.abort); the next group over the same PEs frees it.
+      nvshmem::parkCollectiveFree([rt = state.runtime] {
+        char err[512] = {0};
+        cudaDeviceSynchronize();
+        if (library().destroy(rt, err, sizeof(err)) != 0) {
+          TORCH_WARN("ep: freeing the internode buffers of a destroyed group: ", err);
+        }
+      });
+      state.runtime = nullptr;
+    }
     if (state.done != nullptr) {
       cudaEventDestroy(state.done);
       state.done = nullptr;
@@ -341,10 +352,11 @@ at::Tensor agreeInStep(EPProcessGroup& pg, GroupState& st, const char* op, const
 }
 
 // Collective: a runtime whose buffers hold `need` (every input agreed across the ranks, so every
-// rank decides alike). The NVSHMEM calls of a build (free, malloc, barrier, a session restart)
-// have no timeout: the ranks first meet in the store (bounded by the group's timeout, naming a
-// rank that never comes) and check that they build the same buffers, so that a rank never waits
-// alone in one of them.
+// rank decides alike). Growing frees the old buffers, then allocates the new ones, in the
+// process's NVSHMEM session (never restarted: nvshmem_session_plan.hpp). The NVSHMEM calls of a
+// build (free, malloc, barrier) have no timeout: the ranks first meet in the store (bounded by the
+// group's timeout, naming a rank that never comes) and check that they build the same buffers, so
+// that a rank never waits alone in one of them.
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
                     const Capacity& need, const char* op) {
   if (st.runtime != nullptr && holds(st.capacity, need)) return st.runtime;
@@ -360,13 +372,9 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
                 pg.getRank(), ": ", mine, "; rank ", r, ": ", wanted[r],
                 "); no data moved (a bug: the sizes come from agreed values)");
   }
-  releaseRuntime(st);
+  releaseRuntime(st);  // free before malloc: the heap can reuse the space
   const size_t bytes = library().symmetric_bytes(st.num_nodes, st.ranks_per_node, &cap);
-  // Ours are freed first whenever the low-latency runtime is rebuilt or the group shuts down.
-  std::weak_ptr<GroupState> weak = stateOf(pg);
-  nvshmem::ensureSession(pg, device, bytes, [weak] {
-    if (auto s = weak.lock()) releaseRuntime(*s);
-  });
+  nvshmem::ensureSession(pg, device, bytes);
   InternodeSetup setup;
   setup.rank = pg.getRank();
   setup.num_ranks = pg.getSize();

@@ -12,6 +12,7 @@
 #include "backend/per_group_transport.hpp"
 #include "backend/store_exchange.hpp"
 #include "common/env.hpp"
+#include "transports/nvshmem/nvshmem_session_plan.hpp"
 
 #ifdef EP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -46,6 +47,8 @@ struct Library {
   bool ok = false;
   std::string error;  // why it is not usable
   ep_nvshmem_unique_id_fn unique_id = nullptr;
+  ep_nvshmem_session_start_fn session_start = nullptr;
+  ep_nvshmem_session_fn session = nullptr;
   ep_nvshmem_create_fn create = nullptr;
   ep_nvshmem_dispatch_fn dispatch = nullptr;
   ep_nvshmem_combine_fn combine = nullptr;
@@ -99,6 +102,8 @@ const Library& library() {
       return l;
     }
     l.ok = lookup(dl, "ep_nvshmem_unique_id", l.unique_id, l.error) &&
+           lookup(dl, "ep_nvshmem_session_start", l.session_start, l.error) &&
+           lookup(dl, "ep_nvshmem_session", l.session, l.error) &&
            lookup(dl, "ep_nvshmem_create", l.create, l.error) &&
            lookup(dl, "ep_nvshmem_dispatch", l.dispatch, l.error) &&
            lookup(dl, "ep_nvshmem_combine", l.combine, l.error) &&
@@ -115,6 +120,55 @@ const Library& library() {
 // Throws a c10::Error with the library's message when `rc` is non-zero.
 void check(int rc, const char* what, const char* err) {
   TORCH_CHECK(rc == 0, "ep ", what, ": ", err);
+}
+
+// ---- the process's NVSHMEM session --------------------------------------------------------
+//
+// Started once per process, by the first group whose ranks use NVSHMEM, with those ranks as its
+// PEs; never finalised (nvshmem_session_plan.hpp says why). Groups allocate and free their
+// symmetric buffers in it. A group's destruction makes no collective NVSHMEM call (nvshmem_free
+// waits, with no timeout, for every PE, and after ep_backend.abort a peer may be dead): its
+// buffers are parked here and freed together, in this order, by the next group over the same
+// PEs once its setup exchange has shown every PE present (decide). Where no such group comes,
+// they stay until the process exits.
+struct SessionRecord {
+  std::mutex mutex;
+  std::string group;  // placesFingerprint of the group that started the session
+  std::deque<std::function<void()>> parked;
+};
+
+SessionRecord& sessionRecord() {
+  static auto* record = new SessionRecord;  // leaked: no NVSHMEM work from static destructors
+  return *record;
+}
+
+SessionPost localSessionPost() {
+  SessionPost post;
+  if (!library().ok) return post;
+  int pe = -1, pes = 0, device = -1;
+  if (library().session(&pe, &pes, &device) == 0) return post;
+  SessionRecord& rec = sessionRecord();
+  std::lock_guard<std::mutex> lock(rec.mutex);
+  post.started = true;
+  post.pe = pe;
+  post.num_pes = pes;
+  post.group = rec.group;
+  post.parked = static_cast<int64_t>(rec.parked.size());
+  return post;
+}
+
+// Collective over the session's PEs (every rank of a group that decide() let reuse it): frees
+// the buffers destroyed groups left.
+void freeParkedBuffers() {
+  std::deque<std::function<void()>> parked;
+  {
+    SessionRecord& rec = sessionRecord();
+    std::lock_guard<std::mutex> lock(rec.mutex);
+    parked.swap(rec.parked);
+  }
+  for (auto& free_buffers : parked) {
+    free_buffers();
+  }
 }
 
 // A dispatch handle's buffer, remembered so its combine finds the dispatch's NVSHMEM state.
@@ -153,10 +207,8 @@ struct GroupState {
   // A CUDA graph was captured with kernels on these buffers: a rebuild would free what it
   // replays into, so from then on there is none (an agreed field of every dispatch).
   bool graph_captured = false;
-  // The internode transport's use of this session (nvshmem::ensureSession): heap it reserves
-  // when it starts the session, and how it frees its allocations before NVSHMEM is finalised.
-  size_t extra_symmetric_bytes = 0;
-  std::function<void()> release_session_user;
+  // placesFingerprint of this group's ranks (decide): recorded as the session's if it starts it.
+  std::string places;
 #endif
 };
 
@@ -173,16 +225,15 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
       }
     }
 #ifdef EP_WITH_CUDA
-    if (state.release_session_user) {
-      state.release_session_user();  // the internode buffers go before NVSHMEM does
-    }
     if (state.runtime != nullptr) {
-      // Collective in NVSHMEM terms; at shutdown every rank tears its group down too.
-      char err[512] = {0};
-      cudaDeviceSynchronize();
-      if (library().destroy(state.runtime, err, sizeof(err)) != 0) {
-        TORCH_WARN("ep: releasing the NVSHMEM low-latency runtime: ", err);
-      }
+      // Parked, not freed: nvshmem_free is collective with no timeout (SessionRecord).
+      parkCollectiveFree([rt = state.runtime] {
+        char err[512] = {0};
+        cudaDeviceSynchronize();
+        if (library().destroy(rt, err, sizeof(err)) != 0) {
+          TORCH_WARN("ep: freeing the NVSHMEM low-latency buffers of a destroyed group: ", err);
+        }
+      });
       state.runtime = nullptr;
     }
 #else
@@ -197,9 +248,10 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
 // The reason recorded when the user asked for the ATen path.
 constexpr const char* kAskedAten = "EP_LOW_LATENCY=aten";
 
-// Collective: every rank posts whether it can run the kernels; usable only if all can, each on
-// a GPU of its own.
-Verdict decide(EPProcessGroup& pg, const at::Device& device) {
+// Collective: every rank posts whether it can run the kernels, its GPU and its process's NVSHMEM
+// session; usable only if all can, each on a GPU of its own, and the session is theirs or none
+// has one (decideSession). A reused session's parked buffers are freed here.
+Verdict decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
   std::string why;
   if (env::equals<env::kLowLatency>("aten")) {
     why = kAskedAten;
@@ -215,17 +267,27 @@ Verdict decide(EPProcessGroup& pg, const at::Device& device) {
     }
   }
   const std::string prefix = "ep_ll/" + pg.options()->group_name + "/decide/";
+  // "flag|host|index|bus#session": neither a host name nor encodeSession holds '#'.
   const std::vector<std::string> posted =
-      allGatherStrings(pg, prefix, (why.empty() ? "1|" : "0|") + GpuPlace::of(device.index()).str(),
+      allGatherStrings(pg, prefix,
+                       (why.empty() ? "1|" : "0|") + GpuPlace::of(device.index()).str() + "#" +
+                           encodeSession(localSessionPost()),
                        "ep low_latency_dispatch (transport setup)");
+  std::vector<std::string> places;
+  std::vector<SessionPost> sessions;
+  for (const std::string& s : posted) {
+    const size_t hash = s.rfind('#');
+    places.push_back(s.substr(2, hash - 2));
+    sessions.push_back(decodeSession(s.substr(hash + 1)));
+  }
   // Two ranks on one GPU share it. The same index on different GPUs of one host means
   // CUDA_VISIBLE_DEVICES differs per process, which NVSHMEM has not been tried with here: those
   // groups stay on ATen, and say so.
   std::vector<GpuPlace> seen;
   bool all = true;
-  for (const std::string& s : posted) {
-    all = all && s[0] == '1';
-    const GpuPlace where = GpuPlace::parse(s.substr(2));
+  for (size_t r = 0; r < posted.size(); ++r) {
+    all = all && posted[r][0] == '1';
+    const GpuPlace where = GpuPlace::parse(places[r]);
     for (const auto& w : seen) {
       if (!why.empty() || w.host != where.host) continue;
       if (w.sameGpu(where)) {
@@ -243,11 +305,22 @@ Verdict decide(EPProcessGroup& pg, const at::Device& device) {
   if (why.empty() && !all) {
     why = "another rank cannot use NVSHMEM (see its low_latency_transport)";
   }
-  // `why` may differ between ranks, the verdict cannot: it is a function of the posted flags and
-  // of the (host, device) pairs, which every rank read alike.
+  st.places = placesFingerprint(places);
+  const SessionDecision session = decideSession(sessions, st.places);
+  if (why.empty() && session.action == SessionAction::kRefuse) {
+    why = session.why;
+  }
+  // `why` may differ between ranks, the verdict cannot: it is a function of the posted flags, of
+  // the (host, device) pairs and of the sessions, which every rank read alike.
   if (why.empty()) {
-    std::lock_guard<std::mutex> lock(g_owner_mutex);
-    g_owner = &pg;
+    {
+      std::lock_guard<std::mutex> lock(g_owner_mutex);
+      g_owner = &pg;
+    }
+    if (session.action == SessionAction::kReuse) {
+      c10::cuda::CUDAGuard guard(device);
+      freeParkedBuffers();  // every PE is here (it just posted) and frees the same buffers
+    }
   }
   const bool requested = why == kAskedAten;
   return Verdict{std::move(why), requested};
@@ -258,14 +331,66 @@ bool fits(const NvshmemConfig& c, int64_t m, int64_t hidden, int64_t topk, int64
          c.num_experts >= experts;
 }
 
+// The low-latency buffer sizes of a config for this group: M exactly, H, K, E at least.
+NvshmemConfig configFor(EPProcessGroup& pg, int64_t m, int64_t hidden, int64_t topk,
+                        int64_t experts) {
+  NvshmemConfig cfg;
+  cfg.max_tokens_per_rank = static_cast<int>(m);
+  cfg.max_hidden = static_cast<int>(hidden);
+  cfg.max_topk = static_cast<int>(std::max<int64_t>(topk, 1));
+  cfg.num_experts = static_cast<int>(experts);
+  cfg.num_ranks = static_cast<int>(pg.getSize());
+  // Emulated nodes: the legs between them on the put path, as across hosts (docs/internode.md).
+  cfg.emulated_ranks_per_node = pg.topology().emulated ? pg.topology().ranks_per_node : 0;
+  cfg.timeout_seconds = pg.options()->kernel_timeout_s;
+  return cfg;
+}
+
+// Collective (every rank of a group decide() let use NVSHMEM, each alike: the sessions were part
+// of that agreement): starts the process's NVSHMEM session with the group's ranks as PEs unless
+// it runs already. `cfg` sizes its initial heap (NvshmemRuntime::set_environment); it grows on
+// demand where CUDA VMM is on.
+void startSessionIfNone(EPProcessGroup& pg, GroupState& st, const at::Device& device,
+                        const NvshmemConfig& cfg) {
+  const Library& lib = library();
+  if (lib.session(nullptr, nullptr, nullptr) != 0) {
+    return;
+  }
+  char err[1024] = {0};
+  const std::string key =
+      "ep_ll/" + pg.options()->group_name + "/uid/" + std::to_string(++st.generation);
+  if (pg.getRank() == 0) {
+    std::array<uint8_t, 1024> uid{};
+    size_t written = 0;
+    const int rc = lib.unique_id(&cfg, uid.data(), uid.size(), &written, err, sizeof(err));
+    // Posted even on failure (empty): the other ranks wait for this key, and would otherwise
+    // wait out the store timeout.
+    pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + (rc == 0 ? written : 0)));
+    check(rc, "low_latency setup", err);
+  }
+  waitForKeys(*pg.store(), {key}, pg.options()->timeout);  // not get's wait: see waitForKeys
+  const std::vector<uint8_t> uid = pg.store()->get(key);
+  TORCH_CHECK(!uid.empty(),
+              "ep low_latency setup: rank 0 could not get an NVSHMEM unique id (see "
+              "its error)");
+  {
+    SessionRecord& rec = sessionRecord();
+    std::lock_guard<std::mutex> lock(rec.mutex);
+    rec.group = st.places;
+  }
+  check(lib.session_start(pg.getRank(), pg.getSize(), device.index(), uid.data(), uid.size(), &cfg,
+                          err, sizeof(err)),
+        "low_latency setup", err);
+}
+
 // Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not
 // (every input agreed, graph_captured included). Never while a CUDA graph is captured, nor after
-// one was: that graph's kernels keep the buffers' addresses.
+// one was: that graph's kernels keep the buffers' addresses. A rebuild frees the old buffers,
+// then allocates the new ones, in the same NVSHMEM session (never a restart: see SessionRecord).
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device, int64_t m,
                     int64_t hidden, int64_t topk, int64_t experts) {
   const bool capture = streamCapturing();
-  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts) &&
-      st.config.extra_symmetric_bytes >= st.extra_symmetric_bytes) {
+  if (st.runtime != nullptr && fits(st.config, m, hidden, topk, experts)) {
     st.graph_captured = st.graph_captured || capture;
     return st.runtime;
   }
@@ -288,52 +413,28 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
               "exchanged)");
   const Library& lib = library();
   char err[1024] = {0};
-  NvshmemConfig cfg;
   if (st.runtime != nullptr) {
     hidden = std::max<int64_t>(hidden, st.config.max_hidden);
     topk = std::max<int64_t>(topk, st.config.max_topk);
     experts = std::max<int64_t>(experts, st.config.num_experts);
     C10_CUDA_CHECK(cudaDeviceSynchronize());
-    // Through the store, not Gloo (see the nvlink rebuild).
+    // Through the store, not Gloo (see the nvlink rebuild): bounded by the group's timeout, so
+    // that no rank waits alone in nvshmem_free's barrier, which has none.
     allGatherStrings(
         pg, "ep_ll/" + pg.options()->group_name + "/rebuild/" + std::to_string(st.generation) + "/",
         "", "ep low_latency_dispatch: rebuilding the NVSHMEM buffers");
-    if (st.release_session_user) {
-      st.release_session_user();  // the internode buffers go before NVSHMEM does
-    }
+    ++st.generation;
+    // Free before malloc: the heap can reuse the space. Other buffers of the session (the
+    // internode transport's) stay where they are.
     const int rc = lib.destroy(st.runtime, err, sizeof(err));
     st.runtime = nullptr;
     st.recent.clear();
     check(rc, "low_latency rebuild", err);
   }
-  cfg.max_tokens_per_rank = static_cast<int>(m);
-  cfg.max_hidden = static_cast<int>(hidden);
-  cfg.max_topk = static_cast<int>(std::max<int64_t>(topk, 1));
-  cfg.num_experts = static_cast<int>(experts);
-  cfg.num_ranks = static_cast<int>(pg.getSize());
-  // Emulated nodes: the legs between them on the put path, as across hosts (docs/internode.md).
-  cfg.emulated_ranks_per_node = pg.topology().emulated ? pg.topology().ranks_per_node : 0;
-  cfg.timeout_seconds = pg.options()->kernel_timeout_s;
-  cfg.extra_symmetric_bytes = st.extra_symmetric_bytes;
-  const std::string key =
-      "ep_ll/" + pg.options()->group_name + "/uid/" + std::to_string(++st.generation);
-  if (pg.getRank() == 0) {
-    std::array<uint8_t, 1024> uid{};
-    size_t written = 0;
-    const int rc = lib.unique_id(&cfg, uid.data(), uid.size(), &written, err, sizeof(err));
-    // Posted even on failure (empty): the other ranks wait for this key, and would otherwise
-    // wait out the store timeout.
-    pg.store()->set(key, std::vector<uint8_t>(uid.begin(), uid.begin() + (rc == 0 ? written : 0)));
-    check(rc, "low_latency setup", err);
-  }
-  waitForKeys(*pg.store(), {key}, pg.options()->timeout);  // not get's wait: see waitForKeys
-  const std::vector<uint8_t> uid = pg.store()->get(key);
-  TORCH_CHECK(!uid.empty(),
-              "ep low_latency setup: rank 0 could not get an NVSHMEM unique id (see "
-              "its error)");
+  const NvshmemConfig cfg = configFor(pg, m, hidden, topk, experts);
+  startSessionIfNone(pg, st, device, cfg);
   void* rt = nullptr;
-  check(lib.create(pg.getRank(), pg.getSize(), device.index(), uid.data(), uid.size(), &cfg, &rt,
-                   err, sizeof(err)),
+  check(lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, &rt, err, sizeof(err)),
         "low_latency setup", err);
   st.runtime = rt;
   lib.config(rt, &st.config);
@@ -454,6 +555,16 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
     C10_CUDA_CHECK(cudaEventDestroy(received));  // released once the wait is satisfied
   }
 #endif
+}
+
+std::tuple<bool, int64_t, int64_t> sessionInfo() {
+#ifdef EP_WITH_CUDA
+  int pe = -1, pes = 0, device = -1;
+  if (library().ok && library().session(&pe, &pes, &device) != 0) {
+    return {true, pe, pes};
+  }
+#endif
+  return {false, -1, 0};
 }
 
 at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
@@ -702,23 +813,23 @@ void* librarySymbol(const char* name, std::string* error) {
   return sym;
 }
 
-void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_symmetric_bytes,
-                   std::function<void()> release) {
+void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_symmetric_bytes) {
   auto st = stateOf(pg);
   TORCH_CHECK(st->usability.yes(), "ep: the NVSHMEM session of this group is not usable");
-  st->release_session_user = std::move(release);
-  st->extra_symmetric_bytes = std::max(st->extra_symmetric_bytes, extra_symmetric_bytes);
   c10::cuda::CUDAGuard guard(device);
-  if (st->runtime != nullptr) {
-    // Rebuilt (same low-latency shape) only where the heap was sized for less room.
-    const NvshmemConfig& c = st->config;
-    ensureRuntime(pg, *st, device, c.max_tokens_per_rank, c.max_hidden, c.max_topk, c.num_experts);
-    return;
-  }
-  // A session started for the internode transport: the smallest low-latency buffers (a later
-  // low-latency call of another shape rebuilds them, releasing the internode buffers first).
-  ensureRuntime(pg, *st, device, /*m=*/1, /*hidden=*/nvshmem::kGroupSize, /*topk=*/1,
-                /*experts=*/pg.getSize());
+  // Started here for the internode transport: the heap sized for the smallest low-latency
+  // buffers plus the caller's. A session running already keeps its heap, which grows on
+  // nvshmem_malloc where CUDA VMM is on (NVSHMEM's default).
+  NvshmemConfig cfg = configFor(pg, /*m=*/1, /*hidden=*/nvshmem::kGroupSize, /*topk=*/1,
+                                /*experts=*/pg.getSize());
+  cfg.extra_symmetric_bytes = extra_symmetric_bytes;
+  startSessionIfNone(pg, *st, device, cfg);
+}
+
+void parkCollectiveFree(std::function<void()> free_buffers) {
+  SessionRecord& rec = sessionRecord();
+  std::lock_guard<std::mutex> lock(rec.mutex);
+  rec.parked.push_back(std::move(free_buffers));
 }
 
 #endif  // EP_WITH_CUDA
@@ -748,8 +859,8 @@ class NvshmemTransport final : public PerGroupTransport<nvshmem::GroupState> {
   std::shared_ptr<nvshmem::GroupState> stateOf(EPProcessGroup& pg) override {
     return nvshmem::stateOf(pg);
   }
-  Verdict decide(EPProcessGroup& pg, nvshmem::GroupState&, const at::Device& device) override {
-    return nvshmem::decide(pg, device);
+  Verdict decide(EPProcessGroup& pg, nvshmem::GroupState& st, const at::Device& device) override {
+    return nvshmem::decide(pg, st, device);
   }
 };
 

@@ -4,8 +4,10 @@
 //
 // A group uses the kernels when, at its first low-latency call on CUDA, every rank has loaded the
 // library, this build has a kernel image for every rank's GPU, no other group of the process owns
-// NVSHMEM (it is process-global: one group per process), every rank has a GPU of its own, and
-// EP_LOW_LATENCY is not "aten" — decided
+// NVSHMEM (it is process-global: one group per process), every rank has a GPU of its own, no rank
+// has an NVSHMEM session or every rank's is this group's (same ranks, GPUs and order; NVSHMEM is
+// initialised once per process, nvshmem_session_plan.hpp), and EP_LOW_LATENCY is not "aten" —
+// decided
 // collectively through the group's store, so all ranks take the same path.
 #pragma once
 
@@ -14,6 +16,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "backend/moe_types.hpp"
 #include "backend/transport.hpp"
@@ -36,6 +39,10 @@ at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
 // below); a no-op where the group's low-latency ops do not use the kernels (their exchange is
 // complete when the dispatch returns).
 void receive(EPProcessGroup& pg, const at::Tensor& layout_range);
+
+// This process's NVSHMEM session: (started, PE, PE count); (false, -1, 0) where none runs (or
+// the build has no NVSHMEM). One per process, never restarted (nvshmem_session_plan.hpp).
+std::tuple<bool, int64_t, int64_t> sessionInfo();
 
 #ifdef EP_WITH_CUDA
 // Same contract as the ATen transport's lowLatencyDispatch / lowLatencyCombine (bitwise equal
@@ -66,13 +73,16 @@ bool librarySymbol(const char* name, Fn& fn, std::string& error) {
   fn = reinterpret_cast<Fn>(librarySymbol(name, &error));
   return fn != nullptr;
 }
-// Collective (every rank, the group's low-latency transport usable): makes sure the group's
-// low-latency runtime, and with it the NVSHMEM session, exists; one started here reserves
-// `extra_symmetric_bytes` of heap for the caller. `release` runs (on every rank alike, before
-// NVSHMEM is finalised) when that runtime is rebuilt or the group shuts down: the caller frees
-// its symmetric allocations there.
-void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_symmetric_bytes,
-                   std::function<void()> release);
+// Collective (every rank, the group's low-latency transport usable): makes sure the process's
+// NVSHMEM session runs (one started here sizes its initial heap with `extra_symmetric_bytes`
+// for the caller; the heap grows on nvshmem_malloc where CUDA VMM is on). The session outlives
+// every group: it is never finalised or restarted (nvshmem_session_plan.hpp).
+void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_symmetric_bytes);
+// For a group's shutdown: `free_buffers` (collective: nvshmem_free) runs later, on every PE
+// together, when the next group over the session's PEs has shown every PE present; never where
+// no such group comes (the process exit reclaims the memory). A shutdown thereby never waits in
+// NVSHMEM for a peer that may be dead.
+void parkCollectiveFree(std::function<void()> free_buffers);
 }  // namespace nvshmem
 #endif
 

@@ -55,7 +55,7 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
   kChecks.require(setup.capacity.max_tokens >= 1 && setup.capacity.max_recv_rows >= 1,
                   "capacity must be positive");
   kChecks.require(nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED,
-                  "NVSHMEM is not initialised (the low-latency runtime starts it)");
+                  "NVSHMEM is not initialised (NvshmemRuntime::start_session starts it)");
   kChecks.require(nvshmem_n_pes() == setup.num_ranks && nvshmem_my_pe() == setup.rank,
                   "the NVSHMEM session has other PEs than this group");
   node_rank_.assign(setup.node_rank, setup.node_rank + setup.num_ranks);

@@ -1,8 +1,9 @@
 // InternodeRuntime: the torch-free host side of the hierarchical internode dispatch / combine.
-// It lives in libep_nvshmem.so next to the low-latency runtime and uses the NVSHMEM session that
-// runtime initialised (one unique id through the c10d store): its buffers are one extra
-// nvshmem_malloc of the same symmetric heap. Create it after the low-latency runtime, destroy it
-// before that runtime is destroyed (both collective).
+// It lives in libep_nvshmem.so next to the low-latency runtime and uses the process's NVSHMEM
+// session (NvshmemRuntime::start_session: once per process, one unique id through the c10d
+// store, never finalised): its buffers are one nvshmem_malloc of the session's symmetric heap,
+// independent of the low-latency buffers. Construction and destroy() are collective; growing is
+// destroy() then a new runtime, in the same session.
 //
 // Per call (every rank issues the same calls in the same order, one stream or streams ordered
 // by events): dispatch() or combine() enqueue their kernels; check_error() reports a kernel error

@@ -42,12 +42,26 @@ int ep_nvshmem_unique_id(const ep::NvshmemConfig* config, uint8_t* out, size_t o
   });
 }
 
-int ep_nvshmem_create(int rank, int num_ranks, int device, const uint8_t* uid, size_t uid_len,
-                      const ep::NvshmemConfig* config, void** out, char* err, size_t err_len) {
+// Collective, once per process: NVSHMEM initialised as PE `rank` of `num_ranks`.
+int ep_nvshmem_session_start(int rank, int num_ranks, int device, const uint8_t* uid,
+                             size_t uid_len, const ep::NvshmemConfig* config, char* err,
+                             size_t err_len) {
   return cEntryPoint(err, err_len, [&] {
     std::vector<uint8_t> id(uid, uid + uid_len);
-    *out = new ep::NvshmemRuntime(rank, num_ranks, device, id, *config);
+    ep::NvshmemRuntime::start_session(rank, num_ranks, device, id, *config);
   });
+}
+
+// 1 with the session's PE, PE count and device when this process started one, else 0.
+int ep_nvshmem_session(int* pe, int* num_pes, int* device) {
+  return ep::NvshmemRuntime::session(pe, num_pes, device) ? 1 : 0;
+}
+
+// Collective over the session's PEs: new low-latency buffers (nvshmem_malloc).
+int ep_nvshmem_create(int rank, int num_ranks, int device, const ep::NvshmemConfig* config,
+                      void** out, char* err, size_t err_len) {
+  return cEntryPoint(err, err_len,
+                     [&] { *out = new ep::NvshmemRuntime(rank, num_ranks, device, *config); });
 }
 
 int ep_nvshmem_dispatch(void* handle, const ep::NvshmemDispatchArgs* args, cudaStream_t stream,
@@ -97,6 +111,8 @@ int ep_nvshmem_destroy(void* handle, char* err, size_t err_len) {
 #include <type_traits>
 static_assert(std::is_same_v<decltype(&ep_nvshmem_abi_version), ep_nvshmem_abi_version_fn>);
 static_assert(std::is_same_v<decltype(&ep_nvshmem_unique_id), ep_nvshmem_unique_id_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_session_start), ep_nvshmem_session_start_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_session), ep_nvshmem_session_fn>);
 static_assert(std::is_same_v<decltype(&ep_nvshmem_create), ep_nvshmem_create_fn>);
 static_assert(std::is_same_v<decltype(&ep_nvshmem_dispatch), ep_nvshmem_dispatch_fn>);
 static_assert(std::is_same_v<decltype(&ep_nvshmem_combine), ep_nvshmem_combine_fn>);

@@ -7,7 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_NVSHMEM_ABI_VERSION 5
+// 6: the NVSHMEM session split from the buffers (ep_nvshmem_session_start, ep_nvshmem_session;
+//    ep_nvshmem_create takes no unique id and never initialises NVSHMEM).
+#define EP_NVSHMEM_ABI_VERSION 6
 
 namespace ep {
 struct NvshmemConfig;
@@ -20,8 +22,10 @@ extern "C" {
 typedef int (*ep_nvshmem_abi_version_fn)();
 typedef int (*ep_nvshmem_unique_id_fn)(const ep::NvshmemConfig*, uint8_t*, size_t, size_t*, char*,
                                        size_t);
-typedef int (*ep_nvshmem_create_fn)(int, int, int, const uint8_t*, size_t, const ep::NvshmemConfig*,
-                                    void**, char*, size_t);
+typedef int (*ep_nvshmem_session_start_fn)(int, int, int, const uint8_t*, size_t,
+                                           const ep::NvshmemConfig*, char*, size_t);
+typedef int (*ep_nvshmem_session_fn)(int*, int*, int*);
+typedef int (*ep_nvshmem_create_fn)(int, int, int, const ep::NvshmemConfig*, void**, char*, size_t);
 typedef int (*ep_nvshmem_dispatch_fn)(void*, const ep::NvshmemDispatchArgs*, cudaStream_t, int*,
                                       char*, size_t);
 typedef int (*ep_nvshmem_combine_fn)(void*, const ep::NvshmemCombineArgs*, cudaStream_t, char*,

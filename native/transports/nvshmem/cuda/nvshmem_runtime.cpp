@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 
@@ -20,7 +21,13 @@
 namespace ep {
 namespace {
 
-std::atomic<bool> g_runtime_alive{false};
+// The process's NVSHMEM session (NvshmemRuntime::start_session): started at most once, never
+// finalised (see the header). Guarded by g_session_mutex.
+std::mutex g_session_mutex;
+bool g_session_started = false;
+int g_session_pe = -1;
+int g_session_pes = 0;
+int g_session_device = -1;
 
 constexpr runtime::Checks kChecks{"ep low_latency"};
 
@@ -100,8 +107,55 @@ size_t NvshmemRuntime::symmetric_bytes(const NvshmemConfig& c) {
   return 2 * buffer_layout(c).bytes;
 }
 
-NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::vector<uint8_t>& uid,
-                               const NvshmemConfig& config)
+void NvshmemRuntime::start_session(int rank, int num_ranks, int device,
+                                   const std::vector<uint8_t>& uid, const NvshmemConfig& config) {
+  kChecks.require(num_ranks >= 1 && num_ranks <= nvshmem::kMaxExperts,
+                  "num_ranks must be in [1, 1024]");
+  kChecks.require(rank >= 0 && rank < num_ranks, "rank out of range");
+  kChecks.require(uid.size() == sizeof(nvshmemx_uniqueid_t), "the unique id must be 128 bytes");
+  std::lock_guard<std::mutex> lock(g_session_mutex);
+  if (g_session_started) {
+    std::ostringstream os;
+    os << "ep low_latency: this process started its NVSHMEM session already (PE " << g_session_pe
+       << " of " << g_session_pes << "); NVSHMEM cannot be initialised again in a process (after "
+       << "nvshmem_finalize it keeps the first bootstrap and ignores a new unique id)";
+    throw std::runtime_error(os.str());
+  }
+  DeviceGuard guard(device);
+  kChecks.cuda(cudaSetDevice(device), "cudaSetDevice");
+  NvshmemConfig sized = config;
+  sized.num_ranks = num_ranks;
+  set_environment(sized);
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, uid.data(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr) != 0)
+    throw std::runtime_error("ep low_latency: nvshmemx_set_attr_uniqueid_args failed");
+  // nvshmemx_init_attr exits the process on failure (NVSHMEM's NONZERO_EXIT).
+  nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+  // Recorded before the check below: NVSHMEM is initialised now, whatever it says, and must not
+  // be initialised again.
+  g_session_started = true;
+  g_session_pe = nvshmem_my_pe();
+  g_session_pes = nvshmem_n_pes();
+  g_session_device = device;
+  if (g_session_pe != rank || g_session_pes != num_ranks) {
+    std::ostringstream os;
+    os << "ep low_latency: NVSHMEM says PE " << g_session_pe << " of " << g_session_pes
+       << ", expected rank " << rank << " of " << num_ranks;
+    throw std::runtime_error(os.str());
+  }
+}
+
+bool NvshmemRuntime::session(int* pe, int* num_pes, int* device) {
+  std::lock_guard<std::mutex> lock(g_session_mutex);
+  if (pe != nullptr) *pe = g_session_pe;
+  if (num_pes != nullptr) *num_pes = g_session_pes;
+  if (device != nullptr) *device = g_session_device;
+  return g_session_started;
+}
+
+NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const NvshmemConfig& config)
     : rank_(rank), num_ranks_(num_ranks), device_(device), config_(config) {
   kChecks.require(config.num_ranks == 0 || config.num_ranks == num_ranks,
                   "config.num_ranks must be 0 or the number of ranks");
@@ -109,7 +163,6 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
   kChecks.require(num_ranks >= 1 && num_ranks <= nvshmem::kMaxExperts,
                   "num_ranks must be in [1, 1024]");
   kChecks.require(rank >= 0 && rank < num_ranks, "rank out of range");
-  kChecks.require(uid.size() == sizeof(nvshmemx_uniqueid_t), "the unique id must be 128 bytes");
   kChecks.require(config.max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1");
   kChecks.require(config.max_hidden >= nvshmem::kGroupSize &&
                       config.max_hidden % nvshmem::kGroupSize == 0 &&
@@ -122,9 +175,15 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
                   "num_experts must be a multiple of the number of ranks, at most 1024");
   kChecks.require(config.timeout_seconds > 0, "timeout_seconds must be > 0");
   kChecks.require(config.num_sms >= 0, "num_sms must be >= 0");
-  bool expected = false;
-  kChecks.require(g_runtime_alive.compare_exchange_strong(expected, true),
-                  "only one low-latency runtime per process (NVSHMEM is process-global)");
+  {
+    int pe = -1, pes = 0, dev = -1;
+    kChecks.require(session(&pe, &pes, &dev),
+                    "no NVSHMEM session in this process (start_session first)");
+    std::ostringstream os;
+    os << "the process's NVSHMEM session is PE " << pe << " of " << pes << " on device " << dev
+       << ", not rank " << rank << " of " << num_ranks << " on device " << device;
+    kChecks.require(pe == rank && pes == num_ranks && dev == device, os.str());
+  }
 
   try {
     DeviceGuard guard(device_);
@@ -142,31 +201,17 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
 
     layout_ = buffer_layout(config_);
     const size_t bytes = 2 * layout_.bytes;
-    set_environment(config_);
-
-    nvshmemx_uniqueid_t id;
-    std::memcpy(&id, uid.data(), sizeof(id));
-    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-    if (nvshmemx_set_attr_uniqueid_args(rank_, num_ranks_, &id, &attr) != 0)
-      throw std::runtime_error("ep low_latency: nvshmemx_set_attr_uniqueid_args failed");
-    // nvshmemx_init_attr exits the process on failure (NVSHMEM's NONZERO_EXIT).
-    nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
-    initialized_ = true;
-    if (nvshmem_my_pe() != rank_ || nvshmem_n_pes() != num_ranks_) {
-      std::ostringstream os;
-      os << "ep low_latency: NVSHMEM says PE " << nvshmem_my_pe() << " of " << nvshmem_n_pes()
-         << ", expected rank " << rank_ << " of " << num_ranks_;
-      throw std::runtime_error(os.str());
-    }
 
     symmetric_ = static_cast<char*>(nvshmem_malloc(bytes));  // collective
     if (symmetric_ == nullptr) {
       std::ostringstream os;
       os << "ep low_latency: nvshmem_malloc(" << bytes
-         << ") failed; NVSHMEM_SYMMETRIC_SIZE must exceed it (set it, or unset it to let the "
-            "runtime size the heap)";
+         << ") failed: the symmetric heap cannot hold it. The heap grows on demand only with "
+            "CUDA VMM (leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; "
+            "without VMM it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started";
       throw std::runtime_error(os.str());
     }
+    initialized_ = true;
     kChecks.cuda(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
 
     const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
@@ -199,10 +244,6 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const std::v
     nvshmem_barrier_all();  // every rank's region is zeroed before anyone signals into it
   } catch (...) {
     destroy();
-    // destroy() returns early when nothing was initialised or allocated yet (e.g. a failing
-    // kernel query): release the one-runtime-per-process slot here too, or no runtime could
-    // ever be created again in this process.
-    g_runtime_alive.store(false);
     throw;
   }
 }
@@ -223,10 +264,8 @@ void NvshmemRuntime::destroy() {
   cudaGetDevice(&previous);
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
-  if (initialized_) {
-    if (symmetric_ != nullptr) nvshmem_free(symmetric_);  // collective, includes a barrier
-    nvshmem_finalize();
-  }
+  // Never nvshmem_finalize here: a session cannot be started again in this process (header).
+  if (symmetric_ != nullptr) nvshmem_free(symmetric_);  // collective, includes a barrier
   if (private_ != nullptr) cudaFree(private_);
   if (peer_table_ != nullptr) cudaFree(peer_table_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
@@ -237,7 +276,6 @@ void NvshmemRuntime::destroy() {
   peer_base_.clear();
   all_p2p_ = false;
   initialized_ = false;
-  g_runtime_alive.store(false);
   cudaSetDevice(previous);
 }
 

@@ -1,20 +1,24 @@
 // NvshmemRuntime: the torch-free host side of the low-latency (decode) MoE dispatch/combine
-// over NVSHMEM. It initialises NVSHMEM from a unique id, owns ONE symmetric region holding two
-// alternating buffers, and launches the kernels of nvshmem_dispatch.cu / nvshmem_combine.cu on
-// caller streams. Semantics: ep_backend/reference.py (low_latency_dispatch / low_latency_combine),
-// bit for bit, except the combine's order of additions (see "combine out" below).
+// over NVSHMEM. It owns ONE symmetric region holding two alternating buffers (nvshmem_malloc in
+// the process's NVSHMEM session, which start_session began) and launches the kernels of
+// nvshmem_dispatch.cu / nvshmem_combine.cu on caller streams. Semantics: ep_backend/reference.py
+// (low_latency_dispatch / low_latency_combine), bit for bit, except the combine's order of
+// additions (see "combine out" below).
 //
 // Call sequence (every rank issues the same communicating calls in the same order):
 //
-//   std::vector<uint8_t> uid = NvshmemRuntime::unique_id();   // rank 0 only
+//   std::vector<uint8_t> uid = NvshmemRuntime::unique_id(config);  // rank 0, once per process
 //   ... send uid (128 bytes) to every rank through any store ...
-//   NvshmemRuntime rt(rank, R, device, uid, config);            // collective (NVSHMEM init)
+//   NvshmemRuntime::start_session(rank, R, device, uid, config);   // collective, ONCE per process
+//   NvshmemRuntime rt(rank, R, device, config);                    // collective (nvshmem_malloc)
 //   int b = rt.dispatch(dargs, stream);                            // communicating
 //   ... experts compute y[E_loc, R*M, H] ...
 //   cargs.buffer_index = b; cargs.layout_range = dargs.layout_range;
 //   rt.combine(cargs, stream);                                     // communicating
 //   std::string err = rt.check_error();                            // "" when fine
-//   rt.destroy();                                                  // collective
+//   rt.destroy();                          // collective (nvshmem_free); the session stays
+//   NvshmemRuntime rt2(rank, R, device, bigger_config);  // growing: free, then malloc, same
+//   session
 //
 // Shapes (M = config.max_tokens_per_rank, E_loc = E / R, all device pointers, contiguous):
 //   dispatch in : x BF16 [T, H] (T <= M, H % 128 == 0, H <= config.max_hidden), topk_idx int64 or
@@ -36,8 +40,12 @@
 //                 tolerance of the reference's k order; deterministic).
 //
 // Rules:
-//  * One runtime per process (NVSHMEM is process-global). Construction and destroy() are
-//    collective over all R ranks. One process per GPU.
+//  * NVSHMEM is initialised once per process (start_session) and never finalised by ep: after
+//    nvshmem_finalize a later nvshmemx_init_attr skips the bootstrap and keeps the first one's
+//    PEs, ignoring the new unique id (NVSHMEM's init.cu: nvshmemi_is_nvshmem_bootstrapped is
+//    never reset; NVIDIA/nvshmem issue #68), so a restart cannot resize or re-wire a session.
+//    Runtimes (buffers) come and go inside it: construction and destroy() are collective over
+//    all R PEs (nvshmem_malloc / nvshmem_free), any number of times. One process per GPU.
 //  * Calls execute one at a time per runtime, in issue order (one stream, or streams ordered
 //    by events); no CPU synchronisation, CUDA-graph capturable (the sequence numbers live in
 //    device memory; the buffer index is chosen on the host at issue/capture time).
@@ -152,10 +160,18 @@ class NvshmemRuntime {
   // Sets NVSHMEM_DISABLE_NVLS=1 and, unless the user chose one, NVSHMEM_SYMMETRIC_SIZE for the
   // config (symmetric_bytes + 256 MiB). Called by the constructor and unique_id(config).
   static void set_environment(const NvshmemConfig& config);
-  // Collective: initialises NVSHMEM on `device` (NVSHMEMX_INIT_WITH_UNIQUEID), allocates and
-  // zeroes the symmetric region (both buffers), maps P2P-reachable peers.
-  NvshmemRuntime(int rank, int num_ranks, int device, const std::vector<uint8_t>& uid,
-                 const NvshmemConfig& config);
+  // Collective, once per process: initialises NVSHMEM on `device` (NVSHMEMX_INIT_WITH_UNIQUEID)
+  // with PE `rank` of `num_ranks`, sizing the initial heap for `config` (set_environment; the
+  // heap grows on later nvshmem_malloc where CUDA VMM is on, NVSHMEM's default on x86 and arm).
+  // Throws, changing nothing, if this process started a session already.
+  static void start_session(int rank, int num_ranks, int device, const std::vector<uint8_t>& uid,
+                            const NvshmemConfig& config);
+  // Whether start_session succeeded in this process; if so its PE, PE count and device.
+  static bool session(int* pe, int* num_pes, int* device);
+  // Collective over the session's PEs: allocates and zeroes the symmetric region (both buffers),
+  // maps P2P-reachable peers. The session must be started with PE `rank` of `num_ranks` on
+  // `device`.
+  NvshmemRuntime(int rank, int num_ranks, int device, const NvshmemConfig& config);
   ~NvshmemRuntime();
   NvshmemRuntime(const NvshmemRuntime&) = delete;
   NvshmemRuntime& operator=(const NvshmemRuntime&) = delete;
@@ -192,8 +208,8 @@ class NvshmemRuntime {
   // Forgets a non-fatal error (capacity, invalid topk_idx). The device must be idle.
   void clear_error();
 
-  // Collective: frees the symmetric region and finalises NVSHMEM (idempotent). A new runtime
-  // may be created afterwards.
+  // Collective: frees the symmetric region (nvshmem_free; idempotent). NVSHMEM stays initialised:
+  // a new runtime may be created afterwards in the same session.
   void destroy();
 
  private:
