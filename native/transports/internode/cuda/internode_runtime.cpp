@@ -71,7 +71,9 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     if (region_ == nullptr) {
       std::ostringstream os;
       os << "ep internode: nvshmem_malloc(" << layout_.bytes
-         << ") failed: the symmetric heap is too small (NVSHMEM_SYMMETRIC_SIZE)";
+         << ") failed: the symmetric heap cannot hold it. It grows on demand only with CUDA VMM "
+            "(leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without VMM "
+            "it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started";
       throw std::runtime_error(os.str());
     }
     kChecks.cuda(cudaMemset(region_, 0, static_cast<size_t>(layout_.bytes)), "cudaMemset(region)");
