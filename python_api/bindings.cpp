@@ -385,6 +385,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_test_count_inflation", &ep::setTestCountInflation, py::arg("rows"),
         "Test hook: rows this process adds to every send count a dispatch announces to its "
         "peers (an adversarial peer); 0 restores normal behaviour.");
+  m.def("_set_test_exchange_delay", &ep::setTestExchangeDelay, py::arg("milliseconds"),
+        "Test hook: milliseconds this process sleeps after each MoE call's agreement, before its "
+        "data exchange on the ATen path (to kill it there in a test); 0 restores normal "
+        "behaviour.");
   m.def("_dispatch_deferred", &ep::dispatchDeferred, py::arg("x"), py::arg("x_scales"),
         py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
         py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("group_name"),
