@@ -170,6 +170,7 @@ def killed_mid_call(rank: int, world: int, victim: int, case: str, timing: Timin
             ep.low_latency_combine(ld.recv_x, idx, w, ld.handle, group=group)
     if on_cuda:
         torch.cuda.synchronize()
+        out["high_throughput_transport"] = backend.high_throughput_transport
         out["low_latency_transport"] = backend.low_latency_transport
     x, idx, w = _inputs(rank, 9, num_experts, device)
     _store_barrier("before_the_kill", world)

@@ -40,6 +40,7 @@ def test_survivors_of_a_rank_killed_mid_dispatch_on_cuda(case: str) -> None:
     problems = check_survivors(run, case, TIMING)
     assert not problems, "\n".join(problems)
     for rank, res in run.results.items():
+        assert res["high_throughput_transport"] == "nvlink", (rank, res)
         if nvshmem_built():  # both runtimes were built before the kill
             assert res["low_latency_transport"] == "nvshmem", (rank, res)
             # NVSHMEM could not be finalised with a dead PE: the new group runs low latency on ATen

@@ -463,6 +463,10 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   if (!state->decided) {
     announceProcess(pg);  // so that a peer's death can be named (peer_liveness.hpp)
     state->exchange = HostExchange::connect(pg, std::string("ep ") + op);
+    if (state->exchange) {
+      EPProcessGroup* group = &pg;  // outlives the state: released by the group's shutdown
+      state->exchange->setDeadPeerProbe([group] { return deadPeers(*group); });
+    }
     state->decided = true;
   }
   if (state->exchange && HostExchange::fits(width)) {

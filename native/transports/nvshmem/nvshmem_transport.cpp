@@ -33,6 +33,7 @@
 #include "backend/gpu_identity.hpp"
 #include "backend/kernel_image.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/peer_liveness.hpp"
 #include "backend/rank_mask.hpp"
 #include "backend/stream_capture.hpp"
 #include "transports/nvshmem/cuda/nvshmem_capi.h"
@@ -176,7 +177,8 @@ EPProcessGroup* g_owner = nullptr;
 std::atomic<bool> g_nvshmem_left_initialised{false};
 
 // Waits until every other rank of the group posted `prefix + rank` in the store, or until
-// `deadline`. False at the deadline, or as soon as a rank posted anything but "1".
+// `deadline`. False at the deadline, as soon as a rank posted anything but "1", or as soon as a
+// rank it waits for is found dead (its process gone, on this host: looked up every 0.5 s).
 bool everyRankPosted(EPProcessGroup& pg, const std::string& prefix,
                      std::chrono::steady_clock::time_point deadline) {
   std::vector<int> pending;
@@ -184,7 +186,14 @@ bool everyRankPosted(EPProcessGroup& pg, const std::string& prefix,
     if (r != pg.getRank()) pending.push_back(r);
   }
   auto pause = std::chrono::microseconds(200);
+  auto next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
   while (!pending.empty()) {
+    if (std::chrono::steady_clock::now() > next_probe) {
+      next_probe += std::chrono::milliseconds(500);
+      for (int64_t dead : deadPeers(pg)) {
+        if (std::find(pending.begin(), pending.end(), dead) != pending.end()) return false;
+      }
+    }
     std::vector<int> still;
     for (int r : pending) {
       const std::string key = prefix + std::to_string(r);
