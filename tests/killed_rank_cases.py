@@ -304,3 +304,26 @@ def check_survivors(run: Any, case: str, timing: Timing) -> list[str]:
             bad(f"did not exit cleanly: exit code {run.exitcodes.get(rank)} (None: hung in "
                 "teardown and killed)")  # fmt: skip
     return problems
+
+
+def summary(run: Any) -> str:
+    """One line per survivor: what it raised and how long each step took (for the logs)."""
+    lines = [f"victim {run.victim}: exit code {run.victim_exitcode}"]
+    for rank, res in sorted(run.results.items()):
+        call = res.get("call", {})
+        err = call.get("error") or {}
+
+        def secs(step: str, res: dict = res) -> str:
+            value = res.get(step, {}).get("seconds")
+            return "-" if value is None else f"{value:.2f}s"
+
+        lines.append(
+            f"rank {rank}: raised {err.get('type')} ranks={err.get('ranks')} after "
+            f"{secs('call')}; ll_kernel={res.get('ll_kernel_seconds', '-')}; sync {secs('synchronize')}; "
+            f"abort {secs('abort')}; rebuild {secs('rebuild')} "
+            f"mismatches={len(res.get('rebuild', {}).get('mismatches') or [])} "
+            f"ll_transport_after={res.get('rebuild', {}).get('low_latency_transport', '-')!r}; "
+            f"exit code {run.exitcodes.get(rank)} after {run.exit_seconds.get(rank, float('nan')):.2f}s; "
+            f"message: {err.get('message', '')[:300]!r}"
+        )
+    return "\n".join(lines)

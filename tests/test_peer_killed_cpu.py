@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from _killed_rank_harness import run_with_killed_rank
-from killed_rank_cases import Timing, check_survivors, killed_mid_call
+from killed_rank_cases import Timing, check_survivors, killed_mid_call, summary
 
 TIMING = Timing(group_timeout=3.0, kernel_timeout=3.0, step_bound=20.0)
 
@@ -26,6 +26,7 @@ def test_survivors_of_a_killed_rank_raise_abort_and_rebuild(
     run = run_with_killed_rank(killed_mid_call, world, victim, case, TIMING,
                                timeout=120, exit_within=30)  # fmt: skip
     assert sorted(run.results) == [r for r in range(world) if r != victim], run
+    print(summary(run))  # shown with -rP (tools/verify_next.sh) or on failure
     problems = check_survivors(run, case, TIMING)
     assert not problems, "\n".join(problems)
     for rank, res in run.results.items():

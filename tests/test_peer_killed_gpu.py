@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 from _dist_utils import gpu_world_size
 from _killed_rank_harness import run_with_killed_rank
-from killed_rank_cases import Timing, check_survivors, killed_mid_call
+from killed_rank_cases import Timing, check_survivors, killed_mid_call, summary
 from moe_helpers import nvshmem_built
 
 TIMING = Timing(group_timeout=6.0, kernel_timeout=3.0, step_bound=30.0)
@@ -37,6 +37,7 @@ def test_survivors_of_a_rank_killed_mid_dispatch_on_cuda(case: str) -> None:
     run = run_with_killed_rank(killed_mid_call, world, victim, case, TIMING,
                                timeout=150, exit_within=40)  # fmt: skip
     assert sorted(run.results) == [r for r in range(world) if r != victim], run
+    print(summary(run))  # shown with -rP (tools/verify_next.sh) or on failure
     problems = check_survivors(run, case, TIMING)
     assert not problems, "\n".join(problems)
     for rank, res in run.results.items():

@@ -80,7 +80,7 @@ step megatron_alltoall 60 -- tests/test_megatron_gpu.py -k alltoall
 # kill44 (issue #44, item 3): a rank killed with SIGKILL mid-dispatch (NVLink and NVSHMEM): the
 # survivors raise naming it, no kernel spins, abort, a new group of the survivors is exact, and
 # they exit 0. Plus the CPU versions (2 and 3 Gloo ranks). About 1-2 min.
-step peer_killed 180 -- tests/test_peer_killed_gpu.py tests/test_peer_killed_cpu.py tests/test_recovery.py
+step peer_killed 180 -- -rP tests/test_peer_killed_gpu.py tests/test_peer_killed_cpu.py tests/test_recovery.py
 # inter40b (issue #40): the internode transport on emulated nodes, with its stage trace (last:
 # a hang here costs the most; its soak is cut to 50 calls, EP_INTERNODE_SOAK_CALLS overrides).
 step internode 200 EP_TEST_INTERNODE=1 EP_INTERNODE_TRACE=1 \
