@@ -32,6 +32,10 @@ TIMING = Timing(group_timeout=6.0, kernel_timeout=3.0, step_bound=30.0)
 @pytest.mark.gpu(min_gpus=2)
 @pytest.mark.parametrize("case", ["ht_dispatch", "ll_dispatch"])
 def test_survivors_of_a_rank_killed_mid_dispatch_on_cuda(case: str) -> None:
+    if case == "ll_dispatch" and not nvshmem_built():
+        # Without NVSHMEM the low-latency ops run NCCL's all-to-all, whose kernels have no
+        # timeout of ep's (see docs/api.md "Failures"): a dead peer is not what this case tests.
+        pytest.skip("libep_nvshmem.so was not built: the low-latency ops run on ATen (NCCL)")
     world = gpu_world_size()
     victim = world - 1 if case == "ht_dispatch" else 0
     run = run_with_killed_rank(killed_mid_call, world, victim, case, TIMING,
