@@ -178,17 +178,19 @@ def killed_mid_call(rank: int, world: int, victim: int, case: str, timing: Timin
     if rank == victim:
         if case == "before_call":
             time.sleep(0.3)  # the peers are in their dispatch by now
-            os.kill(os.getpid(), signal.SIGKILL)
-        if case == "after_agreement":
+        elif case == "after_agreement":
             ep._C._set_test_exchange_delay(60_000)
             sigkill_self_after(0.5)  # while this rank sleeps between agreement and exchange
             ep.dispatch(x, idx, w, num_experts, group=group)
-        torch.cuda._sleep(20_000_000_000)  # ~10 s of this stream: the victim's kernels wait
-        if case == "ht_dispatch":
-            sigkill_self_after(1.0)  # from outside: the dispatch blocks this thread
-            ep.dispatch(x, idx, w, num_experts, group=group)
         else:
-            ep.low_latency_dispatch(x, idx, x.shape[0], num_experts, use_fp8=False, group=group)
+            torch.cuda._sleep(20_000_000_000)  # ~10 s of this stream: its kernels wait
+            if case == "ht_dispatch":
+                sigkill_self_after(1.0)  # from outside: the dispatch blocks this thread
+                ep.dispatch(x, idx, w, num_experts, group=group)
+            else:
+                sigkill_self_after(2.0)  # in case the call blocked, which it should not
+                ep.low_latency_dispatch(x, idx, x.shape[0], num_experts, use_fp8=False,
+                                        group=group)  # fmt: skip
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # never reached
         raise AssertionError("the victim survived SIGKILL")
