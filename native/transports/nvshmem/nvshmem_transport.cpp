@@ -263,8 +263,8 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
       g_nvshmem_left_initialised.store(true);
       TORCH_WARN(
           "ep: group ", key->options()->group_name,
-          ": NVSHMEM was not finalised: a rank of the group did not join its teardown within "
-          "the group timeout (it died, or is not tearing the group down), and "
+          ": NVSHMEM was not finalised: a rank of the group did not join its teardown (it died, "
+          "or did not tear the group down within the group timeout), and "
           "nvshmem_finalize would wait for it forever. The symmetric heap stays "
           "allocated, and later groups of this process run their low-latency ops on ATen "
           "(restart the process to use NVSHMEM again)");
