@@ -9,7 +9,7 @@
 # A second call on the same warm machine can finish what the budget cut, without rebuilding:
 #   SKIP_BUILD=1 STEPS="internode bench" bash tools/verify_next.sh
 # (steps: rank_mask ll_call_tags adversarial moe_low_latency bench_gpu megatron_alltoall
-# internode bench).
+# peer_killed internode bench).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PIP_NO_INDEX=1
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
@@ -77,6 +77,10 @@ step moe_low_latency 90 -- tests/test_moe_gpu.py -k low_latency
 step bench_gpu 60 -- tests/test_bench_gpu.py
 # meg42: Megatron's alltoall dispatcher on an "ep" group (skipped where Megatron is missing).
 step megatron_alltoall 60 -- tests/test_megatron_gpu.py -k alltoall
+# kill44 (issue #44, item 3): a rank killed with SIGKILL mid-dispatch (NVLink and NVSHMEM): the
+# survivors raise naming it, no kernel spins, abort, a new group of the survivors is exact, and
+# they exit 0. Plus the CPU versions (2 and 3 Gloo ranks). About 1-2 min.
+step peer_killed 180 -- -rP tests/test_peer_killed_gpu.py tests/test_peer_killed_cpu.py tests/test_recovery.py
 # inter40b (issue #40): the internode transport on emulated nodes, with its stage trace (last:
 # a hang here costs the most; its soak is cut to 50 calls, EP_INTERNODE_SOAK_CALLS overrides).
 step internode 200 EP_TEST_INTERNODE=1 EP_INTERNODE_TRACE=1 \

@@ -136,6 +136,7 @@ std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const
 
   std::vector<int64_t> all(static_cast<size_t>(num_ranks_ * width));
   const auto start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::duration next_probe = kProbeEvery;
   for (int r = 0; r < num_ranks_; ++r) {
     Slot* s = slot(r, parity);
     uint64_t seen = 0;
@@ -152,6 +153,23 @@ std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const
         sched_yield();
       } else {
         const auto waited = std::chrono::steady_clock::now() - start;
+        if (probe_ && waited > next_probe) {
+          next_probe += kProbeEvery;
+          std::string dead;
+          for (int64_t q : probe_()) {
+            if (__atomic_load_n(&slot(static_cast<int>(q), parity)->call, __ATOMIC_ACQUIRE) <
+                call) {
+              dead += (dead.empty() ? "" : ", ") + std::to_string(q);
+            }
+          }
+          TORCH_CHECK(dead.empty(), "ep ", op, ": rank(s) ", dead,
+                      " never joined this call and never will: their process is gone (killed or "
+                      "crashed); rank ",
+                      rank_, " found out after ",
+                      std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
+                      " ms. The group's MoE calls cannot go on: call ep_backend.abort(group) on "
+                      "every live rank and create a new group without them");
+        }
         if (waited > timeout) {
           std::string missing;
           for (int q = 0; q < num_ranks_; ++q) {

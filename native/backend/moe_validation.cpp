@@ -15,6 +15,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/group_state.hpp"
 #include "backend/host_exchange.hpp"
+#include "backend/peer_liveness.hpp"
 #include "backend/rank_mask.hpp"
 #include "backend/store_exchange.hpp"
 
@@ -460,7 +461,12 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   }
   auto state = exchangeStates().of(pg);
   if (!state->decided) {
+    announceProcess(pg);  // so that a peer's death can be named (peer_liveness.hpp)
     state->exchange = HostExchange::connect(pg, std::string("ep ") + op);
+    if (state->exchange) {
+      EPProcessGroup* group = &pg;  // outlives the state: released by the group's shutdown
+      state->exchange->setDeadPeerProbe([group] { return deadPeers(*group); });
+    }
     state->decided = true;
   }
   if (state->exchange && HostExchange::fits(width)) {
@@ -581,7 +587,16 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
 
 namespace {
 std::atomic<int64_t> count_inflation{0};
+std::atomic<int64_t> exchange_delay_ms{0};
 }  // namespace
+
+void setTestExchangeDelay(int64_t milliseconds) {
+  exchange_delay_ms.store(milliseconds, std::memory_order_relaxed);
+}
+
+int64_t testExchangeDelay() {
+  return exchange_delay_ms.load(std::memory_order_relaxed);
+}
 
 void setTestCountInflation(int64_t rows) {
   count_inflation.store(rows, std::memory_order_relaxed);

@@ -21,14 +21,19 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <sstream>
+#include <thread>
 
 #include "backend/gpu_identity.hpp"
 #include "backend/kernel_image.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/peer_liveness.hpp"
 #include "backend/rank_mask.hpp"
 #include "backend/stream_capture.hpp"
 #include "transports/nvshmem/cuda/nvshmem_capi.h"
@@ -164,6 +169,78 @@ struct GroupState {
 std::mutex g_owner_mutex;
 EPProcessGroup* g_owner = nullptr;
 
+#ifdef EP_WITH_CUDA
+// Set when a group released its NVSHMEM runtime without finalising NVSHMEM (a rank of the group
+// died or did not tear the group down in time; see joinCollectiveTeardown). NVSHMEM then stays
+// initialised on the old team in this process and cannot be started again: later groups run their
+// low-latency ops on ATen.
+std::atomic<bool> g_nvshmem_left_initialised{false};
+
+// Waits until every other rank of the group posted `prefix + rank` in the store, or until
+// `deadline`. False at the deadline, as soon as a rank posted anything but "1", or as soon as a
+// rank it waits for is found dead (its process gone, on this host: looked up every 0.5 s).
+bool everyRankPosted(EPProcessGroup& pg, const std::string& prefix,
+                     std::chrono::steady_clock::time_point deadline) {
+  std::vector<int> pending;
+  for (int r = 0; r < pg.getSize(); ++r) {
+    if (r != pg.getRank()) pending.push_back(r);
+  }
+  auto pause = std::chrono::microseconds(200);
+  auto next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (!pending.empty()) {
+    if (std::chrono::steady_clock::now() > next_probe) {
+      next_probe += std::chrono::milliseconds(500);
+      for (int64_t dead : deadPeers(pg)) {
+        if (std::find(pending.begin(), pending.end(), dead) != pending.end()) return false;
+      }
+    }
+    std::vector<int> still;
+    for (int r : pending) {
+      const std::string key = prefix + std::to_string(r);
+      if (!pg.store()->check({key})) {
+        still.push_back(r);
+      } else if (pg.store()->get(key) != std::vector<uint8_t>{'1'}) {
+        return false;
+      }
+    }
+    pending.swap(still);
+    if (pending.empty()) break;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+  return true;
+}
+
+// Whether every rank of the group takes part in the collective NVSHMEM teardown: nvshmem_free
+// and nvshmem_finalize wait for every PE without a bound, so a rank that died (SIGKILL) or never
+// tears its group down must make the others skip them instead of hanging there. Two rounds in
+// the group's store, each bounded by the group timeout: every rank posts "here" and waits for
+// everyone's; then posts whether it saw them all ("go" = 1/0) and waits for everyone's "go".
+// Only ranks that saw every "go" = 1 finalise. (One round would let a rank whose wait ran out
+// just before the last "here" arrived skip while the others finalise and hang; with two, that
+// takes a rank that stalls for the whole group timeout between two store writes.) A rank that
+// aborted the group still takes part: after ep_backend.abort on every live rank, NVSHMEM is
+// finalised and a new group can start it again. Any store error also means "skip".
+bool joinCollectiveTeardown(EPProcessGroup& pg, int generation) {
+  const std::string prefix =
+      "ep_ll/" + pg.options()->group_name + "/teardown/" + std::to_string(generation) + "/";
+  const auto timeout = pg.options()->timeout;
+  const std::string me = std::to_string(pg.getRank());
+  try {
+    pg.store()->set(prefix + "here/" + me, std::vector<uint8_t>{'1'});
+    const bool all_here =
+        everyRankPosted(pg, prefix + "here/", std::chrono::steady_clock::now() + timeout);
+    pg.store()->set(prefix + "go/" + me,
+                    std::vector<uint8_t>{all_here ? uint8_t{'1'} : uint8_t{'0'}});
+    return all_here &&
+           everyRankPosted(pg, prefix + "go/", std::chrono::steady_clock::now() + timeout);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+#endif
+
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup* key, GroupState& state) {
     {
@@ -173,19 +250,38 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
       }
     }
 #ifdef EP_WITH_CUDA
+    if (state.runtime == nullptr) {
+      if (state.release_session_user) {
+        state.release_session_user();
+      }
+      return;
+    }
+    cudaDeviceSynchronize();  // our kernels end, by their kernel_timeout_s if a peer is gone
+    if (!joinCollectiveTeardown(*key, state.generation)) {
+      // Leaves the runtime (and the internode buffers on its heap) allocated: freeing them is
+      // collective too. The process keeps running; its later groups use ATen for low latency.
+      g_nvshmem_left_initialised.store(true);
+      TORCH_WARN(
+          "ep: group ", key->options()->group_name,
+          ": NVSHMEM was not finalised: a rank of the group did not join its teardown (it died, "
+          "or did not tear the group down within the group timeout), and "
+          "nvshmem_finalize would wait for it forever. The symmetric heap stays "
+          "allocated, and later groups of this process run their low-latency ops on ATen "
+          "(restart the process to use NVSHMEM again)");
+      state.runtime = nullptr;
+      return;
+    }
     if (state.release_session_user) {
       state.release_session_user();  // the internode buffers go before NVSHMEM does
     }
-    if (state.runtime != nullptr) {
-      // Collective in NVSHMEM terms; at shutdown every rank tears its group down too.
-      char err[512] = {0};
-      cudaDeviceSynchronize();
-      if (library().destroy(state.runtime, err, sizeof(err)) != 0) {
-        TORCH_WARN("ep: releasing the NVSHMEM low-latency runtime: ", err);
-      }
-      state.runtime = nullptr;
+    // Collective in NVSHMEM terms; every rank voted to tear its group down too.
+    char err[512] = {0};
+    if (library().destroy(state.runtime, err, sizeof(err)) != 0) {
+      TORCH_WARN("ep: releasing the NVSHMEM low-latency runtime: ", err);
     }
+    state.runtime = nullptr;
 #else
+    (void)key;
     (void)state;
 #endif
   });
@@ -212,6 +308,10 @@ Verdict decide(EPProcessGroup& pg, const at::Device& device) {
     std::lock_guard<std::mutex> lock(g_owner_mutex);
     if (g_owner != nullptr && g_owner != &pg) {
       why = "another group of this process owns NVSHMEM (one group per process)";
+    } else if (g_nvshmem_left_initialised.load()) {
+      why =
+          "NVSHMEM was left initialised by an earlier group, one of whose ranks died or did not "
+          "join its teardown (NVSHMEM cannot be finalised or started again in this process)";
     }
   }
   const std::string prefix = "ep_ll/" + pg.options()->group_name + "/decide/";
