@@ -40,10 +40,11 @@ class HostExchange {
 
   static bool fits(int64_t width) { return width <= kCapacityWords; }
 
-  // All ranks' rows, rank-major ([R * width]). Throws c10::Error naming the ranks that did not
-  // arrive within `timeout`.
-  std::vector<int64_t> gather(const std::vector<int64_t>& row, const char* op,
-                              std::chrono::milliseconds timeout);
+  // All ranks' rows, rank-major, into `out` ([R * width] words: the caller's tensor, so that a
+  // call copies the rows once). Throws c10::Error naming the ranks that did not arrive within
+  // `timeout`.
+  void gather(const std::vector<int64_t>& row, int64_t* out, const char* op,
+              std::chrono::milliseconds timeout);
 
   // Marks both of this rank's slots "gave up": a peer waiting for, or later reaching, a call this
   // rank will never make raises at once, naming this rank, instead of reading a stale row or
