@@ -41,10 +41,11 @@ class HostExchange {
 
   static bool fits(int64_t width) { return width <= kCapacityWords; }
 
-  // All ranks' rows, rank-major ([R * width]). Throws c10::Error naming the ranks that did not
-  // arrive within `timeout`.
-  std::vector<int64_t> gather(const std::vector<int64_t>& row, const char* op,
-                              std::chrono::milliseconds timeout);
+  // All ranks' rows, rank-major, into `out` ([R * width] words: the caller's tensor, so that a
+  // call copies the rows once). Throws c10::Error naming the ranks that did not arrive within
+  // `timeout`.
+  void gather(const std::vector<int64_t>& row, int64_t* out, const char* op,
+              std::chrono::milliseconds timeout);
 
   // How to find peers whose process is gone (peer_liveness.hpp): a wait that lasts longer than
   // kProbeEvery asks it every kProbeEvery, and fails at once naming the dead ranks it waits for,
