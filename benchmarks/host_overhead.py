@@ -49,7 +49,7 @@ def main() -> None:
     w = torch.rand(T, K, device="cuda", generator=g)
     x8, s8 = ref.quantize_fp8_per128(x)
     lay = ep.get_dispatch_layout(idx, E)
-    lt = ep.moe._check_layout(lay, idx, E, pg)
+    lt = ep.moe._check_layout(lay, idx, E, pg.size())
     name = pg.group_name
     out = ep.dispatch(x, idx, w, E, layout=lay)
     routing = ep.moe._routing(out.handle)

@@ -11,3 +11,5 @@ _dispatch_op = torch.ops.ep.dispatch.default
 _cached_dispatch_op = torch.ops.ep.cached_dispatch.default
 _combine_op = torch.ops.ep.combine.default
 _layout_op = torch.ops.ep.dispatch_layout.default
+_low_latency_dispatch_op = torch.ops.ep.low_latency_dispatch.default
+_low_latency_combine_op = torch.ops.ep.low_latency_combine.default

@@ -28,13 +28,16 @@ from .errors import MoEError, MoEInputError, MoETimeoutError, MoETypeError
 
 # Said by every error the C++ agreement raises, on every rank, before any data moved.
 _AGREED = "nothing was exchanged"
-_TIMEOUT_MARKERS = ("never joined", "timed out", "Timed out", "timeout caused pair closure")
+_TIMEOUT_MARKERS = (
+    "never joined", "timed out", "Timed out", "timeout caused pair closure",
+    "lost the data exchange",
+)  # fmt: skip
 # torch's words when it cannot bind an argument to the op's schema (before any kernel ran).
 _UNBOUND = ("Expected a value of type", "expected a value of type", "Could not run")
 _CPP_TRACE = re.compile(r"\n?Exception raised from [^\n]*(?:\n(?:frame #|\s*<omitting)[^\n]*)*")
 _MISPAIRED = " is in call #"  # the agreement's words for ranks in different calls
 _META = "a tensor argument is on the meta device; the MoE collectives move cpu and cuda tensors"
-_REJECTED_RANKS = re.compile(r"rank\(s\) ([\d, ]+) (?:rejected|never joined)")
+_REJECTED_RANKS = re.compile(r"rank\(s\) ([\d, ]+) (?:rejected|never joined|died)")
 _KERNEL_PEER = re.compile(r"waiting for rank (\d+)")
 
 

@@ -15,11 +15,41 @@ from ._registration import BACKEND_NAME
 Group = dist.ProcessGroup | None
 EPProcessGroup = native().EPProcessGroup
 
-# Groups already seen to have backend "ep" (a group's backend never changes), each with the
-# transports ("high_throughput", "low_latency") whose choice for CUDA tensors is yet to be checked
-# for a fallback to ATen. Weak keys: a destroyed group's entry goes with it; a call on a destroyed
-# group still held fails in the op, which resolves the group by name.
-_ep_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, set[str]] = weakref.WeakKeyDictionary()
+
+class _GroupInfo:
+    """What the MoE functions read of an ``"ep"`` group on every call, read once.
+
+    A group's name and size are fixed at its creation (an aborted group is replaced by a new one,
+    with a new name), and ``ProcessGroup.group_name`` / ``size()`` cost a Python to C++ crossing
+    each, several per call. ``pending``: the transports (``"high_throughput"``, ``"low_latency"``,
+    ``"all_to_all"``) whose choice for CUDA tensors is yet to be checked for a fallback to ATen
+    (``_fallback._check_fallback``).
+    """
+
+    __slots__ = ("ref", "name", "size", "pending", "nodes")
+
+    def __init__(self, pg: dist.ProcessGroup, on_collect: Callable[[Any], None]) -> None:
+        self.ref = weakref.ref(pg, on_collect)
+        self.name: str = pg.group_name
+        self.size: int = pg.size()
+        self.pending: set[str] = {"high_throughput", "low_latency", "all_to_all"}
+        self.nodes: tuple[int, ...] | None = None  # _node_of_rank, read at its first use
+
+
+# Groups already seen to have backend "ep" (a group's backend never changes), by id(): a plain
+# dict lookup, where a WeakKeyDictionary made a weak reference per call. Each entry holds its group
+# weakly (the identity check below also refuses a new group at a recycled id) and leaves with it;
+# a call on a destroyed group still held fails in the op, which resolves the group by name.
+_infos: dict[int, _GroupInfo] = {}
+
+
+def _forget(key: int) -> Callable[[Any], None]:
+    def forget(ref: Any) -> None:
+        info = _infos.get(key)
+        if info is not None and info.ref is ref:
+            del _infos[key]
+
+    return forget
 
 
 def get_backend(group: Group = None) -> EPProcessGroup:
@@ -41,36 +71,38 @@ def get_backend(group: Group = None) -> EPProcessGroup:
     return backend
 
 
-def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
-    """The ``"ep"`` group (default WORLD) and its transports still to check (``_check_fallback``)."""
+def _group_info(group: Group) -> tuple[dist.ProcessGroup, _GroupInfo]:
+    """The ``"ep"`` group (default WORLD) and what the MoE functions read of it per call."""
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
         raise RuntimeError("ep: torch.distributed is not initialized; call init_process_group")
-    pending = _ep_groups.get(pg)
-    if pending is not None:
-        return pg, pending
+    key = id(pg)
+    info = _infos.get(key)
+    if info is not None and info.ref() is pg:
+        return pg, info
     backend = dist.get_backend(pg)
     if backend != "ep":
         raise ValueError(f"ep: the MoE collectives need a group with backend 'ep', got {backend!r}")
-    pending = _ep_groups[pg] = {"high_throughput", "low_latency", "all_to_all"}
-    return pg, pending
+    info = _infos[key] = _GroupInfo(pg, _forget(key))
+    return pg, info
 
 
-_node_maps: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = (
-    weakref.WeakKeyDictionary()
-)
+def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
+    """The ``"ep"`` group (default WORLD) and its transports still to check (``_check_fallback``)."""
+    pg, info = _group_info(group)
+    return pg, info.pending
 
 
 def _node_of_rank(pg: dist.ProcessGroup) -> tuple[int, ...]:
     """``[R]`` node of each rank of an ``"ep"`` group (fixed at its creation; read once)."""
-    nodes = _node_maps.get(pg)
-    if nodes is None:
-        nodes = _node_maps[pg] = tuple(get_backend(pg)._topology()[2])
-    return nodes
+    info = _group_info(pg)[1]
+    if info.nodes is None:
+        info.nodes = tuple(get_backend(pg)._topology()[2])
+    return info.nodes
 
 
 def _group(group: Group) -> dist.ProcessGroup:
-    return _group_state(group)[0]
+    return _group_info(group)[0]
 
 
 def _group_of(backend: EPProcessGroup) -> dist.ProcessGroup:

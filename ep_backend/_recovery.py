@@ -40,7 +40,11 @@ def abort(group: dist.ProcessGroup | None = None) -> None:
     """Aborts ``group`` on this rank and destroys it, releasing everything it holds.
 
     Call it on every live rank of the group after a failure (a ``MoETimeoutError``, a peer that
-    died), then create a new group on the same ranks. Local: it waits for no other rank.
+    died), then create a new group on the same ranks (or, after a peer died, on the survivors:
+    ``new_group(survivors, backend="ep", use_local_synchronization=True)``). Local: it waits for
+    no other rank, except that a group whose low-latency ops ran on NVSHMEM waits up to the
+    group timeout for its other ranks to tear it down too (NVSHMEM's finalisation is collective;
+    without a dead rank's vote it is skipped, see docs/api.md "Failures").
 
     What it does, in order:
 

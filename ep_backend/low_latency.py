@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from ._arguments import _require_bool, _require_int, _require_tensor
-from ._custom_ops import _ops
+from ._custom_ops import _low_latency_combine_op, _low_latency_dispatch_op
 from ._failures import _failed, _reject
 from ._fallback import _check_fallback
-from ._groups import Group, _group, _group_state, get_backend
+from ._groups import Group, _group, _group_info, get_backend
 from ._streams import _run
 from .handles import LowLatencyDispatchOutput, LowLatencyHandle
 from .moe import _check_handle_group
@@ -76,7 +76,7 @@ def low_latency_dispatch(
         TypeError / ValueError: on a rank that passed an argument of the wrong type or form
             (its peers raise RuntimeError "rank(s) r rejected their inputs").
     """
-    pg, pending = _group_state(group)
+    pg, info = _group_info(group)
     stats = cumulative_local_expert_recv_stats
     try:
         if async_op and return_recv_hook:
@@ -96,8 +96,8 @@ def low_latency_dispatch(
                 "cumulative_local_expert_recv_stats must be on x's device or the CPU, got "
                 f"{stats.device}"
             )
-        if stats is not None and num_experts > 0 and num_experts % pg.size() == 0:
-            experts_per_rank = num_experts // pg.size()
+        if stats is not None and num_experts > 0 and num_experts % info.size == 0:
+            experts_per_rank = num_experts // info.size
             if stats.dtype != torch.int32 or tuple(stats.shape) != (experts_per_rank,):
                 raise ValueError(
                     "cumulative_local_expert_recv_stats must be int32 "
@@ -107,9 +107,9 @@ def low_latency_dispatch(
         _reject(pg, "low_latency_dispatch", exc)
 
     def run() -> tuple[torch.Tensor, ...]:
-        outs = _ops.low_latency_dispatch(
+        outs = _low_latency_dispatch_op(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
-            use_ue8m0, pg.group_name, return_recv_hook,
+            use_ue8m0, info.name, return_recv_hook,
         )  # fmt: skip
         if stats is not None and not return_recv_hook:  # on the op's stream (comm with async_op)
             stats.add_(outs[2].to(stats.device))
@@ -119,7 +119,7 @@ def low_latency_dispatch(
         result, work = _run(run, (x, topk_idx), x.device, async_op, list)
     except Exception as exc:
         raise _failed(pg, "low_latency_dispatch", exc, (x, topk_idx, stats)) from None
-    _check_fallback(pg, pending, "low_latency", x.is_cuda)
+    _check_fallback(pg, info.pending, "low_latency", x.is_cuda)
     recv_x, recv_scales, recv_count, src_info, layout_range = result
     handle = LowLatencyHandle(
         src_info=src_info,
@@ -127,8 +127,8 @@ def low_latency_dispatch(
         num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         hidden=x.shape[1],
         num_experts=num_experts,
-        num_ranks=pg.size(),
-        group_name=pg.group_name,
+        num_ranks=info.size,
+        group_name=info.name,
     )
     hook = None
     if return_recv_hook:
@@ -186,11 +186,11 @@ def low_latency_combine(
         TypeError / ValueError: on a rank that passed an argument of the wrong type or form
             (its peers raise RuntimeError "rank(s) r rejected their inputs").
     """
-    pg = _group(group)
+    pg, info = _group_info(group)
     try:
         if not isinstance(handle, LowLatencyHandle):
             raise TypeError(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
-        _check_handle_group(handle.group_name, pg)
+        _check_handle_group(handle.group_name, info.name)
         _require_tensor(x, "x")
         _require_tensor(topk_idx, "topk_idx")
         _require_tensor(topk_weights, "topk_weights")
@@ -207,9 +207,9 @@ def low_latency_combine(
         _reject(pg, "low_latency_combine", exc)
 
     def run() -> torch.Tensor:
-        result = _ops.low_latency_combine(
+        result = _low_latency_combine_op(
             x, topk_idx, topk_weights, handle.src_info, handle.layout_range,
-            handle.num_max_dispatch_tokens_per_rank, pg.group_name,
+            handle.num_max_dispatch_tokens_per_rank, info.name,
         )  # fmt: skip
         if out is not None:  # on the stream of the op (the comm stream with async_op)
             out.copy_(result)

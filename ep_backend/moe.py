@@ -32,7 +32,7 @@ from ._autograd import _CachedDispatchFn, _CombineFn, _DispatchFn, _needs_grad
 from ._custom_ops import _cached_dispatch_op, _combine_op, _dispatch_op, _layout_op
 from ._failures import _failed, _input_error, _reject, _translate
 from ._fallback import _check_fallback
-from ._groups import Group, _group, _group_state, _node_of_rank, get_backend
+from ._groups import Group, _group_info, _group_state, _node_of_rank, get_backend
 from ._native import native as _native
 from ._streams import _check_previous_event, _run
 from .handles import CombineOutput, DispatchHandle, DispatchLayout, DispatchOutput
@@ -181,7 +181,8 @@ def get_dispatch_layout(
             a ``torch.cuda.Event`` or given with a CPU ``topk_idx`` (raised on this rank only:
             nothing is exchanged).
     """
-    pg = _group(group)
+    pg, info = _group_info(group)
+    num_ranks = info.size
     try:
         _require_tensor(topk_idx, "topk_idx")
         _check_previous_event(previous_event, topk_idx.device)
@@ -189,7 +190,7 @@ def get_dispatch_layout(
         raise _input_error("get_dispatch_layout", exc) from None
 
     def run() -> tuple[torch.Tensor, ...]:
-        return _layout_op(topk_idx, num_experts, pg.size())
+        return _layout_op(topk_idx, num_experts, num_ranks)
 
     try:
         (per_rank, per_expert, in_rank, send_pos), work = _run(
@@ -201,7 +202,7 @@ def get_dispatch_layout(
         raise _input_error("get_dispatch_layout", exc) from None
     source = nodes = None
     if not torch.compiler.is_compiling():
-        source = (weakref.ref(topk_idx), _version_of(topk_idx), num_experts, pg.size())
+        source = (weakref.ref(topk_idx), _version_of(topk_idx), num_experts, num_ranks)
         nodes = _node_of_rank(pg)
     return DispatchLayout(
         per_rank, per_expert, in_rank, send_pos, work=work, _source=source, _node_of_rank=nodes
@@ -216,7 +217,7 @@ def _version_of(t: torch.Tensor) -> int | None:
 
 
 def _check_layout(
-    layout: Any, topk_idx: torch.Tensor, num_experts: int, pg: dist.ProcessGroup
+    layout: Any, topk_idx: torch.Tensor, num_experts: int, num_ranks: int
 ) -> list[torch.Tensor]:
     """The tensors dispatch takes from ``layout`` (made by ``get_dispatch_layout(topk_idx)``)."""
     if not isinstance(layout, DispatchLayout):
@@ -237,10 +238,10 @@ def _check_layout(
             )
         if _version_of(topk_idx) != version:
             raise ValueError("topk_idx was modified in place after get_dispatch_layout")
-        if experts != num_experts or ranks != pg.size():
+        if experts != num_experts or ranks != num_ranks:
             raise ValueError(
                 f"layout was computed for num_experts={experts} on {ranks} ranks, this call has "
-                f"num_experts={num_experts} on {pg.size()}"
+                f"num_experts={num_experts} on {num_ranks}"
             )
     return [
         layout.num_tokens_per_rank,
@@ -298,7 +299,8 @@ def all_to_all_moe_dispatch(
         TypeError / ValueError: on a rank that passed an argument of the wrong type or form
             (its peers raise RuntimeError "rank(s) r rejected their inputs").
     """
-    pg, pending = _group_state(group)
+    pg, info = _group_info(group)
+    name = info.name
     op = "dispatch" if handle is None else "cached dispatch"
     try:
         x, x_scales = _split_x(x, x_scales)
@@ -316,7 +318,7 @@ def all_to_all_moe_dispatch(
                     "with handle= (cached dispatch), topk_idx, topk_weights, num_experts and "
                     "layout must be None"
                 )
-            _check_handle(handle, pg)
+            _check_handle(handle, name)
         else:
             if topk_idx is None or num_experts is None:
                 raise ValueError("topk_idx and num_experts are required without a handle")
@@ -326,12 +328,12 @@ def all_to_all_moe_dispatch(
             _require_int(expert_alignment, "expert_alignment")
             _require_int(num_worst_tokens, "num_worst_tokens")
             layout_tensors = (
-                [] if layout is None else _check_layout(layout, topk_idx, num_experts, pg)
+                [] if layout is None else _check_layout(layout, topk_idx, num_experts, info.size)
             )
     except (TypeError, ValueError) as exc:
         _reject(pg, op, exc)
     if handle is not None:
-        return _cached_dispatch(x, x_scales, handle, pg, async_op, previous_event)
+        return _cached_dispatch(x, x_scales, handle, pg, name, async_op, previous_event)
 
     # The count wait of a plain eager call (no autograd, no async_op, no tensor subclass, not
     # traced) runs last, in `finish`: this function's own result objects are built while the GPU
@@ -348,7 +350,7 @@ def all_to_all_moe_dispatch(
     def run() -> tuple[torch.Tensor, ...]:
         nonlocal finish
         args = (x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                num_worst_tokens, pg.group_name, layout_tensors)  # fmt: skip
+                num_worst_tokens, name, layout_tensors)  # fmt: skip
         if deferred:
             result, finish = _native()._dispatch_deferred(*args)
             return result
@@ -359,13 +361,13 @@ def all_to_all_moe_dispatch(
         result, work = _run(run, inputs, x.device, async_op, list, previous_event)
     except Exception as exc:
         raise _failed(pg, op, exc, (*inputs, *layout_tensors)) from None
-    _check_fallback(pg, pending, "high_throughput", x.is_cuda)
+    _check_fallback(pg, info.pending, "high_throughput", x.is_cuda)
     (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, in_rank,
      per_rank, recv_per_rank, src_idx, src_rank, per_expert_host) = result  # fmt: skip
     if layout is not None:  # the op returns these inputs empty (no aliasing outputs)
         in_rank, per_rank = layout.is_token_in_rank, layout.num_tokens_per_rank
     handle = DispatchHandle(
-        num_ranks=pg.size(),
+        num_ranks=info.size,
         num_experts=num_experts,
         is_token_in_rank=in_rank,
         num_tokens_per_rank=per_rank,
@@ -373,7 +375,7 @@ def all_to_all_moe_dispatch(
         recv_src_idx=src_idx,
         recv_src_rank=src_rank,
         num_worst_tokens=num_worst_tokens,
-        group_name=pg.group_name,
+        group_name=name,
     )
     out = DispatchOutput(
         recv_x=recv_x,
@@ -409,18 +411,21 @@ def _routing(handle: DispatchHandle) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _check_handle(handle: Any, pg: dist.ProcessGroup) -> None:
+def _check_handle(handle: Any, call_group_name: str) -> None:
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
-    _check_handle_group(handle.group_name, pg)
+    _check_handle_group(handle.group_name, call_group_name)
 
 
-def _check_handle_group(group_name: str | None, pg: dist.ProcessGroup) -> None:
-    """A handle of another group (or of one aborted and re-created since) is refused."""
-    if group_name is not None and group_name != pg.group_name:
+def _check_handle_group(group_name: str | None, call_group_name: str) -> None:
+    """A handle of another group (or of one aborted and re-created since) is refused.
+
+    ``call_group_name``: the name of the call's group (``_group_info(group)[1].name``).
+    """
+    if group_name is not None and group_name != call_group_name:
         raise ValueError(
             f"the handle was made on group {group_name!r}, this call is on group "
-            f"{pg.group_name!r} (a handle belongs to its group; after ep_backend.abort and a new "
+            f"{call_group_name!r} (a handle belongs to its group; after ep_backend.abort and a new "
             "group, dispatch again)"
         )
 
@@ -430,11 +435,12 @@ def _cached_dispatch(
     x_scales: torch.Tensor | None,
     handle: DispatchHandle,
     pg: dist.ProcessGroup,
+    name: str,
     async_op: bool,
     previous_event: torch.cuda.Event | None,
 ) -> DispatchOutput:
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        args = (x, x_scales, *_routing(handle), pg.group_name)
+        args = (x, x_scales, *_routing(handle), name)
         return _CachedDispatchFn.apply(*args) if _needs_grad(x) else _cached_dispatch_op(*args)
 
     # The handle's tensors are inputs too (the op may read them on the device).
@@ -489,10 +495,11 @@ def combine(
         TypeError / ValueError: on a rank that passed an argument of the wrong type or form
             (its peers raise RuntimeError "rank(s) r rejected their inputs").
     """
-    pg = _group(group)
+    pg, info = _group_info(group)
+    name = info.name
     biases: list[torch.Tensor | None]
     try:
-        _check_handle(handle, pg)
+        _check_handle(handle, name)
         _require_tensor(x, "x")
         _require_tensor(topk_weights, "topk_weights", optional=True)
         _check_previous_event(previous_event, x.device)
@@ -511,7 +518,7 @@ def combine(
         _reject(pg, "combine", exc)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        args = (x, topk_weights, biases[0], biases[1], *_routing(handle), pg.group_name)
+        args = (x, topk_weights, biases[0], biases[1], *_routing(handle), name)
         if _needs_grad(x, topk_weights, *biases):
             return _CombineFn.apply(*args)
         return _combine_op(*args)

@@ -408,26 +408,19 @@ PYBIND11_MODULE(_C, m) {
       [](const std::vector<int64_t>& have, const std::string& op, int64_t max_tokens,
          int64_t max_recv_rows, int64_t hidden, int64_t element_bytes, int64_t scale_bytes,
          int64_t topk, int64_t num_nodes, int64_t ranks_per_node) {
-        namespace in = ep::internode;
         TORCH_CHECK(have.empty() || have.size() == 6, "have: [] or the 6 capacity fields");
         TORCH_CHECK(op == "dispatch" || op == "combine", "op: dispatch or combine");
-        in::Capacity h;
-        if (!have.empty()) {
-          h = {have[0], have[1], have[2], have[3], have[4], have[5]};
-        }
-        const in::Capacity need =
-            op == "dispatch"
-                ? in::dispatchNeed(max_tokens, max_recv_rows, hidden, element_bytes * hidden,
-                                   scale_bytes, topk, ranks_per_node)
-                : in::combineNeed(max_tokens, hidden, element_bytes, topk);
-        const bool rebuild = have.empty() || !in::holds(h, need);
-        const in::Capacity cap = rebuild ? in::grownCapacity(h, need) : h;
-        const in::RegionLayout region = in::RegionLayout::make(num_nodes, ranks_per_node, cap);
+        ep::internode::Capacity h;
+        if (!have.empty()) h = {have[0], have[1], have[2], have[3], have[4], have[5]};
+        const ep::internode::CapacityDecision d = ep::internode::decideCapacity(
+            have.empty() ? nullptr : &h, op == "combine", max_tokens, max_recv_rows, hidden,
+            element_bytes, scale_bytes, topk, num_nodes, ranks_per_node);
+        const ep::internode::Capacity& c = d.capacity;
         return std::make_tuple(
-            rebuild,
-            std::vector<int64_t>{cap.max_tokens, cap.max_recv_rows, cap.max_record,
-                                 cap.max_out_record, cap.max_combine_row, cap.max_partial_row},
-            region.bytes);
+            d.rebuild,
+            std::vector<int64_t>{c.max_tokens, c.max_recv_rows, c.max_record, c.max_out_record,
+                                 c.max_combine_row, c.max_partial_row},
+            d.symmetric_bytes);
       },
       py::arg("have"), py::arg("op"), py::arg("max_tokens"), py::arg("max_recv_rows"),
       py::arg("hidden"), py::arg("element_bytes"), py::arg("scale_bytes"), py::arg("topk"),
@@ -435,6 +428,10 @@ PYBIND11_MODULE(_C, m) {
       "Test hook: whether internode buffers of capacity `have` ([] for none; fields in the order "
       "of internode::Capacity) are rebuilt for a call, the capacity they then have (same order) "
       "and the symmetric bytes of that capacity.");
+  m.def("_set_test_exchange_delay", &ep::setTestExchangeDelay, py::arg("milliseconds"),
+        "Test hook: milliseconds this process sleeps after each MoE call's agreement, before its "
+        "data exchange on the ATen path (to kill it there in a test); 0 restores normal "
+        "behaviour.");
   // Test hook of the NVSHMEM transport's session decision (nvshmem_session_plan.hpp), reachable
   // in CPU builds: tests/test_nvshmem_session_cpu.py.
   m.def(

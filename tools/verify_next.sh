@@ -9,7 +9,7 @@
 # A second call on the same warm machine can finish what the budget cut, without rebuilding:
 #   SKIP_BUILD=1 STEPS="internode bench" bash tools/verify_next.sh
 # (steps: rank_mask ll_call_tags adversarial moe_low_latency bench_gpu megatron_alltoall
-# nvshmem_session internode bench).
+# nvshmem_session peer_killed internode bench).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PIP_NO_INDEX=1
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
@@ -81,6 +81,10 @@ step megatron_alltoall 60 -- tests/test_megatron_gpu.py -k alltoall
 # (M, 2M, 2H) by free + malloc in it; abort + re-created groups reuse it, a group over other
 # ranks is refused (ATen path, with the reason).
 step nvshmem_session 90 -- tests/test_nvshmem_session_gpu.py tests/test_nvshmem_session_cpu.py
+# kill44 (issue #44, item 3): a rank killed with SIGKILL mid-dispatch (NVLink and NVSHMEM): the
+# survivors raise naming it, no kernel spins, abort, a new group of the survivors is exact, and
+# they exit 0. Plus the CPU versions (2 and 3 Gloo ranks). About 1-2 min.
+step peer_killed 180 -- -rP tests/test_peer_killed_gpu.py tests/test_peer_killed_cpu.py tests/test_recovery.py
 # inter40b (issue #40): the internode transport on emulated nodes, with its stage trace (last:
 # a hang here costs the most; its soak is cut to 50 calls, EP_INTERNODE_SOAK_CALLS overrides).
 step internode 200 EP_TEST_INTERNODE=1 EP_INTERNODE_TRACE=1 \

@@ -124,8 +124,8 @@ HostExchange::Slot* HostExchange::slot(int rank, int parity) const {
   return static_cast<Slot*>(base_) + (static_cast<size_t>(rank) * 2 + parity);
 }
 
-std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const char* op,
-                                          std::chrono::milliseconds timeout) {
+void HostExchange::gather(const std::vector<int64_t>& row, int64_t* out, const char* op,
+                          std::chrono::milliseconds timeout) {
   const int64_t width = static_cast<int64_t>(row.size());
   TORCH_INTERNAL_ASSERT(fits(width));
   const uint64_t call = ++calls_;  // stored as call number + 1: a zeroed slot means "never"
@@ -134,8 +134,8 @@ std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const
   std::memcpy(mine->row, row.data(), row.size() * sizeof(int64_t));
   __atomic_store_n(&mine->call, call, __ATOMIC_RELEASE);
 
-  std::vector<int64_t> all(static_cast<size_t>(num_ranks_ * width));
   const auto start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::duration next_probe = kProbeEvery;
   for (int r = 0; r < num_ranks_; ++r) {
     Slot* s = slot(r, parity);
     uint64_t seen = 0;
@@ -152,6 +152,23 @@ std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const
         sched_yield();
       } else {
         const auto waited = std::chrono::steady_clock::now() - start;
+        if (probe_ && waited > next_probe) {
+          next_probe += kProbeEvery;
+          std::string dead;
+          for (int64_t q : probe_()) {
+            if (__atomic_load_n(&slot(static_cast<int>(q), parity)->call, __ATOMIC_ACQUIRE) <
+                call) {
+              dead += (dead.empty() ? "" : ", ") + std::to_string(q);
+            }
+          }
+          TORCH_CHECK(dead.empty(), "ep ", op, ": rank(s) ", dead,
+                      " never joined this call and never will: their process is gone (killed or "
+                      "crashed); rank ",
+                      rank_, " found out after ",
+                      std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
+                      " ms. The group's MoE calls cannot go on: call ep_backend.abort(group) on "
+                      "every live rank and create a new group without them");
+        }
         if (waited > timeout) {
           std::string missing;
           for (int q = 0; q < num_ranks_; ++q) {
@@ -177,9 +194,8 @@ std::vector<int64_t> HostExchange::gather(const std::vector<int64_t>& row, const
                 " MoE call(s) ahead of rank ", rank_,
                 " (an earlier call timed out or failed on some ranks); the group's MoE calls "
                 "are out of step");
-    std::memcpy(all.data() + r * width, s->row, row.size() * sizeof(int64_t));
+    std::memcpy(out + r * width, s->row, row.size() * sizeof(int64_t));
   }
-  return all;
 }
 
 }  // namespace ep

@@ -11,11 +11,12 @@
 //
 // Every rank must call gather() with the same call number sequence and the same row width.
 // A rank that does not arrive within the timeout is named in the error; a rank that gave up on
-// the group (abandon()) is named at once.
+// the group (abandon()) is named at once, a rank whose process is gone within kProbeEvery.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,10 +41,17 @@ class HostExchange {
 
   static bool fits(int64_t width) { return width <= kCapacityWords; }
 
-  // All ranks' rows, rank-major ([R * width]). Throws c10::Error naming the ranks that did not
-  // arrive within `timeout`.
-  std::vector<int64_t> gather(const std::vector<int64_t>& row, const char* op,
-                              std::chrono::milliseconds timeout);
+  // All ranks' rows, rank-major, into `out` ([R * width] words: the caller's tensor, so that a
+  // call copies the rows once). Throws c10::Error naming the ranks that did not arrive within
+  // `timeout`.
+  void gather(const std::vector<int64_t>& row, int64_t* out, const char* op,
+              std::chrono::milliseconds timeout);
+
+  // How to find peers whose process is gone (peer_liveness.hpp): a wait that lasts longer than
+  // kProbeEvery asks it every kProbeEvery, and fails at once naming the dead ranks it waits for,
+  // instead of waiting out the timeout for ranks that can never arrive.
+  void setDeadPeerProbe(std::function<std::vector<int64_t>()> probe) { probe_ = std::move(probe); }
+  static constexpr std::chrono::milliseconds kProbeEvery{500};
 
   // Marks both of this rank's slots "gave up": a peer waiting for, or later reaching, a call this
   // rank will never make raises at once, naming this rank, instead of reading a stale row or
@@ -61,6 +69,7 @@ class HostExchange {
   void* base_;
   size_t bytes_;
   uint64_t calls_ = 0;
+  std::function<std::vector<int64_t>()> probe_;
 };
 
 }  // namespace ep

@@ -15,6 +15,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/group_state.hpp"
 #include "backend/host_exchange.hpp"
+#include "backend/peer_liveness.hpp"
 #include "backend/rank_mask.hpp"
 #include "backend/store_exchange.hpp"
 
@@ -46,10 +47,19 @@ class Checker {
   std::string message_;
 };
 
-std::string shapeOf(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
+// A tensor's shape as a part of a check's message. Formatted only when printed: Checker::require
+// (and TORCH_CHECK) print their parts only when the check fails, and the checks below run on every
+// call, where a std::string built up front cost one ostringstream per check.
+struct ShapeOf {
+  const at::Tensor& tensor;
+};
+
+std::ostream& operator<<(std::ostream& os, const ShapeOf& shape) {
+  return os << shape.tensor.sizes();
+}
+
+ShapeOf shapeOf(const at::Tensor& t) {
+  return ShapeOf{t};
 }
 
 bool isPayloadDtype(at::ScalarType t) {
@@ -152,10 +162,12 @@ void checkLayout(Checker& c, const std::vector<at::Tensor>& layout, const Dispat
   const int64_t T = a.x.size(0);
   const char* names[4] = {"num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
                           "send_pos"};
-  const std::vector<int64_t> shapes[4] = {
-      {num_ranks}, {a.num_experts}, {T, num_ranks}, {T, num_ranks}};
+  // The expected shapes, without a heap allocation per call: [R], [E], [T, R], [T, R].
+  const int64_t dims[4][2] = {{num_ranks, 0}, {a.num_experts, 0}, {T, num_ranks}, {T, num_ranks}};
+  const size_t ranks[4] = {1, 1, 2, 2};
   for (int i = 0; i < 4; ++i) {
     const at::Tensor& t = layout[i];
+    const at::IntArrayRef shape(dims[i], ranks[i]);
     const at::ScalarType want = i == 2 ? at::kBool : at::kInt;
     c.require(t.defined(), "layout.", names[i], " is missing");
     if (c.failed()) {
@@ -163,8 +175,8 @@ void checkLayout(Checker& c, const std::vector<at::Tensor>& layout, const Dispat
     }
     c.require(t.scalar_type() == want, "layout.", names[i], " must be ", want, ", got ",
               t.scalar_type())
-        .require(t.sizes() == at::IntArrayRef(shapes[i]), "layout.", names[i], " must have shape ",
-                 at::IntArrayRef(shapes[i]), " for this call, got ", shapeOf(t),
+        .require(t.sizes() == shape, "layout.", names[i], " must have shape ", shape,
+                 " for this call, got ", shapeOf(t),
                  " (was it computed for another topk_idx, num_experts or group?)")
         .require(t.device() == a.x.device(), "layout.", names[i], " is on ", t.device(), ", x on ",
                  a.x.device())
@@ -460,17 +472,22 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   }
   auto state = exchangeStates().of(pg);
   if (!state->decided) {
+    announceProcess(pg);  // so that a peer's death can be named (peer_liveness.hpp)
     state->exchange = HostExchange::connect(pg, std::string("ep ") + op);
+    if (state->exchange) {
+      EPProcessGroup* group = &pg;  // outlives the state: released by the group's shutdown
+      state->exchange->setDeadPeerProbe([group] { return deadPeers(*group); });
+    }
     state->decided = true;
   }
   if (state->exchange && HostExchange::fits(width)) {
-    std::vector<int64_t> all;
+    at::Tensor all = at::empty({num_ranks, width}, at::kLong);
     try {
-      all = state->exchange->gather(row, op, pg.options()->timeout);
+      state->exchange->gather(row, all.data_ptr<int64_t>(), op, pg.options()->timeout);
     } catch (const std::exception& e) {
       giveUp(pg, state.get(), op, call, messageWithoutTrace(e));
     }
-    return at::tensor(all, at::kLong).view({num_ranks, width});
+    return all;
   }
   at::Tensor mine = at::tensor(row, at::kLong);
   at::Tensor all = at::empty({num_ranks * width}, at::kLong);
@@ -581,7 +598,16 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
 
 namespace {
 std::atomic<int64_t> count_inflation{0};
+std::atomic<int64_t> exchange_delay_ms{0};
 }  // namespace
+
+void setTestExchangeDelay(int64_t milliseconds) {
+  exchange_delay_ms.store(milliseconds, std::memory_order_relaxed);
+}
+
+int64_t testExchangeDelay() {
+  return exchange_delay_ms.load(std::memory_order_relaxed);
+}
 
 void setTestCountInflation(int64_t rows) {
   count_inflation.store(rows, std::memory_order_relaxed);
@@ -618,11 +644,15 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
                  const std::vector<AgreedField>& fields_in, const std::vector<int64_t>& payload,
                  RankMaskSnapshot* mask) {
   const bool live_only = mask != nullptr && mask->live_only();
-  std::vector<AgreedField> fields = fields_in;
-  if (live_only) {  // the live ranks must mask the same ranks
-    fields.push_back(
+  // The live ranks must mask the same ranks: one more field then (only then: a copy of the
+  // fields on every call would cost an allocation on the hot path).
+  std::vector<AgreedField> with_mask;
+  if (live_only) {
+    with_mask = fields_in;
+    with_mask.push_back(
         {"the masked ranks (ep_backend.low_latency_update_mask)", mask->fingerprint()});
   }
+  const std::vector<AgreedField>& fields = live_only ? with_mask : fields_in;
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
   if (C10_UNLIKELY(!pg.moeUsable())) {
     TORCH_CHECK(false, "ep ", op, ": this group's MoE calls cannot go on: ", pg.moeUnusableReason(),
@@ -651,13 +681,17 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
   if (inline_payload) {
     std::copy(payload.begin(), payload.end(), header.begin() + kHeaderWidth);
   }
-  // A masked rank's row: this rank's own header, without an error and with an empty payload,
-  // so it passes every check and announces no rows.
-  std::vector<int64_t> absent_header(header.begin(), header.begin() + kHeaderWidth);
-  absent_header[0] = 0;
-  absent_header.resize(header.size(), 0);
-  at::Tensor all = live_only ? gatherAmongLiveRanks(pg, op, call, 0, header, absent_header, *mask)
-                             : allGatherRows(pg, op, call, header);
+  at::Tensor all;
+  if (live_only) {
+    // A masked rank's row: this rank's own header, without an error and with an empty payload,
+    // so it passes every check and announces no rows.
+    std::vector<int64_t> absent_header(header.begin(), header.begin() + kHeaderWidth);
+    absent_header[0] = 0;
+    absent_header.resize(header.size(), 0);
+    all = gatherAmongLiveRanks(pg, op, call, 0, header, absent_header, *mask);
+  } else {
+    all = allGatherRows(pg, op, call, header);
+  }
   auto acc = all.accessor<int64_t, 2>();
 
   // Calls of different kinds or numbers never pair: every rank names both (before any rank's

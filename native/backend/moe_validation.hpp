@@ -57,6 +57,12 @@ at::Tensor agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::st
 void setTestCountInflation(int64_t rows);
 int64_t testCountInflation();
 
+// Test hook (tests of a rank that dies mid-call): milliseconds this rank sleeps after a call's
+// agreement, before its data exchange on the ATen path, so that a test can kill it there while
+// its peers wait in the exchange; 0 (the default) in real use.
+void setTestExchangeDelay(int64_t milliseconds);
+int64_t testExchangeDelay();
+
 // Marks this rank's side of the group's agreement "gave up", so that peers on this host waiting
 // in (or later reaching) an MoE call raise at once naming this rank (ep_backend.abort).
 void abandonMoeAgreement(EPProcessGroup& pg);

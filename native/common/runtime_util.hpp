@@ -26,12 +26,21 @@ inline void require(bool ok, const char* component, const std::string& message) 
 }
 
 // The checks above bound to one runtime's name, so its messages say which runtime failed.
+// The launch paths run a few dozen checks per call: with a literal message (and an op name for a
+// prefix) no std::string is built unless the check fails.
 class Checks {
  public:
   explicit constexpr Checks(const char* component) : component_(component) {}
   void cuda(cudaError_t e, const char* what) const { cuda_check(e, component_, what); }
+  void require(bool ok, const char* message) const {
+    if (!ok) runtime::require(false, component_, message);
+  }
   void require(bool ok, const std::string& message) const {
     runtime::require(ok, component_, message);
+  }
+  // Throws "<component>: <op>: <message>".
+  void require(bool ok, const char* op, const char* message) const {
+    if (!ok) runtime::require(false, component_, std::string(op) + ": " + message);
   }
 
  private:

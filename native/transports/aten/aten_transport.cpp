@@ -2,15 +2,19 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <cstdint>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 #include "backend/dispatch_layout.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/peer_liveness.hpp"
 #include "backend/rank_mask.hpp"
 #include "backend/received_rows.hpp"
+#include "backend/store_exchange.hpp"
 #include "backend/transport.hpp"
 
 namespace ep::aten {
@@ -76,6 +80,28 @@ int64_t sum(const std::vector<int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), int64_t{0});
 }
 
+// The data exchange of a call failed after its agreement: a peer's process died (Gloo: its
+// connections closed) or the exchange timed out. The ranks' calls are out of step from here, so
+// the group's MoE calls cannot go on (as after an agreement timeout: abort and re-create). The
+// error names the peers on this host whose process is gone (peer_liveness.hpp); a socket closes
+// before its process is reaped, so the lookup is retried briefly.
+[[noreturn]] void exchangeFailed(EPProcessGroup& pg, const char* op, const std::exception& e) {
+  std::vector<int64_t> dead = deadPeers(pg);
+  for (int attempt = 0; dead.empty() && attempt < 10; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    dead = deadPeers(pg);
+  }
+  std::ostringstream os;
+  os << "ep " << op << ": rank " << pg.getRank() << " lost the data exchange after the agreement";
+  if (!dead.empty()) {
+    os << ": rank(s) " << joinRanks(dead) << " died during this call (their process is gone)";
+  }
+  os << " (" << messageWithoutTrace(e) << ")";
+  pg.markMoeUnusable(os.str());
+  abandonMoeAgreement(pg);  // peers on this host still calling raise at once
+  TORCH_CHECK(false, os.str());
+}
+
 // Exchanges packed rows: rows [off_r, off_r + send_counts[r]) go to rank r. The exchange runs
 // on flat byte buffers that always own storage (Gloo dislikes null pointers of empty tensors).
 at::Tensor allToAllRows(EPProcessGroup& pg, const char* op, const at::Tensor& send,
@@ -96,10 +122,17 @@ at::Tensor allToAllRows(EPProcessGroup& pg, const char* op, const at::Tensor& se
   c10d::AllToAllOptions opts;
   opts.timeout = pg.options()->timeout;
   opts.asyncOp = false;  // on CUDA: enqueue on the current stream, like the surrounding ops
-  auto work = pg.innerBackend(send.device().type(), op)
-                  ->alltoall_base(recv, send_flat, out_splits, in_splits, opts);
-  if (work) {  // NCCL returns no Work for a synchronous op: it is already on the current stream
-    work->wait();
+  if (C10_UNLIKELY(testExchangeDelay() > 0)) {  // test hook (moe_validation.hpp)
+    std::this_thread::sleep_for(std::chrono::milliseconds(testExchangeDelay()));
+  }
+  try {
+    auto work = pg.innerBackend(send.device().type(), op)
+                    ->alltoall_base(recv, send_flat, out_splits, in_splits, opts);
+    if (work) {  // NCCL returns no Work for a synchronous op: it is already on the current stream
+      work->wait();
+    }
+  } catch (const std::exception& e) {
+    exchangeFailed(pg, op, e);
   }
   return recv.view({num_recv, row_bytes});
 }

@@ -127,4 +127,19 @@ std::string describe(const Capacity& c) {
   return os.str();
 }
 
+CapacityDecision decideCapacity(const Capacity* have, bool combine, int64_t max_tokens,
+                                int64_t max_recv_rows, int64_t hidden, int64_t element_bytes,
+                                int64_t scale_bytes, int64_t topk, int64_t num_nodes,
+                                int64_t ranks_per_node) {
+  const Capacity need =
+      combine ? combineNeed(max_tokens, hidden, element_bytes, topk)
+              : dispatchNeed(max_tokens, max_recv_rows, hidden, element_bytes * hidden, scale_bytes,
+                             topk, ranks_per_node);
+  CapacityDecision d;
+  d.rebuild = have == nullptr || !holds(*have, need);
+  d.capacity = d.rebuild ? grownCapacity(have != nullptr ? *have : Capacity{}, need) : *have;
+  d.symmetric_bytes = RegionLayout::make(num_nodes, ranks_per_node, d.capacity).bytes;
+  return d;
+}
+
 }  // namespace ep::internode

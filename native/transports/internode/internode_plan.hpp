@@ -64,4 +64,18 @@ Capacity combineNeed(int64_t max_tokens, int64_t hidden, int64_t element_bytes, 
 // One line naming every field (trace lines, the build rendezvous' comparison).
 std::string describe(const Capacity& c);
 
+// What one call does to buffers of capacity `have` (null: none yet): whether they are rebuilt,
+// the capacity they then hold and that capacity's symmetric bytes. `combine` picks combineNeed,
+// else dispatchNeed (x_bytes = element_bytes * hidden). The test hook _C._internode_capacity
+// (tests/test_internode_plan_cpu.py) replays the transport's sizing with it.
+struct CapacityDecision {
+  bool rebuild = false;
+  Capacity capacity;
+  int64_t symmetric_bytes = 0;
+};
+CapacityDecision decideCapacity(const Capacity* have, bool combine, int64_t max_tokens,
+                                int64_t max_recv_rows, int64_t hidden, int64_t element_bytes,
+                                int64_t scale_bytes, int64_t topk, int64_t num_nodes,
+                                int64_t ranks_per_node);
+
 }  // namespace ep::internode

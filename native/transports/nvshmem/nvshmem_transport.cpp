@@ -22,14 +22,19 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <sstream>
+#include <thread>
 
 #include "backend/gpu_identity.hpp"
 #include "backend/kernel_image.hpp"
 #include "backend/moe_validation.hpp"
+#include "backend/peer_liveness.hpp"
 #include "backend/rank_mask.hpp"
 #include "backend/stream_capture.hpp"
 #include "transports/nvshmem/cuda/nvshmem_capi.h"
@@ -126,11 +131,12 @@ void check(int rc, const char* what, const char* err) {
 //
 // Started once per process, by the first group whose ranks use NVSHMEM, with those ranks as its
 // PEs; never finalised (nvshmem_session_plan.hpp says why). Groups allocate and free their
-// symmetric buffers in it. A group's destruction makes no collective NVSHMEM call (nvshmem_free
-// waits, with no timeout, for every PE, and after ep_backend.abort a peer may be dead): its
-// buffers are parked here and freed together, in this order, by the next group over the same
-// PEs once its setup exchange has shown every PE present (decide). Where no such group comes,
-// they stay until the process exits.
+// symmetric buffers in it. At a group's destruction its buffers are parked here, then freed
+// (nvshmem_free, in this order) only if every rank of the group joins the teardown vote
+// (joinCollectiveTeardown, bounded by the group timeout: nvshmem_free waits for every PE with no
+// timeout, and after ep_backend.abort a peer may be dead). Otherwise the next group over the same
+// PEs frees them once its setup exchange has shown every PE present (decide); where none comes
+// (a PE died), they stay until the process exits.
 struct SessionRecord {
   std::mutex mutex;
   std::string group;  // placesFingerprint of the group that started the session
@@ -157,8 +163,15 @@ SessionPost localSessionPost() {
   return post;
 }
 
-// Collective over the session's PEs (every rank of a group that decide() let reuse it): frees
-// the buffers destroyed groups left.
+// Buffers awaiting their collective free.
+size_t parkedBuffers() {
+  SessionRecord& rec = sessionRecord();
+  std::lock_guard<std::mutex> lock(rec.mutex);
+  return rec.parked.size();
+}
+
+// Collective over the session's PEs (every rank of a group that decide() let reuse it, or of
+// one whose teardown every rank joined): frees the buffers destroyed groups left.
 void freeParkedBuffers() {
   std::deque<std::function<void()>> parked;
   {
@@ -216,6 +229,74 @@ struct GroupState {
 std::mutex g_owner_mutex;
 EPProcessGroup* g_owner = nullptr;
 
+#ifdef EP_WITH_CUDA
+
+// Waits until every other rank of the group posted `prefix + rank` in the store, or until
+// `deadline`. False at the deadline, as soon as a rank posted anything but "1", or as soon as a
+// rank it waits for is found dead (its process gone, on this host: looked up every 0.5 s).
+bool everyRankPosted(EPProcessGroup& pg, const std::string& prefix,
+                     std::chrono::steady_clock::time_point deadline) {
+  std::vector<int> pending;
+  for (int r = 0; r < pg.getSize(); ++r) {
+    if (r != pg.getRank()) pending.push_back(r);
+  }
+  auto pause = std::chrono::microseconds(200);
+  auto next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (!pending.empty()) {
+    if (std::chrono::steady_clock::now() > next_probe) {
+      next_probe += std::chrono::milliseconds(500);
+      for (int64_t dead : deadPeers(pg)) {
+        if (std::find(pending.begin(), pending.end(), dead) != pending.end()) return false;
+      }
+    }
+    std::vector<int> still;
+    for (int r : pending) {
+      const std::string key = prefix + std::to_string(r);
+      if (!pg.store()->check({key})) {
+        still.push_back(r);
+      } else if (pg.store()->get(key) != std::vector<uint8_t>{'1'}) {
+        return false;
+      }
+    }
+    pending.swap(still);
+    if (pending.empty()) break;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+  return true;
+}
+
+// Whether every rank of the group takes part in the collective NVSHMEM teardown: nvshmem_free
+// waits for every PE without a bound, so a rank that died (SIGKILL) or never
+// tears its group down must make the others skip them instead of hanging there. Two rounds in
+// the group's store, each bounded by the group timeout: every rank posts "here" and waits for
+// everyone's; then posts whether it saw them all ("go" = 1/0) and waits for everyone's "go".
+// Only ranks that saw every "go" = 1 free. (One round would let a rank whose wait ran out
+// just before the last "here" arrived skip while the others free and hang; with two, that
+// takes a rank that stalls for the whole group timeout between two store writes.) A rank that
+// aborted the group still takes part: after ep_backend.abort on every live rank, the buffers are
+// freed and a new group over the same ranks reuses the session. Any store error also means
+// "skip".
+bool joinCollectiveTeardown(EPProcessGroup& pg, int generation) {
+  const std::string prefix =
+      "ep_ll/" + pg.options()->group_name + "/teardown/" + std::to_string(generation) + "/";
+  const auto timeout = pg.options()->timeout;
+  const std::string me = std::to_string(pg.getRank());
+  try {
+    pg.store()->set(prefix + "here/" + me, std::vector<uint8_t>{'1'});
+    const bool all_here =
+        everyRankPosted(pg, prefix + "here/", std::chrono::steady_clock::now() + timeout);
+    pg.store()->set(prefix + "go/" + me,
+                    std::vector<uint8_t>{all_here ? uint8_t{'1'} : uint8_t{'0'}});
+    return all_here &&
+           everyRankPosted(pg, prefix + "go/", std::chrono::steady_clock::now() + timeout);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+#endif
+
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup* key, GroupState& state) {
     {
@@ -226,7 +307,8 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
     }
 #ifdef EP_WITH_CUDA
     if (state.runtime != nullptr) {
-      // Parked, not freed: nvshmem_free is collective with no timeout (SessionRecord).
+      // Parked first (SessionRecord): freed below with the other parked buffers if every rank
+      // joins the teardown, else left for the next group over the session's PEs.
       parkCollectiveFree([rt = state.runtime] {
         char err[512] = {0};
         cudaDeviceSynchronize();
@@ -236,7 +318,27 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
       });
       state.runtime = nullptr;
     }
+    // Only a group that used the session (its ranks are its PEs) frees its buffers.
+    if (!state.usability.yes() || parkedBuffers() == 0) {
+      return;
+    }
+    cudaDeviceSynchronize();  // our kernels end, by their kernel_timeout_s if a peer is gone
+    if (!joinCollectiveTeardown(*key, state.generation)) {
+      TORCH_WARN(
+          "ep: group ", key->options()->group_name,
+          ": its NVSHMEM buffers were not freed: a rank of the group did not join its teardown "
+          "(it died, or did not tear the group down within the group timeout), and nvshmem_free "
+          "would wait for it forever. They stay allocated; a later group over the same ranks "
+          "frees them, and a group without that rank runs its low-latency ops on ATen (NVSHMEM "
+          "is initialised once per process and cannot be restarted; restart the process to use "
+          "it again)");
+      return;
+    }
+    // Collective in NVSHMEM terms; every rank voted to tear its group down too. NVSHMEM itself
+    // stays initialised: a later group over the same ranks reuses the session.
+    freeParkedBuffers();
 #else
+    (void)key;
     (void)state;
 #endif
   });

@@ -264,8 +264,8 @@ void NvlinkRuntime::connect_local(const std::vector<void*>& peer_buffers,
 }
 
 void NvlinkRuntime::check_ready(const char* op) const {
-  kChecks.require(buffer_ != nullptr, std::string(op) + ": runtime destroyed");
-  kChecks.require(connected_, std::string(op) + ": runtime not connected");
+  kChecks.require(buffer_ != nullptr, op, "runtime destroyed");
+  kChecks.require(connected_, op, "runtime not connected");
   if (failed()) throw std::runtime_error(check_error());
 }
 
@@ -401,10 +401,14 @@ NvlinkRecvCounts NvlinkRuntime::wait_recv_counts(int ticket) {
   kChecks.require(counters_host_ != nullptr, "wait_recv_counts: the runtime was destroyed");
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::duration<double>(config_.timeout_seconds);
+  // The kernels time out on their own clock (cycles at the device's peak clock rate), later in
+  // wall time than `limit` when the GPU runs below its peak: past `limit`, the host waits up to
+  // `grace` more for their record, which names the peer they waited for, before raising without.
+  const auto grace = 0.5 * limit + std::chrono::duration<double>(1.0);
   for (uint64_t iter = 0; counters_host_->ready_ticket != ticket; ++iter) {
     if ((iter & 1023) == 0) {
       if (error_host_->code != kErrorNone && failed()) throw std::runtime_error(check_error());
-      if (std::chrono::steady_clock::now() - start > limit) {
+      if (std::chrono::steady_clock::now() - start > limit + grace) {
         std::ostringstream os;
         os << "ep notify: rank " << rank_ << " timed out after " << config_.timeout_seconds
            << " s waiting for the receive counts on the host";
@@ -441,25 +445,23 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
   if (cached && a.dest_slabs == nullptr) check_no_dispatch_due(op);
   kChecks.require(!dispatch_due_ || stream == dispatch_due_stream_,
                   "dispatch: must run on the stream of the notify it follows");
-  const std::string pre = std::string(op) + ": ";
-  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
-                  pre + "num_tokens exceeds config.max_tokens_per_rank");
-  kChecks.require(a.hidden_bytes > 0 && a.hidden_bytes % 16 == 0,
-                  pre + "hidden bytes (H * element size) must be a positive multiple of 16");
-  kChecks.require(a.hidden_bytes <= config_.max_hidden_bytes,
-                  pre + "hidden bytes exceed config.max_hidden_bytes");
-  kChecks.require(a.num_scales >= 0 && a.num_scales <= config_.max_scales,
-                  pre + "number of scales exceeds config.max_scales");
-  kChecks.require((a.num_scales == 0) == (a.x_scales == nullptr) || a.num_tokens == 0,
-                  pre + "x_scales and num_scales must be given together");
-  kChecks.require(a.num_worst_tokens >= 0, pre + "num_worst_tokens must be >= 0");
-  kChecks.require(a.send_pos != nullptr || a.num_tokens == 0, pre + "send_pos is null");
-  kChecks.require(a.recv_prefix != nullptr, pre + "recv_prefix is null");
-  kChecks.require(a.recv_x != nullptr && aligned16(a.recv_x),
-                  pre + "recv_x must be 16-byte aligned");
-  kChecks.require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)),
-                  pre + "x must be 16-byte aligned");
-  kChecks.require(a.num_scales == 0 || a.recv_x_scales != nullptr, pre + "recv_x_scales is null");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank, op,
+                  "num_tokens exceeds config.max_tokens_per_rank");
+  kChecks.require(a.hidden_bytes > 0 && a.hidden_bytes % 16 == 0, op,
+                  "hidden bytes (H * element size) must be a positive multiple of 16");
+  kChecks.require(a.hidden_bytes <= config_.max_hidden_bytes, op,
+                  "hidden bytes exceed config.max_hidden_bytes");
+  kChecks.require(a.num_scales >= 0 && a.num_scales <= config_.max_scales, op,
+                  "number of scales exceeds config.max_scales");
+  kChecks.require((a.num_scales == 0) == (a.x_scales == nullptr) || a.num_tokens == 0, op,
+                  "x_scales and num_scales must be given together");
+  kChecks.require(a.num_worst_tokens >= 0, op, "num_worst_tokens must be >= 0");
+  kChecks.require(a.send_pos != nullptr || a.num_tokens == 0, op, "send_pos is null");
+  kChecks.require(a.recv_prefix != nullptr, op, "recv_prefix is null");
+  kChecks.require(a.recv_x != nullptr && aligned16(a.recv_x), op, "recv_x must be 16-byte aligned");
+  kChecks.require(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)), op,
+                  "x must be 16-byte aligned");
+  kChecks.require(a.num_scales == 0 || a.recv_x_scales != nullptr, op, "recv_x_scales is null");
   DispatchParams p{};
   p.comm = comm_context();
   p.x = a.x;
@@ -474,13 +476,13 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
   p.num_worst_tokens = a.num_worst_tokens;
   p.num_send_warps = dispatch_send_warps(a.hidden_bytes, a.num_scales, a.own_slab);
   if (!cached) {
-    kChecks.require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
-    kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
-                    pre + "K must be in [1, config.max_topk]");
-    kChecks.require(a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0,
-                    pre + "num_experts must be a positive multiple of the number of ranks");
-    kChecks.require(a.topk_idx != nullptr || a.num_tokens == 0, pre + "topk_idx is null");
-    kChecks.require(a.recv_topk_idx != nullptr, pre + "recv_topk_idx is null");
+    kChecks.require(a.idx_bytes == 4 || a.idx_bytes == 8, op, "topk_idx must be int32 or int64");
+    kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk, op,
+                    "K must be in [1, config.max_topk]");
+    kChecks.require(a.num_experts >= num_ranks_ && a.num_experts % num_ranks_ == 0, op,
+                    "num_experts must be a positive multiple of the number of ranks");
+    kChecks.require(a.topk_idx != nullptr || a.num_tokens == 0, op, "topk_idx is null");
+    kChecks.require(a.recv_topk_idx != nullptr, op, "recv_topk_idx is null");
     // A non-null marker keeps the kernel in metadata mode on ranks without tokens.
     static const long long kEmpty = 0;
     p.topk_idx = a.topk_idx != nullptr ? a.topk_idx : &kEmpty;
@@ -494,27 +496,27 @@ void NvlinkRuntime::launch_dispatch(const NvlinkDispatchArgs& a, bool cached, cu
     p.recv_src_rank = a.recv_src_rank;
   }
   if (cached && a.dest_slabs != nullptr) {
-    kChecks.require(dispatch_due_, pre + "receive slabs need the notify launched right before it");
+    kChecks.require(dispatch_due_, op, "receive slabs need the notify launched right before it");
     p.experts_per_rank = due_experts_per_rank_;  // the layout of that notify's slots
   }
   if (a.dest_slabs != nullptr) {
     p.dest_slabs = a.dest_slabs;
     p.slab = cached ? cached_slab_layout(a.hidden_bytes, a.num_scales)
                     : recv_slab_layout(a.hidden_bytes, a.num_scales, a.num_topk, a.idx_bytes);
-    kChecks.require(slabs_ != nullptr && p.slab.total <= slab_bytes_,
-                    pre + "receive slabs are missing or too small for this row shape");
+    kChecks.require(slabs_ != nullptr && p.slab.total <= slab_bytes_, op,
+                    "receive slabs are missing or too small for this row shape");
     p.own_slab = a.own_slab ? 1 : 0;
     // In our own slab the receive warps do nothing, so nobody would write padding rows.
-    kChecks.require(!a.own_slab || a.num_worst_tokens == 0,
-                    pre + "own_slab needs num_worst_tokens 0");
+    kChecks.require(!a.own_slab || a.num_worst_tokens == 0, op,
+                    "own_slab needs num_worst_tokens 0");
   } else {
-    kChecks.require(!a.own_slab, pre + "own_slab needs dest_slabs");
+    kChecks.require(!a.own_slab, op, "own_slab needs dest_slabs");
   }
   p.after_notify = dispatch_due_ ? 1 : 0;
   if (dispatch_due_) {
     // The senders may read notify's slots, laid out for its number of local experts.
-    kChecks.require(p.experts_per_rank == due_experts_per_rank_,
-                    pre + "num_experts differs from the notify it follows");
+    kChecks.require(p.experts_per_rank == due_experts_per_rank_, op,
+                    "num_experts differs from the notify it follows");
     p.notify_rejects = due_rejects_ ? 1 : 0;
   }
   p.staged = a.hidden_bytes <= kStagedRowBytes ? 1 : 0;

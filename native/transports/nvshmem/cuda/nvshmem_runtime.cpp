@@ -59,10 +59,10 @@ struct PrivateLayout {
   }
 };
 
-void require_phases(int phases, const std::string& pre) {
+void require_phases(int phases, const char* op) {
   kChecks.require(phases == nvshmem::kPhaseSend || phases == nvshmem::kPhaseRecv ||
                       phases == nvshmem::kPhaseBoth,
-                  pre + "phases must be SEND (1), RECV (2) or both (3)");
+                  op, "phases must be SEND (1), RECV (2) or both (3)");
 }
 
 // Ranks a config's buffers are sized for (an upper bound when the config does not say).
@@ -284,15 +284,15 @@ bool NvshmemRuntime::peer_is_p2p(int pe) const {
   return !peer_base_.empty() && peer_base_[pe] != nullptr;
 }
 
-void NvshmemRuntime::require_num_experts(int num_experts, const std::string& pre) const {
+void NvshmemRuntime::require_num_experts(int num_experts, const char* op) const {
   kChecks.require(
       num_experts >= num_ranks_ && num_experts % num_ranks_ == 0 &&
           num_experts <= config_.num_experts,
-      pre + "num_experts must be a multiple of the number of ranks, at most config.num_experts");
+      op, "num_experts must be a multiple of the number of ranks, at most config.num_experts");
 }
 
 void NvshmemRuntime::check_ready(const char* op) const {
-  kChecks.require(symmetric_ != nullptr, std::string(op) + ": runtime destroyed");
+  kChecks.require(symmetric_ != nullptr, op, "runtime destroyed");
   if (failed()) throw std::runtime_error(check_error());
 }
 
@@ -320,44 +320,49 @@ nvshmem::Context NvshmemRuntime::context(int buffer, double timeout_seconds) {
 
 int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) {
   check_ready("dispatch");
-  const std::string pre = "dispatch: ";
-  require_phases(a.phases, pre);
-  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
-                  pre + "num_tokens (T=" + std::to_string(a.num_tokens) +
-                      ") must be in [0, max_tokens_per_rank=" +
-                      std::to_string(config_.max_tokens_per_rank) + "]");
-  kChecks.require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
-                      a.hidden <= config_.max_hidden,
-                  pre + "H=" + std::to_string(a.hidden) + " must be a multiple of 128 in [128, " +
-                      std::to_string(config_.max_hidden) + "]");
-  kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
-                  pre + "K must be in [1, max_topk=" + std::to_string(config_.max_topk) + "]");
-  kChecks.require(a.idx_bytes == 4 || a.idx_bytes == 8, pre + "topk_idx must be int32 or int64");
-  require_num_experts(a.num_experts, pre);
-  kChecks.require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale),
-                  pre + "use_ue8m0 requires use_fp8 and round_scale");
-  kChecks.require(!a.use_ue8m0 || a.hidden % (4 * nvshmem::kGroupSize) == 0,
-                  pre + "use_ue8m0 needs H % 512 == 0");
-  kChecks.require(!a.round_scale || a.use_fp8, pre + "round_scale requires use_fp8");
+  const char* const op = "dispatch";
+  require_phases(a.phases, op);
+  // The messages with numbers are built only when their check fails (this runs per call).
+  if (a.num_tokens < 0 || a.num_tokens > config_.max_tokens_per_rank) {
+    kChecks.require(false, std::string(op) + ": num_tokens (T=" + std::to_string(a.num_tokens) +
+                               ") must be in [0, max_tokens_per_rank=" +
+                               std::to_string(config_.max_tokens_per_rank) + "]");
+  }
+  if (a.hidden < nvshmem::kGroupSize || a.hidden % nvshmem::kGroupSize != 0 ||
+      a.hidden > config_.max_hidden) {
+    kChecks.require(false, std::string(op) + ": H=" + std::to_string(a.hidden) +
+                               " must be a multiple of 128 in [128, " +
+                               std::to_string(config_.max_hidden) + "]");
+  }
+  if (a.num_topk < 1 || a.num_topk > config_.max_topk) {
+    kChecks.require(false, std::string(op) + ": K must be in [1, max_topk=" +
+                               std::to_string(config_.max_topk) + "]");
+  }
+  kChecks.require(a.idx_bytes == 4 || a.idx_bytes == 8, op, "topk_idx must be int32 or int64");
+  require_num_experts(a.num_experts, op);
+  kChecks.require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale), op,
+                  "use_ue8m0 requires use_fp8 and round_scale");
+  kChecks.require(!a.use_ue8m0 || a.hidden % (4 * nvshmem::kGroupSize) == 0, op,
+                  "use_ue8m0 needs H % 512 == 0");
+  kChecks.require(!a.round_scale || a.use_fp8, op, "round_scale requires use_fp8");
   if (a.phases & nvshmem::kPhaseSend) {
     kChecks.require(
-        a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x) && a.topk_idx != nullptr),
-        pre + "x (16-byte aligned) and topk_idx are required");
+        a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x) && a.topk_idx != nullptr), op,
+        "x (16-byte aligned) and topk_idx are required");
   }
   if (a.phases & nvshmem::kPhaseRecv) {
-    kChecks.require(a.recv_x != nullptr && aligned16(a.recv_x),
-                    pre + "recv_x must be 16-byte aligned");
-    kChecks.require(!a.use_fp8 || a.recv_x_scales != nullptr,
-                    pre + "recv_x_scales is required with FP8");
+    kChecks.require(a.recv_x != nullptr && aligned16(a.recv_x), op,
+                    "recv_x must be 16-byte aligned");
+    kChecks.require(!a.use_fp8 || a.recv_x_scales != nullptr, op,
+                    "recv_x_scales is required with FP8");
     kChecks.require(a.recv_count != nullptr && a.src_info != nullptr && a.layout_range != nullptr,
-                    pre + "recv_count, src_info and layout_range are required");
+                    op, "recv_count, src_info and layout_range are required");
   }
   int buffer = a.buffer_index;
   if (a.phases == nvshmem::kPhaseRecv) {
-    kChecks.require(buffer == 0 || buffer == 1,
-                    pre + "the RECV phase needs the SEND's buffer_index");
+    kChecks.require(buffer == 0 || buffer == 1, op, "the RECV phase needs the SEND's buffer_index");
   } else {
-    kChecks.require(buffer >= -1 && buffer <= 1, pre + "buffer_index must be -1, 0 or 1");
+    kChecks.require(buffer >= -1 && buffer <= 1, op, "buffer_index must be -1, 0 or 1");
     if (buffer < 0) buffer = next_buffer_;
     next_buffer_ = buffer ^ 1;
   }
@@ -391,31 +396,31 @@ int NvshmemRuntime::dispatch(const NvshmemDispatchArgs& a, cudaStream_t stream) 
 
 void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
   check_ready("combine");
-  const std::string pre = "combine: ";
-  require_phases(a.phases, pre);
-  kChecks.require(a.buffer_index == 0 || a.buffer_index == 1,
-                  pre + "buffer_index must be the dispatch's (0 or 1)");
+  const char* const op = "combine";
+  require_phases(a.phases, op);
+  kChecks.require(a.buffer_index == 0 || a.buffer_index == 1, op,
+                  "buffer_index must be the dispatch's (0 or 1)");
   kChecks.require(a.hidden >= nvshmem::kGroupSize && a.hidden % nvshmem::kGroupSize == 0 &&
                       a.hidden <= config_.max_hidden,
-                  pre + "H must be a multiple of 128 in [128, max_hidden]");
-  require_num_experts(a.num_experts, pre);
-  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank,
-                  pre + "num_tokens must be in [0, max_tokens_per_rank]");
-  kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk,
-                  pre + "K must be in [1, max_topk]");
+                  op, "H must be a multiple of 128 in [128, max_hidden]");
+  require_num_experts(a.num_experts, op);
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens_per_rank, op,
+                  "num_tokens must be in [0, max_tokens_per_rank]");
+  kChecks.require(a.num_topk >= 1 && a.num_topk <= config_.max_topk, op,
+                  "K must be in [1, max_topk]");
   const nvshmem::Context ctx = context(a.buffer_index, a.timeout_seconds);
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   if (a.phases & nvshmem::kPhaseSend) {
-    kChecks.require(a.layout_range != nullptr, pre + "layout_range of the dispatch is required");
+    kChecks.require(a.layout_range != nullptr, op, "layout_range of the dispatch is required");
     if (a.zero_copy) {
       x = reinterpret_cast<const uint16_t*>(ctx.local + layout_.comb_send_offset);
     } else {
-      kChecks.require(a.x != nullptr && aligned16(a.x), pre + "x must be 16-byte aligned");
+      kChecks.require(a.x != nullptr && aligned16(a.x), op, "x must be 16-byte aligned");
     }
   }
   if (a.phases & nvshmem::kPhaseRecv) {
-    kChecks.require(a.num_tokens == 0 || (a.out != nullptr && aligned16(a.out)),
-                    pre + "out (16-byte aligned) is required");
+    kChecks.require(a.num_tokens == 0 || (a.out != nullptr && aligned16(a.out)), op,
+                    "out (16-byte aligned) is required");
   }
   nvshmem::CombineParams p{};
   p.ctx = ctx;

@@ -216,7 +216,7 @@ class NvshmemRuntime {
   // The launch context of a call. timeout_seconds: the call's (0: config().timeout_seconds);
   // the one resolved here is kept for the call's timeout message.
   nvshmem::Context context(int buffer, double timeout_seconds);
-  void require_num_experts(int num_experts, const std::string& pre) const;
+  void require_num_experts(int num_experts, const char* op) const;
   void check_ready(const char* op) const;
 
   int rank_ = 0;
