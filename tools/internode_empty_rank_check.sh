@@ -3,8 +3,9 @@
 # emulated nodes (2 GPUs as 2 x 1; with 4 GPUs also 2 x 2 and 4 x 1):
 #   1. test_internode_empty_ranks_match_the_reference: rank 0 with T = 0, then rank 1, then every
 #      rank; two dispatches (without and with a layout) and a combine after each, bitwise against
-#      the reference; on fresh buffers, and after a float32 combine grew them (a rebuild that
-#      restarts the NVSHMEM session, as the spec test did before its "empty" case);
+#      the reference; on fresh buffers, and after a float32 combine grew them (free + malloc in
+#      the same NVSHMEM session; it used to restart the session, as the spec test did before its
+#      "empty" case hung);
 #   2. test_internode_transport_matches_the_spec (its "empty" case once hung on 2 x H100).
 # Every step runs with EP_INTERNODE_TRACE=1 (a stderr line per host stage of each op) and -s, so
 # that a hang's log shows the last stage of every rank; the tests fail fast (kernel timeout 15 s,

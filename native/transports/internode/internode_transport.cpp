@@ -190,8 +190,10 @@ void releaseRuntime(GroupState& st) {
 std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
     if (state.runtime != nullptr) {
-      // Parked, not freed now: nvshmem_free waits for every PE with no timeout, and a peer may
-      // be dead (ep_backend.abort); the next group over the same PEs frees it.
+      // Parked, not freed here: nvshmem_free waits for every PE with no timeout, and a peer may
+      // be dead (ep_backend.abort). The NVSHMEM transport's teardown frees the parked buffers if
+      // every rank joins its vote (this hook runs first where this transport set up first),
+      // else the next group over the same PEs does (nvshmem::parkCollectiveFree).
       nvshmem::parkCollectiveFree([rt = state.runtime] {
         char err[512] = {0};
         cudaDeviceSynchronize();
