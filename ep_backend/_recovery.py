@@ -6,9 +6,11 @@ on it raises at once, on the rank that timed out and (ranks on one host) on its 
 back, in the same process:
 
 1. every live rank of the group calls ``ep_backend.abort(group)``: the group's transports
-   (NVLink buffers and IPC mappings, NVSHMEM state) are released and the group is destroyed;
+   (NVLink buffers and IPC mappings, NVSHMEM buffers) are released and the group is destroyed;
 2. every live rank creates a new group (``torch.distributed.new_group(ranks, backend="ep")``)
-   and uses it; it shares nothing with the aborted one.
+   and uses it; it shares nothing with the aborted one but the process's NVSHMEM session, which
+   is initialised once per process and reused by a new group over the same ranks (a group over
+   other ranks, e.g. without a rank that died, runs its low-latency ops on ATen instead).
 
 ``monitored_barrier`` is torch's monitored barrier on an ``"ep"`` group (torch's own
 ``torch.distributed.monitored_barrier`` accepts only groups whose backend is named ``"gloo"``):
@@ -43,7 +45,7 @@ def abort(group: dist.ProcessGroup | None = None) -> None:
     died), then create a new group on the same ranks (or, after a peer died, on the survivors:
     ``new_group(survivors, backend="ep", use_local_synchronization=True)``). Local: it waits for
     no other rank, except that a group whose low-latency ops ran on NVSHMEM waits up to the
-    group timeout for its other ranks to tear it down too (NVSHMEM's finalisation is collective;
+    group timeout for its other ranks to tear it down too (freeing NVSHMEM buffers is collective;
     without a dead rank's vote it is skipped, see docs/api.md "Failures").
 
     What it does, in order:
@@ -54,7 +56,8 @@ def abort(group: dist.ProcessGroup | None = None) -> None:
     * aborts the internal Gloo (and NCCL) backends, so no later standard collective on the
       group waits;
     * destroys the group (``torch.distributed.destroy_process_group(group)``), which releases
-      its NVLink buffers, IPC mappings and NVSHMEM state. On CUDA a kernel still running on the
+      its NVLink buffers, IPC mappings and NVSHMEM buffers (NVSHMEM itself stays initialised:
+      it cannot be re-initialised in a process). On CUDA a kernel still running on the
       group's buffers (one waiting for a dead peer) ends by its ``kernel_timeout_s`` first.
 
     Args:
