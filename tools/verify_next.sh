@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One pass over the branch `next` (main + rel44, bench43, meg42, inter40b) on the GPU machine
+# One pass over the branch `next` (main + the helper branches merged into it) on the GPU machine
 # (2 GPUs; the EP4 cases run where 4 are present): builds once with CUDA, then runs the new GPU
 # tests of each merged branch and the low-latency GPU tests as regression, each step with its own
 # timeout, then the bench once (no sweep). Sized for a 10-minute command limit: every timeout is
