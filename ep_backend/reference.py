@@ -625,10 +625,14 @@ def combine_by_node(
     Returns: as ``combine``.
     """
     assert x.dtype in (torch.bfloat16, torch.float32), "combine_by_node sums BF16 or float32 rows"
+    # Checked before _rows_home's exchange, as its own arguments are: a rank never raises
+    # after its peers have sent it rows.
+    assert len(node_of_rank) == _group_size_and_rank(group)[0], (
+        "node_of_rank must name the node of every rank"
+    )
     num_ranks, biases, returned_x, returned_w, back_counts = _rows_home(
         x, handle, topk_weights, bias, group
     )
-    assert len(node_of_rank) == num_ranks, "node_of_rank must name the node of every rank"
     num_tokens, hidden = handle.num_tokens, x.shape[1]
     offsets = [0]
     for c in back_counts:
