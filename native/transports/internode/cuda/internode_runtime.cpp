@@ -9,10 +9,10 @@
 #include <atomic>
 #include <cstring>
 #include <iterator>
-#include <sstream>
 #include <stdexcept>
 
 #include "common/runtime_util.hpp"
+#include "common/str_cat.hpp"
 #include "transports/internode/cuda/internode_kernels.hpp"
 
 namespace ep {
@@ -69,12 +69,11 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     layout_ = RegionLayout::make(setup.num_nodes, setup.ranks_per_node, setup.capacity);
     region_ = static_cast<char*>(nvshmem_malloc(static_cast<size_t>(layout_.bytes)));
     if (region_ == nullptr) {
-      std::ostringstream os;
-      os << "ep internode: nvshmem_malloc(" << layout_.bytes
-         << ") failed: the symmetric heap cannot hold it. It grows on demand only with CUDA VMM "
-            "(leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without VMM "
-            "it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started";
-      throw std::runtime_error(os.str());
+      throw std::runtime_error(runtime::strCat(
+          "ep internode: nvshmem_malloc(", layout_.bytes,
+          ") failed: the symmetric heap cannot hold it. It grows on demand only with CUDA VMM "
+          "(leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without VMM "
+          "it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started"));
     }
     kChecks.cuda(cudaMemset(region_, 0, static_cast<size_t>(layout_.bytes)), "cudaMemset(region)");
     int node = -1;
@@ -243,31 +242,31 @@ std::string InternodeRuntime::check_error() const {
     }
     return -1;
   };
-  std::ostringstream os;
-  os << "ep internode " << op_name(e->op) << ": rank " << e->rank << " (node " << node_of(e->rank)
-     << ")";
+  using runtime::strCat;
+  std::string msg =
+      strCat("ep internode ", op_name(e->op), ": rank ", e->rank, " (node ", node_of(e->rank), ")");
   switch (code) {
     case kErrorTimeout:
-      os << " timed out after " << last_timeout_ << " s waiting for rank " << e->peer << " (node "
-         << e->value_b << ")";
+      msg += strCat(" timed out after ", last_timeout_, " s waiting for rank ", e->peer, " (node ",
+                    e->value_b, ")");
       break;
     case kErrorCapacity:
-      os << " overflowed a buffer (" << e->value_a << " >= capacity " << e->value_b
-         << ", peer rank " << e->peer << ")";
+      msg += strCat(" overflowed a buffer (", e->value_a, " >= capacity ", e->value_b,
+                    ", peer rank ", e->peer, ")");
       break;
     case kErrorOutOfStep:
-      os << " got a signal of call " << e->value_a << " from rank " << e->peer << " (node "
-         << node_of(e->peer) << ") in its call " << e->value_b
-         << ": the ranks' internode calls are out of step (a bug: report it)";
+      msg += strCat(" got a signal of call ", e->value_a, " from rank ", e->peer, " (node ",
+                    node_of(e->peer), ") in its call ", e->value_b,
+                    ": the ranks' internode calls are out of step (a bug: report it)");
       break;
     case kErrorInvalidTopkIdx:
-      os << " got an invalid routing entry (source rank " << e->peer << ", token " << e->value_a
-         << ", row " << e->value_b << ")";
+      msg += strCat(" got an invalid routing entry (source rank ", e->peer, ", token ", e->value_a,
+                    ", row ", e->value_b, ")");
       break;
     default:
-      os << " failed with error code " << code;
+      msg += strCat(" failed with error code ", code);
   }
-  return os.str();
+  return msg;
 }
 
 std::string InternodeRuntime::progress() const {
@@ -286,17 +285,18 @@ std::string InternodeRuntime::progress() const {
   const int count = combine ? static_cast<int>(std::size(kCombineStages))
                             : static_cast<int>(std::size(kDispatchStages));
   const volatile uint64_t* marks = progress_host_;
-  std::ostringstream os;
-  os << "its kernels (call " << seq_ << " of this runtime, " << op_name(last_op_) << ") ";
+  using runtime::strCat;
+  std::string msg =
+      strCat("its kernels (call ", seq_, " of this runtime, ", op_name(last_op_), ") ");
   bool all = true;
   for (int i = 0; i < count && all; ++i) {
     if (marks[stages[i]] < seq_) {
-      os << "never got past " << (i == 0 ? "their launch" : stage_name(stages[i - 1]))
-         << " (next: " << stage_name(stages[i]) << ")";
+      msg += strCat("never got past ", i == 0 ? "their launch" : stage_name(stages[i - 1]),
+                    " (next: ", stage_name(stages[i]), ")");
       all = false;
     }
   }
-  if (all) os << "reached every stage";
+  if (all) msg += "reached every stage";
   // The latest wait of block 0 in this call, if any: whom it waited for and what it saw.
   const volatile uint64_t* wait = marks + kNumStages;
   if (wait[kWaitSeq] == seq_) {
@@ -306,11 +306,12 @@ std::string InternodeRuntime::progress() const {
     for (int i = 0; i < setup_.num_ranks; ++i) {
       if (node_rank_[i] == peer) peer_node = i / setup_.ranks_per_node;
     }
-    os << "; its latest wait (" << stage_name(static_cast<int>(wait[kWaitStage]))
-       << ") was for rank " << peer << " (node " << peer_node << "): word 0x" << std::hex
-       << wait[kWaitSeen] << ", waiting for >= 0x" << wait[kWaitTarget] << std::dec;
+    msg +=
+        strCat("; its latest wait (", stage_name(static_cast<int>(wait[kWaitStage])),
+               ") was for rank ", peer, " (node ", peer_node, "): word ",
+               runtime::Hex{wait[kWaitSeen]}, ", waiting for >= ", runtime::Hex{wait[kWaitTarget]});
   }
-  return os.str();
+  return msg;
 }
 
 bool InternodeRuntime::failed() const {

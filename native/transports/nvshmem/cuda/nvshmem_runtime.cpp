@@ -12,10 +12,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 
 #include "common/runtime_util.hpp"
+#include "common/str_cat.hpp"
 #include "transports/nvshmem/cuda/nvshmem_kernels.hpp"
 
 namespace ep {
@@ -115,11 +115,11 @@ void NvshmemRuntime::start_session(int rank, int num_ranks, int device,
   kChecks.require(uid.size() == sizeof(nvshmemx_uniqueid_t), "the unique id must be 128 bytes");
   std::lock_guard<std::mutex> lock(g_session_mutex);
   if (g_session_started) {
-    std::ostringstream os;
-    os << "ep low_latency: this process started its NVSHMEM session already (PE " << g_session_pe
-       << " of " << g_session_pes << "); NVSHMEM cannot be initialised again in a process (after "
-       << "nvshmem_finalize it keeps the first bootstrap and ignores a new unique id)";
-    throw std::runtime_error(os.str());
+    throw std::runtime_error(runtime::strCat(
+        "ep low_latency: this process started its NVSHMEM session already (PE ", g_session_pe,
+        " of ", g_session_pes,
+        "); NVSHMEM cannot be initialised again in a process (after nvshmem_finalize it keeps "
+        "the first bootstrap and ignores a new unique id)"));
   }
   DeviceGuard guard(device);
   kChecks.cuda(cudaSetDevice(device), "cudaSetDevice");
@@ -140,10 +140,9 @@ void NvshmemRuntime::start_session(int rank, int num_ranks, int device,
   g_session_pes = nvshmem_n_pes();
   g_session_device = device;
   if (g_session_pe != rank || g_session_pes != num_ranks) {
-    std::ostringstream os;
-    os << "ep low_latency: NVSHMEM says PE " << g_session_pe << " of " << g_session_pes
-       << ", expected rank " << rank << " of " << num_ranks;
-    throw std::runtime_error(os.str());
+    throw std::runtime_error(runtime::strCat("ep low_latency: NVSHMEM says PE ", g_session_pe,
+                                             " of ", g_session_pes, ", expected rank ", rank,
+                                             " of ", num_ranks));
   }
 }
 
@@ -179,10 +178,11 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const Nvshme
     int pe = -1, pes = 0, dev = -1;
     kChecks.require(session(&pe, &pes, &dev),
                     "no NVSHMEM session in this process (start_session first)");
-    std::ostringstream os;
-    os << "the process's NVSHMEM session is PE " << pe << " of " << pes << " on device " << dev
-       << ", not rank " << rank << " of " << num_ranks << " on device " << device;
-    kChecks.require(pe == rank && pes == num_ranks && dev == device, os.str());
+    if (pe != rank || pes != num_ranks || dev != device) {
+      kChecks.require(false, runtime::strCat("the process's NVSHMEM session is PE ", pe, " of ",
+                                             pes, " on device ", dev, ", not rank ", rank, " of ",
+                                             num_ranks, " on device ", device));
+    }
   }
 
   try {
@@ -204,12 +204,11 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const Nvshme
 
     symmetric_ = static_cast<char*>(nvshmem_malloc(bytes));  // collective
     if (symmetric_ == nullptr) {
-      std::ostringstream os;
-      os << "ep low_latency: nvshmem_malloc(" << bytes
-         << ") failed: the symmetric heap cannot hold it. The heap grows on demand only with "
-            "CUDA VMM (leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; "
-            "without VMM it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started";
-      throw std::runtime_error(os.str());
+      throw std::runtime_error(runtime::strCat(
+          "ep low_latency: nvshmem_malloc(", bytes,
+          ") failed: the symmetric heap cannot hold it. The heap grows on demand only with CUDA "
+          "VMM (leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without "
+          "VMM it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started"));
     }
     initialized_ = true;
     kChecks.cuda(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
@@ -469,24 +468,25 @@ std::string NvshmemRuntime::check_error() const {
   const int code = e->code;
   if (code == nvshmem::kErrorNone) return "";
   std::atomic_thread_fence(std::memory_order_acquire);
-  std::ostringstream os;
-  os << "ep " << op_name(e->op) << ": rank " << e->rank;
+  std::string msg = runtime::strCat("ep ", op_name(e->op), ": rank ", e->rank);
   switch (code) {
     case nvshmem::kErrorTimeout:
-      os << " timed out after " << last_timeout_seconds_ << " s waiting for rank " << e->peer;
+      msg += runtime::strCat(" timed out after ", last_timeout_seconds_, " s waiting for rank ",
+                             e->peer);
       break;
     case nvshmem::kErrorCapacity:
-      os << " would send " << e->value_a << " rows to one expert, more than M=" << e->value_b
-         << " (extra rows dropped)";
+      msg +=
+          runtime::strCat(" would send ", e->value_a,
+                          " rows to one expert, more than M=", e->value_b, " (extra rows dropped)");
       break;
     case nvshmem::kErrorInvalidTopkIdx:
-      os << " got topk_idx value " << e->value_a << " at flat position " << e->value_b
-         << ", outside [-1, num_experts)";
+      msg += runtime::strCat(" got topk_idx value ", e->value_a, " at flat position ", e->value_b,
+                             ", outside [-1, num_experts)");
       break;
     default:
-      os << " failed with error code " << code;
+      msg += runtime::strCat(" failed with error code ", code);
   }
-  return os.str();
+  return msg;
 }
 
 bool NvshmemRuntime::failed() const {
