@@ -5,9 +5,13 @@
 # timeout, then the bench once (no sweep). Sized for a 10-minute command limit: every timeout is
 # cut to what is left of BUDGET_S (540 s from the start); a step that runs out of time is
 # reported as TIMED OUT, one never reached as NOT RUN. The full README test command is run separately.
-# Usage: OUT=/some/dir bash tools/verify_next.sh     (logs under $OUT, default ./out)
+# Usage: OUT=/some/dir bash tools/verify_next.sh     (default ./out)
+# $OUT gets two files, since the device tool returns only a few: summary.txt and logs.tgz (every
+# step's log with its slowest tests, the build log, the bench's output). Step limits are sized
+# for 2 GPUs and scaled with the GPU count (the CPU references of the GPU tests grow with it).
 # A second call on the same warm machine can finish what the budget cut, without rebuilding:
 #   SKIP_BUILD=1 STEPS="internode bench" bash tools/verify_next.sh
+# GPUS=2 keeps a run on the first two GPUs of a larger machine.
 # (steps: rank_mask ll_call_tags adversarial moe_low_latency bench_gpu megatron_alltoall
 # nvshmem_session peer_killed internode bench).
 set -uo pipefail
@@ -17,6 +21,8 @@ export PYTHONUNBUFFERED=1 EP_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=${MA
 export EP_BUILD_DIR=${EP_BUILD_DIR:-$PWD/.build-gpu}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)
+trap 'tar czf "$OUT/logs.tgz" --exclude=.push_limit -C "$LOGS" . 2>/dev/null' EXIT
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 # Every step's timeout is cut to what is left of this budget, so that the whole script ends
@@ -28,21 +34,31 @@ summary="$OUT/summary.txt"
 
 note() { echo "$*" | tee -a "$summary"; }
 
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" | tee -a "$OUT/gpus.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$summary"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" | tee -a "$summary"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+# GPUS=N runs every step on the first N GPUs only (e.g. 2 on a 4-GPU machine).
+if [ -n "${GPUS:-}" ] && [ "$GPUS" -lt "$gpus" ]; then
+  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS - 1)))
+  gpus=$GPUS
+fi
+note "GPUs used: $gpus"
+scale_pct=$((gpus > 2 ? 50 * gpus : 100))
 
 if [ "${SKIP_BUILD:-0}" = "1" ]; then
   note "build: skipped (SKIP_BUILD=1)"
-elif ! timeout 330 python -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
-  tail -60 "$OUT/build.log"
-  note "BUILD FAILED (log: $OUT/build.log)"
+elif ! timeout 330 python -m pip install -v --no-build-isolation --no-deps -e . >"$LOGS/build.log" 2>&1; then
+  tail -60 "$LOGS/build.log"
+  note "BUILD FAILED (build.log in logs.tgz)"
   exit 1
 fi
 note "build: $(($(date +%s) - start)) s"
 python -c 'import ep_backend, pathlib; print("nvshmem lib:", (pathlib.Path(ep_backend.__file__).parent / "libep_nvshmem.so").exists())' | tee -a "$summary"
 
 # step NAME SECONDS [ENV=VALUE ...] -- PYTEST ARGS: one pytest run with a timeout; its log in
-# $OUT/NAME.log; prints the pytest summary line, FAILED/ERROR lines and a timeout if any.
+# logs.tgz as NAME.log, with pytest's 15 slowest durations (the 3 slowest also in the summary);
+# the limit scales with the GPU count. Prints the pytest summary line, FAILED/ERROR lines and a
+# timeout if any.
 step() {
   local name=$1 limit=$2
   shift 2
@@ -50,6 +66,7 @@ step() {
   local envs=()
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
+  limit=$((limit * scale_pct / 100))
   local t0=$(date +%s)
   local left=$((deadline - t0))
   [ "$limit" -gt "$left" ] && limit=$left
@@ -57,14 +74,18 @@ step() {
     note "== $name: NOT RUN (the script's ${BUDGET_S} s budget is spent)"
     return
   fi
-  env "${envs[@]}" timeout -k 10 "$limit" python -m pytest -q -p no:cacheprovider -rs "$@" \
-    >"$OUT/$name.log" 2>&1
+  # SIGINT first: pytest then names the test it was in and prints its durations.
+  env "${envs[@]}" timeout -s INT -k 15 "$limit" python -m pytest -v -p no:cacheprovider -rfEs --durations=15 "$@" \
+    >"$LOGS/$name.log" 2>&1
   local rc=$?
   local line
-  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)|no tests ran' "$OUT/$name.log" | tail -1)
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && line="TIMED OUT after $limit s ($line)"
-  note "== $name: rc=$rc, $(($(date +%s) - t0)) s: ${line:-no summary line (see $OUT/$name.log)}"
-  grep -E '^(FAILED|ERROR) ' "$OUT/$name.log" | head -20 | tee -a "$summary"
+  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)|no tests ran' "$LOGS/$name.log" | tail -1)
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    line="TIMED OUT after $limit s in $(grep -oE '^tests/[^ ]+::[^ ]+' "$LOGS/$name.log" | tail -1) ($line)"
+  fi
+  note "== $name: rc=$rc, $(($(date +%s) - t0)) s: ${line:-no summary line (see $name.log in logs.tgz)}"
+  grep -E '^(FAILED|ERROR) ' "$LOGS/$name.log" | head -20 | tee -a "$summary"
+  grep -A3 -E '^=+ slowest' "$LOGS/$name.log" | grep -E '^[0-9.]+s ' | sed 's/^/   /' | tee -a "$summary"
 }
 
 # rel44 (issue #44): rank masking, LL call tags, handle group checks.
@@ -100,10 +121,10 @@ t0=$(date +%s)
 bench_limit=$((deadline - t0))
 [ "$bench_limit" -gt 90 ] && bench_limit=90
 [ "$bench_limit" -lt 15 ] && bench_limit=15
-timeout -k 10 "$bench_limit" python -m ep_backend.bench --no-sweep --out "$OUT/bench" >"$OUT/bench.log" 2>&1
+timeout -k 10 "$bench_limit" python -m ep_backend.bench --no-sweep --out "$LOGS/bench" >"$LOGS/bench.log" 2>&1
 rc=$?
-note "== bench: rc=$rc, $(($(date +%s) - t0)) s (log: $OUT/bench.log)"
-tail -40 "$OUT/bench.log"
+note "== bench: rc=$rc, $(($(date +%s) - t0)) s (bench.log in logs.tgz)"
+tail -40 "$LOGS/bench.log"
 echo
 echo "==== summary ($(($(date +%s) - start)) s in all) ===="
 cat "$summary"
