@@ -86,6 +86,18 @@ BACKEND_MODULES: dict[str, str] = {"ep": "ep_backend"}
 
 _MSG_OK = "ok"
 _MSG_ERROR = "error"
+_MSG_TEARDOWN = "teardown"  # after the result: seconds destroy_process_group took
+
+EXIT_GRACE_S = 10.0
+"""How long finished workers get, all together, to tear down and exit before they are killed."""
+
+SLOW_TEARDOWN_S = 5.0
+"""A worker slower than this to tear down or to exit is reported (``SlowTeardownWarning``)."""
+
+
+class SlowTeardownWarning(UserWarning):
+    """A worker was slow to leave after its result (group teardown or process exit): the test
+    still passes, but the time is spent on every run and often hides a wait for a peer."""
 
 
 def gpu_world_size() -> int:
@@ -193,8 +205,11 @@ def _worker_main(
         conn.send_bytes(pickle.dumps(message))
     finally:
         try:
+            started = time.monotonic()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            with suppress(OSError, ValueError):  # the parent may have stopped listening
+                conn.send_bytes(pickle.dumps((_MSG_TEARDOWN, time.monotonic() - started)))
         finally:
             conn.close()
 
@@ -226,6 +241,45 @@ def _dump_native_stacks(pid: int) -> None:
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         print(f"--- native stacks of pid {pid} ---\n{out.stdout[-20000:]}", file=sys.stderr)
+
+
+def _report_slow_teardown(
+    procs: Sequence[multiprocessing.process.BaseProcess],
+    conns: Sequence[multiprocessing.connection.Connection],
+    results: Mapping[int, Any],
+    finished_at: float,
+) -> bool:
+    """Warn (``SlowTeardownWarning``) about workers that reported a result but took over
+    ``SLOW_TEARDOWN_S`` in ``destroy_process_group`` or were still alive after the grace period.
+    True when some are still alive (their stacks are then dumped before they are killed)."""
+    lines: list[str] = []
+    still_alive = False
+    for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True)):
+        if rank not in results:
+            continue
+        teardown: float | None = None
+        with suppress(OSError, EOFError, pickle.UnpicklingError):
+            if conn.poll(0):
+                kind, seconds = pickle.loads(conn.recv_bytes())
+                if kind == _MSG_TEARDOWN:
+                    teardown = float(seconds)
+        waited = time.monotonic() - finished_at
+        if proc.is_alive():
+            still_alive = True
+            where = (
+                "still in destroy_process_group" if teardown is None
+                else f"past destroy_process_group ({teardown:.1f} s) but not exited"
+            )  # fmt: skip
+            lines.append(f"rank {rank}: {where} {waited:.1f} s after the last result (killed)")
+        elif teardown is not None and teardown > SLOW_TEARDOWN_S:
+            lines.append(f"rank {rank}: destroy_process_group took {teardown:.1f} s")
+    if lines:
+        import warnings
+
+        warnings.warn(
+            "slow worker teardown: " + "; ".join(lines), SlowTeardownWarning, stacklevel=3
+        )
+    return still_alive
 
 
 def _stop(procs: Sequence[multiprocessing.process.BaseProcess], dump_stacks: bool) -> None:
@@ -392,10 +446,14 @@ def run_distributed(
                     pending.discard(rank)
         unfinished = sorted(pending)
     finally:
-        for p in procs:  # finished workers only tear down; give them a moment
+        # Finished workers only tear down: one shared grace period, not one per worker.
+        finished_at = time.monotonic()
+        grace_end = min(deadline, finished_at + EXIT_GRACE_S) if not errors else finished_at
+        for p in procs:
             if p.is_alive():
-                p.join(max(0.0, min(10.0, deadline - time.monotonic())) if not errors else 0.0)
-        _stop(procs, dump_stacks=timed_out)
+                p.join(max(0.0, grace_end - time.monotonic()))
+        slow = _report_slow_teardown(procs, conns, results, finished_at)
+        _stop(procs, dump_stacks=timed_out or slow)
         for c in conns:
             c.close()
         del store
