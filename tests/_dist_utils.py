@@ -452,7 +452,8 @@ def run_distributed(
         for p in procs:
             if p.is_alive():
                 p.join(max(0.0, grace_end - time.monotonic()))
-        slow = _report_slow_teardown(procs, conns, results, finished_at)
+        # (After an error the others are stopped at once: nothing to report about them.)
+        slow = not errors and _report_slow_teardown(procs, conns, results, finished_at)
         _stop(procs, dump_stacks=timed_out or slow)
         for c in conns:
             c.close()
