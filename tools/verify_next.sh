@@ -53,6 +53,13 @@ elif ! timeout 330 python -m pip install -v --no-build-isolation --no-deps -e . 
   exit 1
 fi
 note "build: $(($(date +%s) - start)) s"
+# Megatron-Core for the megatron_alltoall step: the device has no package index, so wheels
+# carried in WHEELS_DIR (default .devrun/wheels, git-ignored) are installed when present.
+wheels_dir=${WHEELS_DIR:-.devrun/wheels}
+if ls "$wheels_dir"/megatron_core-*.whl >/dev/null 2>&1 && ! python -c 'import megatron.core' 2>/dev/null; then
+  python -m pip install -q --no-index --no-deps "$wheels_dir"/*.whl >"$LOGS/wheels.log" 2>&1
+  note "megatron wheels from $wheels_dir: rc=$?"
+fi
 python -c 'import ep_backend, pathlib; print("nvshmem lib:", (pathlib.Path(ep_backend.__file__).parent / "libep_nvshmem.so").exists())' | tee -a "$summary"
 
 # step NAME SECONDS [ENV=VALUE ...] -- PYTEST ARGS: one pytest run with a timeout; its log in
