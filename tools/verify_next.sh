@@ -35,7 +35,8 @@ summary="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$summary"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" | tee -a "$summary"
+# (The device copies the working tree; its .git may name another commit than the files'.)
+echo "git HEAD here: $(git rev-parse --short HEAD 2>/dev/null || echo '?')" | tee -a "$summary"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 # GPUS=N runs every step on the first N GPUs only (e.g. 2 on a 4-GPU machine).
 if [ -n "${GPUS:-}" ] && [ "$GPUS" -lt "$gpus" ]; then

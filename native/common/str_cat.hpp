@@ -1,7 +1,8 @@
 // Error and diagnostic messages for the runtimes inside libep_nvshmem.so, built from std::string
 // and snprintf instead of iostreams. That library is dlopen'ed RTLD_LOCAL beside NVSHMEM's
-// host library, and number formatting through std::ostringstream there faulted (SIGSEGV inside
-// ostream::_M_insert, from the NvshmemRuntime constructor); snprintf touches no C++ locale facet.
+// host library, and there std::ostringstream's number formatting faults (SIGSEGV inside
+// ostream::_M_insert, cause not understood) when built with GCC 13; snprintf touches no C++
+// locale facet.
 #pragma once
 
 #include <cstdint>

@@ -229,22 +229,22 @@ void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t strea
   kChecks.cuda(launch_combine(p, blocks_, stream), "launching the internode combine");
 }
 
+int InternodeRuntime::nodeOf(int rank) const {
+  for (int i = 0; i < setup_.num_ranks; ++i) {
+    if (node_rank_[i] == rank) return i / setup_.ranks_per_node;
+  }
+  return -1;
+}
+
 std::string InternodeRuntime::check_error() const {
   if (error_host_ == nullptr) return "";
   const volatile ErrorRecord* e = error_host_;
   const int code = e->code;
   if (code == kErrorNone) return "";
   std::atomic_thread_fence(std::memory_order_acquire);
-  const int per_node = setup_.ranks_per_node;
-  auto node_of = [&](int rank) {
-    for (int i = 0; i < setup_.num_ranks; ++i) {
-      if (node_rank_[i] == rank) return i / per_node;
-    }
-    return -1;
-  };
   using runtime::strCat;
   std::string msg =
-      strCat("ep internode ", op_name(e->op), ": rank ", e->rank, " (node ", node_of(e->rank), ")");
+      strCat("ep internode ", op_name(e->op), ": rank ", e->rank, " (node ", nodeOf(e->rank), ")");
   switch (code) {
     case kErrorTimeout:
       msg += strCat(" timed out after ", last_timeout_, " s waiting for rank ", e->peer, " (node ",
@@ -256,7 +256,7 @@ std::string InternodeRuntime::check_error() const {
       break;
     case kErrorOutOfStep:
       msg += strCat(" got a signal of call ", e->value_a, " from rank ", e->peer, " (node ",
-                    node_of(e->peer), ") in its call ", e->value_b,
+                    nodeOf(e->peer), ") in its call ", e->value_b,
                     ": the ranks' internode calls are out of step (a bug: report it)");
       break;
     case kErrorInvalidTopkIdx:
@@ -302,13 +302,9 @@ std::string InternodeRuntime::progress() const {
   if (wait[kWaitSeq] == seq_) {
     std::atomic_thread_fence(std::memory_order_acquire);
     const int peer = static_cast<int>(wait[kWaitPeer]);
-    int peer_node = -1;
-    for (int i = 0; i < setup_.num_ranks; ++i) {
-      if (node_rank_[i] == peer) peer_node = i / setup_.ranks_per_node;
-    }
     msg +=
         strCat("; its latest wait (", stage_name(static_cast<int>(wait[kWaitStage])),
-               ") was for rank ", peer, " (node ", peer_node, "): word ",
+               ") was for rank ", peer, " (node ", nodeOf(peer), "): word ",
                runtime::Hex{wait[kWaitSeen]}, ", waiting for >= ", runtime::Hex{wait[kWaitTarget]});
   }
   return msg;

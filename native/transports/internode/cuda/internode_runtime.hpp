@@ -96,6 +96,8 @@ class InternodeRuntime {
   void destroy();  // collective (nvshmem_free); idempotent
 
  private:
+  // The node of `rank` in the node table (setup's node_rank), -1 if it is not in it.
+  int nodeOf(int rank) const;
   internode::Context context(int op, double timeout_seconds, const internode::RecordLayout& rec);
 
   InternodeSetup setup_;
