@@ -209,7 +209,8 @@ def ll_combine_beyond_tolerance(
 
 def ll_valid_mask(recv_count: torch.Tensor, slots: int) -> torch.Tensor:
     """bool ``[E_loc, slots]``: the slots below each expert's ``recv_count``."""
-    return torch.arange(slots).unsqueeze(0) < recv_count.long().unsqueeze(1)
+    slot = torch.arange(slots, device=recv_count.device)
+    return slot.unsqueeze(0) < recv_count.long().unsqueeze(1)
 
 
 def compare_ll_dispatch(m: Mismatches, a, b) -> None:
@@ -224,14 +225,15 @@ def compare_ll_dispatch(m: Mismatches, a, b) -> None:
                f"{tuple(b.recv_x.shape)}")  # fmt: skip
         return
     mask = ll_valid_mask(b.recv_count, b.recv_x.shape[1])
-    m.bitwise(a.recv_x[mask], b.recv_x[mask], "recv_x (valid slots)")
+    a_mask = mask.to(a.recv_x.device)  # the two may be on different devices (CUDA vs reference)
+    m.bitwise(a.recv_x[a_mask], b.recv_x[mask], "recv_x (valid slots)")
     if a.recv_x_scales is None or b.recv_x_scales is None:
         m.bitwise(a.recv_x_scales, b.recv_x_scales, "recv_x_scales")
     else:
         m.check(a.recv_x_scales.is_contiguous(), "recv_x_scales must be contiguous")
         m.bitwise(a.recv_x_scales.shape, b.recv_x_scales.shape, "recv_x_scales shape")
         if a.recv_x_scales.shape == b.recv_x_scales.shape:
-            m.bitwise(a.recv_x_scales[mask], b.recv_x_scales[mask], "recv_x_scales")
+            m.bitwise(a.recv_x_scales[a_mask], b.recv_x_scales[mask], "recv_x_scales")
 
 
 def scale_rows(y: torch.Tensor, factor: float) -> torch.Tensor:

@@ -6,8 +6,8 @@ mask it (explicitly with ``low_latency_update_mask``, or automatically: ``low_la
 masks it when it misses the next call) and make ``STEPS_MASKED`` more calls, checked against the
 reference with ``mask=[last]`` (which the stopped rank does not call either). On CPU the ATen
 path is checked bit for bit; on CUDA the NVSHMEM kernels (dispatch bitwise, combine within
-float32-accumulation tolerance). The stopped rank waits on a side Gloo group until the others
-are done. Also: argument checks, the deep_ep facade's ``*_mask_buffer`` methods, and ranks that
+float32-accumulation tolerance). The reference runs on CPU copies over a side Gloo group, where
+the stopped rank also waits until the others are done. Also: argument checks, the deep_ep facade's ``*_mask_buffer`` methods, and ranks that
 disagree on the mask raising on every live rank.
 """
 
@@ -51,28 +51,31 @@ def _expert(y: torch.Tensor) -> torch.Tensor:
 
 
 def _step(
-    ep: Any, ref: Any, group: Any, rank: int, world: int, step: int, device: torch.device,
-    mask: list[int] | None, m: Mismatches,
+    ep: Any, ref: Any, group: Any, ref_group: Any, rank: int, world: int, step: int,
+    device: torch.device, mask: list[int] | None, m: Mismatches,
 ) -> None:  # fmt: skip
-    x, idx, w = _inputs(rank, step, world, device)
+    # The reference runs on CPU copies over ``ref_group`` (Gloo), so that it shares nothing
+    # with the ep kernels it checks (no NCCL point-to-point, no CUDA stream).
+    x, idx, w = _inputs(rank, step, world, torch.device("cpu"))
+    xd, idxd, wd = x.to(device), idx.to(device), w.to(device)
     experts = 4 * world
     for fp8 in (False, True):
-        got = ep.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=fp8, group=group)
-        want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=fp8, group=group,
-                                        mask=mask)  # fmt: skip
+        got = ep.low_latency_dispatch(xd, idxd, MAX_TOKENS, experts, use_fp8=fp8, group=group)
+        want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=fp8,
+                                        group=ref_group, mask=mask)  # fmt: skip
         compare_ll_dispatch(m, got, want)
-    got = ep.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False, group=group)
-    want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False, group=group,
+    got = ep.low_latency_dispatch(xd, idxd, MAX_TOKENS, experts, use_fp8=False, group=group)
+    want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, experts, use_fp8=False, group=ref_group,
                                     mask=mask)  # fmt: skip
     y = _expert(want.recv_x)
-    out = ep.low_latency_combine(y, idx, w, got.handle, group=group)
-    expected = ref.low_latency_combine(y, idx, w, want.handle, group=group, mask=mask)
+    out = ep.low_latency_combine(y.to(device), idxd, wd, got.handle, group=group)
+    expected = ref.low_latency_combine(y, idx, w, want.handle, group=ref_group, mask=mask)
     if device.type == "cpu":
         m.bitwise(out, expected, f"combine step {step}")
     else:
         from moe_helpers import ll_combine_beyond_tolerance
 
-        magnitude = ref.low_latency_combine(y.abs(), idx, w.abs(), want.handle, group=group,
+        magnitude = ref.low_latency_combine(y.abs(), idx, w.abs(), want.handle, group=ref_group,
                                             mask=mask)  # fmt: skip
         bad = ll_combine_beyond_tolerance(out, expected, magnitude, TOPK)
         m.check(bad == 0, f"combine step {step}: {bad} outputs beyond tolerance")
@@ -85,7 +88,7 @@ def _mask_worker(rank: int, world: int, how: str, device_type: str) -> dict[str,
     single_thread()
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else (
         torch.device("cpu"))  # fmt: skip
-    side = dist.new_group(backend="gloo")  # where the stopped rank waits
+    side = dist.new_group(backend="gloo")  # the reference's group; the stopped rank waits there
     group = dist.new_group(backend="ep", timeout=datetime.timedelta(seconds=60))
     stopped = world - 1
     out: dict[str, Any] = {"mismatches": [], "query": None, "masked_seconds": []}
@@ -93,13 +96,13 @@ def _mask_worker(rank: int, world: int, how: str, device_type: str) -> dict[str,
     if how == "auto":
         ep.low_latency_auto_mask(AUTO_MASK_S, group=group)
     for step in range(STEPS_TOGETHER):
-        _step(ep, ref, group, rank, world, step, device, None, m)
+        _step(ep, ref, group, side, rank, world, step, device, None, m)
     if rank != stopped:
         if how == "explicit":
             ep.low_latency_update_mask(stopped, group=group)
         for step in range(STEPS_TOGETHER, STEPS_TOGETHER + STEPS_MASKED):
             start = time.monotonic()
-            _step(ep, ref, group, rank, world, step, device, [stopped], m)
+            _step(ep, ref, group, side, rank, world, step, device, [stopped], m)
             out["masked_seconds"].append(time.monotonic() - start)
         out["query"] = ep.low_latency_query_mask(group)
         if device_type == "cuda":
@@ -222,20 +225,24 @@ def _deep_ep_worker(rank: int, world: int, device_type: str = "cpu") -> list[str
     m.bitwise(status, torch.zeros(world, dtype=torch.int32), "query before")
 
     def call(step: int, mask: list[int] | None) -> None:
-        x, idx, w = _inputs(rank, step, world, device)
-        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world,
-                                                                  use_fp8=False)  # fmt: skip
-        want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world, use_fp8=False, mask=mask)
+        # The reference: CPU copies over the Gloo group `side` (see _step).
+        x, idx, w = _inputs(rank, step, world, torch.device("cpu"))
+        idxd = idx.to(device)
+        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(
+            x.to(device), idxd, MAX_TOKENS, 4 * world, use_fp8=False)  # fmt: skip
+        want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world, use_fp8=False,
+                                        group=side, mask=mask)  # fmt: skip
         m.bitwise(count, want.recv_count, f"recv_count step {step}")
         y = _expert(want.recv_x)
-        combined, _, _ = buffer.low_latency_combine(y, idx, w, handle)
-        expected = ref.low_latency_combine(y, idx, w, want.handle, mask=mask)
+        combined, _, _ = buffer.low_latency_combine(y.to(device), idxd, w.to(device), handle)
+        expected = ref.low_latency_combine(y, idx, w, want.handle, group=side, mask=mask)
         if device.type == "cpu":
             m.bitwise(combined, expected, f"combine step {step}")
         else:
             from moe_helpers import ll_combine_beyond_tolerance
 
-            magnitude = ref.low_latency_combine(y.abs(), idx, w.abs(), want.handle, mask=mask)
+            magnitude = ref.low_latency_combine(y.abs(), idx, w.abs(), want.handle, group=side,
+                                                mask=mask)  # fmt: skip
             bad = ll_combine_beyond_tolerance(combined, expected, magnitude, TOPK)
             m.check(bad == 0, f"combine step {step}: {bad} outputs beyond tolerance")
 

@@ -64,21 +64,31 @@ __device__ __forceinline__ void raise_timeout(const WaitContext& ctx, int peer) 
 }
 
 // Spins (single thread) until `ready()` holds. Returns false on timeout or abort; on timeout the
-// error record names `peer` as the rank we waited for.
+// error record names `peer` as the rank we waited for. `periods` timeouts pass before it gives up.
 template <typename Ready>
-__device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Ready ready) {
+__device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Ready ready,
+                                          int periods = 1) {
   if (ready()) return true;
   const long long start = clock64();
   for (uint32_t iter = 1;; ++iter) {
     if (ready()) return true;
     if ((iter & 255u) == 0) {
       if (aborted(ctx)) return false;
-      if (clock64() - start > ctx.timeout_cycles) {
+      if (clock64() - start > periods * ctx.timeout_cycles) {
         raise_timeout(ctx, peer);
         return false;
       }
     }
   }
+}
+
+// A wait on other work of this GPU (our own notify kernel, this block's publisher), which only
+// stalls because that work waits for a peer: twice the timeout, so that the work's own wait times
+// out first and its record names the peer (the first record wins; a timeout also aborts every
+// other wait). Only a stall of this GPU's own work is reported as waiting for this rank.
+template <typename Ready>
+__device__ __forceinline__ bool spin_wait_on_this_gpu(const WaitContext& ctx, Ready ready) {
+  return spin_wait(ctx, ctx.rank, ready, 2);
 }
 
 // ---- warp row copies --------------------------------------------------------------------------
@@ -132,7 +142,7 @@ __device__ __forceinline__ int next_item(ControlBlock* ctrl, int previous, int f
 __device__ __forceinline__ bool hand_over(const WaitContext& ctx, PublishQueue& q, int w, int k,
                                           int item) {
   auto has_room = [&] { return k - ld_acquire_cta_shared(&q.published[w]) < kPublishRing; };
-  if (!has_room() && !spin_wait(ctx, ctx.rank, has_room)) return false;
+  if (!has_room() && !spin_wait_on_this_gpu(ctx, has_room)) return false;
   q.items[w][k % kPublishRing] = item;
   st_release_cta_shared(&q.progress[w], (k + 1) << 1);
   return true;

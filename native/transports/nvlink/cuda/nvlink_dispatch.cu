@@ -95,8 +95,8 @@ __device__ __forceinline__ long long load_idx(const void* base, size_t i, int id
 // Behind a running notify (p.after_notify): waits until notify has written the receive counts,
 // prefix and verdict of this sequence (ControlBlock::notified); false on abort or timeout.
 __device__ __forceinline__ bool wait_notified(const device::WaitContext& ctx, uint64_t seq) {
-  return device::spin_wait(ctx, ctx.rank,
-                           [&] { return ptx::ld_acquire_gpu(&ctx.ctrl->notified) >= seq; });
+  return device::spin_wait_on_this_gpu(
+      ctx, [&] { return ptx::ld_acquire_gpu(&ctx.ctrl->notified) >= seq; });
 }
 
 // Start of the row `slot` that `src` writes into `receiver`'s buffer (mapped as `buffer`).
