@@ -460,7 +460,7 @@ def _slab_lifetimes(rank: int, world: int) -> dict:
                             x_scales=None if s8 is None else s8.cpu())  # fmt: skip
         return out, want
 
-    def same(out, want, combine: bool = True) -> bool:
+    def same(out, want, combine: bool = True, group=None) -> bool:
         ok = (torch.equal(out.recv_x.view(torch.uint8).cpu(), want.recv_x.view(torch.uint8))
               and torch.equal(out.recv_topk_idx.cpu(), want.recv_topk_idx)
               and torch.equal(out.recv_topk_weights.cpu(), want.recv_topk_weights)
@@ -469,7 +469,7 @@ def _slab_lifetimes(rank: int, world: int) -> dict:
             ok = ok and torch.equal(out.recv_x_scales.cpu(), want.recv_x_scales)
         if not combine:
             return ok
-        combined = ep.combine(out.recv_x.float().bfloat16(), out.handle).combined_x
+        combined = ep.combine(out.recv_x.float().bfloat16(), out.handle, group=group).combined_x
         expected = ref.combine(want.recv_x.float().bfloat16(), want.handle).combined_x
         return ok and torch.equal(combined.cpu(), expected)
 
@@ -490,7 +490,7 @@ def _slab_lifetimes(rank: int, world: int) -> dict:
     res["after_destroy"] = same(*kept, combine=False)
     plain = dist.new_group(list(range(world)), backend="ep",
                            pg_options=ep.Options(recv_slabs=0))  # fmt: skip
-    res["no_slabs"] = same(*call(12, group=plain))
+    res["no_slabs"] = same(*call(12, group=plain), group=plain)  # its handle belongs to plain
     dist.destroy_process_group(plain)
     options = ep.get_backend().options
     options.recv_slabs = 3 if rank == 0 else 2
