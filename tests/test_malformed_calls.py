@@ -60,7 +60,7 @@ def _meta_layout(c: Ctx, field: str) -> Any:
 
 def _fp8_dispatch_meta_scales(c: Ctx) -> Any:
     x8 = c.x.float().to(torch.float8_e4m3fn)
-    scales = torch.ones((NUM_TOKENS, 1))
+    scales = torch.ones((NUM_TOKENS, 1), device=c.device)
     return c.dispatch(x=x8, x_scales=_meta_on_1(c, scales))
 
 
@@ -94,7 +94,9 @@ NEW_CASES: dict[str, Malformed] = {
     "meta_ll_topk_idx": Malformed(lambda c: c.ll_dispatch(topk_idx=_meta_on_1(c, c.idx))),
     "meta_ll_stats": Malformed(
         lambda c: c.ll_dispatch(
-            cumulative_local_expert_recv_stats=_meta_on_1(c, torch.zeros(2, dtype=torch.int32))
+            cumulative_local_expert_recv_stats=_meta_on_1(
+                c, torch.zeros(2, dtype=torch.int32, device=c.device)
+            )
         )
     ),
     "meta_ll_x_every_rank": Malformed(lambda c: c.ll_dispatch(x=_meta(c.ll_x)), all_bad=True),
@@ -139,7 +141,8 @@ NEW_CASES: dict[str, Malformed] = {
         lambda c: c.dispatch(num_experts=c.num_experts + 1), all_bad=True
     ),
     "every_rank_ll_hidden_200": Malformed(
-        lambda c: c.ll_dispatch(x=torch.zeros((NUM_TOKENS, 200), dtype=BF16)), all_bad=True
+        lambda c: c.ll_dispatch(x=torch.zeros((NUM_TOKENS, 200), dtype=BF16, device=c.device)),
+        all_bad=True,
     ),
     "every_rank_combine_int": Malformed(
         lambda c: c.combine(x=scale_rows(c.out.recv_x, 1.0).int()), all_bad=True
@@ -168,10 +171,9 @@ def test_at_least_sixty_cases() -> None:
     assert len(NEW_CASES) >= 30
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_every_rank_raises_the_documented_type(name: str) -> None:
-    case = CASES[name]
-    for rank, outcome in enumerate(outcome[name] for outcome in _results()):
+def check_documented_type(case: Malformed, per_rank: list[dict[str, Any]]) -> None:
+    """The contract for one case, from every rank's outcome (see ``case_worker``)."""
+    for rank, outcome in enumerate(per_rank):
         error = outcome["error"]
         assert error is not None, f"rank {rank} did not raise"
         described = f"rank {rank}: {error['name']}: {error['message']}"
@@ -181,3 +183,8 @@ def test_every_rank_raises_the_documented_type(name: str) -> None:
         assert "Exception raised from" not in error["message"], described  # no C++ stack
         assert outcome["seconds"] < CASE_SECONDS, f"rank {rank} took {outcome['seconds']:.1f} s"
         assert not outcome["after"], f"rank {rank}: " + "; ".join(outcome["after"])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_rank_raises_the_documented_type(name: str) -> None:
+    check_documented_type(CASES[name], [outcome[name] for outcome in _results()])

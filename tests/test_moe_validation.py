@@ -62,6 +62,7 @@ class Ctx:
     other_group_out: Any  # a valid DispatchOutput on a subgroup of another size
     ll_x: torch.Tensor
     ll_out: Any  # a valid LowLatencyDispatchOutput of (ll_x, idx)
+    device: torch.device  # of every tensor above (the cases make theirs there too)
 
     @property
     def bad(self) -> bool:
@@ -124,11 +125,11 @@ class Case:
 
 
 def _wide(c: Ctx) -> torch.Tensor:
-    return torch.zeros((NUM_TOKENS, 2 * HIDDEN), dtype=BF16)[:, ::2]
+    return torch.zeros((NUM_TOKENS, 2 * HIDDEN), dtype=BF16, device=c.device)[:, ::2]
 
 
 def _fp8(c: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    return c.x.float().to(FP8), torch.ones((NUM_TOKENS, 1))
+    return c.x.float().to(FP8), torch.ones((NUM_TOKENS, 1), device=c.device)
 
 
 def _with_id(c: Ctx, value: int) -> torch.Tensor:
@@ -184,12 +185,13 @@ CASES: dict[str, Case] = {
         lambda c: c.dispatch(x=c.pick(c.x, _fp8(c)[0])), "FP8 x needs x_scales"
     ),
     "scales_with_bf16_x": Case(
-        lambda c: c.dispatch(x_scales=c.pick(None, torch.ones((NUM_TOKENS, 1)))),
+        lambda c: c.dispatch(x_scales=c.pick(None, torch.ones((NUM_TOKENS, 1), device=c.device))),
         "x_scales are only accepted with FP8 x",
     ),
     "scales_wrong_rows": Case(
         lambda c: c.dispatch(
-            x=_fp8(c)[0], x_scales=c.pick(_fp8(c)[1], torch.ones((NUM_TOKENS + 1, 1)))
+            x=_fp8(c)[0],
+            x_scales=c.pick(_fp8(c)[1], torch.ones((NUM_TOKENS + 1, 1), device=c.device)),
         ),
         "x_scales has 6 rows but x has 5",
     ),
@@ -226,7 +228,9 @@ CASES: dict[str, Case] = {
     ),
     "topk_33": Case(
         lambda c: c.dispatch(
-            topk_idx=c.pick(c.idx, torch.zeros((NUM_TOKENS, 33), dtype=torch.long)),
+            topk_idx=c.pick(
+                c.idx, torch.zeros((NUM_TOKENS, 33), dtype=torch.long, device=c.device)
+            ),
             topk_weights=None,
         ),
         r"top-k must be in \[1, 32\], got 33",
@@ -377,7 +381,9 @@ CASES: dict[str, Case] = {
         everywhere=True,
     ),
     "disagree_on_hidden": Case(
-        lambda c: c.dispatch(x=c.pick(c.x, torch.zeros((NUM_TOKENS, HIDDEN + 8), dtype=BF16))),
+        lambda c: c.dispatch(
+            x=c.pick(c.x, torch.zeros((NUM_TOKENS, HIDDEN + 8), dtype=BF16, device=c.device))
+        ),
         "ranks disagree on hidden size H",
         everywhere=True,
     ),
@@ -506,13 +512,19 @@ CASES: dict[str, Case] = {
     # ---- low-latency dispatch -------------------------------------------------------------
     "ll_tokens_over_max": Case(
         lambda c: c.ll_dispatch(
-            x=c.pick(c.ll_x, torch.zeros((LL_MAX_TOKENS + 1, LL_HIDDEN), dtype=BF16)),
-            topk_idx=c.pick(c.idx, torch.zeros((LL_MAX_TOKENS + 1, TOPK), dtype=torch.long)),
+            x=c.pick(
+                c.ll_x, torch.zeros((LL_MAX_TOKENS + 1, LL_HIDDEN), dtype=BF16, device=c.device)
+            ),
+            topk_idx=c.pick(
+                c.idx, torch.zeros((LL_MAX_TOKENS + 1, TOPK), dtype=torch.long, device=c.device)
+            ),
         ),
         "T=7 tokens exceed num_max_dispatch_tokens_per_rank=6",
     ),
     "ll_hidden_not_multiple_of_128": Case(
-        lambda c: c.ll_dispatch(x=c.pick(c.ll_x, torch.zeros((NUM_TOKENS, 200), dtype=BF16))),
+        lambda c: c.ll_dispatch(
+            x=c.pick(c.ll_x, torch.zeros((NUM_TOKENS, 200), dtype=BF16, device=c.device))
+        ),
         "H must be a positive multiple of 128, got 200",
     ),
     "ll_x_float32": Case(
@@ -520,7 +532,7 @@ CASES: dict[str, Case] = {
     ),
     "ll_ue8m0_without_round_scale": Case(
         lambda c: c.ll_dispatch(
-            x=torch.zeros((NUM_TOKENS, 512), dtype=BF16),
+            x=torch.zeros((NUM_TOKENS, 512), dtype=BF16, device=c.device),
             use_fp8=True,
             use_ue8m0=c.pick(False, True),
         ),
@@ -533,7 +545,7 @@ CASES: dict[str, Case] = {
     "ll_expert_repeated_beyond_max": Case(
         lambda c: c.ll_dispatch(
             num_max_dispatch_tokens_per_rank=5,
-            topk_idx=c.pick(c.idx, torch.zeros((NUM_TOKENS, 2), dtype=torch.long)),
+            topk_idx=c.pick(c.idx, torch.zeros((NUM_TOKENS, 2), dtype=torch.long, device=c.device)),
         ),
         "at most num_max_dispatch_tokens_per_rank rows to one expert",
     ),
@@ -544,7 +556,8 @@ CASES: dict[str, Case] = {
     "ll_stats_wrong_dtype": Case(
         lambda c: c.ll_dispatch(
             cumulative_local_expert_recv_stats=c.pick(
-                torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+                torch.zeros(2, dtype=torch.int32, device=c.device),
+                torch.zeros(2, dtype=torch.int64, device=c.device),
             )
         ),
         "cumulative_local_expert_recv_stats must be int32",
@@ -595,7 +608,7 @@ CASES: dict[str, Case] = {
     ),
     "ll_combine_out_wrong_shape": Case(
         lambda c: c.ll_combine(
-            out=c.pick(None, torch.zeros((NUM_TOKENS, LL_HIDDEN + 1), dtype=BF16))
+            out=c.pick(None, torch.zeros((NUM_TOKENS, LL_HIDDEN + 1), dtype=BF16, device=c.device))
         ),
         "out must be BF16",
         ValueError,
@@ -628,12 +641,12 @@ def _routing(rank: int, world: int) -> torch.Tensor:
     return torch.cat([t, t + 1], 1) % num_experts
 
 
-def _make_ctx(ep, rank: int, world: int) -> Ctx:
+def _make_ctx(ep, rank: int, world: int, device: torch.device) -> Ctx:
     gen = torch.Generator().manual_seed(rank)
     num_experts = 2 * world
-    x = torch.randn((NUM_TOKENS, HIDDEN), generator=gen).to(BF16)
-    idx = _routing(rank, world)
-    weights = torch.rand((NUM_TOKENS, TOPK), generator=gen)
+    x = torch.randn((NUM_TOKENS, HIDDEN), generator=gen).to(BF16).to(device)
+    idx = _routing(rank, world).to(device)
+    weights = torch.rand((NUM_TOKENS, TOPK), generator=gen).to(device)
     out = ep.dispatch(x, idx, weights, num_experts)
     all_to_rank0 = ep.dispatch(x, torch.zeros_like(idx), None, num_experts)
     # Subgroups of another size (every rank creates all of them, in the same order).
@@ -641,13 +654,14 @@ def _make_ctx(ep, rank: int, world: int) -> Ctx:
     groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
     group = groups[rank // size]
     other_group_out = ep.dispatch(x, idx % (2 * size), None, 2 * size, group=group)
-    ll_x = torch.randn((NUM_TOKENS, LL_HIDDEN), generator=gen).to(BF16)
+    ll_x = torch.randn((NUM_TOKENS, LL_HIDDEN), generator=gen).to(BF16).to(device)
     ll_out = ep.low_latency_dispatch(ll_x, idx, LL_MAX_TOKENS, num_experts, use_fp8=False)
     return Ctx(rank, world, ep, num_experts, x, idx, weights, out, all_to_rank0,
-               other_group_out, ll_x, ll_out)  # fmt: skip
+               other_group_out, ll_x, ll_out, device)  # fmt: skip
 
 
-def _valid_round_trip(ep, ref, rank: int, world: int, step: int) -> list[str]:
+def _valid_round_trip(ep, ref, rank: int, world: int, step: int, device: torch.device) -> list[str]:
+    """A valid dispatch + combine on ``device`` against the reference on CPU (bitwise)."""
     m = Mismatches(context="valid call after the case")
     gen = torch.Generator().manual_seed(1000 * step + rank)
     num_experts = 2 * world
@@ -655,31 +669,39 @@ def _valid_round_trip(ep, ref, rank: int, world: int, step: int) -> list[str]:
     x = torch.randn((num_tokens, 24), generator=gen).to(BF16)
     idx = torch.randint(-1, num_experts, (num_tokens, 3), generator=gen)
     weights = torch.rand((num_tokens, 3), generator=gen)
-    a = ep.dispatch(x, idx, weights, num_experts, expert_alignment=2)
+    a = ep.dispatch(x.to(device), idx.to(device), weights.to(device), num_experts,
+                    expert_alignment=2)  # fmt: skip
     b = ref.dispatch(x, idx, weights, num_experts, expert_alignment=2)
     compare_dispatch(m, a, b)
     y = scale_rows(b.recv_x, 3.0)
-    compare_combine(m, ep.combine(y, a.handle, b.recv_topk_weights, bias=x),
-                    ref.combine(y, b.handle, b.recv_topk_weights, bias=x))  # fmt: skip
+    got = ep.combine(y.to(device), a.handle, b.recv_topk_weights.to(device), bias=x.to(device))
+    compare_combine(m, got, ref.combine(y, b.handle, b.recv_topk_weights, bias=x))
     return m.items
 
 
-def case_worker(rank: int, world: int, module: str, names: list[str]) -> dict[str, Any]:
+def case_worker(
+    rank: int, world: int, module: str, names: list[str], device_type: str = "cpu"
+) -> dict[str, Any]:
     """One rank's outcomes of the cases ``names`` of ``module.CASES`` (each has a ``call``),
     each followed by a valid round trip: per case, ``error`` (``None``, or the exception's
     ``name``, ``message`` and ``bases``, the names of its type's MRO), ``seconds`` and
-    ``after`` (the round trip's mismatches). Shared with ``test_malformed_calls``."""
+    ``after`` (the round trip's mismatches). The tensors are on ``device_type`` (``"cuda"``: this
+    rank's GPU, the reference still on CPU). Shared with ``test_malformed_calls``."""
     import ep_backend as ep
     from ep_backend import reference as ref
 
     cases = importlib.import_module(module).CASES
     single_thread()
-    ctx = _make_ctx(ep, rank, world)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else (
+        torch.device("cpu"))  # fmt: skip
+    ctx = _make_ctx(ep, rank, world, device)
     outcomes: dict[str, Any] = {}
     for step, name in enumerate(names):
         start = time.monotonic()
         try:
             cases[name].call(ctx)
+            if device.type == "cuda":  # an error found on the GPU is raised by a later sync
+                torch.cuda.synchronize()
             error = None
         except Exception as exc:  # recorded, checked by the parent
             error = {
@@ -691,7 +713,7 @@ def case_worker(rank: int, world: int, module: str, names: list[str]) -> dict[st
         outcomes[name] = {
             "error": error,
             "seconds": elapsed,
-            "after": _valid_round_trip(ep, ref, rank, world, step),
+            "after": _valid_round_trip(ep, ref, rank, world, step, device),
         }
     return outcomes
 
@@ -712,11 +734,8 @@ def test_enough_cases() -> None:
     assert len(CASES) >= 25
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", list(CASES))
-def test_every_rank_raises(world: int, name: str) -> None:
-    case = CASES[name]
-    per_rank = [outcome[name] for outcome in _results(world)]
+def check_every_rank_raised(case: Case, per_rank: list[dict[str, Any]]) -> None:
+    """The contract for one case, from every rank's outcome (see ``case_worker``)."""
     for rank, outcome in enumerate(per_rank):
         assert outcome["error"] is not None, f"rank {rank} did not raise"
         type_name, message, bases = (outcome["error"][k] for k in ("name", "message", "bases"))
@@ -735,3 +754,9 @@ def test_every_rank_raises(world: int, name: str) -> None:
         assert "nothing was exchanged" in message.lower() or rank == 1, message
         assert outcome["seconds"] < CASE_SECONDS, f"rank {rank} took {outcome['seconds']:.1f} s"
         assert not outcome["after"], f"rank {rank}: " + "; ".join(outcome["after"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_rank_raises(world: int, name: str) -> None:
+    check_every_rank_raised(CASES[name], [outcome[name] for outcome in _results(world)])
