@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
-from moe_helpers import cuda_routing, ll_combine_beyond_tolerance, nvshmem_built
+from moe_helpers import cuda_routing, ll_combine_beyond_tolerance, ll_valid_mask, nvshmem_built
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -338,9 +338,10 @@ def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts:
         graph.replay()
         e = ref.low_latency_dispatch(x.cpu(), idx.cpu(), m, num_experts, use_fp8=False)
         check(f"step {step} recv_count", d.recv_count, e.recv_count)
-        for le in range(e.recv_count.numel()):  # slots past recv_count are unspecified
-            n = int(e.recv_count[le])
-            check(f"step {step} recv_x e{le}", d.recv_x[le, :n], e.recv_x[le, :n])
+        # Slots past recv_count are unspecified; the valid ones in one copy to the host (one
+        # per expert made the one-rank run, 256 local experts, a GPU sync per slice).
+        valid = ll_valid_mask(e.recv_count, e.recv_x.shape[1])
+        check(f"step {step} recv_x (valid slots)", d.recv_x.cpu()[valid], e.recv_x[valid])
         want = ref.low_latency_combine(e.recv_x * 2, idx.cpu(), w.cpu(), e.handle)
         magnitude = ref.low_latency_combine(
             (e.recv_x * 2).abs(), idx.cpu(), w.cpu().abs(), e.handle
