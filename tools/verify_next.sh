@@ -12,7 +12,7 @@
 # A second call on the same warm machine can finish what the budget cut, without rebuilding:
 #   SKIP_BUILD=1 STEPS="internode bench" bash tools/verify_next.sh
 # GPUS=2 keeps a run on the first two GPUs of a larger machine.
-# (steps: rank_mask ll_call_tags adversarial moe_low_latency bench_gpu megatron_alltoall
+# (steps: rank_mask ll_call_tags adversarial malformed_gpu moe_low_latency bench_gpu megatron_alltoall
 # nvshmem_session peer_killed internode bench).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PIP_NO_INDEX=1
@@ -100,6 +100,9 @@ step() {
 step rank_mask 180 -- tests/test_rank_mask.py
 step ll_call_tags 60 -- tests/test_ll_call_tags_gpu.py
 step adversarial 60 -- tests/test_adversarial.py
+# The malformed-call suite's CUDA subset (issue #44 item 6): 127 cases, each followed by a valid
+# round trip checked against the reference.
+step malformed_gpu 120 -- tests/test_malformed_calls_gpu.py
 # Regression: the low-latency kernels now read the rank mask on every launch.
 step moe_low_latency 90 -- tests/test_moe_gpu.py -k low_latency
 # bench43 (issue #43): push-limit and loop-of-steps rows.
