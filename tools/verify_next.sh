@@ -13,7 +13,7 @@
 #   SKIP_BUILD=1 STEPS="internode bench" bash tools/verify_next.sh
 # GPUS=2 keeps a run on the first two GPUs of a larger machine.
 # (steps: rank_mask ll_call_tags adversarial malformed_gpu moe_low_latency bench_gpu megatron_alltoall
-# nvshmem_session peer_killed internode bench).
+# nvshmem_session peer_killed internode bench; gpu_moe and gpu_rest only when named).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PIP_NO_INDEX=1
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
@@ -121,6 +121,19 @@ step peer_killed 180 -- -rP tests/test_peer_killed_gpu.py tests/test_peer_killed
 # a hang here costs the most; its soak is cut to 50 calls, EP_INTERNODE_SOAK_CALLS overrides).
 step internode 200 EP_TEST_INTERNODE=1 EP_INTERNODE_TRACE=1 \
   EP_INTERNODE_SOAK_CALLS="${EP_INTERNODE_SOAK_CALLS:-50}" -- tests/test_internode_emulation_gpu.py
+
+# The rest of the GPU suite, in two parts that each fit one 10-minute command at 4 GPUs; run only
+# when STEPS names them (STEPS="gpu_moe" then STEPS="gpu_rest"): with the steps above they cover
+# every GPU test (`-m gpu`).
+stepped=(test_rank_mask.py test_ll_call_tags_gpu.py test_adversarial.py test_malformed_calls_gpu.py
+  test_bench_gpu.py test_nvshmem_session_gpu.py test_peer_killed_gpu.py test_recovery.py
+  test_internode_emulation_gpu.py test_moe_gpu.py)
+if [[ " ${STEPS:-} " == *" gpu_moe "* ]]; then
+  step gpu_moe 400 -- -m gpu tests/test_moe_gpu.py
+fi
+if [[ " ${STEPS:-} " == *" gpu_rest "* ]]; then
+  step gpu_rest 450 -- -n 2 -m gpu tests "${stepped[@]/#/--ignore=tests/}"
+fi
 
 if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" bench "* ]]; then
   echo "==== summary ($(($(date +%s) - start)) s in all) ===="
