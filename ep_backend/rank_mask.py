@@ -61,7 +61,17 @@ def low_latency_update_mask(
     for rank in targets:
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise TypeError(f"ranks must be ints, got {type(rank).__name__}")
-    backend = get_backend(_group(group))
+    pg = _group(group)
+    backend = get_backend(pg)
+    # Every rank is checked before any is applied: a bad one leaves the mask as it was.
+    size, me = pg.size(), pg.rank()
+    for rank in targets:
+        if not 0 <= rank < size:
+            raise ValueError(
+                f"ep low_latency_update_mask: rank {rank} is not in the group (size {size})"
+            )
+        if rank == me and masked:
+            raise ValueError(f"ep low_latency_update_mask: rank {rank} cannot mask itself")
     for rank in targets:
         backend._low_latency_update_mask(rank, masked)
 
@@ -82,18 +92,21 @@ def low_latency_auto_mask(timeout: float | datetime.timedelta | None, group: Gro
     Args:
         timeout: seconds (float or ``timedelta``, positive) a live rank waits for a peer to join
             a low-latency call before masking it; ``None`` turns auto-masking off. While on,
-            every low-latency call agrees point-to-point (see the module docstring).
+            every low-latency call agrees point-to-point (see the module docstring). At least
+            1 ms, at most 1e9 s.
         group: an ``"ep"`` process group (default: WORLD).
 
     Raises:
-        TypeError / ValueError: ``timeout`` of another type, or not positive.
+        TypeError / ValueError: ``timeout`` of another type, or outside [1 ms, 1e9 s] (NaN
+            included).
     """
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if timeout is not None:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
             raise TypeError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        # The native side counts whole milliseconds in an int64.
+        if not 1e-3 <= timeout <= 1e9:
+            raise ValueError(f"timeout must be between 1 ms and 1e9 s, got {timeout}")
         timeout = float(timeout)
     get_backend(_group(group))._low_latency_auto_mask(timeout)

@@ -155,12 +155,19 @@ def _arguments_worker(rank: int, world: int) -> list[str]:
         (lambda: ep.low_latency_update_mask(1 - rank, masked=1), TypeError),
         (lambda: ep.low_latency_auto_mask(0.0), ValueError),
         (lambda: ep.low_latency_auto_mask("1"), TypeError),
+        (lambda: ep.low_latency_auto_mask(1e-4), ValueError),  # under a millisecond
+        (lambda: ep.low_latency_auto_mask(float("nan")), ValueError),
+        (lambda: ep.low_latency_auto_mask(float("inf")), ValueError),
+        # A list with one bad rank leaves the mask as it was (the query below sees nothing).
+        (lambda: ep.low_latency_update_mask([1 - rank, world]), ValueError),
+        (lambda: ep.low_latency_update_mask([1 - rank, rank]), ValueError),
     ):
         try:
             call()
             seen.append("no error")
         except exc:
             seen.append(exc.__name__)
+    seen.append(str(ep.low_latency_query_mask()))
     ep.low_latency_update_mask([1 - rank])
     seen.append(str(ep.low_latency_query_mask()))
     ep.low_latency_update_mask(1 - rank, masked=False)
@@ -173,9 +180,9 @@ def _arguments_worker(rank: int, world: int) -> list[str]:
 
 def test_mask_arguments_are_checked() -> None:
     for rank, seen in enumerate(run_distributed(_arguments_worker, 2, backend="ep", timeout=60)):
-        assert seen[:6] == ["ValueError", "ValueError", "TypeError", "TypeError", "ValueError",
-                            "TypeError"], seen  # fmt: skip
-        assert seen[6:] == [str([1 - rank]), "[]", "[]"], seen
+        assert seen[:11] == ["ValueError", "ValueError", "TypeError", "TypeError", "ValueError",
+                             "TypeError"] + ["ValueError"] * 5, seen  # fmt: skip
+        assert seen[11:] == ["[]", str([1 - rank]), "[]", "[]"], seen
 
 
 def _disagree_worker(rank: int, world: int) -> str:
@@ -274,3 +281,49 @@ def test_deep_ep_mask_buffer_methods_cuda() -> None:
     res = run_distributed(_deep_ep_worker, gpu_world_size(), "cuda", backend="ep", timeout=240)
     for items in res:
         assert items == [], items
+
+
+def _shrink_lifetime_worker(rank: int, world: int) -> dict[str, Any]:
+    """A shrink Buffer, a refused non-shrink one beside it, then destroy(): masks cleaned and
+    auto-masking off, so a peer that misses a call fails it instead of being masked."""
+    import ep_backend as ep
+    from ep_backend import deep_ep
+
+    single_thread()
+    side = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="ep", timeout=datetime.timedelta(seconds=3))
+    out: dict[str, Any] = {}
+    shrink = deep_ep.Buffer(group, low_latency_mode=True, enable_shrink=True,
+                            explicitly_destroy=True)  # fmt: skip
+    try:
+        deep_ep.Buffer(group, low_latency_mode=True, explicitly_destroy=True)
+        out["mixed"] = "no error"
+    except ValueError as exc:
+        out["mixed"] = str(exc)
+    if rank == 0:
+        shrink.low_latency_update_mask_buffer(world - 1, True)
+    out["query_before"] = ep.low_latency_query_mask(group)
+    shrink.destroy()
+    out["query_after"] = ep.low_latency_query_mask(group)
+    plain = deep_ep.Buffer(group, low_latency_mode=True, explicitly_destroy=True)
+    if rank == 0:  # the last rank makes no call
+        x, idx, _ = _inputs(rank, 0, world, torch.device("cpu"))
+        start = time.monotonic()
+        try:
+            plain.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world, use_fp8=False)
+            out["missed"] = "no error"
+        except RuntimeError as exc:
+            out["missed"] = str(exc)
+        out["missed_seconds"] = time.monotonic() - start
+    dist.barrier(group=side)
+    return out
+
+
+def test_shrink_buffers_share_masking_with_no_other_buffer_and_turn_it_off_when_destroyed() -> None:
+    res = run_distributed(_shrink_lifetime_worker, 2, backend="ep", timeout=120)
+    for rank, r in enumerate(res):
+        assert "must agree on enable_shrink" in r["mixed"], (rank, r)
+        assert r["query_before"] == ([1] if rank == 0 else []), (rank, r)
+        assert r["query_after"] == [], (rank, r)
+    assert res[0]["missed"] != "no error" and "1" in res[0]["missed"], res[0]
+    assert res[0]["missed_seconds"] < 30, res[0]

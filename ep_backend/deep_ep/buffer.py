@@ -33,6 +33,21 @@ __all__ = ["Buffer"]
 _NVL_PEERS_PER_NODE = 8
 _MAX_TOPK = 32  # ep's top-k limit, which bounds dispatch without topk_idx (one slot per rank)
 
+# Buffers not yet destroyed. Rank masking belongs to the "ep" group, which the Buffers on the
+# same ranks share (groups.ep_group_for): a Buffer with enable_shrink and one without cannot live
+# on one group at once. Weak: a Buffer dropped without destroy() leaves it.
+_open_buffers: weakref.WeakSet[Buffer] = weakref.WeakSet()
+# ids of the "ep" groups whose auto-masking a Buffer(enable_shrink=True) turned on.
+_facade_auto_mask: set[int] = set()
+
+
+def _masking_off(ep_group: dist.ProcessGroup) -> None:
+    """Auto-masking off and every rank unmasked: the group's next low-latency call waits for
+    every rank again (a Buffer without enable_shrink fails on a missing peer, never skips it)."""
+    ep_backend.low_latency_auto_mask(None, group=ep_group)
+    ep_backend.low_latency_clean_mask(group=ep_group)
+    _facade_auto_mask.discard(id(ep_group))
+
 
 def _reject_keywords(method: str, keywords: dict[str, Any]) -> None:
     if keywords:
@@ -115,7 +130,9 @@ class Buffer:
         enable_shrink: allow rank masking (``low_latency_*_mask_buffer``), and mask a peer
             that misses a low-latency call for the group's ``kernel_timeout_s`` instead of
             failing the call (``ep_backend.low_latency_auto_mask``; the spec is
-            ``ep_backend.reference.low_latency_dispatch`` with ``mask``).
+            ``ep_backend.reference.low_latency_dispatch`` with ``mask``). Masking is a property
+            of the ranks' shared ``"ep"`` group: Buffers on the same ranks must agree on it
+            while they are open; the last one with it turns auto-masking off at ``destroy()``.
         comm: must be None (mpi4py bootstrap is not in ep; ep bootstraps through the group).
 
     Attributes:
@@ -176,10 +193,7 @@ class Buffer:
         if self._backend.high_throughput_transport == "undecided":  # a group given as "ep"
             self._backend.options.num_sms = Buffer.num_sms
         self._streams = CommStreams()
-        if self.enable_shrink:
-            ep_backend.low_latency_auto_mask(
-                self._backend.options.kernel_timeout_s, group=self.ep_group
-            )
+        self._set_up_masking()
         # The last get_dispatch_layout: (its ep layout, weak ref to topk_idx, topk_idx version).
         self._last_layout: tuple[ep_backend.DispatchLayout, weakref.ref, int | None] | None = None
         self._destroyed = False
@@ -256,6 +270,27 @@ class Buffer:
     # Buffer state
     # ----------------------------------------------------------------------------------------
 
+    def _set_up_masking(self) -> None:
+        """Turns the group's auto-masking on for enable_shrink (off when a Buffer without it
+        follows one that had it); refuses a Buffer that disagrees with an open one on the group.
+        Creating a Buffer is collective, so every rank does the same here."""
+        for other in list(_open_buffers):
+            if other.ep_group is self.ep_group and other.enable_shrink != self.enable_shrink:
+                raise ValueError(
+                    f"deep_ep (ep): a Buffer with enable_shrink={other.enable_shrink} is open on "
+                    "these ranks; rank masking belongs to the ranks' shared ep group, so Buffers "
+                    "on the same ranks must agree on enable_shrink (destroy the other first)"
+                )
+        key = id(self.ep_group)
+        if self.enable_shrink:
+            ep_backend.low_latency_auto_mask(
+                self._backend.options.kernel_timeout_s, group=self.ep_group
+            )
+            _facade_auto_mask.add(key)
+        elif key in _facade_auto_mask:  # left on by a shrink Buffer dropped without destroy()
+            _masking_off(self.ep_group)
+        _open_buffers.add(self)
+
     def _check_open(self) -> None:
         if self._destroyed:
             raise RuntimeError("deep_ep (ep): this Buffer was destroyed")
@@ -311,7 +346,9 @@ class Buffer:
     def destroy(self) -> None:
         """Releases the buffer (needs ``explicitly_destroy=True``); later calls raise.
 
-        The shared ``"ep"`` group stays: other buffers on the same ranks use it.
+        The shared ``"ep"`` group stays: other buffers on the same ranks use it. The last
+        ``enable_shrink`` Buffer on it turns the group's auto-masking off (every rank calls
+        ``destroy()``, as in DeepEP).
         """
         if not self.explicitly_destroy:
             raise RuntimeError(
@@ -320,6 +357,11 @@ class Buffer:
         self._check_open()
         self._destroyed = True
         self._last_layout = None
+        _open_buffers.discard(self)
+        key = id(self.ep_group)
+        if self.enable_shrink and not any(b.ep_group is self.ep_group for b in _open_buffers):
+            if key in _facade_auto_mask:  # the last shrink Buffer on the group: masking off
+                _masking_off(self.ep_group)
 
     # ----------------------------------------------------------------------------------------
     # High-throughput (normal) mode
