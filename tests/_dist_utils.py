@@ -37,8 +37,9 @@ which pytest shows with the failure) and killed. The parent then raises:
 * the worker's own exception object (so ``pytest.raises(ValueError)`` works, and
   ``pytest.skip(...)`` inside a worker skips the test), chained ``from`` a ``RemoteTraceback``
   that holds the formatted tracebacks of every failed rank, the first failure first;
-* ``WorkerError`` when the exception does not pickle or a worker died without one (exit code,
-  signal);
+* ``WorkerError`` when the exception does not pickle, a worker died without one (exit code,
+  signal), or a worker returned its result and then exited with a non-zero code (a crash in
+  ``destroy_process_group`` or at exit);
 * ``DistributedTimeout`` (a ``TimeoutError``) on timeout.
 
 ``backend`` is passed to ``init_process_group`` unchanged: ``"gloo"``, ``"nccl"``, ``"ep"``,
@@ -243,15 +244,16 @@ def _dump_native_stacks(pid: int) -> None:
         print(f"--- native stacks of pid {pid} ---\n{out.stdout[-20000:]}", file=sys.stderr)
 
 
-def _report_slow_teardown(
+def _slow_teardown(
     procs: Sequence[multiprocessing.process.BaseProcess],
     conns: Sequence[multiprocessing.connection.Connection],
     results: Mapping[int, Any],
     finished_at: float,
-) -> bool:
-    """Warn (``SlowTeardownWarning``) about workers that reported a result but took over
-    ``SLOW_TEARDOWN_S`` in ``destroy_process_group`` or were still alive after the grace period.
-    True when some are still alive (their stacks are then dumped before they are killed)."""
+) -> tuple[list[str], bool]:
+    """The workers that reported a result but took over ``SLOW_TEARDOWN_S`` in
+    ``destroy_process_group`` or were still alive after the grace period, one line each (the
+    caller warns with ``SlowTeardownWarning`` once they are stopped), and whether some are still
+    alive (their stacks are then dumped before they are killed)."""
     lines: list[str] = []
     still_alive = False
     for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True)):
@@ -273,13 +275,7 @@ def _report_slow_teardown(
             lines.append(f"rank {rank}: {where} {waited:.1f} s after the last result (killed)")
         elif teardown is not None and teardown > SLOW_TEARDOWN_S:
             lines.append(f"rank {rank}: destroy_process_group took {teardown:.1f} s")
-    if lines:
-        import warnings
-
-        warnings.warn(
-            "slow worker teardown: " + "; ".join(lines), SlowTeardownWarning, stacklevel=3
-        )
-    return still_alive
+    return lines, still_alive
 
 
 def _stop(procs: Sequence[multiprocessing.process.BaseProcess], dump_stacks: bool) -> None:
@@ -453,11 +449,28 @@ def run_distributed(
             if p.is_alive():
                 p.join(max(0.0, grace_end - time.monotonic()))
         # (After an error the others are stopped at once: nothing to report about them.)
-        slow = not errors and _report_slow_teardown(procs, conns, results, finished_at)
+        slow_lines, slow = [], False
+        if not errors:
+            slow_lines, slow = _slow_teardown(procs, conns, results, finished_at)
+        killed = {rank for rank, p in enumerate(procs) if p.is_alive()}
         _stop(procs, dump_stacks=timed_out or slow)
         for c in conns:
             c.close()
         del store
+
+    if slow_lines:  # out of the finally: under -W error this raises, after the workers stopped
+        import warnings
+
+        warnings.warn(
+            "slow worker teardown: " + "; ".join(slow_lines), SlowTeardownWarning, stacklevel=2
+        )
+    # A worker that returned its result and then crashed (in destroy_process_group, at exit)
+    # fails the run: that crash is a bug a user's job would hit too.
+    if not (errors or died or timed_out):
+        for rank in sorted(results):
+            code = procs[rank].exitcode
+            if rank not in killed and code not in (0, None):
+                died[rank] = f"[rank {rank}] returned its result, then exited with code {code}"
 
     if errors or died:
         texts = [text for *_, text in errors] + list(died.values())

@@ -4,6 +4,7 @@ A worker sends its result, then destroys its process groups; the harness gives a
 workers one shared grace period (``EXIT_GRACE_S``) and warns (``SlowTeardownWarning``) about any
 that spent over ``SLOW_TEARDOWN_S`` in ``destroy_process_group`` or were still alive at its end,
 so that a teardown waiting for a peer shows up in a passing run instead of silently costing time.
+A worker that crashes after its result (a non-zero exit code) fails the run.
 """
 
 from __future__ import annotations
@@ -45,3 +46,23 @@ def test_a_worker_stuck_in_teardown_is_killed_after_one_shared_grace_period() ->
     assert "rank 0" not in text and "rank 1" not in text, text
     # one grace period of 10 s (not one per worker), then the stack dump and the kill
     assert time.monotonic() - start < 45
+
+
+def _crash_in_destroy(rank: int, world: int, crash_rank: int) -> int:
+    if rank == crash_rank:
+        import os
+
+        def crash(*args: object, **kwargs: object) -> None:
+            os._exit(139)  # as a segfault in a backend's teardown would end the process
+
+        dist.destroy_process_group = crash  # the harness calls it after sending the result
+    return rank
+
+
+def test_a_worker_that_crashes_after_its_result_fails_the_run() -> None:
+    from _dist_utils import WorkerError
+
+    with pytest.raises(
+        WorkerError, match=r"rank 1\] returned its result, then exited with code 139"
+    ):
+        run_distributed(_crash_in_destroy, 2, 1, backend="gloo")
