@@ -20,6 +20,13 @@ devices=$(seq -s, 0 $((RANKS - 1)))
 
 if [ ! -d "$BASE_DIR" ]; then
   git -C "$ROOT" worktree add --detach "$BASE_DIR" "$BASE" >/dev/null || exit 1
+elif [ "$(git -C "$BASE_DIR" rev-parse HEAD)" != "$(git -C "$ROOT" rev-parse "$BASE")" ]; then
+  # A worktree of an earlier call: moved to BASE (and rebuilt), never benched as it was.
+  git -C "$BASE_DIR" checkout -q --detach "$(git -C "$ROOT" rev-parse "$BASE")" || exit 1
+  if [ -n "${SKIP_BUILD:-}" ]; then
+    echo "$BASE_DIR was at another commit than $BASE: run without SKIP_BUILD to rebuild it"
+    exit 1
+  fi
 fi
 build() {  # build <checkout> <build dir> <log>
   (cd "$1" && EP_WITH_CUDA=1 EP_BUILD_DIR="$2" TORCH_CUDA_ARCH_LIST=9.0a \
@@ -39,21 +46,26 @@ bench() {  # bench <side> <checkout> <tag> [env...]: the HT rows only, no sweep
   (cd "$dir" && env CUDA_VISIBLE_DEVICES="$devices" "$@" python -m ep_backend.bench --no-sweep \
     --no-low-latency --iters "$ITERS" --out "$OUT/$side.$tag") >"$OUT/$side.$tag.log" 2>&1
 }
+status=0  # 1 once any bench run failed (the script ends with it)
 for round in 1 2; do
   for side in base head; do
     dir=$ROOT
     [ "$side" = base ] && dir=$BASE_DIR
-    bench "$side" "$dir" "$round" || echo "bench $side round $round failed: $OUT/$side.$round.log"
+    if ! bench "$side" "$dir" "$round"; then
+      echo "bench $side round $round failed: $OUT/$side.$round.log"
+      status=1
+    fi
     echo "== $side ($(git -C "$dir" rev-parse --short HEAD)), round $round"
     grep -E "^op |^ep (dispatch|cached|combine|layout|loop)|^floor" "$OUT/$side.$round.log" |
       cut -c1-110
   done
 done
-[ -n "${PROFILE:-}" ] || exit 0
+[ -n "${PROFILE:-}" ] || exit "$status"
 for side in base head; do
   dir=$ROOT
   [ "$side" = base ] && dir=$BASE_DIR
-  bench "$side" "$dir" profile EP_PROFILE_HOST=1 || true
+  bench "$side" "$dir" profile EP_PROFILE_HOST=1 || status=1
   echo "== $side: native host stages (EP_PROFILE_HOST=1, every timed and untimed call)"
-  python "$ROOT/benchmarks/stage_medians.py" "$OUT/$side.profile.log"
+  python "$ROOT/benchmarks/stage_medians.py" "$OUT/$side.profile.log" || status=1
 done
+exit "$status"
