@@ -172,6 +172,11 @@ class PushLimitProbe:
         self.slot_bytes = slot_bytes
         self.recv = ctypes.c_void_p()
         self.opened: list[ctypes.c_void_p] = []
+        # Set when mapping the peers' buffers failed: the probe cannot run, the peers' mappings
+        # are closed again, and this rank's buffer stays (peers may have mapped it) until the
+        # caller frees it after every rank closed (see the bench's _open_push_limit_probe).
+        self.setup_error = ""
+        dst: list[ctypes.c_void_p] = []
         with torch.cuda.device(device):
             try:
                 self._check(self.lib.ep_probe_set_device(device.index))
@@ -182,21 +187,32 @@ class PushLimitProbe:
             except RuntimeError:
                 # An empty handle: the peers fail at once instead of waiting for the store timeout.
                 store.set(f"{key}/{rank}", b"")  # type: ignore[attr-defined]
+                if self.recv.value:  # never shared: freed now
+                    self.lib.ep_probe_free(self.recv)
+                    self.recv = ctypes.c_void_p()
                 raise
             store.set(f"{key}/{rank}", handle.raw)  # type: ignore[attr-defined]
-            dst = []
-            for peer in range(world):
-                if peer == rank:
-                    continue
-                raw = store.get(f"{key}/{peer}")  # type: ignore[attr-defined]
-                if not raw:
-                    raise RuntimeError(f"push limit probe: rank {peer} has no buffer to push to")
-                ptr = ctypes.c_void_p()
-                self._check(self.lib.ep_probe_ipc_open(ctypes.c_char_p(bytes(raw)),
-                                                       ctypes.byref(ptr)))  # fmt: skip
-                self.opened.append(ptr)
-                # this rank's slot in the peer's buffer
-                dst.append(ctypes.c_void_p(ptr.value + rank * slot_bytes))
+            try:
+                for peer in range(world):
+                    if peer == rank:
+                        continue
+                    raw = store.get(f"{key}/{peer}")  # type: ignore[attr-defined]
+                    if not raw:
+                        raise RuntimeError(
+                            f"push limit probe: rank {peer} has no buffer to push to"
+                        )
+                    ptr = ctypes.c_void_p()
+                    self._check(self.lib.ep_probe_ipc_open(ctypes.c_char_p(bytes(raw)),
+                                                           ctypes.byref(ptr)))  # fmt: skip
+                    self.opened.append(ptr)
+                    # this rank's slot in the peer's buffer
+                    dst.append(ctypes.c_void_p(ptr.value + rank * slot_bytes))
+            except RuntimeError as exc:
+                self.setup_error = str(exc)
+                for ptr in self.opened:
+                    self.lib.ep_probe_ipc_close(ptr)
+                self.opened.clear()
+                dst = []
         self.dst = (ctypes.c_void_p * self.num_peers)(*dst)
 
     def _check(self, code: int) -> None:
@@ -206,6 +222,8 @@ class PushLimitProbe:
 
     def launch(self, num_sms: int) -> None:
         """Queues one push of ``bytes_per_launch`` on the current stream with ``num_sms`` blocks."""
+        if self.setup_error:
+            raise RuntimeError(f"push limit probe: not set up ({self.setup_error})")
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._check(self.lib.ep_probe_set_device(self.device.index))
         self._check(self.lib.ep_probe_push(ctypes.c_void_p(self.src.data_ptr()), self.dst,

@@ -421,16 +421,19 @@ def _open_push_limit_probe(
     try:
         probe = PushLimitProbe(Path(args.probe_lib), store, "ep_bench/push_limit", rank, world,
                                device, args.hidden * 2, 64 << 20)  # fmt: skip
+        if probe.setup_error:  # its buffer is freed below, once no peer maps it
+            why = f"probe failed on rank {rank}: {probe.setup_error}"
     except (OSError, RuntimeError) as e:
         why = f"probe failed on rank {rank}: {e}"
+    if why:
         print(f"push limit: {why}", flush=True)
     # Every rank measures the limit or none does (its timing is collective).
-    ok = torch.tensor([1 if probe is not None else 0], dtype=torch.int64)
+    ok = torch.tensor([0 if why else 1], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if int(ok.item()) == 0 and probe is not None:
-        probe.close()
-        why = "the probe failed on another rank"
     if int(ok.item()) == 0:
+        if probe is not None:
+            probe.close()
+        why = why or "the probe failed on another rank"
         dist.barrier()  # every peer has unmapped the buffers before they are freed
         if probe is not None:
             probe.free()

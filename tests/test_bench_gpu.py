@@ -24,6 +24,7 @@ def _probe_worker(rank: int, world: int, lib: str) -> tuple[int, float]:
     store = dist.distributed_c10d._get_default_store()
     probe = PushLimitProbe(Path(lib), store, "test/push_limit", rank, world, device, ROW_BYTES,
                            4 << 20)  # fmt: skip
+    assert not probe.setup_error, probe.setup_error
     try:
         probe.launch(24)
         torch.cuda.synchronize()
