@@ -558,7 +558,9 @@ std::string pendingError(GroupState& st, const char* op) {
   }
   if (!failed) {
     C10_CUDA_CHECK(cudaDeviceSynchronize());  // clear_error needs an idle device
-    library().clear_error(st.runtime);
+    char err[512] = {0};
+    TORCH_CHECK(library().clear_error(st.runtime, err, sizeof(err)) == 0, "ep ", op,
+                ": could not clear the low-latency runtime's error (", err, ") after: ", msg);
   }
   return std::string(msg) + " (reported by the next call, " + op + ")";
 }

@@ -87,15 +87,26 @@ int ep_nvshmem_config(void* handle, ep::NvshmemConfig* out) {
   return 0;
 }
 
+// 1 with the kernels' error in `msg` (and `failed` when the runtime cannot be used again), 0
+// when there is none. Building the message cannot throw across: a failure there is an error too.
 int ep_nvshmem_check_error(void* handle, char* msg, size_t msg_len, int* failed) {
-  const std::string e = runtime(handle)->check_error();
-  *failed = runtime(handle)->failed() ? 1 : 0;
+  std::string e;
+  const int rc = cEntryPoint(msg, msg_len, [&] {
+    e = runtime(handle)->check_error();
+    *failed = runtime(handle)->failed() ? 1 : 0;
+  });
+  if (rc != 0) {
+    *failed = 1;
+    return 1;
+  }
   copyMessage(e.c_str(), msg, msg_len);
   return e.empty() ? 0 : 1;
 }
 
-void ep_nvshmem_clear_error(void* handle) {
-  runtime(handle)->clear_error();
+// Clears a reported error so the runtime can be used again; -1 (e.g. a sticky CUDA error) if
+// that failed.
+int ep_nvshmem_clear_error(void* handle, char* err, size_t err_len) {
+  return cEntryPoint(err, err_len, [&] { runtime(handle)->clear_error(); });
 }
 
 int ep_nvshmem_destroy(void* handle, char* err, size_t err_len) {

@@ -9,7 +9,7 @@
 
 // 6: the NVSHMEM session split from the buffers (ep_nvshmem_session_start, ep_nvshmem_session;
 //    ep_nvshmem_create takes no unique id and never initialises NVSHMEM).
-#define EP_NVSHMEM_ABI_VERSION 6
+#define EP_NVSHMEM_ABI_VERSION 7
 
 namespace ep {
 struct NvshmemConfig;
@@ -34,6 +34,6 @@ typedef int (*ep_nvshmem_combine_buffer_fn)(void*, int, int, int, ep::NvshmemBuf
                                             size_t);
 typedef int (*ep_nvshmem_config_fn)(void*, ep::NvshmemConfig*);
 typedef int (*ep_nvshmem_check_error_fn)(void*, char*, size_t, int*);
-typedef void (*ep_nvshmem_clear_error_fn)(void*);
+typedef int (*ep_nvshmem_clear_error_fn)(void*, char*, size_t);
 typedef int (*ep_nvshmem_destroy_fn)(void*, char*, size_t);
 }
