@@ -291,7 +291,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // Node barrier: every local rank has finished the previous kernel (its stores into my region are
 // done) once its word in my region reaches seq. Stores of the previous kernel are complete at its
-// end; the release store orders them before the flag for the peer.
+// end; the release store orders them before the flag for the peer. The word has no parity: a
+// peer that passed this barrier (it saw every word at seq) may already have written seq + 1 from
+// its next call's barrier before this rank reads its word, which also means it reached seq. It
+// cannot get further (its next barrier waits for this rank's seq + 1).
 __global__ void node_barrier_kernel(const __grid_constant__ Context c) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   mark(c, kStageBarrier);
@@ -305,7 +308,7 @@ __global__ void node_barrier_kernel(const __grid_constant__ Context c) {
     const int peer = node_rank(c, c.node, l);
     const uint64_t v =
         wait_at_least(c, sig_word(c, c.layout.nvl_sig, l), c.seq, peer, kStageBarrier);
-    if (v == 0 || !same_call(c, v, peer)) return;
+    if (v == 0 || (v != c.seq + 1 && !same_call(c, v, peer))) return;
   }
   mark(c, kStageBarrierDone);
 }
