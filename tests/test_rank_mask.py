@@ -158,6 +158,7 @@ def _arguments_worker(rank: int, world: int) -> list[str]:
         (lambda: ep.low_latency_auto_mask(1e-4), ValueError),  # under a millisecond
         (lambda: ep.low_latency_auto_mask(float("nan")), ValueError),
         (lambda: ep.low_latency_auto_mask(float("inf")), ValueError),
+        (lambda: ep.low_latency_auto_mask(1e7), ValueError),  # past steady_clock's int64 ns
         # A list with one bad rank leaves the mask as it was (the query below sees nothing).
         (lambda: ep.low_latency_update_mask([1 - rank, world]), ValueError),
         (lambda: ep.low_latency_update_mask([1 - rank, rank]), ValueError),
@@ -180,9 +181,9 @@ def _arguments_worker(rank: int, world: int) -> list[str]:
 
 def test_mask_arguments_are_checked() -> None:
     for rank, seen in enumerate(run_distributed(_arguments_worker, 2, backend="ep", timeout=60)):
-        assert seen[:11] == ["ValueError", "ValueError", "TypeError", "TypeError", "ValueError",
-                             "TypeError"] + ["ValueError"] * 5, seen  # fmt: skip
-        assert seen[11:] == ["[]", str([1 - rank]), "[]", "[]"], seen
+        assert seen[:12] == ["ValueError", "ValueError", "TypeError", "TypeError", "ValueError",
+                             "TypeError"] + ["ValueError"] * 6, seen  # fmt: skip
+        assert seen[12:] == ["[]", str([1 - rank]), "[]", "[]"], seen
 
 
 def _disagree_worker(rank: int, world: int) -> str:
