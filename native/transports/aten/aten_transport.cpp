@@ -223,8 +223,18 @@ at::Tensor allToAllRowsAmongLive(EPProcessGroup& pg, const char* op, const at::T
       why = e.what();
       why = why.substr(0, why.find('\n'));
     }
-    TORCH_CHECK(done, "ep ", op, ": rank ", rank, ": the exchange with rank ", peer,
-                " failed after the agreement (", why, "); mask it or abort the group");
+    if (!done) {
+      // The ranks are out of step from here and the Gloo pair may be closed, so masking the
+      // peer cannot help: the group's MoE calls end, as after any lost exchange.
+      const std::string message = "ep " + std::string(op) + ": rank " + std::to_string(rank) +
+                                  ": the exchange with rank " + std::to_string(peer) +
+                                  " failed after the agreement (" + why +
+                                  "); abort the group (ep_backend.abort) and create a new one "
+                                  "without that rank";
+      pg.markMoeUnusable(message);
+      abandonMoeAgreement(pg);  // peers on this host still calling raise at once
+      TORCH_CHECK(false, message);
+    }
   }
   return recv.to(send.device());
 }
