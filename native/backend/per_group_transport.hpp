@@ -34,14 +34,19 @@ class PerGroupTransport : public Transport {
     }
     return usability.verdict;
   }
+  // Read-only: never creates the group's state. (Creating it would register the state's
+  // shutdown hook, and the hooks' order is the order of the collective NVSHMEM frees at teardown:
+  // a rank that read a property before its first call would free in another order than its peers.)
   std::optional<Verdict> verdict(EPProcessGroup& pg) final {
-    const std::shared_ptr<State> st = stateOf(pg);
-    if (!st->usability.decided) return std::nullopt;
+    const std::shared_ptr<State> st = findState(pg);
+    if (st == nullptr || !st->usability.decided) return std::nullopt;
     return st->usability.verdict;
   }
 
  protected:
+  // The group's state, created at its first use; findState never creates it (null if none).
   virtual std::shared_ptr<State> stateOf(EPProcessGroup& pg) = 0;
+  virtual std::shared_ptr<State> findState(EPProcessGroup& pg) = 0;
   // Collective: every rank calls it at the group's first call of the family, with the device
   // current, and every rank returns the same yes or no (the reason may be each rank's own).
   virtual Verdict decide(EPProcessGroup& pg, State& st, const at::Device& device) = 0;

@@ -187,7 +187,7 @@ void releaseRuntime(GroupState& st) {
   st.launches = 0;
 }
 
-std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg, bool create = true) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
     if (state.runtime != nullptr) {
       // Parked, not freed here: nvshmem_free waits for every PE with no timeout, and a peer may
@@ -208,7 +208,7 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
       state.done = nullptr;
     }
   });
-  return states->of(pg);
+  return create ? states->of(pg) : states->find(pg);
 }
 
 Verdict decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
@@ -726,6 +726,9 @@ class InternodeTransport final : public PerGroupTransport<GroupState> {
  private:
   std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) override {
     return internode::stateOf(pg);
+  }
+  std::shared_ptr<GroupState> findState(EPProcessGroup& pg) override {
+    return internode::stateOf(pg, /*create=*/false);
   }
   Verdict decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) override {
     return internode::decide(pg, st, device);

@@ -9,14 +9,14 @@
 
 namespace ep::nvlink {
 
-std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg, bool create) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup*, GroupState& state) {
     if (state.runtime) {
       cudaDeviceSynchronize();
       state.runtime->destroy();
     }
   });
-  return states->of(pg);
+  return create ? states->of(pg) : states->find(pg);
 }
 
 std::string keyPrefix(EPProcessGroup& pg) {

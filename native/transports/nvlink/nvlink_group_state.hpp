@@ -41,7 +41,8 @@ struct GroupState {
   std::optional<c10::cuda::CUDAStream> a2a_comm_stream;
 };
 
-std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg);
+// The group's state; with create=false null where the group has none yet.
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg, bool create = true);
 
 // The prefix of this transport's keys in the group's store.
 std::string keyPrefix(EPProcessGroup& pg);

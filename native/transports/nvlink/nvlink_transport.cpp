@@ -70,6 +70,9 @@ class NvlinkTransport final : public PerGroupTransport<nvlink::GroupState> {
   std::shared_ptr<nvlink::GroupState> stateOf(EPProcessGroup& pg) override {
     return nvlink::stateOf(pg);
   }
+  std::shared_ptr<nvlink::GroupState> findState(EPProcessGroup& pg) override {
+    return nvlink::stateOf(pg, /*create=*/false);
+  }
   Verdict decide(EPProcessGroup& pg, nvlink::GroupState&, const at::Device& device) override {
     std::string why = nvlink::decideUsable(pg, device);
     const bool requested = why == nvlink::kAskedAten;

@@ -297,7 +297,7 @@ bool joinCollectiveTeardown(EPProcessGroup& pg, int generation) {
 }
 #endif
 
-std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
+std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg, bool create = true) {
   static auto* states = new GroupStates<GroupState>([](EPProcessGroup* key, GroupState& state) {
     {
       std::lock_guard<std::mutex> lock(g_owner_mutex);
@@ -342,7 +342,7 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg) {
     (void)state;
 #endif
   });
-  return states->of(pg);
+  return create ? states->of(pg) : states->find(pg);
 }
 
 #ifdef EP_WITH_CUDA
@@ -962,6 +962,9 @@ class NvshmemTransport final : public PerGroupTransport<nvshmem::GroupState> {
  private:
   std::shared_ptr<nvshmem::GroupState> stateOf(EPProcessGroup& pg) override {
     return nvshmem::stateOf(pg);
+  }
+  std::shared_ptr<nvshmem::GroupState> findState(EPProcessGroup& pg) override {
+    return nvshmem::stateOf(pg, /*create=*/false);
   }
   Verdict decide(EPProcessGroup& pg, nvshmem::GroupState& st, const at::Device& device) override {
     return nvshmem::decide(pg, st, device);
