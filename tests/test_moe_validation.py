@@ -44,6 +44,7 @@ HIDDEN = 64
 TOPK = 2
 LL_MAX_TOKENS = 6
 LL_HIDDEN = 128
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -641,7 +642,7 @@ def _routing(rank: int, world: int) -> torch.Tensor:
     return torch.cat([t, t + 1], 1) % num_experts
 
 
-def _make_ctx(ep, rank: int, world: int, device: torch.device) -> Ctx:
+def _make_ctx(ep, rank: int, world: int, device: torch.device = CPU) -> Ctx:
     gen = torch.Generator().manual_seed(rank)
     num_experts = 2 * world
     x = torch.randn((NUM_TOKENS, HIDDEN), generator=gen).to(BF16).to(device)
@@ -660,7 +661,9 @@ def _make_ctx(ep, rank: int, world: int, device: torch.device) -> Ctx:
                other_group_out, ll_x, ll_out, device)  # fmt: skip
 
 
-def _valid_round_trip(ep, ref, rank: int, world: int, step: int, device: torch.device) -> list[str]:
+def _valid_round_trip(
+    ep, ref, rank: int, world: int, step: int, device: torch.device = CPU
+) -> list[str]:
     """A valid dispatch + combine on ``device`` against the reference on CPU (bitwise)."""
     m = Mismatches(context="valid call after the case")
     gen = torch.Generator().manual_seed(1000 * step + rank)
