@@ -52,6 +52,20 @@ def _make_nccl(
     return ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
 
 
+def _instance_store(store: Any, size: int) -> Any:
+    """``store`` under a key prefix of this group instance's own.
+
+    torch names a group made with ``use_local_synchronization=True`` after its ranks, so a group
+    re-created over the same ranks (the recovery path after ``ep_backend.abort``, the ``deep_ep``
+    facade's groups) gets its destroyed predecessor's name and key space: a rank of the new group
+    could read a key the old one left (IPC handles, shared-memory names, votes) before its peer
+    overwrote it. Every member adds 1 to a counter once per instance, so the instances of one
+    name number 0, 1, 2, ... on every rank alike (collective, like the group's creation).
+    """
+    joined = int(store.add("ep_instances", 1))
+    return PrefixStore(f"ep_instance{(joined - 1) // size}/", store)
+
+
 def make_backend(
     store: Any,
     rank: int,
@@ -73,6 +87,7 @@ def make_backend(
     if timeout is not None:
         options.timeout = timeout
     _name_group(options, group_name, global_ranks)
+    store = _instance_store(store, size)
     gloo = _make_gloo(store, rank, size, options.timeout)
     nccl = (
         _make_nccl(store, rank, size, options.timeout, group_name, global_ranks)

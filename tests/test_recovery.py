@@ -169,3 +169,33 @@ def _on_gloo(rank: int, world: int) -> str:
 
 def test_monitored_barrier_passes_other_backends_to_torch() -> None:
     assert run_distributed(_on_gloo, 2, backend="gloo", timeout=60) == ["gloo", "gloo"]
+
+
+def _same_name_worker(rank: int, world: int, cycles: int) -> dict[str, Any]:
+    """Groups over the same ranks, made, used and destroyed in turn: each gets the name of the
+    one before (``use_local_synchronization=True`` names a group after its ranks)."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    single_thread()
+    names: list[str] = []
+    mismatches: list[str] = []
+    for cycle in range(cycles):
+        group = dist.new_group(list(range(world)), backend="ep", use_local_synchronization=True,
+                               timeout=datetime.timedelta(seconds=20))  # fmt: skip
+        names.append(dist.distributed_c10d._get_process_group_name(group))
+        # Rank 1 arrives late, so that rank 0 meets whatever the predecessor left in the store.
+        if rank == 1:
+            time.sleep(0.3)
+        for step in range(2):
+            mismatches += _valid_round_trip_on(ep, ref, rank, world, 10 * cycle + step, group)
+        dist.barrier()
+        dist.destroy_process_group(group)
+    return {"names": names, "mismatches": mismatches}
+
+
+def test_a_group_recreated_under_its_predecessors_name_starts_clean() -> None:
+    res = run_distributed(_same_name_worker, 2, 4, backend="ep", timeout=150)
+    for rank, r in enumerate(res):
+        assert len(set(r["names"])) == 1, r["names"]  # the case this covers: one name, reused
+        assert r["mismatches"] == [], (rank, r["mismatches"])
