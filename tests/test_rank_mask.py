@@ -328,3 +328,44 @@ def test_shrink_buffers_share_masking_with_no_other_buffer_and_turn_it_off_when_
         assert r["query_after"] == [], (rank, r)
     assert res[0]["missed"] != "no error" and "1" in res[0]["missed"], res[0]
     assert res[0]["missed_seconds"] < 30, res[0]
+
+
+def _divergent_deadline_worker(rank: int, world: int) -> dict[str, Any]:
+    """Rank 2 joins a low-latency call after rank 0's auto-mask deadline but before rank 1's
+    (rank 1 started later): every live rank must mask it alike, and rank 2 must learn it."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    single_thread()
+    side = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="ep", timeout=datetime.timedelta(seconds=30))
+    ep.low_latency_auto_mask(AUTO_MASK_S_DIVERGENT, group=group)
+    out: dict[str, Any] = {"mismatches": [], "error": None}
+    m = Mismatches(context=f"rank {rank}")
+    _step(ep, ref, group, side, rank, world, 0, torch.device("cpu"), None, m)  # all together
+    dist.barrier(group=side)
+    time.sleep({0: 0.0, 1: 1.2, 2: 2.5}[rank] * AUTO_MASK_S_DIVERGENT / 2.0)
+    x, idx, _ = _inputs(rank, 1, world, torch.device("cpu"))
+    try:
+        got = ep.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world, use_fp8=False, group=group)
+        want = ref.low_latency_dispatch(x, idx, MAX_TOKENS, 4 * world, use_fp8=False,
+                                        group=side, mask=[2])  # fmt: skip
+        compare_ll_dispatch(m, got, want)
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    out["query"] = ep.low_latency_query_mask(group)
+    dist.barrier(group=side)
+    out["mismatches"] = m.items
+    return out
+
+
+AUTO_MASK_S_DIVERGENT = 2.0
+
+
+def test_ranks_whose_auto_mask_deadlines_differ_mask_the_same_late_rank() -> None:
+    res = run_distributed(_divergent_deadline_worker, 3, backend="ep", timeout=120)
+    for rank in (0, 1):
+        assert res[rank]["error"] is None, (rank, res[rank])
+        assert res[rank]["mismatches"] == [], (rank, res[rank])
+        assert res[rank]["query"] == [2], (rank, res[rank])
+    assert "was masked by rank(s) 0" in (res[2]["error"] or ""), res[2]

@@ -506,6 +506,81 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   return all.view({num_ranks, width});
 }
 
+// With auto-masking, after the rows of a live-only agreement: every live rank posts the ranks it
+// found missing (`missing`, ascending) and reads the posts of the ranks it did not; returns the
+// union (a rank whose post does not come within the auto-mask timeout is in it too). Raises,
+// marking the group's MoE calls over, when the union holds this rank: its peers masked it (it
+// joined after their auto-mask timeout) and go on without it.
+// Only peers whose row agreed on the masking (`same_masking`) are waited for: one that did not
+// (e.g. auto-masking off there) posts nothing, and the call raises on the disagreement anyway.
+std::vector<int64_t> agreeOnMissing(EPProcessGroup& pg, const char* op, uint64_t call, int phase,
+                                    const RankMaskSnapshot& mask, std::vector<int64_t> missing,
+                                    const std::vector<uint8_t>& same_masking,
+                                    std::chrono::steady_clock::time_point deadline) {
+  const int64_t num_ranks = pg.getSize();
+  const int64_t rank = pg.getRank();
+  const auto& store = pg.store();
+  const std::string prefix = "ep_live/" + pg.options()->group_name + "/";
+  auto key = [&](uint64_t c, int64_t r) {
+    return prefix + std::to_string(c) + "/missing" + std::to_string(phase) + "/" +
+           std::to_string(r);
+  };
+  std::vector<uint8_t> mine(static_cast<size_t>(num_ranks), 0);
+  for (int64_t p : missing) mine[static_cast<size_t>(p)] = 1;
+  store->set(key(call, rank), mine);
+  if (call >= 2) {
+    try {
+      store->deleteKey(key(call - 2, rank));  // read by every live peer (see the rows' keys)
+    } catch (const std::exception&) {
+    }
+  }
+  std::vector<uint8_t> all_missing = mine;
+  std::vector<int64_t> masked_me;
+  // Their posts come right after their rows: the same deadline, at least one more timeout.
+  const auto until = std::max(deadline, std::chrono::steady_clock::now()) + mask.auto_timeout;
+  for (int64_t p = 0; p < num_ranks; ++p) {
+    if (p == rank || mask.is_masked(p) || mine[static_cast<size_t>(p)] ||
+        !same_masking[static_cast<size_t>(p)]) {
+      continue;
+    }
+    const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   until - std::chrono::steady_clock::now()),
+                               std::chrono::milliseconds(1));
+    std::vector<uint8_t> theirs;
+    try {
+      waitForKeys(*store, {key(call, p)}, left);
+      theirs = store->get(key(call, p));
+    } catch (const std::exception&) {
+      all_missing[static_cast<size_t>(p)] = 1;  // gone after its row: masked as well
+      continue;
+    }
+    for (int64_t q = 0; q < num_ranks && q < static_cast<int64_t>(theirs.size()); ++q) {
+      if (!theirs[static_cast<size_t>(q)]) continue;
+      if (q == rank) {
+        masked_me.push_back(p);
+      } else {
+        all_missing[static_cast<size_t>(q)] = 1;
+      }
+    }
+  }
+  if (!masked_me.empty()) {
+    std::ostringstream message;
+    message << "ep " << op << ": rank " << rank << " was masked by rank(s) ";
+    for (size_t i = 0; i < masked_me.size(); ++i) message << (i ? ", " : "") << masked_me[i];
+    message << ": it joined this call after their auto-mask timeout of "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(mask.auto_timeout).count()
+            << " ms, and they go on without it; a masked rank makes no more MoE calls on this "
+               "group (abort it and create a new one to bring this rank back)";
+    pg.markMoeUnusable("call #" + std::to_string(call) + " (" + op + ") failed: " + message.str());
+    TORCH_CHECK(false, message.str());
+  }
+  std::vector<int64_t> out;
+  for (int64_t p = 0; p < num_ranks; ++p) {
+    if (all_missing[static_cast<size_t>(p)]) out.push_back(p);
+  }
+  return out;
+}
+
 // The agreement among the live ranks of a masked low-latency call (RankMaskSnapshot::live_only):
 // each live rank posts its row in the group's store and reads its live peers' rows there, so a
 // masked rank, which makes no call, is never waited for. (Not Gloo point-to-point: a Gloo receive
@@ -513,10 +588,12 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
 // peer and go on.) A masked rank's row reads as `masked_row`. With auto-masking, a peer whose
 // row does not come within the auto-mask timeout is masked (in `mask` and in the group's mask)
 // and reads as `masked_row` too; without it, the call fails naming the peer, as the all-rank
-// agreement does.
+// agreement does. `masking_col`: the row's column of the masking fingerprint (-1: none; a
+// phase-2 row, after phase 1 agreed on it).
 at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t call, int phase,
                                 const std::vector<int64_t>& row,
-                                const std::vector<int64_t>& masked_row, RankMaskSnapshot& mask) {
+                                const std::vector<int64_t>& masked_row, RankMaskSnapshot& mask,
+                                int64_t masking_col) {
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
   const int64_t width = static_cast<int64_t>(row.size());
@@ -541,6 +618,7 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
   const auto timeout = mask.auto_mask ? mask.auto_timeout : pg.options()->timeout;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<int64_t> missing;
+  std::vector<uint8_t> same_masking(static_cast<size_t>(num_ranks), 0);
   for (int64_t p = 0; p < num_ranks; ++p) {
     const std::vector<int64_t>* source = &masked_row;
     std::vector<int64_t> theirs;
@@ -559,6 +637,9 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
         theirs.resize(row.size());
         std::memcpy(theirs.data(), bytes.data(), bytes.size());
         source = &theirs;
+        same_masking[static_cast<size_t>(p)] =
+            masking_col < 0 ||
+            theirs[static_cast<size_t>(masking_col)] == row[static_cast<size_t>(masking_col)];
       } catch (const c10::Error& e) {
         if (std::string(e.what()).find("posted a row") != std::string::npos) throw;
         missing.push_back(p);
@@ -569,6 +650,13 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
     for (int64_t i = 0; i < width; ++i) {
       acc[p][i] = (*source)[static_cast<size_t>(i)];
     }
+  }
+  if (mask.auto_mask) {
+    // Each rank masks on its own deadline: a peer whose row came just before one rank's
+    // deadline and just after another's would be masked by one and waited for by the other.
+    // One more round makes every live rank mask the same ranks: each posts the ranks it
+    // found missing, and all take the union (a rank that then finds itself masked raises).
+    missing = agreeOnMissing(pg, op, call, phase, mask, std::move(missing), same_masking, deadline);
   }
   if (missing.empty()) {
     return all;
@@ -650,7 +738,9 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
   if (live_only) {
     with_mask = fields_in;
     with_mask.push_back(
-        {"the masked ranks (ep_backend.low_latency_update_mask)", mask->fingerprint()});
+        {"the masked ranks and auto-masking (ep_backend.low_latency_update_mask / "
+         "low_latency_auto_mask)",
+         mask->fingerprint()});
   }
   const std::vector<AgreedField>& fields = live_only ? with_mask : fields_in;
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(fields.size()) <= kMaxAgreedFields);
@@ -688,7 +778,8 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
     std::vector<int64_t> absent_header(header.begin(), header.begin() + kHeaderWidth);
     absent_header[0] = 0;
     absent_header.resize(header.size(), 0);
-    all = gatherAmongLiveRanks(pg, op, call, 0, header, absent_header, *mask);
+    all = gatherAmongLiveRanks(pg, op, call, 0, header, absent_header, *mask,
+                               kHeaderFixed + static_cast<int64_t>(fields.size()) - 1);
   } else {
     all = allGatherRows(pg, op, call, header);
   }
@@ -742,7 +833,7 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
   // the same call: phase 1 agreed on it).
   if (live_only) {
     return gatherAmongLiveRanks(pg, op, call, 1, payload, std::vector<int64_t>(payload.size(), 0),
-                                *mask);
+                                *mask, -1);
   }
   return allGatherRows(pg, op, call, payload);
 }

@@ -56,11 +56,13 @@ bool RankMaskSnapshot::live_only() const {
 }
 
 int64_t RankMaskSnapshot::fingerprint() const {
-  uint64_t h = 1469598103934665603ULL;  // FNV-1a over the mask bytes
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a over the mask bytes and the auto-masking flag
   for (uint8_t m : masked) {
     h ^= m;
     h *= 1099511628211ULL;
   }
+  h ^= auto_mask ? 1u : 0u;  // every rank must have it on or off (its agreement has one more round)
+  h *= 1099511628211ULL;
   return static_cast<int64_t>(h >> 2);
 }
 

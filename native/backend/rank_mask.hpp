@@ -33,7 +33,8 @@ struct RankMaskSnapshot {
   // Some rank is masked now (live_only() without auto-masking's "every call might mask").
   bool any_masked() const;
   bool is_masked(int64_t rank) const { return masked[static_cast<size_t>(rank)] != 0; }
-  int64_t fingerprint() const;  // the same on ranks that mask the same ranks
+  // The same on ranks that mask the same ranks with auto-masking alike on or off.
+  int64_t fingerprint() const;
 };
 
 RankMaskSnapshot rankMask(EPProcessGroup& pg);
