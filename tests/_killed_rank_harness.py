@@ -184,17 +184,29 @@ def run_with_killed_rank(
         if waiting:
             failures.append(f"ranks {sorted(waiting)} sent no result within {timeout:.0f} s")
 
-        # Teardown: each survivor that reported gets exit_within seconds from its result.
-        for rank in survivors:
-            if rank not in result_at:
-                continue
-            limit = min(deadline + exit_within, result_at[rank] + exit_within)
-            procs[rank].join(max(0.0, limit - time.monotonic()))
-            if procs[rank].is_alive():
-                run.exitcodes[rank] = None
-            else:
-                run.exitcodes[rank] = procs[rank].exitcode
-                run.exit_seconds[rank] = time.monotonic() - result_at[rank]
+        # Teardown: each survivor that reported gets exit_within seconds from its result. All are
+        # watched at once, so each one's exit time is taken when it exits, not when its turn in
+        # a sequence of joins comes.
+        limits = {
+            rank: min(deadline + exit_within, result_at[rank] + exit_within)
+            for rank in survivors
+            if rank in result_at
+        }
+        while True:
+            now = time.monotonic()
+            for rank in list(limits):
+                if not procs[rank].is_alive():
+                    procs[rank].join()
+                    run.exitcodes[rank] = procs[rank].exitcode
+                    run.exit_seconds[rank] = now - result_at[rank]
+                    del limits[rank]
+                elif now >= limits[rank]:
+                    run.exitcodes[rank] = None
+                    del limits[rank]
+            if not limits:
+                break
+            sentinels = [procs[rank].sentinel for rank in limits]
+            multiprocessing.connection.wait(sentinels, timeout=min(limits.values()) - now)
     finally:
         stragglers = [p for p in procs if p.is_alive()]
         _stop(procs, dump_stacks=bool(stragglers))
