@@ -12,6 +12,7 @@ Notation: ``T`` tokens on this rank, ``H`` hidden, ``K`` top-k, ``E`` experts, `
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,14 @@ _MAX_TOPK = 32  # ep's top-k limit, which bounds dispatch without topk_idx (one 
 _open_buffers: weakref.WeakSet[Buffer] = weakref.WeakSet()
 # ids of the "ep" groups whose auto-masking a Buffer(enable_shrink=True) turned on.
 _facade_auto_mask: set[int] = set()
+
+
+def _open_on(ep_group: dist.ProcessGroup) -> list[Buffer]:
+    """The open Buffers on ``ep_group``. A Buffer dropped in a reference cycle leaves the weak set
+    only when the cycle collector runs, at a different moment on each rank: collected first, so
+    every rank sees the same Buffers (this runs only at a Buffer's creation and destroy())."""
+    gc.collect()
+    return [b for b in _open_buffers if b.ep_group is ep_group]
 
 
 def _masking_off(ep_group: dist.ProcessGroup) -> None:
@@ -274,8 +283,8 @@ class Buffer:
         """Turns the group's auto-masking on for enable_shrink (off when a Buffer without it
         follows one that had it); refuses a Buffer that disagrees with an open one on the group.
         Creating a Buffer is collective, so every rank does the same here."""
-        for other in list(_open_buffers):
-            if other.ep_group is self.ep_group and other.enable_shrink != self.enable_shrink:
+        for other in _open_on(self.ep_group):
+            if other.enable_shrink != self.enable_shrink:
                 raise ValueError(
                     f"deep_ep (ep): a Buffer with enable_shrink={other.enable_shrink} is open on "
                     "these ranks; rank masking belongs to the ranks' shared ep group, so Buffers "
@@ -359,7 +368,7 @@ class Buffer:
         self._last_layout = None
         _open_buffers.discard(self)
         key = id(self.ep_group)
-        if self.enable_shrink and not any(b.ep_group is self.ep_group for b in _open_buffers):
+        if self.enable_shrink and not _open_on(self.ep_group):
             if key in _facade_auto_mask:  # the last shrink Buffer on the group: masking off
                 _masking_off(self.ep_group)
 
