@@ -30,14 +30,16 @@ from .errors import MoEError, MoEInputError, MoETimeoutError, MoETypeError
 _AGREED = "nothing was exchanged"
 _TIMEOUT_MARKERS = (
     "never joined", "timed out", "Timed out", "timeout caused pair closure",
-    "lost the data exchange",
+    "lost the data exchange", "was masked by rank(s)",
 )  # fmt: skip
 # torch's words when it cannot bind an argument to the op's schema (before any kernel ran).
 _UNBOUND = ("Expected a value of type", "expected a value of type", "Could not run")
 _CPP_TRACE = re.compile(r"\n?Exception raised from [^\n]*(?:\n(?:frame #|\s*<omitting)[^\n]*)*")
 _MISPAIRED = " is in call #"  # the agreement's words for ranks in different calls
 _META = "a tensor argument is on the meta device; the MoE collectives move cpu and cuda tensors"
-_REJECTED_RANKS = re.compile(r"rank\(s\) ([\d, ]+) (?:rejected|never joined|died)")
+_REJECTED_RANKS = re.compile(
+    r"rank\(s\) ([\d, ]+) (?:rejected|never joined|died)|masked by rank\(s\) ([\d, ]+)"
+)
 _KERNEL_PEER = re.compile(r"waiting for rank (\d+)")
 
 
@@ -52,7 +54,8 @@ def _named_ranks(message: str) -> tuple[int, ...]:
     match = _REJECTED_RANKS.search(message) or _KERNEL_PEER.search(message)
     if match is None:
         return ()
-    return tuple(int(r) for r in match.group(1).replace(" ", "").split(",") if r)
+    ranks = next(g for g in match.groups() if g is not None)
+    return tuple(int(r) for r in ranks.replace(" ", "").split(",") if r)
 
 
 def _input_error(op: str, exc: BaseException) -> MoEInputError:

@@ -353,6 +353,8 @@ def _divergent_deadline_worker(rank: int, world: int) -> dict[str, Any]:
         compare_ll_dispatch(m, got, want)
     except RuntimeError as exc:
         out["error"] = str(exc)
+        out["error_type"] = type(exc).__name__
+        out["error_ranks"] = getattr(exc, "ranks", None)
     out["query"] = ep.low_latency_query_mask(group)
     dist.barrier(group=side)
     out["mismatches"] = m.items
@@ -369,3 +371,6 @@ def test_ranks_whose_auto_mask_deadlines_differ_mask_the_same_late_rank() -> Non
         assert res[rank]["mismatches"] == [], (rank, res[rank])
         assert res[rank]["query"] == [2], (rank, res[rank])
     assert "was masked by rank(s) 0" in (res[2]["error"] or ""), res[2]
+    # A timeout-class failure: the type and the ranks named as for a peer that never joined.
+    assert res[2]["error_type"] == "MoETimeoutError", res[2]
+    assert tuple(res[2]["error_ranks"]) == (0,), res[2]
