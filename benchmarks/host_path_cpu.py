@@ -6,7 +6,7 @@ Three tables, µs per call, medians over rounds of each round's median (rows tak
 round, as in ``host_overhead.py``: a shared host's speed drifts):
 
 * ``python``: the Python layer of ``ep.dispatch`` / cached dispatch / ``combine`` /
-  ``get_dispatch_layout`` on one rank, with the custom op replaced by a stub that returns
+  ``get_dispatch_layout`` / ``low_latency_dispatch`` / ``low_latency_combine`` on one rank, with the custom op replaced by a stub that returns
   preallocated tensors: what the wrappers themselves cost (argument checks, group lookup,
   ``_run``, result objects). The stub's own call is its first row.
 * ``native``: the same calls on CPU tensors with the real ops, one rank, one token: the
@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 T, H, K, E = 1, 128, 2, 8
+LL_M = 4  # low-latency M (tokens per rank at most)
 
 
 def _median_us(fn: Callable[[], object], iters: int) -> float:
@@ -62,7 +63,7 @@ def _init(rank: int, world: int, path: str) -> None:
 
 def _one_rank_tables(iters: int, rounds: int) -> None:
     import ep_backend as ep
-    from ep_backend import moe
+    from ep_backend import low_latency, moe
 
     with tempfile.TemporaryDirectory() as tmp:
         _init(0, 1, os.path.join(tmp, "store"))
@@ -74,13 +75,17 @@ def _one_rank_tables(iters: int, rounds: int) -> None:
         out = ep.dispatch(x, idx, w, E)
         handle = out.handle
         y = out.recv_x
+        ll = ep.low_latency_dispatch(x, idx, LL_M, E, use_fp8=False)
         native = {
             "get_dispatch_layout": lambda: ep.get_dispatch_layout(idx, E),
             "dispatch": lambda: ep.dispatch(x, idx, w, E),
             "dispatch, layout given": lambda: ep.dispatch(x, idx, w, E, layout=layout),
             "cached dispatch": lambda: ep.dispatch(x, handle=handle),
             "combine": lambda: ep.combine(y, handle),
-        }
+            "low_latency_dispatch BF16": lambda: ep.low_latency_dispatch(x, idx, LL_M, E,
+                                                                         use_fp8=False),
+            "low_latency_combine": lambda: ep.low_latency_combine(ll.recv_x, idx, w, ll.handle),
+        }  # fmt: skip
         real = _table(native, iters, rounds)
 
         # The same calls with each custom op stubbed: its results, made once.
@@ -88,16 +93,25 @@ def _one_rank_tables(iters: int, rounds: int) -> None:
         layout_result = tuple(moe._layout_op(idx, E, 1))
         cached_result = tuple(moe._cached_dispatch_op(x, None, *moe._routing(handle), "0"))
         combine_result = tuple(moe._combine_op(y, None, None, None, *moe._routing(handle), "0"))
-        saved = (moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op)
+        ll_dispatch_result = tuple(low_latency._low_latency_dispatch_op(
+            x, idx, LL_M, E, False, False, False, "0", False))  # fmt: skip
+        ll_combine_result = low_latency._low_latency_combine_op(
+            ll.recv_x, idx, w, ll.handle.src_info, ll.handle.layout_range, LL_M, "0"
+        )
+        saved = (moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op,
+                 low_latency._low_latency_dispatch_op, low_latency._low_latency_combine_op)  # fmt: skip
         moe._dispatch_op = lambda *a: dispatch_result
         moe._layout_op = lambda *a: layout_result
         moe._cached_dispatch_op = lambda *a: cached_result
         moe._combine_op = lambda *a: combine_result
+        low_latency._low_latency_dispatch_op = lambda *a: ll_dispatch_result
+        low_latency._low_latency_combine_op = lambda *a, **k: ll_combine_result
         try:
             stub = {"the stub alone": lambda: moe._dispatch_op(x), **native}
             python = _table(stub, iters, rounds)
         finally:
-            moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op = saved
+            (moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op,
+             low_latency._low_latency_dispatch_op, low_latency._low_latency_combine_op) = saved  # fmt: skip
         dist.destroy_process_group()
     print(f"{'call (1 rank, CPU)':<28} {'python (op stubbed)':>20} {'native (real op)':>18}")
     print(f"{'the stub alone':<28} {python['the stub alone']:>20.2f} {'':>18}")
