@@ -12,9 +12,9 @@
 #include <sstream>
 
 #include "backend/ep_process_group.hpp"
+#include "backend/host_stages.hpp"
 #include "backend/store_exchange.hpp"
 #include "backend/stream_capture.hpp"
-#include "transports/nvlink/nvlink_host_stages.hpp"
 #include "transports/nvlink/nvlink_slab_pool.hpp"
 #include "transports/nvlink/nvlink_transport.hpp"
 #include "transports/nvlink/nvlink_tuning.hpp"

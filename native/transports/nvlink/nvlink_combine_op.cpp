@@ -5,11 +5,11 @@
 #include <c10/util/Exception.h>
 
 #include "backend/ep_process_group.hpp"
+#include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_handle_routing.hpp"
-#include "transports/nvlink/nvlink_host_stages.hpp"
 #include "transports/nvlink/nvlink_pending_error.hpp"
 #include "transports/nvlink/nvlink_transport.hpp"
 

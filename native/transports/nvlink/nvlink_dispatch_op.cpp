@@ -9,11 +9,11 @@
 #include <vector>
 
 #include "backend/ep_process_group.hpp"
+#include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
-#include "transports/nvlink/nvlink_host_stages.hpp"
 #include "transports/nvlink/nvlink_layout_errors.hpp"
 #include "transports/nvlink/nvlink_pending_error.hpp"
 #include "transports/nvlink/nvlink_slab_pool.hpp"

@@ -7,9 +7,9 @@
 
 #include <limits>
 
+#include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
-#include "transports/nvlink/nvlink_host_stages.hpp"
 #include "transports/nvlink/nvlink_layout_errors.hpp"
 #include "transports/nvlink/nvlink_transport.hpp"
 

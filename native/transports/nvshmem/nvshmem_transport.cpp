@@ -32,6 +32,7 @@
 #include <thread>
 
 #include "backend/gpu_identity.hpp"
+#include "backend/host_stages.hpp"
 #include "backend/kernel_image.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/peer_liveness.hpp"
@@ -700,6 +701,7 @@ at::Tensor combineBuffer(EPProcessGroup& pg, const at::Tensor& layout_range,
 
 LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchInputs& a,
                                   bool send_only) {
+  HostStages stages("low_latency_dispatch");  // EP_PROFILE_HOST
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   std::string error = pendingError(*st, "low_latency_dispatch");
@@ -717,8 +719,10 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   fields.push_back({"a CUDA graph captured on the NVSHMEM buffers", st->graph_captured ? 1 : 0});
   const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0, pendingReceives(*st)};
   RankMaskSnapshot mask = rankMask(pg);
+  stages.mark("validate");
   at::Tensor gathered =
       agreeAmongLiveRanks(pg, "low_latency_dispatch", error, fields, payload, mask);
+  stages.mark("agree");
   int64_t max_topk = 1;
   int64_t pending = 0;  // receives still awaited, over all ranks
   auto g = gathered.accessor<int64_t, 2>();
@@ -756,6 +760,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
+  stages.mark("runtime");
   // The kernels read x with 16-byte loads (a contiguous slice may start anywhere).
   const at::Tensor x = reinterpret_cast<uintptr_t>(a.x.data_ptr()) % 16 == 0 ? a.x : a.x.clone();
   const int64_t experts_per_rank = a.num_experts / num_ranks;
@@ -798,9 +803,11 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   args.rank_mask = rankMaskDevice(pg, device).data_ptr<int>();
   int buffer = 0;
   char err[1024] = {0};
+  stages.mark("alloc");
   check(library().dispatch(rt, &args, c10::cuda::getCurrentCUDAStream(device.index()).stream(),
                            &buffer, err, sizeof(err)),
         "low_latency_dispatch", err);
+  stages.mark("launch");
   RememberedHandle h;
   h.layout_range = out.layout_range;
   h.buffer = buffer;
@@ -823,6 +830,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
 }
 
 std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInputs& a) {
+  HostStages stages("low_latency_combine");  // EP_PROFILE_HOST
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   std::string error = pendingError(*st, "low_latency_combine");
@@ -861,8 +869,10 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   // together, which reads the same handle format.
   const int64_t seq = buffer >= 0 ? static_cast<int64_t>(handle->seq) : -1;
   RankMaskSnapshot mask = rankMask(pg);
+  stages.mark("validate");
   at::Tensor gathered =
       agreeAmongLiveRanks(pg, "low_latency_combine", error, fields, {buffer, seq}, mask);
+  stages.mark("agree");
   auto g = gathered.accessor<int64_t, 2>();
   for (int64_t r = 0; r < g.size(0); ++r) {
     if (mask.is_masked(r)) {
@@ -891,10 +901,12 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   args.timeout_seconds = pg.options()->kernel_timeout_s;  // per call: settable live
   args.rank_mask = rankMaskDevice(pg, device).data_ptr<int>();
   char err[1024] = {0};
+  stages.mark("alloc");
   check(
       library().combine(st->runtime, &args,
                         c10::cuda::getCurrentCUDAStream(device.index()).stream(), err, sizeof(err)),
       "low_latency_combine", err);
+  stages.mark("launch");
   if (RememberedHandle* h = find(*st, a.layout_range)) {
     h->combined = true;
   }

@@ -1,6 +1,6 @@
-// Host-side profiling of the NVLink ops (EP_PROFILE_HOST): where a call's host time goes, and with
-// EP_PROFILE_HOST=trace where a stuck call stands. Inline: the ops construct a HostStages and mark
-// stages on every call, which costs one flag test each when profiling is off.
+// Host-side profiling of the MoE ops' transports (EP_PROFILE_HOST): where a call's host time goes,
+// and with EP_PROFILE_HOST=trace where a stuck call stands. Inline: the ops construct a HostStages
+// and mark stages on every call, which costs one flag test each when profiling is off.
 #pragma once
 
 #include <unistd.h>
@@ -11,7 +11,7 @@
 
 #include "common/env.hpp"
 
-namespace ep::nvlink {
+namespace ep {
 
 inline bool profilingHost() {
   return env::isSet<env::kProfileHost>();
@@ -69,4 +69,4 @@ class HostStages {
   std::string line_;
 };
 
-}  // namespace ep::nvlink
+}  // namespace ep
