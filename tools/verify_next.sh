@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One pass over the branch `next` (main + the helper branches merged into it) on the GPU machine
-# (2 GPUs; the EP4 cases run where 4 are present): builds once with CUDA, then runs the new GPU
-# tests of each merged branch and the low-latency GPU tests as regression, each step with its own
-# timeout, then the bench once (no sweep). Sized for a 10-minute command limit: every timeout is
+# One pass over a candidate branch (`next`: main + work not yet run on a GPU) on the GPU machine
+# (every visible GPU, or GPUS=N): builds once with CUDA, then runs the GPU tests of the areas that
+# changed (rank masking, reliability, NVSHMEM session, internode, bench, Megatron) and the
+# low-latency GPU tests as regression, each step with its own timeout, then the bench once (no
+# sweep); gpu_moe and gpu_rest cover the rest of the GPU suite. Sized for a 10-minute command limit: every timeout is
 # cut to what is left of BUDGET_S (540 s from the start); a step that runs out of time is
 # reported as TIMED OUT, one never reached as NOT RUN. The full README test command is run separately.
 # Usage: OUT=/some/dir bash tools/verify_next.sh     (default ./out)
