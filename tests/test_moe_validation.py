@@ -713,11 +713,11 @@ def case_worker(
                 "bases": [k.__name__ for k in type(exc).__mro__],
             }
         elapsed = time.monotonic() - start
-        outcomes[name] = {
-            "error": error,
-            "seconds": elapsed,
-            "after": _valid_round_trip(ep, ref, rank, world, step, device),
-        }
+        try:
+            after = _valid_round_trip(ep, ref, rank, world, step, device)
+        except Exception as exc:  # e.g. an error the kernels found, raised by this next call
+            after = [f"the valid call after the case raised {type(exc).__name__}: {exc}"]
+        outcomes[name] = {"error": error, "seconds": elapsed, "after": after}
     return outcomes
 
 
