@@ -6,9 +6,10 @@ Three tables, µs per call, medians over rounds of each round's median (rows tak
 round, as in ``host_overhead.py``: a shared host's speed drifts):
 
 * ``python``: the Python layer of ``ep.dispatch`` / cached dispatch / ``combine`` /
-  ``get_dispatch_layout`` / ``low_latency_dispatch`` / ``low_latency_combine`` on one rank, with the custom op replaced by a stub that returns
-  preallocated tensors: what the wrappers themselves cost (argument checks, group lookup,
-  ``_run``, result objects). The stub's own call is its first row.
+  ``get_dispatch_layout`` / ``low_latency_dispatch`` / ``low_latency_combine`` on one rank, with
+  the custom op replaced by a stub that returns preallocated tensors: what the wrappers themselves
+  cost (argument checks, group lookup, ``_run``, result objects). The stub's own call is its first
+  row.
 * ``native``: the same calls on CPU tensors with the real ops, one rank, one token: the
   dispatcher, the registry, validation and the ATen transport (no agreement at one rank).
 * ``agreement``: ``EPProcessGroup._reserve`` for a CPU device on R local processes: validation
@@ -98,8 +99,8 @@ def _one_rank_tables(iters: int, rounds: int) -> None:
         ll_combine_result = low_latency._low_latency_combine_op(
             ll.recv_x, idx, w, ll.handle.src_info, ll.handle.layout_range, LL_M, "0"
         )
-        saved = (moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op,
-                 low_latency._low_latency_dispatch_op, low_latency._low_latency_combine_op)  # fmt: skip
+        ll_ops = (low_latency._low_latency_dispatch_op, low_latency._low_latency_combine_op)
+        saved = (moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op)
         moe._dispatch_op = lambda *a: dispatch_result
         moe._layout_op = lambda *a: layout_result
         moe._cached_dispatch_op = lambda *a: cached_result
@@ -110,8 +111,8 @@ def _one_rank_tables(iters: int, rounds: int) -> None:
             stub = {"the stub alone": lambda: moe._dispatch_op(x), **native}
             python = _table(stub, iters, rounds)
         finally:
-            (moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op,
-             low_latency._low_latency_dispatch_op, low_latency._low_latency_combine_op) = saved  # fmt: skip
+            moe._dispatch_op, moe._layout_op, moe._cached_dispatch_op, moe._combine_op = saved
+            low_latency._low_latency_dispatch_op, low_latency._low_latency_combine_op = ll_ops
         dist.destroy_process_group()
     print(f"{'call (1 rank, CPU)':<28} {'python (op stubbed)':>20} {'native (real op)':>18}")
     print(f"{'the stub alone':<28} {python['the stub alone']:>20.2f} {'':>18}")

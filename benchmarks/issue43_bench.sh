@@ -18,11 +18,17 @@ for ranks in 2 4 8; do
   CUDA_VISIBLE_DEVICES=$devices python -m ep_backend.bench --no-sweep --no-low-latency --sm-sweep \
     --out "$OUT/ep$ranks" 2>&1 | tee "$OUT/ep$ranks/bench_ht.log" | tail -60
   rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || { echo "EP$ranks HT bench failed (rc=$rc)"; [ "$status" -ne 0 ] || status=$rc; }
+  if [ "$rc" -ne 0 ]; then
+    echo "EP$ranks HT bench failed (rc=$rc)"
+    [ "$status" -ne 0 ] || status=$rc
+  fi
   echo "== EP$ranks: LL (E = 8 x ranks, as the issue's EP4 runs: top-8 of 32)"
   CUDA_VISIBLE_DEVICES=$devices python -m ep_backend.bench --no-sweep --no-high-throughput \
     --ll-experts $((8 * ranks)) --out "$OUT/ep$ranks/ll" 2>&1 | tee "$OUT/ep$ranks/bench_ll.log" | tail -30
   rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || { echo "EP$ranks LL bench failed (rc=$rc)"; [ "$status" -ne 0 ] || status=$rc; }
+  if [ "$rc" -ne 0 ]; then
+    echo "EP$ranks LL bench failed (rc=$rc)"
+    [ "$status" -ne 0 ] || status=$rc
+  fi
 done
 exit "$status"

@@ -16,11 +16,12 @@ per call while any rank is masked.
 With ``low_latency_auto_mask(timeout)``, a peer that does not join a low-latency call within
 ``timeout`` seconds is masked, and the call goes on without it (``low_latency_query_mask``
 reports it); the live ranks agree on whom they mask (a peer late for one rank's deadline is
-masked by all), and a late rank that its peers masked raises instead of going on. Enable it on every rank: a rank without it agrees
-through shared memory and never meets the ranks that have it. On CUDA the NVSHMEM kernels read
-the mask from device memory (``int32 [R]``) at every launch, so a CUDA graph captured before a
-change sees the new mask when replayed; a kernel already waiting for a peer when it stops still
-ends by its ``kernel_timeout_s`` (the group must then be aborted and re-created).
+masked by all), and a late rank that its peers masked raises instead of going on. Enable it on
+every rank: a rank without it agrees through shared memory and never meets the ranks that have
+it. On CUDA the NVSHMEM kernels read the mask from device memory (``int32 [R]``) at every
+launch, so a CUDA graph captured before a change sees the new mask when replayed; a kernel
+already waiting for a peer when it stops still ends by its ``kernel_timeout_s`` (the group must
+then be aborted and re-created).
 """
 
 from __future__ import annotations
