@@ -82,13 +82,16 @@ __device__ __forceinline__ bool spin_wait(const WaitContext& ctx, int peer, Read
   }
 }
 
-// A wait on other work of this GPU (our own notify kernel, this block's publisher), which only
-// stalls because that work waits for a peer: twice the timeout, so that the work's own wait times
-// out first and its record names the peer (the first record wins; a timeout also aborts every
-// other wait). Only a stall of this GPU's own work is reported as waiting for this rank.
+// A wait on other work of this GPU (our own notify kernel, this block's publisher or senders),
+// which only stalls because that work waits for a peer, lasts this many timeouts: the work's own
+// wait times out first and its record names the peer (the first record wins; a timeout also
+// aborts every other wait). Only a stall of this GPU's own work is reported as waiting for this
+// rank.
+constexpr int kThisGpuWaitPeriods = 2;
+
 template <typename Ready>
 __device__ __forceinline__ bool spin_wait_on_this_gpu(const WaitContext& ctx, Ready ready) {
-  return spin_wait(ctx, ctx.rank, ready, 2);
+  return spin_wait(ctx, ctx.rank, ready, kThisGpuWaitPeriods);
 }
 
 // ---- warp row copies --------------------------------------------------------------------------
@@ -184,9 +187,9 @@ __device__ __forceinline__ void run_publisher(const WaitContext& ctx, int lane, 
     __nanosleep(32);
     if ((idle & 255u) == 0) {
       if (aborted(ctx)) return;  // a sender gave up
-      // Twice the timeout: a sender waiting for a peer times out first and names that peer;
-      // this only fires if the block's own senders stall.
-      if (clock64() - idle_since > 2 * ctx.timeout_cycles) {
+      // A wait on this GPU's own senders (see kThisGpuWaitPeriods): a sender waiting for a peer
+      // times out first and names that peer.
+      if (clock64() - idle_since > kThisGpuWaitPeriods * ctx.timeout_cycles) {
         if (lane == 0) raise_timeout(ctx, ctx.rank);
         return;
       }
