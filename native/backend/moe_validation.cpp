@@ -506,6 +506,27 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   return all.view({num_ranks, width});
 }
 
+// A key of the live-only agreement in the group's store: `what` of `rank` in call `call`.
+std::string liveKey(EPProcessGroup& pg, uint64_t call, const std::string& what, int64_t rank) {
+  return "ep_live/" + pg.options()->group_name + "/" + std::to_string(call) + "/" + what + "/" +
+         std::to_string(rank);
+}
+
+// Posts this rank's `what` of call `call` and drops its post of call - 2: every live peer has
+// read that one (it posted its call - 1 rows, which this rank read, only after finishing
+// call - 2). A store without deleteKey keeps the old key (a few hundred bytes per masked call).
+void postLive(EPProcessGroup& pg, uint64_t call, const std::string& what,
+              const std::vector<uint8_t>& bytes) {
+  const int64_t rank = pg.getRank();
+  pg.store()->set(liveKey(pg, call, what, rank), bytes);
+  if (call >= 2) {
+    try {
+      pg.store()->deleteKey(liveKey(pg, call - 2, what, rank));
+    } catch (const std::exception&) {
+    }
+  }
+}
+
 // With auto-masking, after the rows of a live-only agreement: every live rank posts the ranks it
 // found missing (`missing`, ascending) and reads the posts of the ranks it did not; returns the
 // union (a rank whose post does not come within the auto-mask timeout is in it too). Raises,
@@ -520,20 +541,11 @@ std::vector<int64_t> agreeOnMissing(EPProcessGroup& pg, const char* op, uint64_t
   const int64_t num_ranks = pg.getSize();
   const int64_t rank = pg.getRank();
   const auto& store = pg.store();
-  const std::string prefix = "ep_live/" + pg.options()->group_name + "/";
-  auto key = [&](uint64_t c, int64_t r) {
-    return prefix + std::to_string(c) + "/missing" + std::to_string(phase) + "/" +
-           std::to_string(r);
-  };
+  const std::string what = "missing" + std::to_string(phase);
+  auto key = [&](int64_t r) { return liveKey(pg, call, what, r); };
   std::vector<uint8_t> mine(static_cast<size_t>(num_ranks), 0);
   for (int64_t p : missing) mine[static_cast<size_t>(p)] = 1;
-  store->set(key(call, rank), mine);
-  if (call >= 2) {
-    try {
-      store->deleteKey(key(call - 2, rank));  // read by every live peer (see the rows' keys)
-    } catch (const std::exception&) {
-    }
-  }
+  postLive(pg, call, what, mine);
   std::vector<uint8_t> all_missing = mine;
   std::vector<int64_t> masked_me;
   // Their posts come right after their rows: the same deadline, at least one more timeout.
@@ -548,8 +560,8 @@ std::vector<int64_t> agreeOnMissing(EPProcessGroup& pg, const char* op, uint64_t
                                std::chrono::milliseconds(1));
     std::vector<uint8_t> theirs;
     try {
-      waitForKeys(*store, {key(call, p)}, left);
-      theirs = store->get(key(call, p));
+      waitForKeys(*store, {key(p)}, left);
+      theirs = store->get(key(p));
     } catch (const std::exception&) {
       all_missing[static_cast<size_t>(p)] = 1;  // gone after its row: masked as well
       continue;
@@ -598,21 +610,10 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
   const int64_t rank = pg.getRank();
   const int64_t width = static_cast<int64_t>(row.size());
   const auto& store = pg.store();
-  const std::string prefix = "ep_live/" + pg.options()->group_name + "/";
-  auto key = [&](uint64_t c, int64_t r) {
-    return prefix + std::to_string(c) + "/" + std::to_string(phase) + "/" + std::to_string(r);
-  };
+  const std::string what = std::to_string(phase);
+  auto key = [&](int64_t r) { return liveKey(pg, call, what, r); };
   const auto* first = reinterpret_cast<const uint8_t*>(row.data());
-  store->set(key(call, rank), std::vector<uint8_t>(first, first + row.size() * sizeof(int64_t)));
-  if (call >= 2) {
-    // Every live peer has read this rank's row of call - 2: it posted its row of call - 1 (which
-    // this rank read) only after finishing call - 2.
-    try {
-      store->deleteKey(key(call - 2, rank));
-    } catch (const std::exception&) {
-      // A store without deleteKey keeps the key (a few hundred bytes per masked call).
-    }
-  }
+  postLive(pg, call, what, std::vector<uint8_t>(first, first + row.size() * sizeof(int64_t)));
   at::Tensor all = at::empty({num_ranks, width}, at::kLong);
   auto acc = all.accessor<int64_t, 2>();
   const auto timeout = mask.auto_mask ? mask.auto_timeout : pg.options()->timeout;
@@ -629,8 +630,8 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
                                      deadline - std::chrono::steady_clock::now()),
                                  std::chrono::milliseconds(1));
       try {
-        waitForKeys(*store, {key(call, p)}, left);
-        const std::vector<uint8_t> bytes = store->get(key(call, p));
+        waitForKeys(*store, {key(p)}, left);
+        const std::vector<uint8_t> bytes = store->get(key(p));
         TORCH_CHECK(bytes.size() == row.size() * sizeof(int64_t), "ep ", op, ": rank ", p,
                     " posted a row of ", bytes.size(), " bytes, this rank expects ",
                     row.size() * sizeof(int64_t));
