@@ -15,8 +15,10 @@ parametrized tests then check the recorded outcome of their case.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from moe_helpers import (
 
 TIMEOUT = 60.0  # the whole run of ~70 cases; a hang anywhere fails the tests at this point
 CASE_SECONDS = 10.0  # each case must end (on every rank) well within this
+STUCK_CASE_SECONDS = 20.0  # a case still running after this dumps its stacks
 WORLDS = (2, 4)
 NUM_TOKENS = 5
 HIDDEN = 64
@@ -662,9 +665,10 @@ def _make_ctx(ep, rank: int, world: int, device: torch.device = CPU) -> Ctx:
 
 
 def _valid_round_trip(
-    ep, ref, rank: int, world: int, step: int, device: torch.device = CPU
+    ep, ref, rank: int, world: int, step: int, device: torch.device = CPU, ref_group: Any = None
 ) -> list[str]:
-    """A valid dispatch + combine on ``device`` against the reference on CPU (bitwise)."""
+    """A valid dispatch + combine on ``device`` against the reference on CPU (bitwise), whose
+    collectives run on ``ref_group`` (default: WORLD)."""
     m = Mismatches(context="valid call after the case")
     gen = torch.Generator().manual_seed(1000 * step + rank)
     num_experts = 2 * world
@@ -672,13 +676,16 @@ def _valid_round_trip(
     x = torch.randn((num_tokens, 24), generator=gen).to(BF16)
     idx = torch.randint(-1, num_experts, (num_tokens, 3), generator=gen)
     weights = torch.rand((num_tokens, 3), generator=gen)
+    # The reference first: its collectives then never wait on a rank that an error in the
+    # op under test sent on to its next case.
+    b = ref.dispatch(x, idx, weights, num_experts, expert_alignment=2, group=ref_group)
+    y = scale_rows(b.recv_x, 3.0)
+    want = ref.combine(y, b.handle, b.recv_topk_weights, bias=x, group=ref_group)
     a = ep.dispatch(x.to(device), idx.to(device), weights.to(device), num_experts,
                     expert_alignment=2)  # fmt: skip
-    b = ref.dispatch(x, idx, weights, num_experts, expert_alignment=2)
     compare_dispatch(m, a, b)
-    y = scale_rows(b.recv_x, 3.0)
     got = ep.combine(y.to(device), a.handle, b.recv_topk_weights.to(device), bias=x.to(device))
-    compare_combine(m, got, ref.combine(y, b.handle, b.recv_topk_weights, bias=x))
+    compare_combine(m, got, want)
     return m.items
 
 
@@ -697,10 +704,19 @@ def case_worker(
     single_thread()
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else (
         torch.device("cpu"))  # fmt: skip
+    ready_start = time.monotonic()
     ctx = _make_ctx(ep, rank, world, device)
+    # On CUDA the reference's CPU collectives run on a plain Gloo group of their own, apart
+    # from the "ep" group under test.
+    ref_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    print(f"[rank {rank}] context ready in {time.monotonic() - ready_start:.2f} s", file=sys.stderr,
+          flush=True)  # fmt: skip
     outcomes: dict[str, Any] = {}
     for step, name in enumerate(names):
         start = time.monotonic()
+        # A case (or its round trip) stuck this long prints every thread's Python stack on
+        # stderr: the parent's timeout alone would not say where this rank waits.
+        faulthandler.dump_traceback_later(STUCK_CASE_SECONDS)
         try:
             cases[name].call(ctx)
             if device.type == "cuda":  # an error found on the GPU is raised by a later sync
@@ -714,10 +730,16 @@ def case_worker(
             }
         elapsed = time.monotonic() - start
         try:
-            after = _valid_round_trip(ep, ref, rank, world, step, device)
+            after = _valid_round_trip(ep, ref, rank, world, step, device, ref_group)
         except Exception as exc:  # e.g. an error the kernels found, raised by this next call
             after = [f"the valid call after the case raised {type(exc).__name__}: {exc}"]
+        faulthandler.cancel_dump_traceback_later()
         outcomes[name] = {"error": error, "seconds": elapsed, "after": after}
+        # One line per case on stderr (pytest shows it for a failed or interrupted run): a case
+        # that hangs is the one after the last line.
+        print(f"[rank {rank}] case {step} {name}: {elapsed:.2f} s, raised "
+              f"{error['name'] if error else None}; after: {'; '.join(after)[:400] or 'exact'}",
+              file=sys.stderr, flush=True)  # fmt: skip
     return outcomes
 
 
