@@ -43,20 +43,8 @@ int ep_internode_combine(void* handle, const ep::InternodeCombineArgs* args, cud
   return cEntryPoint(err, err_len, [&] { runtime(handle)->combine(*args, stream); });
 }
 
-// As ep_nvshmem_check_error: building the message cannot throw across (a failure there is an
-// error too).
 int ep_internode_check_error(void* handle, char* msg, size_t msg_len, int* failed) {
-  std::string e;
-  const int rc = cEntryPoint(msg, msg_len, [&] {
-    e = runtime(handle)->check_error();
-    *failed = runtime(handle)->failed() ? 1 : 0;
-  });
-  if (rc != 0) {
-    *failed = 1;
-    return 1;
-  }
-  copyMessage(e.c_str(), msg, msg_len);
-  return e.empty() ? 0 : 1;
+  return ep::capi::checkErrorEntry(runtime(handle), msg, msg_len, failed);
 }
 
 void ep_internode_progress(void* handle, char* msg, size_t msg_len) {
@@ -67,10 +55,7 @@ void ep_internode_progress(void* handle, char* msg, size_t msg_len) {
 }
 
 int ep_internode_destroy(void* handle, char* err, size_t err_len) {
-  return cEntryPoint(err, err_len, [&] {
-    runtime(handle)->destroy();
-    delete runtime(handle);
-  });
+  return ep::capi::destroyEntry(runtime(handle), err, err_len);
 }
 
 }  // extern "C"

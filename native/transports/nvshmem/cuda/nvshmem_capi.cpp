@@ -90,17 +90,7 @@ int ep_nvshmem_config(void* handle, ep::NvshmemConfig* out) {
 // 1 with the kernels' error in `msg` (and `failed` when the runtime cannot be used again), 0
 // when there is none. Building the message cannot throw across: a failure there is an error too.
 int ep_nvshmem_check_error(void* handle, char* msg, size_t msg_len, int* failed) {
-  std::string e;
-  const int rc = cEntryPoint(msg, msg_len, [&] {
-    e = runtime(handle)->check_error();
-    *failed = runtime(handle)->failed() ? 1 : 0;
-  });
-  if (rc != 0) {
-    *failed = 1;
-    return 1;
-  }
-  copyMessage(e.c_str(), msg, msg_len);
-  return e.empty() ? 0 : 1;
+  return ep::capi::checkErrorEntry(runtime(handle), msg, msg_len, failed);
 }
 
 // Clears a reported error so the runtime can be used again; -1 (e.g. a sticky CUDA error) if
@@ -110,10 +100,7 @@ int ep_nvshmem_clear_error(void* handle, char* err, size_t err_len) {
 }
 
 int ep_nvshmem_destroy(void* handle, char* err, size_t err_len) {
-  return cEntryPoint(err, err_len, [&] {
-    runtime(handle)->destroy();
-    delete runtime(handle);
-  });
+  return ep::capi::destroyEntry(runtime(handle), err, err_len);
 }
 
 }  // extern "C"
