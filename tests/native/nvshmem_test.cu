@@ -916,6 +916,10 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
   hx.rank = rank;
   ep::NvshmemRuntime::start_session(rank, kRanks, device, uid, cfg);  // once per process
   hx.rt = new ep::NvshmemRuntime(rank, kRanks, device, cfg);
+  // Both ranks made their part (a failure ends the process): the symmetric region, then the
+  // barrier the product takes through the store before any rank signals into a peer's region.
+  hx.rt->connect();
+  hx.rt->barrier();
   // A blocking stream: the harness's cudaMemcpy calls (legacy stream) are ordered with it.
   CUDA_OK(cudaStreamCreate(&hx.stream));
   hx.buf.alloc();
@@ -1033,6 +1037,8 @@ int run_rank(int rank, const Options& opt, const std::string& tag) {
     // work (NVSHMEM is never re-initialised in a process).
     cfg.max_hidden = 2048;
     hx.rt = new ep::NvshmemRuntime(rank, kRanks, device, cfg);
+    hx.rt->connect();
+    hx.rt->barrier();
     Case c;
     c.name = "after destroy + re-creation";
     c.mode = kFp8;

@@ -63,6 +63,8 @@ struct Library {
   ep_nvshmem_check_error_fn check_error = nullptr;
   ep_nvshmem_clear_error_fn clear_error = nullptr;
   ep_nvshmem_destroy_fn destroy = nullptr;
+  ep_nvshmem_connect_fn connect = nullptr;
+  ep_nvshmem_abandon_fn abandon = nullptr;
 };
 
 // Next to _C (the build copies it there), or EP_NVSHMEM_LIB.
@@ -117,7 +119,9 @@ const Library& library() {
            lookup(dl, "ep_nvshmem_config", l.config, l.error) &&
            lookup(dl, "ep_nvshmem_check_error", l.check_error, l.error) &&
            lookup(dl, "ep_nvshmem_clear_error", l.clear_error, l.error) &&
-           lookup(dl, "ep_nvshmem_destroy", l.destroy, l.error);
+           lookup(dl, "ep_nvshmem_destroy", l.destroy, l.error) &&
+           lookup(dl, "ep_nvshmem_connect", l.connect, l.error) &&
+           lookup(dl, "ep_nvshmem_abandon", l.abandon, l.error);
     return l;  // the handle stays open for the life of the process
   }();
   return lib;
@@ -486,6 +490,70 @@ void startSessionIfNone(EPProcessGroup& pg, GroupState& st, const at::Device& de
         "low_latency setup", err);
 }
 
+// One step of a collective buffer setup: every rank posts "" (done) or its error, within the
+// group's timeout (a rank that never posts makes the others raise naming it). Returns "" when
+// every rank succeeded, else which ranks failed and the first one's error.
+std::string setupStepFailure(EPProcessGroup& pg, const std::string& prefix, const std::string& mine,
+                             const char* step) {
+  const std::vector<std::string> all =
+      allGatherStrings(pg, prefix, mine, std::string("ep low_latency setup (") + step + ")");
+  std::ostringstream ranks;
+  std::string first;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    ranks << (first.empty() ? "" : ", ") << r;
+    if (first.empty()) first = all[r];
+  }
+  if (first.empty()) return "";
+  return "rank(s) " + ranks.str() + " failed " + step + " the NVSHMEM buffers (first: " + first +
+         ")";
+}
+
+// Collective: a new runtime of `cfg` in the process's session. Each rank first makes its own
+// buffers, and the ranks agree (through the store, bounded by the group's timeout) that all did
+// before any calls nvshmem_malloc, which waits for every PE with no timeout: a rank that fails
+// alone makes every rank raise instead of leaving its peers in that wait. A second agreement
+// after connect is the barrier before any rank signals into a peer's region; where connect failed
+// on some rank, every rank abandons its runtime (nvshmem_free would wait for that rank too).
+void* createAndConnect(EPProcessGroup& pg, GroupState& st, const at::Device& device,
+                       const NvshmemConfig& cfg) {
+  const Library& lib = library();
+  // A number of its own per attempt (every rank counts alike): a retry after a failed setup
+  // never reads the failed attempt's posts.
+  const std::string prefix =
+      "ep_ll/" + pg.options()->group_name + "/setup/" + std::to_string(++st.generation) + "/";
+  char err[1024] = {0};
+  void* rt = nullptr;
+  std::string mine;
+  if (lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, &rt, err, sizeof(err)) != 0) {
+    mine = err[0] != 0 ? err : "failed";
+    rt = nullptr;
+  }
+  const auto failIf = [&](const std::string& failure) {
+    if (failure.empty()) return;
+    if (rt != nullptr) lib.abandon(rt);
+    TORCH_CHECK(false, "ep low_latency setup: ", failure, "; nothing was exchanged");
+  };
+  std::string failure;
+  try {
+    failure = setupStepFailure(pg, prefix + "created/", mine, "making");
+  } catch (...) {
+    if (rt != nullptr) lib.abandon(rt);
+    throw;
+  }
+  failIf(failure);
+  err[0] = 0;
+  mine = lib.connect(rt, err, sizeof(err)) == 0 ? "" : (err[0] != 0 ? err : "failed");
+  try {
+    failure = setupStepFailure(pg, prefix + "connected/", mine, "connecting");
+  } catch (...) {
+    lib.abandon(rt);
+    throw;
+  }
+  failIf(failure);
+  return rt;
+}
+
 // Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not
 // (every input agreed, graph_captured included). Never while a CUDA graph is captured, nor after
 // one was: that graph's kernels keep the buffers' addresses. A rebuild frees the old buffers,
@@ -536,12 +604,9 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   }
   const NvshmemConfig cfg = configFor(pg, m, hidden, topk, experts);
   startSessionIfNone(pg, st, device, cfg);
-  void* rt = nullptr;
-  check(lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, &rt, err, sizeof(err)),
-        "low_latency setup", err);
-  st.runtime = rt;
-  lib.config(rt, &st.config);
-  return rt;
+  st.runtime = createAndConnect(pg, st, device, cfg);
+  lib.config(st.runtime, &st.config);
+  return st.runtime;
 }
 
 // A kernel error of an earlier call (timeout naming the stalled peer, capacity), "" if none; a

@@ -64,6 +64,18 @@ int ep_nvshmem_create(int rank, int num_ranks, int device, const ep::NvshmemConf
                      [&] { *out = new ep::NvshmemRuntime(rank, num_ranks, device, *config); });
 }
 
+// Collective: the symmetric region, once every rank's ep_nvshmem_create succeeded.
+int ep_nvshmem_connect(void* handle, char* err, size_t err_len) {
+  return cEntryPoint(err, err_len, [&] { runtime(handle)->connect(); });
+}
+
+// No collective: frees a failed setup's buffers (the symmetric region stays in the heap) and the
+// object.
+void ep_nvshmem_abandon(void* handle) {
+  runtime(handle)->abandon();
+  delete runtime(handle);
+}
+
 int ep_nvshmem_dispatch(void* handle, const ep::NvshmemDispatchArgs* args, cudaStream_t stream,
                         int* buffer_index, char* err, size_t err_len) {
   return cEntryPoint(err, err_len,
@@ -119,3 +131,5 @@ static_assert(std::is_same_v<decltype(&ep_nvshmem_config), ep_nvshmem_config_fn>
 static_assert(std::is_same_v<decltype(&ep_nvshmem_check_error), ep_nvshmem_check_error_fn>);
 static_assert(std::is_same_v<decltype(&ep_nvshmem_clear_error), ep_nvshmem_clear_error_fn>);
 static_assert(std::is_same_v<decltype(&ep_nvshmem_destroy), ep_nvshmem_destroy_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_connect), ep_nvshmem_connect_fn>);
+static_assert(std::is_same_v<decltype(&ep_nvshmem_abandon), ep_nvshmem_abandon_fn>);

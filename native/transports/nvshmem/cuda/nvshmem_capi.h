@@ -9,7 +9,9 @@
 
 // 6: the NVSHMEM session split from the buffers (ep_nvshmem_session_start, ep_nvshmem_session;
 //    ep_nvshmem_create takes no unique id and never initialises NVSHMEM).
-#define EP_NVSHMEM_ABI_VERSION 7
+// 8: ep_nvshmem_create makes this rank's part only; ep_nvshmem_connect (collective) the symmetric
+//    region; ep_nvshmem_abandon frees a failed setup's buffers with no collective.
+#define EP_NVSHMEM_ABI_VERSION 8
 
 namespace ep {
 struct NvshmemConfig;
@@ -36,4 +38,6 @@ typedef int (*ep_nvshmem_config_fn)(void*, ep::NvshmemConfig*);
 typedef int (*ep_nvshmem_check_error_fn)(void*, char*, size_t, int*);
 typedef int (*ep_nvshmem_clear_error_fn)(void*, char*, size_t);
 typedef int (*ep_nvshmem_destroy_fn)(void*, char*, size_t);
+typedef int (*ep_nvshmem_connect_fn)(void*, char*, size_t);
+typedef void (*ep_nvshmem_abandon_fn)(void*);
 }

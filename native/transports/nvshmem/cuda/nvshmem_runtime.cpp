@@ -200,51 +200,59 @@ NvshmemRuntime::NvshmemRuntime(int rank, int num_ranks, int device, const Nvshme
     combine_blocks_ = std::max(1, std::min(want, cmax));
 
     layout_ = buffer_layout(config_);
-    const size_t bytes = 2 * layout_.bytes;
-
-    symmetric_ = static_cast<char*>(nvshmem_malloc(bytes));  // collective
-    if (symmetric_ == nullptr) {
-      throw std::runtime_error(runtime::strCat(
-          "ep low_latency: nvshmem_malloc(", bytes,
-          ") failed: the symmetric heap cannot hold it. The heap grows on demand only with CUDA "
-          "VMM (leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without "
-          "VMM it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started"));
-    }
-    initialized_ = true;
-    kChecks.cuda(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
-
+    // Every allocation of this rank alone comes before the collective one (connect): a rank that
+    // fails here fails before its peers wait for it in nvshmem_malloc, which has no timeout.
     const PrivateLayout pl = PrivateLayout::make(config_, num_ranks_);
     kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&private_), pl.bytes), "cudaMalloc(private)");
     kChecks.cuda(cudaMemset(private_, 0, pl.bytes), "cudaMemset(private)");
-
-    peer_base_.assign(num_ranks_, nullptr);
-    std::vector<char*> table(2 * size_t(num_ranks_), nullptr);
-    for (int pe = 0; pe < num_ranks_; ++pe) {
-      char* base = static_cast<char*>(nvshmem_ptr(symmetric_, pe));
-      if (!config_.p2p_fast_path) base = nullptr;
-      const int k = config_.emulated_ranks_per_node;
-      if (k > 0 && pe / k != rank_ / k) base = nullptr;  // another (emulated) node: put path
-      peer_base_[pe] = base;
-      for (int b = 0; b < 2; ++b)
-        table[size_t(b) * num_ranks_ + pe] = base != nullptr ? base + b * layout_.bytes : nullptr;
-    }
-    // Known once here rather than on every launch (context() runs per kernel).
-    all_p2p_ = std::all_of(peer_base_.begin(), peer_base_.end(),
-                           [](char* base) { return base != nullptr; });
-    kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&peer_table_), sizeof(char*) * table.size()),
-                 "cudaMalloc(peer table)");
     kChecks.cuda(
-        cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(), cudaMemcpyHostToDevice),
-        "cudaMemcpy(peer table)");
-
+        cudaMalloc(reinterpret_cast<void**>(&peer_table_), sizeof(char*) * 2 * size_t(num_ranks_)),
+        "cudaMalloc(peer table)");
     runtime::allocMappedHost(kChecks, "error", sizeof(nvshmem::ErrorRecord), &error_host_,
                              &error_dev_);
     kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    nvshmem_barrier_all();  // every rank's region is zeroed before anyone signals into it
   } catch (...) {
-    destroy();
+    abandon();
     throw;
   }
+}
+
+void NvshmemRuntime::connect() {
+  kChecks.require(private_ != nullptr, "connect: runtime destroyed");
+  kChecks.require(symmetric_ == nullptr, "connect: already connected");
+  DeviceGuard guard(device_);
+  const size_t bytes = 2 * layout_.bytes;
+  symmetric_ = static_cast<char*>(nvshmem_malloc(bytes));  // collective
+  if (symmetric_ == nullptr) {
+    throw std::runtime_error(runtime::strCat(
+        "ep low_latency: nvshmem_malloc(", bytes,
+        ") failed: the symmetric heap cannot hold it. The heap grows on demand only with CUDA "
+        "VMM (leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without "
+        "VMM it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started"));
+  }
+  initialized_ = true;
+  kChecks.cuda(cudaMemset(symmetric_, 0, bytes), "cudaMemset(symmetric)");
+
+  peer_base_.assign(num_ranks_, nullptr);
+  std::vector<char*> table(2 * size_t(num_ranks_), nullptr);
+  for (int pe = 0; pe < num_ranks_; ++pe) {
+    char* base = static_cast<char*>(nvshmem_ptr(symmetric_, pe));
+    if (!config_.p2p_fast_path) base = nullptr;
+    const int k = config_.emulated_ranks_per_node;
+    if (k > 0 && pe / k != rank_ / k) base = nullptr;  // another (emulated) node: put path
+    peer_base_[pe] = base;
+    for (int b = 0; b < 2; ++b)
+      table[size_t(b) * num_ranks_ + pe] = base != nullptr ? base + b * layout_.bytes : nullptr;
+  }
+  // Known once here rather than on every launch (context() runs per kernel).
+  all_p2p_ =
+      std::all_of(peer_base_.begin(), peer_base_.end(), [](char* base) { return base != nullptr; });
+  kChecks.cuda(
+      cudaMemcpy(peer_table_, table.data(), sizeof(char*) * table.size(), cudaMemcpyHostToDevice),
+      "cudaMemcpy(peer table)");
+  // Zeroed on the device before this returns: the caller's agreement that every rank connected
+  // is then also the barrier before any rank signals into a peer's region.
+  kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 NvshmemRuntime::~NvshmemRuntime() {
@@ -252,6 +260,26 @@ NvshmemRuntime::~NvshmemRuntime() {
     destroy();
   } catch (...) {
   }
+}
+
+void NvshmemRuntime::abandon() noexcept {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();
+  // The symmetric region, if any, stays in the session's heap: nvshmem_free would wait for every
+  // PE, and some PE of a failed setup never calls it.
+  symmetric_ = nullptr;
+  if (private_ != nullptr) cudaFree(private_);
+  if (peer_table_ != nullptr) cudaFree(peer_table_);
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  private_ = nullptr;
+  peer_table_ = nullptr;
+  error_host_ = error_dev_ = nullptr;
+  peer_base_.clear();
+  all_p2p_ = false;
+  initialized_ = false;
+  cudaSetDevice(previous);
 }
 
 void NvshmemRuntime::destroy() {

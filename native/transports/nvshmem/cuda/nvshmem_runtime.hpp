@@ -168,9 +168,9 @@ class NvshmemRuntime {
                             const NvshmemConfig& config);
   // Whether start_session succeeded in this process; if so its PE, PE count and device.
   static bool session(int* pe, int* num_pes, int* device);
-  // Collective over the session's PEs: allocates and zeroes the symmetric region (both buffers),
-  // maps P2P-reachable peers. The session must be started with PE `rank` of `num_ranks` on
-  // `device`.
+  // This rank's part, no collective: checks the config and the session (started with PE `rank`
+  // of `num_ranks` on `device`), sizes the grids, allocates the private buffers. connect() then
+  // makes the symmetric region, once every rank's constructor succeeded.
   NvshmemRuntime(int rank, int num_ranks, int device, const NvshmemConfig& config);
   ~NvshmemRuntime();
   NvshmemRuntime(const NvshmemRuntime&) = delete;
@@ -208,9 +208,22 @@ class NvshmemRuntime {
   // Forgets a non-fatal error (capacity, invalid topk_idx). The device must be idle.
   void clear_error();
 
-  // Collective: frees the symmetric region (nvshmem_free; idempotent). NVSHMEM stays initialised:
-  // a new runtime may be created afterwards in the same session.
+  // Collective over the session's PEs (nvshmem_malloc, which has no timeout: call it only once
+  // every rank's constructor succeeded, as the caller agrees out of band): allocates and zeroes
+  // the symmetric region (both buffers) and maps P2P-reachable peers; the device is synchronised
+  // on return. No peer may signal into this rank's region before this rank's connect returned:
+  // the caller's agreement that every rank connected is that barrier.
+  void connect();
+
+  // Collective once connected: frees the symmetric region (nvshmem_free; idempotent), then the
+  // rest. Before connect() it only frees this rank's buffers. NVSHMEM stays initialised: a new
+  // runtime may be created afterwards in the same session.
   void destroy();
+
+  // Frees this rank's buffers with no collective, leaving the symmetric region (if connect made
+  // one) in the session's heap: for a setup that failed on some rank, whose nvshmem_free would
+  // wait for a PE that never calls it. The object is then unusable (destroy() does nothing).
+  void abandon() noexcept;
 
  private:
   // The launch context of a call. timeout_seconds: the call's (0: config().timeout_seconds);
