@@ -8,6 +8,9 @@ restart of that kind hung the internode spec test in its next dispatch). So:
   allocates the new one in the same session; every call after each growth equals
   ``ep_backend.reference`` (dispatch bit for bit, combine within float32-accumulation
   tolerance), and the session keeps its PEs;
+* a buffer setup that fails on one rank (a test hook, at the first call and at a growth) makes
+  every rank raise naming it, instead of leaving its peers in ``nvshmem_malloc`` (no timeout),
+  and the next call sets the buffers up and is exact;
 * after ``ep_backend.abort`` a new group over the same ranks reuses the session (and frees the
   buffers the aborted group left), exactly; a group over other ranks (here: rank 0 alone, as
   after a peer died) is refused NVSHMEM with a reason and takes the ATen path, exactly.
@@ -141,3 +144,50 @@ def test_groups_reuse_the_session_and_other_ranks_are_refused() -> None:
         if rank == 0:
             assert r["alone"].startswith("aten"), r["alone"]
             assert f"PE 0 of {world}" in r["alone"] and "issue #68" in r["alone"], r["alone"]
+
+
+def _failed_setup_worker(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's buffer setup fails (the test hook), first at the group's first call, then at a
+    growth: each time every rank must raise naming rank 1, and the next call be exact."""
+    import time
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    group = dist.new_group(backend="ep", timeout=datetime.timedelta(seconds=60))
+    experts = 4 * world
+    out: dict[str, Any] = {"failures": [], "errors": [], "seconds": []}
+    for i, m in enumerate((M, 2 * M)):  # the first setup, then a growth (a rebuild)
+        if rank == 1:
+            ep._C._fail_next_low_latency_setup()
+        x, idx, _ = cuda_routing(m, HIDDEN, experts, TOPK, seed=50 + rank)
+        start = time.monotonic()
+        try:
+            ep.low_latency_dispatch(x, idx, m, experts, use_fp8=False, group=group)
+            out["errors"].append(None)
+        except RuntimeError as exc:
+            out["errors"].append(f"{type(exc).__name__}: {exc}")
+        out["seconds"].append(time.monotonic() - start)
+        out["failures"] += _round_trip(ep, ref, group, m, HIDDEN, experts, 60 + 10 * i + rank,
+                                       f"after the failed setup #{i}")  # fmt: skip
+    out["transport"] = ep.get_backend(group).low_latency_transport
+    torch.cuda.synchronize()
+    dist.barrier()
+    return out
+
+
+def test_a_setup_failing_on_one_rank_raises_on_every_rank_and_the_next_call_sets_up() -> None:
+    if not nvshmem_built():
+        pytest.skip("libep_nvshmem.so was not built: the low-latency ops run on ATen")
+    world = gpu_world_size()
+    results = run_distributed(_failed_setup_worker, world, backend="ep", timeout=240)
+    for rank, r in enumerate(results):
+        assert r["transport"] == "nvshmem", (rank, r["transport"])
+        assert r["failures"] == [], (rank, r["failures"][:10])
+        assert len(r["errors"]) == 2, (rank, r["errors"])
+        for error, seconds in zip(r["errors"], r["seconds"], strict=True):
+            assert error is not None, f"rank {rank} did not raise"
+            assert "rank(s) 1 failed making the NVSHMEM buffers" in error, (rank, error)
+            assert "injected by a test" in error, (rank, error)
+            assert "Exception raised from" not in error, (rank, error)
+            assert seconds < 30, (rank, seconds)

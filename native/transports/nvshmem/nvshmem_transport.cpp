@@ -490,6 +490,9 @@ void startSessionIfNone(EPProcessGroup& pg, GroupState& st, const at::Device& de
         "low_latency setup", err);
 }
 
+// Set by failNextSetupForTest: the next createAndConnect of this process fails on this rank.
+std::atomic<bool> g_fail_next_setup{false};
+
 // One step of a collective buffer setup: every rank posts "" (done) or its error, within the
 // group's timeout (a rank that never posts makes the others raise naming it). Returns "" when
 // every rank succeeded, else which ranks failed and the first one's error.
@@ -528,11 +531,16 @@ void* createAndConnect(EPProcessGroup& pg, GroupState& st, const at::Device& dev
   if (lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, &rt, err, sizeof(err)) != 0) {
     mine = err[0] != 0 ? err : "failed";
     rt = nullptr;
+  } else if (g_fail_next_setup.exchange(false)) {
+    lib.abandon(rt);
+    rt = nullptr;
+    mine = "a failure injected by a test (_fail_next_low_latency_setup)";
   }
   const auto failIf = [&](const std::string& failure) {
     if (failure.empty()) return;
     if (rt != nullptr) lib.abandon(rt);
-    TORCH_CHECK(false, "ep low_latency setup: ", failure, "; nothing was exchanged");
+    TORCH_CHECK(false, "ep low_latency setup: ", failure,
+                "; no data moved, and the next low-latency call sets the buffers up again");
   };
   std::string failure;
   try {
@@ -724,6 +732,12 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
     C10_CUDA_CHECK(cudaStreamWaitEvent(current.stream(), received, 0));
     C10_CUDA_CHECK(cudaEventDestroy(received));  // released once the wait is satisfied
   }
+#endif
+}
+
+void failNextSetupForTest() {
+#ifdef EP_WITH_CUDA
+  g_fail_next_setup.store(true);
 #endif
 }
 

@@ -44,6 +44,11 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range);
 // the build has no NVSHMEM). One per process, never restarted (nvshmem_session_plan.hpp).
 std::tuple<bool, int64_t, int64_t> sessionInfo();
 
+// Test hook: this process's next low-latency buffer setup fails on this rank after it made its own
+// buffers (as a failed allocation would), so that a test can check that every rank raises naming
+// it and that the next call sets the buffers up. A no-op in builds without CUDA.
+void failNextSetupForTest();
+
 #ifdef EP_WITH_CUDA
 // Same contract as the ATen transport's lowLatencyDispatch / lowLatencyCombine (bitwise equal
 // results). send_only: only the send phase runs now; the outputs are complete once receive() has
