@@ -101,9 +101,11 @@ step() {
 step rank_mask 180 -- tests/test_rank_mask.py
 step ll_call_tags 60 -- tests/test_ll_call_tags_gpu.py
 step adversarial 60 -- tests/test_adversarial.py
-# The malformed-call suite's CUDA subset (issue #44 item 6): 127 cases, each followed by a valid
+# The malformed-call suite's CUDA subset (issue #44 item 6): over 120 cases, each followed by a valid
 # round trip checked against the reference.
-step malformed_gpu 120 -- tests/test_malformed_calls_gpu.py
+# -s: each case prints one line per rank (its round trip's outcome), and a case stuck for 20 s
+# every rank's Python stacks, into the step's log.
+step malformed_gpu 120 -- -s tests/test_malformed_calls_gpu.py
 # Regression: the low-latency kernels now read the rank mask on every launch.
 step moe_low_latency 90 -- tests/test_moe_gpu.py -k low_latency
 # bench43 (issue #43): push-limit and loop-of-steps rows.
