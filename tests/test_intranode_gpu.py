@@ -221,6 +221,46 @@ def test_bad_input_rejected_on_every_rank_before_any_data_moves(
     assert all(r["next_ok"] for r in res)
 
 
+def _worst_case_overflow_then_next_calls(rank: int, world: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x, idx, w = _inputs(rank, 6, seed=21)
+    idx.fill_(-1)
+    idx[:, 0] = 0  # every token of every rank goes to expert 0 only: 6 * world rows on rank 0
+    res: dict = {}
+    # No host step in worst-case mode: rank 0's notify records the overflow, the call returns.
+    ep.dispatch(x, idx, w, E, num_worst_tokens=6 * world - 1)
+    torch.cuda.synchronize()
+    try:  # the next call reports it, on every rank (rank 0's peers must not wait or pair)
+        ep.dispatch(x, idx, w, E, num_worst_tokens=6 * world)
+        res["raised"] = ""
+    except ep.MoEInputError as exc:
+        res["raised"] = str(exc)
+    got = ep.dispatch(x, idx, w, E, num_worst_tokens=6 * world)
+    want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E, num_worst_tokens=6 * world)
+    res["next_ok"] = torch.equal(got.recv_x.cpu(), want.recv_x) and torch.equal(
+        got.recv_topk_idx.cpu(), want.recv_topk_idx
+    )
+    return res
+
+
+def test_a_worst_case_overflow_is_raised_by_every_rank_at_the_next_call() -> None:
+    """A num_worst_tokens dispatch that overflows rank 0: its kernels record it there, and the
+    group's next call raises on every rank (rank 0 with the counts, its peers naming it), before
+    any data moves; the call after that is exact."""
+    world = gpu_world_size()
+    res = run_distributed(_worst_case_overflow_then_next_calls, world, backend="ep", timeout=120)
+    assert (
+        f"would receive {6 * world} rows, more than num_worst_tokens={6 * world - 1}"
+        in (res[0]["raised"])
+    ), res[0]
+    for rank, r in enumerate(res):
+        if rank != 0:
+            assert "rank(s) 0 rejected their inputs" in r["raised"], (rank, r)
+        assert r["next_ok"], (rank, r)
+
+
 def _storage_of_outputs(rank: int, world: int) -> dict:
     """Both dispatch modes against the spec, with the storage each gives its outputs."""
     import ep_backend as ep

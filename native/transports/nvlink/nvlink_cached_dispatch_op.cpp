@@ -20,9 +20,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     const DispatchRouting& routing) {
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
-  raisePendingError(*st, "cached dispatch");
-  const std::string error = validateCachedDispatch(x, x_scales, routing, num_ranks);
-  const bool ok = error.empty();
+  const std::string pending = pendingErrorToAgree(*st, "cached dispatch");
+  const std::string input_error = validateCachedDispatch(x, x_scales, routing, num_ranks);
+  const bool ok = input_error.empty();
+  const std::string& error = pending.empty() ? input_error : pending;
   std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
   // Whether the peers write our rows into a receive slab is decided alike on every rank (a
   // notify runs first then, a collective kernel).

@@ -38,10 +38,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   HostStages stages("combine");
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
-  raisePendingError(*st, "combine");
-  const std::string error = validateCombine(a, num_ranks);
+  const std::string pending = pendingErrorToAgree(*st, "combine");
+  const std::string input_error = validateCombine(a, num_ranks);
   stages.mark("validate");
-  const bool ok = error.empty();
+  const bool ok = input_error.empty();
+  const std::string& error = pending.empty() ? input_error : pending;
   const bool has_weights = a.topk_weights.has_value();
   std::vector<AgreedField> fields = combineFields(a, ok);
   fields.push_back(graphCapturedField(*st));

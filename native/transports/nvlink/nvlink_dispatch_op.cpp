@@ -212,12 +212,13 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
   HostStages stages("dispatch");
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
-  raisePendingError(*st, "dispatch");
+  const std::string pending = pendingErrorToAgree(*st, "dispatch");
   // Values of topk_idx are never read on the host (a stream sync): the layout kernel checks them
   // and notify tells every rank, which all raise before the dispatch kernel (see below).
-  const std::string error = validateDispatch(a, num_ranks, false);
+  const std::string input_error = validateDispatch(a, num_ranks, false);
   stages.mark("validate");
-  const bool ok = error.empty();
+  const bool ok = input_error.empty();
+  const std::string& error = pending.empty() ? input_error : pending;
   const bool has_scales = a.x_scales.has_value();
   std::vector<AgreedField> fields = dispatchFields(a, ok);
   // Ranks that disagree would diverge on a rejected routing (one launches the kernel, one not).

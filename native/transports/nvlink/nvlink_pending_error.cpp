@@ -20,9 +20,10 @@ std::string takePendingError(GroupState& st, const char* op) {
   return error + " (reported by the next call, " + op + ")";
 }
 
-void raisePendingError(GroupState& st, const char* op) {
-  const std::string error = takePendingError(st, op);
-  TORCH_CHECK(error.empty(), error);
+std::string pendingErrorToAgree(GroupState& st, const char* op) {
+  std::string error = takePendingError(st, op);
+  TORCH_CHECK(error.empty() || !st.runtime->failed(), error);
+  return error;
 }
 
 }  // namespace ep::nvlink

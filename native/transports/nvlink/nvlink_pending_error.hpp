@@ -12,7 +12,13 @@ namespace ep::nvlink {
 // reported once unless the transport failed (then every later call reports it).
 std::string takePendingError(GroupState& st, const char* op);
 
-// Raises the pending error, if any.
-void raisePendingError(GroupState& st, const char* op);
+// The pending error as a call's local error for its agreement ("" when none). A timeout (a peer
+// is gone or stalled: the transport must be rebuilt) raises here at once, on this rank alone: the
+// peers' kernels time out too and report it at their next call, and waiting in the agreement for
+// a peer that is gone would only delay the error by the group's timeout. Any other (a worst-case
+// dispatch's overflow) is forgotten and returned, for the caller to pass to the agreement: every
+// rank then raises together, where a raise before the agreement would leave this rank's peers
+// waiting in it, or pairing it with this rank's next call.
+std::string pendingErrorToAgree(GroupState& st, const char* op);
 
 }  // namespace ep::nvlink
