@@ -536,29 +536,25 @@ void* createAndConnect(EPProcessGroup& pg, GroupState& st, const at::Device& dev
     rt = nullptr;
     mine = "a failure injected by a test (_fail_next_low_latency_setup)";
   }
-  const auto failIf = [&](const std::string& failure) {
+  // Every rank's outcome of one step: where any rank failed (or never posted), every rank drops
+  // its new runtime without a collective and raises.
+  const auto agreeOnStep = [&](const char* step, const std::string& outcome) {
+    std::string failure;
+    try {
+      failure = setupStepFailure(pg, prefix + step + "/", outcome, step);
+    } catch (...) {
+      if (rt != nullptr) lib.abandon(rt);
+      throw;
+    }
     if (failure.empty()) return;
     if (rt != nullptr) lib.abandon(rt);
     TORCH_CHECK(false, "ep low_latency setup: ", failure,
                 "; no data moved, and the next low-latency call sets the buffers up again");
   };
-  std::string failure;
-  try {
-    failure = setupStepFailure(pg, prefix + "created/", mine, "making");
-  } catch (...) {
-    if (rt != nullptr) lib.abandon(rt);
-    throw;
-  }
-  failIf(failure);
+  agreeOnStep("making", mine);
   err[0] = 0;
   mine = lib.connect(rt, err, sizeof(err)) == 0 ? "" : (err[0] != 0 ? err : "failed");
-  try {
-    failure = setupStepFailure(pg, prefix + "connected/", mine, "connecting");
-  } catch (...) {
-    lib.abandon(rt);
-    throw;
-  }
-  failIf(failure);
+  agreeOnStep("connecting", mine);
   return rt;
 }
 
