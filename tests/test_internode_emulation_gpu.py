@@ -317,7 +317,13 @@ def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None
 
 
 # Tokens of each rank in the empty-rank sequence: rank 0 empty, then rank 1, then every rank.
-EMPTY_PHASES = (("rank 0 empty", (0,)), ("rank 1 empty", (1,)), ("all empty", None))
+# (tag, ranks with no tokens or None for all, whether rank 0 receives no rows)
+EMPTY_PHASES = (
+    ("rank 0 empty", (0,), False),
+    ("rank 1 empty", (1,), False),
+    ("all empty", None, False),
+    ("nothing received by rank 0", (), True),  # its received weights: a null data pointer
+)
 
 
 def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dict:
@@ -346,9 +352,11 @@ def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dic
         got = ep.combine(y, a.handle)
         want = ref.combine_by_node(y.cpu(), b.handle, nodes)
         _compare(failures, "full float32 combine", got.combined_x, want.combined_x)
-    for phase, (tag, empty) in enumerate(EMPTY_PHASES):
+    for phase, (tag, empty, none_to_rank_0) in enumerate(EMPTY_PHASES):
         tokens = 0 if empty is None or rank in empty else 29 + 5 * rank
         x, idx, w = cuda_routing(tokens, H, experts, K, seed=1000 * phase + rank)
+        if none_to_rank_0:
+            idx[idx.lt(experts // world) & idx.ge(0)] = -1
         xc, idxc, wc = x.cpu(), idx.cpu(), w.cpu()
         layout = ep.get_dispatch_layout(idx, experts)
         for with_layout in (False, True):

@@ -12,7 +12,7 @@ import datetime
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
-from moe_helpers import cuda_routing, nvshmem_built
+from moe_helpers import cuda_routing, nvshmem_built, scale_rows
 
 pytestmark = pytest.mark.gpu(min_gpus=1)
 
@@ -260,6 +260,36 @@ def test_a_worst_case_overflow_is_raised_by_every_rank_at_the_next_call() -> Non
         if rank != 0:
             assert "rank(s) 0 rejected their inputs" in r["raised"], (rank, r)
         assert r["next_ok"], (rank, r)
+
+
+def _nothing_received_by_rank_0(rank: int, world: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x, idx, w = _inputs(rank, 40 + rank, seed=33)
+    idx[idx.lt(E // world) & idx.ge(0)] = -1  # no row for rank 0's experts: it receives none
+    a = ep.dispatch(x, idx, w, E)
+    b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+    y = scale_rows(a.recv_x, 3.0)
+    got = ep.combine(y, a.handle, a.recv_topk_weights, bias=x)
+    want = ref.combine(y.cpu(), b.handle, b.recv_topk_weights, bias=x.cpu())
+    return {
+        "received": a.recv_x.size(0),
+        "dispatch_ok": torch.equal(a.recv_x.cpu(), b.recv_x),
+        "x_ok": torch.equal(got.combined_x.cpu(), want.combined_x),
+        "weights_ok": torch.equal(got.combined_topk_weights.cpu(), want.combined_topk_weights),
+    }
+
+
+def test_combine_with_weights_on_a_rank_that_received_no_rows() -> None:
+    """Rank 0 sends tokens but receives no rows: its received weights are an empty tensor (a
+    null data pointer). The row layout follows the agreed K, not that pointer, so every rank's
+    combined rows and weights match the reference bitwise."""
+    world = gpu_world_size()
+    res = run_distributed(_nothing_received_by_rank_0, world, backend="ep", timeout=120)
+    assert res[0]["received"] == 0, res[0]
+    for rank, r in enumerate(res):
+        assert r["dispatch_ok"] and r["x_ok"] and r["weights_ok"], (rank, r)
 
 
 def _storage_of_outputs(rank: int, world: int) -> dict:

@@ -198,6 +198,10 @@ void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t strea
   kChecks.require(region_ != nullptr, "combine on a destroyed runtime");
   kChecks.require(a.x_dtype == 0 || a.x_dtype == 1, "combine takes bf16 or float32 rows");
   kChecks.require(a.topk >= 0 && a.topk <= kMaxTopk, "top-k must be in [0, 32]");
+  // K (agreed by every rank) decides the records' layout, never the pointer: a rank with no
+  // received rows has an empty topk_weights, whose data pointer may be null.
+  kChecks.require(a.topk == 0 || a.topk_weights != nullptr || a.num_rows == 0,
+                  "K > 0 needs topk_weights for the received rows");
   kChecks.require(a.num_tokens >= 0 && a.num_tokens <= layout_.cap.max_tokens,
                   "more tokens than the buffers hold");
   const int64_t elem = a.x_dtype == 0 ? 2 : 4;
@@ -219,7 +223,7 @@ void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t strea
   p.num_rows = a.num_rows;
   p.x_dtype = a.x_dtype;
   p.hidden = a.hidden;
-  p.topk = a.topk_weights != nullptr ? a.topk : 0;
+  p.topk = a.topk;
   p.is_token_in_rank = a.is_token_in_rank;
   p.num_tokens = a.num_tokens;
   p.bias0 = a.bias0;

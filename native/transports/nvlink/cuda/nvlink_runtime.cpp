@@ -548,9 +548,13 @@ void NvlinkRuntime::combine(const NvlinkCombineArgs& a, cudaStream_t stream) {
                   "combine: num_tokens exceeds config.max_tokens_per_rank");
   kChecks.require(a.num_recv_rows >= 0, "combine: num_recv_rows must be >= 0");
   kChecks.require(a.num_topk >= 0 && a.num_topk <= config_.max_topk, "combine: K exceeds config");
+  // K (agreed by every rank) decides the row layout, never the pointer: a rank that received
+  // no rows has an empty topk_weights, whose data pointer may be null.
   kChecks.require(a.topk_weights == nullptr || a.num_topk >= 1, "combine: weights need K >= 1");
-  kChecks.require(a.out_topk_weights == nullptr || a.topk_weights != nullptr,
-                  "combine: out_topk_weights needs topk_weights");
+  kChecks.require(a.num_topk == 0 || a.topk_weights != nullptr || a.num_recv_rows == 0,
+                  "combine: K > 0 needs topk_weights for the received rows");
+  kChecks.require(a.out_topk_weights == nullptr || a.num_topk >= 1,
+                  "combine: out_topk_weights needs K >= 1");
   kChecks.require(a.recv_prefix != nullptr, "combine: recv_prefix is null");
   kChecks.require(
       a.num_tokens == 0 || (a.send_pos != nullptr && a.out != nullptr && aligned16(a.out)),
@@ -565,7 +569,7 @@ void NvlinkRuntime::combine(const NvlinkCombineArgs& a, cudaStream_t stream) {
   p.elem = a.elem;
   p.hidden = a.hidden;
   p.topk_weights = a.topk_weights;
-  p.num_topk = a.topk_weights != nullptr ? a.num_topk : 0;
+  p.num_topk = a.num_topk;
   p.recv_prefix = a.recv_prefix;
   p.num_recv_capacity = a.num_recv_rows;
   p.num_tokens = a.num_tokens;

@@ -27,8 +27,9 @@
 //    streams ordered by events). Each kernel spins on its peers, so all ranks' kernels must be
 //    able to run concurrently (one process/thread per GPU).
 //  * Per call, every rank must pass the same hidden_bytes (combine: hidden, elem),
-//    num_scales, num_topk and (combine) topk_weights present or not: they fix the row layout in
-//    the peers' buffers. num_sms and the send-warp split may differ between ranks.
+//    num_scales and num_topk (combine: 0 without topk_weights): they fix the row layout in the
+//    peers' buffers (a rank that received no rows may pass a null topk_weights with K > 0).
+//    num_sms and the send-warp split may differ between ranks.
 //  * Consecutive calls need no resets: each kernel takes a sequence number from a device-side
 //    epoch (so graph replays stay correct).
 //  * All pointers are device pointers, contiguous, row-major; x/recv_x/out/bias rows must be
@@ -126,14 +127,14 @@ struct NvlinkCombineArgs {
   int hidden = 0;                             // H (elements)
   int num_recv_rows = 0;                      // rows of x: N, or num_worst_tokens
   const float* topk_weights = nullptr;        // [num_recv_rows, K], optional
-  int num_topk = 0;
-  const int* recv_prefix = nullptr;   // [R+1] of the dispatch
-  const int* send_pos = nullptr;      // [T, R] of the dispatch
-  int num_tokens = 0;                 // T of this rank
-  const void* bias0 = nullptr;        // [T, H] of `elem`, optional
-  const void* bias1 = nullptr;        // [T, H] of `elem`, optional
-  void* out = nullptr;                // [T, H] of `elem`
-  float* out_topk_weights = nullptr;  // [T, K], optional (needs topk_weights)
+  int num_topk = 0;                           // K of the weights, 0 without them
+  const int* recv_prefix = nullptr;           // [R+1] of the dispatch
+  const int* send_pos = nullptr;              // [T, R] of the dispatch
+  int num_tokens = 0;                         // T of this rank
+  const void* bias0 = nullptr;                // [T, H] of `elem`, optional
+  const void* bias1 = nullptr;                // [T, H] of `elem`, optional
+  void* out = nullptr;                        // [T, H] of `elem`
+  float* out_topk_weights = nullptr;          // [T, K], optional (needs K >= 1)
   int num_sms = 0;
 };
 
