@@ -45,8 +45,10 @@ class DispatchLayout:
     is_token_in_rank: torch.Tensor
     send_pos: torch.Tensor | None = None
     work: object | None = field(default=None, compare=False)
-    # What it was computed from: (weak reference to topk_idx, its version, num_experts, R), so
-    # dispatch can refuse a layout of another (or since modified) topk_idx.
+    # What it was computed from and what it returned: (weak reference to topk_idx, its version,
+    # num_experts, R, weak references to the four tensors, their versions), so dispatch can
+    # refuse a layout of another (or since modified) topk_idx, or one whose tensors were replaced
+    # or modified.
     _source: tuple | None = field(default=None, repr=False, compare=False)
     # The group's node of each rank (``ep_backend.topology``); None: one node.
     _node_of_rank: tuple[int, ...] | None = field(default=None, repr=False, compare=False)

@@ -202,7 +202,11 @@ def get_dispatch_layout(
         raise _input_error("get_dispatch_layout", exc) from None
     source = nodes = None
     if not torch.compiler.is_compiling():
-        source = (weakref.ref(topk_idx), _version_of(topk_idx), num_experts, num_ranks)
+        outputs = (per_rank, per_expert, in_rank, send_pos)
+        source = (
+            weakref.ref(topk_idx), _version_of(topk_idx), num_experts, num_ranks,
+            tuple(weakref.ref(t) for t in outputs), tuple(_version_of(t) for t in outputs),
+        )  # fmt: skip
         nodes = _node_of_rank(pg)
     return DispatchLayout(
         per_rank, per_expert, in_rank, send_pos, work=work, _source=source, _node_of_rank=nodes
@@ -230,7 +234,7 @@ def _check_layout(
                 "layout must come from ep_backend.get_dispatch_layout (it records the topk_idx "
                 "it was computed from)"
             )
-        ref, version, experts, ranks = layout._source
+        ref, version, experts, ranks, output_refs, output_versions = layout._source
         if ref() is not topk_idx:
             raise ValueError(
                 "layout was computed from another topk_idx tensor; pass the same tensor to "
@@ -243,12 +247,29 @@ def _check_layout(
                 f"layout was computed for num_experts={experts} on {ranks} ranks, this call has "
                 f"num_experts={num_experts} on {num_ranks}"
             )
-    return [
+    tensors = [
         layout.num_tokens_per_rank,
         layout.num_tokens_per_expert,
         layout.is_token_in_rank,
         layout.send_pos,
     ]
+    if not torch.compiler.is_compiling():
+        # On CUDA nothing compares the layout with topk_idx (that would read topk_idx back, a
+        # stream sync), so its tensors must be the very ones get_dispatch_layout returned.
+        for name, t, made, made_version in zip(
+            _LAYOUT_FIELDS, tensors, output_refs, output_versions, strict=True
+        ):
+            if made() is not t:
+                raise ValueError(
+                    f"layout.{name} is not the tensor get_dispatch_layout returned (a layout "
+                    "must be passed as computed)"
+                )
+            if _version_of(t) != made_version:
+                raise ValueError(f"layout.{name} was modified in place after get_dispatch_layout")
+    return tensors
+
+
+_LAYOUT_FIELDS = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "send_pos")
 
 
 def all_to_all_moe_dispatch(

@@ -28,9 +28,15 @@ FOUND_BY_THE_KERNELS = (
     "num_worst_tokens_too_small", "ll_expert_repeated_beyond_max", "ll_expert_id_too_large",
     "ll_combine_expert_id_too_large",
 )  # fmt: skip
+# Trusted on the NVSHMEM path (docs/low_latency.md): a low-latency combine takes topk_idx to be
+# its dispatch's, as DeepEP's does (checking it would keep the dispatch's topk_idx and compare it
+# on the device in the latency-bound call). Another topk_idx changes only that rank's output;
+# its peers' outputs and the next calls stay exact, which the other cases' round trips check.
+TRUSTED_ON_CUDA = ("ll_combine_other_routing",)
 VALIDATION_NAMES = [
-    name for name in validation.CASES if name not in CPU_ONLY + FOUND_BY_THE_KERNELS
-]
+    name for name in validation.CASES
+    if name not in CPU_ONLY + FOUND_BY_THE_KERNELS + TRUSTED_ON_CUDA
+]  # fmt: skip
 MALFORMED_NAMES = list(malformed.CASES)
 TIMEOUT = 240.0  # one run per module; its first low-latency call sets up NVSHMEM
 

@@ -159,6 +159,13 @@ def _layout(c: Ctx, idx: torch.Tensor | None = None) -> Any:
     return c.ep.get_dispatch_layout(c.idx if idx is None else idx, c.num_experts)
 
 
+def _dispatch_with_layout_modified_in_place(c: Ctx) -> Any:
+    layout = _layout(c)
+    if c.bad:
+        layout.send_pos.add_(0)  # same values, new version
+    return c.dispatch(layout=layout)
+
+
 def _dispatch_modified_since_layout(c: Ctx) -> Any:
     if not c.bad:
         return c.dispatch(layout=_layout(c))
@@ -250,7 +257,8 @@ CASES: dict[str, Case] = {
     ),
     "expert_id_below_minus_one": Case(
         lambda c: c.dispatch(topk_idx=c.pick(c.idx, _with_id(c, -2))),
-        r"topk_idx values must be in \[-1, num_experts=.*min -2",
+        # CPU names the smallest value; the CUDA layout kernel the first bad one and its place.
+        r"topk_idx values must be in \[-1, num_experts=.*(min -2|got -2 at token)",
     ),
     "num_experts_not_multiple_of_ranks": Case(
         lambda c: c.dispatch(num_experts=c.pick(c.num_experts, c.num_experts + 1)),
@@ -325,8 +333,11 @@ CASES: dict[str, Case] = {
                 _layout(c), dataclasses.replace(_layout(c), send_pos=_layout(c).send_pos.long())
             )
         ),
-        "layout.send_pos must be Int",
+        "layout.send_pos is not the tensor get_dispatch_layout returned",
+        ValueError,
     ),
+    # On CUDA nothing compares a layout's values with topk_idx (a host read): the tensors must
+    # be the ones get_dispatch_layout returned, unmodified.
     "layout_values_not_of_topk_idx": Case(
         lambda c: c.dispatch(
             layout=c.pick(
@@ -334,7 +345,13 @@ CASES: dict[str, Case] = {
                 dataclasses.replace(_layout(c), is_token_in_rank=~_layout(c).is_token_in_rank),
             )
         ),
-        "layout is not the layout of this topk_idx",
+        "layout.is_token_in_rank is not the tensor get_dispatch_layout returned",
+        ValueError,
+    ),
+    "layout_modified_in_place": Case(
+        _dispatch_with_layout_modified_in_place,
+        "layout.send_pos was modified in place after get_dispatch_layout",
+        ValueError,
     ),
     # ---- reserve ----------------------------------------------------------------------------
     "reserve_num_tokens_zero": Case(

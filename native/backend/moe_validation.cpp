@@ -228,6 +228,21 @@ std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks,
 
 namespace {
 
+// The handle's counts against its send map and received rows: free on CPU; on CUDA a host read,
+// done only for a handle the process's dispatch did not make (validateRoutingCounts). A handle
+// whose send map and counts disagree would post mismatched exchanges.
+void checkRoutingCounts(Checker& c, const DispatchRouting& r) {
+  const at::Tensor sent = r.is_token_in_rank.sum(0).to(at::kCPU).to(at::kLong);
+  const at::Tensor per_rank = r.num_tokens_per_rank.to(at::kCPU).to(at::kLong);
+  const at::Tensor recv = r.num_recv_tokens_per_rank.to(at::kCPU).to(at::kLong);
+  c.require(at::equal(sent, per_rank),
+            "the handle's num_tokens_per_rank does not match its is_token_in_rank")
+      .require(
+          recv.min().item<int64_t>() >= 0 && recv.sum().item<int64_t>() <= r.recv_src_idx.size(0),
+          "the handle's num_recv_tokens_per_rank does not fit its ", r.recv_src_idx.size(0),
+          " received rows");
+}
+
 // Checks a handle's routing tensors into `c` (so messages carry the calling op's name).
 void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
   c.require(r.is_token_in_rank.defined() && r.is_token_in_rank.dim() == 2 &&
@@ -251,20 +266,16 @@ void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64
   if (c.failed() || !r.is_token_in_rank.device().is_cpu()) {
     return;
   }
-  // Host-side consistency of the counts (free on CPU; on CUDA the kernels trust the handle).
-  // A handle whose send map and counts disagree would post mismatched exchanges.
-  const at::Tensor sent = r.is_token_in_rank.sum(0).to(at::kLong);
-  const at::Tensor per_rank = r.num_tokens_per_rank.to(at::kCPU).to(at::kLong);
-  const at::Tensor recv = r.num_recv_tokens_per_rank.to(at::kCPU).to(at::kLong);
-  c.require(at::equal(sent, per_rank),
-            "the handle's num_tokens_per_rank does not match its is_token_in_rank")
-      .require(
-          recv.min().item<int64_t>() >= 0 && recv.sum().item<int64_t>() <= r.recv_src_idx.size(0),
-          "the handle's num_recv_tokens_per_rank does not fit its ", r.recv_src_idx.size(0),
-          " received rows");
+  checkRoutingCounts(c, r);
 }
 
 }  // namespace
+
+std::string validateRoutingCounts(const char* op, const DispatchRouting& r) {
+  Checker c(op);
+  checkRoutingCounts(c, r);
+  return c.message();
+}
 
 std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
   Checker c("handle");

@@ -21,20 +21,23 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   const std::string pending = pendingErrorToAgree(*st, "cached dispatch");
-  const std::string input_error = validateCachedDispatch(x, x_scales, routing, num_ranks);
+  std::string input_error = validateCachedDispatch(x, x_scales, routing, num_ranks);
+  const std::shared_ptr<const KernelRouting> known = st->routings.recall(routing);
+  const bool capture = streamCapturing();
+  if (input_error.empty() && known == nullptr && !capture) {
+    input_error = validateRoutingCounts("cached dispatch", routing);  // read back below anyway
+  }
   const bool ok = input_error.empty();
   const std::string& error = pending.empty() ? input_error : pending;
   std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
   // Whether the peers write our rows into a receive slab is decided alike on every rank (a
   // notify runs first then, a collective kernel).
-  const bool capture = streamCapturing();
   fields.push_back({"Options.recv_slabs (or EP_RECV_SLABS)", recvSlabs(pg)});
   fields.push_back({"CUDA graph capture", capture ? 1 : 0});
   fields.push_back(graphCapturedField(*st));
   // One local expert: the notify that lends slabs announces one (dummy) count per rank.
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
                                ok && x_scales ? x_scales->size(1) : 0, 1};
-  const std::shared_ptr<const KernelRouting> known = st->routings.recall(routing);
   const auto [counts, counts_known] = handleCounts(known.get(), routing, num_ranks, capture);
   payload.insert(payload.end(), counts.begin(), counts.end());
   const int64_t rows = ok ? routing.recv_src_idx.size(0) : 0;

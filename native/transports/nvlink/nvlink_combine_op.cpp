@@ -39,7 +39,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const int64_t num_ranks = pg.getSize();
   auto st = stateOf(pg);
   const std::string pending = pendingErrorToAgree(*st, "combine");
-  const std::string input_error = validateCombine(a, num_ranks);
+  std::string input_error = validateCombine(a, num_ranks);
+  const std::shared_ptr<const KernelRouting> known = st->routings.recall(a.routing);
+  const bool capture = streamCapturing();
+  if (input_error.empty() && known == nullptr && !capture) {
+    input_error = validateRoutingCounts("combine", a.routing);  // read back below anyway
+  }
   stages.mark("validate");
   const bool ok = input_error.empty();
   const std::string& error = pending.empty() ? input_error : pending;
@@ -50,8 +55,6 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
                                ok ? a.x.size(1) * a.x.element_size() : 0,
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
-  const std::shared_ptr<const KernelRouting> known = st->routings.recall(r);
-  const bool capture = streamCapturing();
   const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks, capture);
   stages.mark("handle_counts");
   payload.insert(payload.end(), counts.begin(), counts.end());
