@@ -28,10 +28,10 @@ FOUND_BY_THE_KERNELS = (
     "num_worst_tokens_too_small", "ll_expert_repeated_beyond_max", "ll_expert_id_too_large",
     "ll_combine_expert_id_too_large",
 )  # fmt: skip
-# Trusted on the NVSHMEM path (docs/low_latency.md): a low-latency combine takes topk_idx to be
-# its dispatch's, as DeepEP's does (checking it would keep the dispatch's topk_idx and compare it
-# on the device in the latency-bound call). Another topk_idx changes only that rank's output;
-# its peers' outputs and the next calls stay exact, which the other cases' round trips check.
+# Not an error on the NVSHMEM path (docs/api.md): its low-latency combine takes the routes its
+# dispatch kept with the handle and reads only topk_idx's shape, so another topk_idx of that
+# shape combines as the dispatch routed (checking the values would be a device compare in the
+# latency-bound call).
 TRUSTED_ON_CUDA = ("ll_combine_other_routing",)
 VALIDATION_NAMES = [
     name for name in validation.CASES
