@@ -38,8 +38,9 @@ _MAX_TOPK = 32  # ep's top-k limit, which bounds dispatch without topk_idx (one 
 # same ranks share (groups.ep_group_for): a Buffer with enable_shrink and one without cannot live
 # on one group at once. Weak: a Buffer dropped without destroy() leaves it.
 _open_buffers: weakref.WeakSet[Buffer] = weakref.WeakSet()
-# ids of the "ep" groups whose auto-masking a Buffer(enable_shrink=True) turned on.
-_facade_auto_mask: set[int] = set()
+# The "ep" groups whose auto-masking a Buffer(enable_shrink=True) turned on. Weak, so a
+# collected group leaves it (an id could be reused by a later group).
+_facade_auto_mask: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 def _open_on(ep_group: dist.ProcessGroup) -> list[Buffer]:
@@ -55,7 +56,7 @@ def _masking_off(ep_group: dist.ProcessGroup) -> None:
     every rank again (a Buffer without enable_shrink fails on a missing peer, never skips it)."""
     ep_backend.low_latency_auto_mask(None, group=ep_group)
     ep_backend.low_latency_clean_mask(group=ep_group)
-    _facade_auto_mask.discard(id(ep_group))
+    _facade_auto_mask.discard(ep_group)
 
 
 def _reject_keywords(method: str, keywords: dict[str, Any]) -> None:
@@ -290,13 +291,13 @@ class Buffer:
                     "these ranks; rank masking belongs to the ranks' shared ep group, so Buffers "
                     "on the same ranks must agree on enable_shrink (destroy the other first)"
                 )
-        key = id(self.ep_group)
         if self.enable_shrink:
             ep_backend.low_latency_auto_mask(
                 self._backend.options.kernel_timeout_s, group=self.ep_group
             )
-            _facade_auto_mask.add(key)
-        elif key in _facade_auto_mask:  # left on by a shrink Buffer dropped without destroy()
+            _facade_auto_mask.add(self.ep_group)
+        elif self.ep_group in _facade_auto_mask:
+            # left on by a shrink Buffer dropped without destroy()
             _masking_off(self.ep_group)
         _open_buffers.add(self)
 
@@ -367,9 +368,9 @@ class Buffer:
         self._destroyed = True
         self._last_layout = None
         _open_buffers.discard(self)
-        key = id(self.ep_group)
         if self.enable_shrink and not _open_on(self.ep_group):
-            if key in _facade_auto_mask:  # the last shrink Buffer on the group: masking off
+            # the last shrink Buffer on the group: masking off
+            if self.ep_group in _facade_auto_mask:
                 _masking_off(self.ep_group)
 
     # ----------------------------------------------------------------------------------------
