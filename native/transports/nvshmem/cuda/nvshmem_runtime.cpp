@@ -270,15 +270,7 @@ void NvshmemRuntime::abandon() noexcept {
   // The symmetric region, if any, stays in the session's heap: nvshmem_free would wait for every
   // PE, and some PE of a failed setup never calls it.
   symmetric_ = nullptr;
-  if (private_ != nullptr) cudaFree(private_);
-  if (peer_table_ != nullptr) cudaFree(peer_table_);
-  if (error_host_ != nullptr) cudaFreeHost(error_host_);
-  private_ = nullptr;
-  peer_table_ = nullptr;
-  error_host_ = error_dev_ = nullptr;
-  peer_base_.clear();
-  all_p2p_ = false;
-  initialized_ = false;
+  release_local();
   cudaSetDevice(previous);
 }
 
@@ -293,17 +285,21 @@ void NvshmemRuntime::destroy() {
   cudaDeviceSynchronize();
   // Never nvshmem_finalize here: a session cannot be started again in this process (header).
   if (symmetric_ != nullptr) nvshmem_free(symmetric_);  // collective, includes a barrier
+  symmetric_ = nullptr;
+  release_local();
+  cudaSetDevice(previous);
+}
+
+void NvshmemRuntime::release_local() noexcept {
   if (private_ != nullptr) cudaFree(private_);
   if (peer_table_ != nullptr) cudaFree(peer_table_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
-  symmetric_ = nullptr;
   private_ = nullptr;
   peer_table_ = nullptr;
   error_host_ = error_dev_ = nullptr;
   peer_base_.clear();
   all_p2p_ = false;
   initialized_ = false;
-  cudaSetDevice(previous);
 }
 
 bool NvshmemRuntime::peer_is_p2p(int pe) const {

@@ -231,6 +231,9 @@ class NvshmemRuntime {
   nvshmem::Context context(int buffer, double timeout_seconds);
   void require_num_experts(int num_experts, const char* op) const;
   void check_ready(const char* op) const;
+  // Frees what only this rank holds (private buffers, peer table, error record) and marks the
+  // runtime uninitialised: the shared tail of destroy() and abandon().
+  void release_local() noexcept;
 
   int rank_ = 0;
   int num_ranks_ = 0;
