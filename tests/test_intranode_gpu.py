@@ -292,6 +292,67 @@ def test_combine_with_weights_on_a_rank_that_received_no_rows() -> None:
         assert r["dispatch_ok"] and r["x_ok"] and r["weights_ok"], (rank, r)
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data starts one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    start = (16 - flat.data_ptr() % 16) % 16 // t.element_size() + 1
+    out = flat[start : start + t.numel()].view(t.shape)
+    assert out.data_ptr() % 16 != 0
+    return out.copy_(t)
+
+
+def _biases_and_layouts(rank: int, world: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x, idx, w = _inputs(rank, 48 + rank, seed=35)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    failures: list[str] = []
+
+    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got.cpu(), want):
+            failures.append(name)
+
+    a = ep.dispatch(_misaligned(x), idx, w, E)  # the kernel reads an aligned copy
+    b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+    check("dispatch of a misaligned x", a.recv_x, b.recv_x)
+    check("cached dispatch of a misaligned x", ep.dispatch(_misaligned(x), handle=a.handle).recv_x,
+          b.recv_x)  # fmt: skip
+    T = x.size(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        y = (a.recv_x.float() * 1.5).to(dtype)
+        f32 = torch.randn(T, H, device="cuda", generator=g)
+        same = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+        strided = torch.randn(H, T, device="cuda", generator=g).to(dtype).t()  # not contiguous
+        cases = {
+            "float32 bias": (f32,),
+            "bfloat16 bias": (f32.bfloat16(),),
+            "float32 and x-dtype biases": (f32, same),
+            "x-dtype and float32 biases": (same, f32),
+            "non-contiguous bias": (strided,),
+            "misaligned bias": (_misaligned(same),),
+        }
+        for name, bias in cases.items():
+            got = ep.combine(y, a.handle, a.recv_topk_weights, bias=bias)
+            want = ref.combine(y.cpu(), b.handle, b.recv_topk_weights,
+                               bias=tuple(t.cpu() for t in bias))  # fmt: skip
+            check(f"{dtype} x, {name}", got.combined_x, want.combined_x)
+        got = ep.combine(_misaligned(y), a.handle, bias=f32)
+        check(f"{dtype} misaligned x", got.combined_x,
+              ref.combine(y.cpu(), b.handle, bias=f32.cpu()).combined_x)  # fmt: skip
+    return {"failures": failures}
+
+
+def test_combine_biases_of_any_float_dtype_layout_and_misaligned_rows_match_the_spec() -> None:
+    """The spec adds each bias in the accumulation type, whatever its float dtype: the kernels
+    read biases of x's dtype as they are, float32 ones of 16-bit rows in their own kernels, and
+    others widened first; non-contiguous or misaligned biases and misaligned x (a contiguous
+    view one element past a 16-byte boundary) are copied. Bitwise against the reference."""
+    res = run_distributed(_biases_and_layouts, gpu_world_size(), backend="ep", timeout=120)
+    for rank, r in enumerate(res):
+        assert r["failures"] == [], (rank, r["failures"])
+
+
 def _storage_of_outputs(rank: int, world: int) -> dict:
     """Both dispatch modes against the spec, with the storage each gives its outputs."""
     import ep_backend as ep

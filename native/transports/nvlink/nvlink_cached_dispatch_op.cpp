@@ -6,6 +6,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
+#include "common/runtime_util.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_handle_routing.hpp"
 #include "transports/nvlink/nvlink_pending_error.hpp"
@@ -97,8 +98,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     recv_scales =
         slabOutput(rt, lease, slab.scales, {rows, x_scales->size(1)}, x_scales->options());
   }
+  // The kernel reads 16-byte vectors: an x whose storage offset breaks that is copied (on this
+  // stream, so the copy's memory is not reused before the kernel has read it).
+  const at::Tensor x_rows = runtime::aligned16(x.data_ptr()) ? x : x.clone();
   NvlinkDispatchArgs args;
-  args.x = x.data_ptr();
+  args.x = x_rows.data_ptr();
   args.num_tokens = static_cast<int>(x.size(0));
   args.hidden_bytes = hidden_bytes;
   args.x_scales = x_scales ? static_cast<const float*>(x_scales->data_ptr()) : nullptr;

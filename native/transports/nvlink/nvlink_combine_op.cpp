@@ -8,6 +8,7 @@
 #include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
+#include "common/runtime_util.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_handle_routing.hpp"
 #include "transports/nvlink/nvlink_pending_error.hpp"
@@ -30,6 +31,28 @@ CombineElem combineElem(at::ScalarType t) {
     default:
       TORCH_CHECK(false, "ep combine: no kernel sums ", t, " rows");
   }
+}
+
+// The biases as the kernels read them: rows of x's element type, or float32 rows for 16-bit x.
+// A bias of another dtype is widened to the accumulation type (float64 for float64 x, else
+// float32), which is exact and what the spec adds (b.to(acc dtype)); every bias then takes that
+// type. Non-contiguous or unaligned biases are copied (the kernels read 16-byte row vectors).
+struct KernelBiases {
+  std::optional<at::Tensor> b0, b1;
+  bool f32 = false;
+};
+
+KernelBiases kernelBiases(const CombineArgs& a) {
+  const at::ScalarType elem = a.x.scalar_type();
+  bool same = true;
+  for (const auto* b : {&a.bias0, &a.bias1}) same = same && (!*b || (*b)->scalar_type() == elem);
+  const at::ScalarType type = same ? elem : (elem == at::kDouble ? at::kDouble : at::kFloat);
+  const auto prepare = [type](const std::optional<at::Tensor>& b) -> std::optional<at::Tensor> {
+    if (!b) return std::nullopt;
+    at::Tensor t = b->to(type).contiguous();
+    return runtime::aligned16(t.data_ptr()) ? t : t.clone();
+  };
+  return {prepare(a.bias0), prepare(a.bias1), type == at::kFloat && elem != at::kFloat};
 }
 
 }  // namespace
@@ -76,8 +99,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   if (has_weights) {
     out_w = at::empty({num_tokens, a.topk_weights->size(1)}, a.topk_weights->options());
   }
+  const KernelBiases biases = kernelBiases(a);
+  // The kernels read 16-byte vectors: an x whose storage offset breaks that is copied.
+  const at::Tensor x = runtime::aligned16(a.x.data_ptr()) ? a.x : a.x.clone();
   NvlinkCombineArgs args;
-  args.x = a.x.data_ptr();
+  args.x = x.data_ptr();
   args.elem = combineElem(a.x.scalar_type());
   args.hidden = static_cast<int>(a.x.size(1));
   args.num_recv_rows = static_cast<int>(a.x.size(0));
@@ -86,8 +112,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   args.recv_prefix = recv_prefix.data_ptr<int>();
   args.send_pos = send_pos.data_ptr<int>();
   args.num_tokens = static_cast<int>(num_tokens);
-  args.bias0 = a.bias0 ? a.bias0->data_ptr() : nullptr;
-  args.bias1 = a.bias1 ? a.bias1->data_ptr() : nullptr;
+  args.bias0 = biases.b0 ? biases.b0->data_ptr() : nullptr;
+  args.bias1 = biases.b1 ? biases.b1->data_ptr() : nullptr;
+  args.bias_f32 = biases.f32;
   args.out = out.data_ptr();
   args.out_topk_weights = out_w ? out_w->data_ptr<float>() : nullptr;
   args.num_sms = static_cast<int>(pg.options()->num_sms);  // per call: settable live

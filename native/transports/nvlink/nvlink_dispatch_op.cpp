@@ -12,6 +12,7 @@
 #include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
+#include "common/runtime_util.hpp"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_layout_errors.hpp"
@@ -157,8 +158,11 @@ void allocateAndLaunch(NvlinkRuntime& rt, const DispatchArgs& a, DispatchKernelI
   const at::Tensor src_idx = slabOutput(rt, lease, slab.src_idx, {rows}, k.i32);
   const at::Tensor src_rank = slabOutput(rt, lease, slab.src_rank, {rows}, k.i32);
 
+  // The kernel reads 16-byte vectors: an x whose storage offset breaks that is copied (on this
+  // stream, so the copy's memory is not reused before the kernel has read it).
+  const at::Tensor x = runtime::aligned16(a.x.data_ptr()) ? a.x : a.x.clone();
   NvlinkDispatchArgs args;
-  args.x = a.x.data_ptr();
+  args.x = x.data_ptr();
   args.num_tokens = static_cast<int>(num_tokens);
   args.hidden_bytes = static_cast<int>(a.x.size(1) * a.x.element_size());
   args.x_scales = has_scales ? static_cast<const float*>(a.x_scales->data_ptr()) : nullptr;

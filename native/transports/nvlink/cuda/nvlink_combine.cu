@@ -8,7 +8,8 @@
 //  * Receivers (owner side): token t waits for the flags of its rows from every rank r with
 //    send_pos[t, r] >= 0, then computes, element by element,
 //      acc = +0; for r = 0..R-1 ascending: acc += row_r; acc += bias0; acc += bias1
-//    in float32 (float64 for float64 rows) with round-to-nearest adds (no contraction), and
+//    in float32 (float64 for float64 rows; biases of the element type, or float32 rows for
+//    16-bit elements) with round-to-nearest adds (no contraction), and
 //    stores acc rounded to nearest-even in the element type. Weights are summed the same way.
 //    BF16 (FP16) tokens with at most two rows and no bias take add.rn.bf16x2 (f16x2), which gives
 //    the same bits (see device::bf16_pair_sum) with a fifth of the instructions: on 2 ranks the
@@ -53,6 +54,13 @@ __device__ __forceinline__ int4 pack_16bit(const float* acc) {
       asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(acc[2 * i + 1]), "f"(acc[2 * i]));
   }
   return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+}
+
+// acc[j] += f[j] for the eight float32 values of two vectors (a float32 bias of 16-bit rows).
+__device__ __forceinline__ void add_f32x8(float* acc, const int4& lo, const int4& hi) {
+  const int w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __int_as_float(w[j]));
 }
 
 // What BF16 and FP16 share: eight elements per vector, summed in float32 after `Widen`.
@@ -234,14 +242,19 @@ __device__ void combine_publish(const CombineParams& p, const device::WaitContex
 }
 
 // Owner side: reduce token t whose rows from rank r sit at pos[r] (-1: none).
-template <CombineElem kElem, int kRanks>
+// kBiasF32: the biases are float32 rows of 16-bit elements (two vectors per vector of x), a rare
+// case kept out of the common instantiation, with one vector in flight so that it needs no more
+// registers than the common one.
+template <CombineElem kElem, int kRanks, bool kBiasF32>
 __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
                                               const int (&pos)[kRanks], int local_base, int lane) {
   using Ops = ElemOps<kElem>;
   constexpr int kElemBytes = combine_elem_bytes(kElem);
+  static_assert(!kBiasF32 || kElemBytes == 2, "float32 biases are for 16-bit elements");
   using Acc = typename Ops::Acc;
   // 16-byte loads in flight per lane: kRanks * kUnroll, all issued before any add.
-  constexpr int kUnroll = kRanks <= 2 ? 8 : (kRanks <= 4 ? 2 : 1);  // no register spills
+  constexpr int kUnroll =
+      kBiasF32 ? 1 : (kRanks <= 2 ? 8 : (kRanks <= 4 ? 2 : 1));  // no register spills
   const CommContext& c = p.comm;
   const int R = c.num_ranks, me = c.rank, K = p.num_topk;
   const int hidden_bytes = p.hidden * kElemBytes;
@@ -264,14 +277,15 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
       }
     }
   }
+  const size_t bias_row_bytes = size_t(hidden_bytes) * (kBiasF32 ? 2 : 1);
   const int4* b0 = p.bias0 == nullptr
                        ? nullptr
                        : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias0) +
-                                                       size_t(t) * hidden_bytes);
+                                                       size_t(t) * bias_row_bytes);
   const int4* b1 = p.bias1 == nullptr
                        ? nullptr
                        : reinterpret_cast<const int4*>(static_cast<const char*>(p.bias1) +
-                                                       size_t(t) * hidden_bytes);
+                                                       size_t(t) * bias_row_bytes);
   int4* out = reinterpret_cast<int4*>(static_cast<char*>(p.out) + size_t(t) * hidden_bytes);
   // BF16 / FP16 on 2 ranks: at most two rows per token, summed in the element type (same
   // bits) when there is no bias.
@@ -318,8 +332,18 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
 #pragma unroll
       for (int r = 0; r < kRanks; ++r)
         if (src[r] != nullptr) Ops::add(acc, v[r][u]);
-      if (b0 != nullptr) Ops::add(acc, device::ld_nc_v4_l2_prefetch_256b(b0 + i + 32 * u));
-      if (b1 != nullptr) Ops::add(acc, device::ld_nc_v4_l2_prefetch_256b(b1 + i + 32 * u));
+      if constexpr (kBiasF32) {
+        const int j = i + 32 * u;
+        if (b0 != nullptr)
+          add_f32x8(acc, device::ld_nc_v4_l2_prefetch_256b(b0 + 2 * j),
+                    device::ld_nc_v4_l2_prefetch_256b(b0 + 2 * j + 1));
+        if (b1 != nullptr)
+          add_f32x8(acc, device::ld_nc_v4_l2_prefetch_256b(b1 + 2 * j),
+                    device::ld_nc_v4_l2_prefetch_256b(b1 + 2 * j + 1));
+      } else {
+        if (b0 != nullptr) Ops::add(acc, device::ld_nc_v4_l2_prefetch_256b(b0 + i + 32 * u));
+        if (b1 != nullptr) Ops::add(acc, device::ld_nc_v4_l2_prefetch_256b(b1 + i + 32 * u));
+      }
       device::st_v4_no_l1_allocate(out + i + 32 * u, Ops::pack(acc));
     }
   }
@@ -329,7 +353,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t,
 
 // Owner side: 32 tokens per batch, lane j polls the flags of token first + (k0 + j) * stride and
 // the warp reduces every token whose rows have all arrived.
-template <CombineElem kElem, int kRanks>
+template <CombineElem kElem, int kRanks, bool kBiasF32>
 __device__ void combine_recv(const CombineParams& p, const device::WaitContext& ctx, uint64_t seq,
                              int warp, int lane) {
   const CommContext& c = p.comm;
@@ -386,13 +410,13 @@ __device__ void combine_recv(const CombineParams& p, const device::WaitContext& 
         int pos[kRanks];
 #pragma unroll
         for (int r = 0; r < kRanks; ++r) pos[r] = __shfl_sync(kFull, my_pos[r], j);
-        combine_token<kElem, kRanks>(p, first + (k0 + j) * stride, pos, local_base, lane);
+        combine_token<kElem, kRanks, kBiasF32>(p, first + (k0 + j) * stride, pos, local_base, lane);
       }
     }
   }
 }
 
-template <CombineElem kElem, int kRanks>
+template <CombineElem kElem, int kRanks, bool kBiasF32>
 __global__ void __launch_bounds__(kNvlinkThreads, 1) nvlink_combine_kernel(CombineParams p) {
   __shared__ uint64_t s_seq;
   __shared__ int s_progress[kWarps];
@@ -417,7 +441,7 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1) nvlink_combine_kernel(Combi
     else if (warp == p.num_send_warps)
       combine_publish(p, ctx, seq, lane, s_progress);
     else
-      combine_recv<kElem, kRanks>(p, ctx, seq, warp, lane);
+      combine_recv<kElem, kRanks, kBiasF32>(p, ctx, seq, warp, lane);
   }
   // Block 0 sees every peer enter (see the dispatch kernel for why).
   if (blockIdx.x == 0 && warp == 0 && lane < R && lane != me && !device::aborted(ctx)) {
@@ -429,26 +453,44 @@ __global__ void __launch_bounds__(kNvlinkThreads, 1) nvlink_combine_kernel(Combi
   if (threadIdx.x == 0) device::finish_block(ctrl, seq);
 }
 
-template <CombineElem kElem, int kRanks>
+template <CombineElem kElem, int kRanks, bool kBiasF32>
 cudaError_t launch_one(const CombineParams& p, int num_sms, cudaStream_t stream) {
-  nvlink_combine_kernel<kElem, kRanks><<<num_sms, kNvlinkThreads, 0, stream>>>(p);
+  nvlink_combine_kernel<kElem, kRanks, kBiasF32><<<num_sms, kNvlinkThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
+template <CombineElem kElem, bool kBiasF32>
+cudaError_t launch_for_ranks(const CombineParams& p, int num_sms, cudaStream_t stream) {
+  const int R = p.comm.num_ranks;
+  if (R <= 2) return launch_one<kElem, 2, kBiasF32>(p, num_sms, stream);
+  if (R <= 4) return launch_one<kElem, 4, kBiasF32>(p, num_sms, stream);
+  return launch_one<kElem, 8, kBiasF32>(p, num_sms, stream);
+}
+
+// Float32 biases of 16-bit rows take their own kernels: the common ones stay as they are.
 template <CombineElem kElem>
 cudaError_t launch_for_elem(const CombineParams& p, int num_sms, cudaStream_t stream) {
-  const int R = p.comm.num_ranks;
-  if (R <= 2) return launch_one<kElem, 2>(p, num_sms, stream);
-  if (R <= 4) return launch_one<kElem, 4>(p, num_sms, stream);
-  return launch_one<kElem, 8>(p, num_sms, stream);
+  if constexpr (combine_elem_bytes(kElem) == 2) {
+    if (p.bias_f32) return launch_for_ranks<kElem, true>(p, num_sms, stream);
+  }
+  return launch_for_ranks<kElem, false>(p, num_sms, stream);
+}
+
+template <CombineElem kElem, bool kBiasF32>
+cudaError_t preload_for_ranks() {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, nvlink_combine_kernel<kElem, 2, kBiasF32>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, nvlink_combine_kernel<kElem, 4, kBiasF32>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, nvlink_combine_kernel<kElem, 8, kBiasF32>);
+  return e;
 }
 
 template <CombineElem kElem>
 cudaError_t preload_for_elem() {
-  cudaFuncAttributes attr;
-  cudaError_t e = cudaFuncGetAttributes(&attr, nvlink_combine_kernel<kElem, 2>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, nvlink_combine_kernel<kElem, 4>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, nvlink_combine_kernel<kElem, 8>);
+  cudaError_t e = preload_for_ranks<kElem, false>();
+  if constexpr (combine_elem_bytes(kElem) == 2) {
+    if (e == cudaSuccess) e = preload_for_ranks<kElem, true>();
+  }
   return e;
 }
 

@@ -367,10 +367,11 @@ struct CombineParams {
   int num_recv_capacity;    // rows of x (rows past it are never read)
   int num_tokens;           // T of this rank (owner side)
   const int* send_pos;      // [T, R] of the dispatch (owner side)
-  const void* bias0;        // [T, H] or null
-  const void* bias1;        // [T, H] or null
+  const void* bias0;        // [T, H] of `elem` (float32 with bias_f32) or null
+  const void* bias1;        // [T, H] like bias0, or null
+  int bias_f32;             // 1: the biases are float32 rows (16-bit elements only)
   void* out;                // [T, H]
-  float* out_topk_weights;  // [T, K] or null (needs topk_weights)
+  float* out_topk_weights;  // [T, K] or null (needs K >= 1)
   int num_send_warps;
 };
 

@@ -563,6 +563,9 @@ void NvlinkRuntime::combine(const NvlinkCombineArgs& a, cudaStream_t stream) {
                   "combine: x must be 16-byte aligned");
   kChecks.require(aligned16(a.bias0) && aligned16(a.bias1),
                   "combine: bias must be 16-byte aligned");
+  kChecks.require(
+      !a.bias_f32 || a.elem == CombineElem::kBFloat16 || a.elem == CombineElem::kFloat16,
+      "combine: float32 biases are for 16-bit elements (others take the element type)");
   CombineParams p{};
   p.comm = comm_context();
   p.x = a.x;
@@ -576,6 +579,7 @@ void NvlinkRuntime::combine(const NvlinkCombineArgs& a, cudaStream_t stream) {
   p.send_pos = a.send_pos;
   p.bias0 = a.bias0;
   p.bias1 = a.bias1;
+  p.bias_f32 = a.bias_f32 ? 1 : 0;
   p.out = a.out;
   p.out_topk_weights = a.out_topk_weights;
   p.num_send_warps = combine_send_warps();

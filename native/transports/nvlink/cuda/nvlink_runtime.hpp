@@ -131,8 +131,9 @@ struct NvlinkCombineArgs {
   const int* recv_prefix = nullptr;           // [R+1] of the dispatch
   const int* send_pos = nullptr;              // [T, R] of the dispatch
   int num_tokens = 0;                         // T of this rank
-  const void* bias0 = nullptr;                // [T, H] of `elem`, optional
-  const void* bias1 = nullptr;                // [T, H] of `elem`, optional
+  const void* bias0 = nullptr;                // [T, H] of `elem` (float32: bias_f32), optional
+  const void* bias1 = nullptr;                // [T, H] like bias0, optional
+  bool bias_f32 = false;                      // float32 biases of 16-bit elements
   void* out = nullptr;                        // [T, H] of `elem`
   float* out_topk_weights = nullptr;          // [T, K], optional (needs K >= 1)
   int num_sms = 0;
@@ -240,7 +241,8 @@ class NvlinkRuntime {
   void cached_dispatch(const NvlinkDispatchArgs& args, cudaStream_t stream);
 
   // Combine (communicating): out[t] = round(+0 + sum over r ascending of row from r + bias0 +
-  // bias1), accumulated in float32 (float64 for float64 rows); out_topk_weights likewise.
+  // bias1), accumulated in float32 (float64 for float64 rows); out_topk_weights likewise. The
+  // biases are rows of `elem`, or float32 rows of 16-bit elements (bias_f32).
   void combine(const NvlinkCombineArgs& args, cudaStream_t stream);
 
   // The dispatch's send warps for rows of this shape (the small-row and slab rules of
