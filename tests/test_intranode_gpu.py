@@ -353,6 +353,44 @@ def test_combine_biases_of_any_float_dtype_layout_and_misaligned_rows_match_the_
         assert r["failures"] == [], (rank, r["failures"])
 
 
+def _handle_on_the_host(rank: int, world: int) -> dict:
+    import dataclasses
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x, idx, w = _inputs(rank, 40, seed=37)
+    a = ep.dispatch(x, idx, w, E)
+    handle = a.handle
+    if rank == 1:  # the kernels would read host pointers
+        handle = dataclasses.replace(handle, recv_src_idx=handle.recv_src_idx.cpu())
+    raised = {}
+    for name, call in (("combine", lambda: ep.combine(a.recv_x, handle)),
+                       ("cached dispatch", lambda: ep.dispatch(x, handle=handle))):  # fmt: skip
+        try:
+            call()
+            raised[name] = ""
+        except ep.MoEInputError as exc:
+            raised[name] = str(exc)
+    b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+    exact = torch.equal(ep.combine(a.recv_x, a.handle).combined_x.cpu(),
+                        ref.combine(b.recv_x, b.handle).combined_x)  # fmt: skip
+    return {"raised": raised, "next_ok": exact}
+
+
+def test_a_handle_on_another_device_than_x_is_refused_on_every_rank() -> None:
+    """A handle whose tensors were moved to the host on one rank: that rank names the devices,
+    its peers say it rejected its inputs, nothing moves, and the next combine is exact."""
+    res = run_distributed(_handle_on_the_host, gpu_world_size(), backend="ep", timeout=120)
+    for rank, r in enumerate(res):
+        for op, message in r["raised"].items():
+            want = (
+                "the handle's tensors are on cpu, x on cuda" if rank == 1 else "rank(s) 1 rejected"
+            )
+            assert want in message, (rank, op, message)
+        assert r["next_ok"], rank
+
+
 def _storage_of_outputs(rank: int, world: int) -> dict:
     """Both dispatch modes against the spec, with the storage each gives its outputs."""
     import ep_backend as ep

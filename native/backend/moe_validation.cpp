@@ -243,8 +243,10 @@ void checkRoutingCounts(Checker& c, const DispatchRouting& r) {
           " received rows");
 }
 
-// Checks a handle's routing tensors into `c` (so messages carry the calling op's name).
-void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
+// Checks a handle's routing tensors into `c` (so messages carry the calling op's name); they
+// must be on `device`, the call's (the kernels read them there).
+void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens,
+                  const at::Device& device) {
   c.require(r.is_token_in_rank.defined() && r.is_token_in_rank.dim() == 2 &&
                 r.is_token_in_rank.scalar_type() == at::kBool,
             "is_token_in_rank must be bool [T, R]")
@@ -253,6 +255,14 @@ void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64
                "the handle is incomplete");
   if (c.failed()) {
     return;
+  }
+  for (const at::Tensor* t : {&r.is_token_in_rank, &r.num_tokens_per_rank,
+                              &r.num_recv_tokens_per_rank, &r.recv_src_idx, &r.recv_src_rank}) {
+    c.require(t->device() == device, "the handle's tensors are on ", t->device(), ", x on ",
+              device);
+    if (c.failed()) {
+      return;
+    }
   }
   c.require(r.is_token_in_rank.size(1) == num_ranks, "the handle was made on a group of ",
             r.is_token_in_rank.size(1), " ranks, this group has ", num_ranks)
@@ -277,12 +287,6 @@ std::string validateRoutingCounts(const char* op, const DispatchRouting& r) {
   return c.message();
 }
 
-std::string validateRouting(const DispatchRouting& r, int64_t num_ranks, int64_t num_tokens) {
-  Checker c("handle");
-  checkRouting(c, r, num_ranks, num_tokens);
-  return c.message();
-}
-
 std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                                    const DispatchRouting& routing, int64_t num_ranks) {
   Checker c("cached dispatch");
@@ -297,7 +301,7 @@ std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::
   if (c.failed()) {
     return c.message();
   }
-  checkRouting(c, routing, num_ranks, x.size(0));
+  checkRouting(c, routing, num_ranks, x.size(0), x.device());
   return c.message();
 }
 
@@ -311,7 +315,8 @@ std::string validateCombine(const CombineArgs& a, int64_t num_ranks) {
             "x must be bfloat16, float16, float32 or float64 (combine sums rows), got ",
             a.x.scalar_type());
   const auto& r = a.routing;
-  checkRouting(c, r, num_ranks, r.is_token_in_rank.defined() ? r.is_token_in_rank.size(0) : 0);
+  checkRouting(c, r, num_ranks, r.is_token_in_rank.defined() ? r.is_token_in_rank.size(0) : 0,
+               a.x.device());
   if (c.failed()) {
     return c.message();
   }

@@ -16,9 +16,8 @@ namespace ep {
 // `check_values` reads topk_idx on the host (default: only for CPU tensors).
 std::string validateDispatch(const DispatchArgs& args, int64_t num_ranks,
                              std::optional<bool> check_values = std::nullopt);
-std::string validateRouting(const DispatchRouting& routing, int64_t num_ranks, int64_t num_tokens);
 // A well-formed handle's counts against its is_token_in_rank and received rows (on CUDA tensors
-// a host read: validateRouting does it for CPU handles only).
+// a host read: the cached dispatch and combine checks do it for CPU handles only).
 std::string validateRoutingCounts(const char* op, const DispatchRouting& routing);
 std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                                    const DispatchRouting& routing, int64_t num_ranks);
