@@ -384,9 +384,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("tensor"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
       "record_stream for dispatch outputs viewing a receive slab; False for any other tensor.");
-  m.def("_fail_next_low_latency_setup", &ep::nvshmem::failNextSetupForTest,
-        "Test hook: this process's next NVSHMEM low-latency buffer setup fails on this rank, "
-        "after its own buffers were made.");
+  m.def("_fail_next_nvshmem_setup", &ep::nvshmem::failNextSetupForTest,
+        "Test hook: this process's next NVSHMEM buffer setup (low-latency or internode) fails "
+        "on this rank, after its own buffers were made.");
   m.def("_set_test_count_inflation", &ep::setTestCountInflation, py::arg("rows"),
         "Test hook: rows this process adds to every send count a dispatch announces to its "
         "peers (an adversarial peer); 0 restores normal behaviour.");

@@ -437,6 +437,53 @@ def test_internode_bad_input_raises_everywhere_then_exact(world: int, per_node: 
         assert r["failures"] == [], (rank, r["failures"])
 
 
+def _failed_setup_then_exact(rank: int, world: int, per_node: int) -> dict:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    _fail_fast()
+    x, idx, w = cuda_routing(64, H, experts, K, seed=rank + 9)
+    if rank == world - 1:
+        ep._C._fail_next_nvshmem_setup()  # this rank's buffers fail after it made its own
+    start = time.monotonic()
+    raised = ""
+    try:
+        ep.dispatch(x, idx, w, experts)
+    except RuntimeError as exc:
+        raised = str(exc)
+    seconds = time.monotonic() - start
+    failures: list[str] = []
+    a = ep.dispatch(x, idx, w, experts)  # sets the buffers up again
+    b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
+    _check_dispatch(failures, "after the failed setup", a, b)
+    torch.cuda.synchronize()
+    transport = ep.get_backend().high_throughput_transport
+    return {"raised": raised, "seconds": seconds, "failures": failures, "transport": transport}
+
+
+@needs_internode
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_setup_failing_on_one_rank_raises_everywhere_then_exact(
+    world: int, per_node: int
+) -> None:
+    """The last rank's buffer setup fails (test hook) after it made its own buffers: no rank
+    enters nvshmem_malloc, every rank raises naming it within the group timeout, and the next
+    dispatch sets the buffers up and is exact."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_distributed(
+        _failed_setup_then_exact, world, per_node, backend="ep", timeout=RUN_TIMEOUT_S,
+        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
+    )  # fmt: skip
+    for rank, r in enumerate(results):
+        assert f"rank(s) {world - 1} failed making the NVSHMEM buffers" in r["raised"], (rank, r)
+        assert "injected by a test" in r["raised"], (rank, r["raised"])
+        assert r["seconds"] < GROUP_TIMEOUT_S, (rank, r["seconds"])
+        assert r["failures"] == [], (rank, r["failures"])
+        assert r["transport"] == "internode", (rank, r["transport"])
+
+
 def _soak(rank: int, world: int, per_node: int, calls: int) -> dict:
     import ep_backend as ep
     from ep_backend import reference as ref

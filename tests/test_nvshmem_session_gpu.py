@@ -159,7 +159,7 @@ def _failed_setup_worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"failures": [], "errors": [], "seconds": []}
     for i, m in enumerate((M, 2 * M)):  # the first setup, then a growth (a rebuild)
         if rank == 1:
-            ep._C._fail_next_low_latency_setup()
+            ep._C._fail_next_nvshmem_setup()
         x, idx, _ = cuda_routing(m, HIDDEN, experts, TOPK, seed=50 + rank)
         start = time.monotonic()
         try:

@@ -52,6 +52,8 @@ struct Library {
   std::string error;
   ep_internode_symmetric_bytes_fn symmetric_bytes = nullptr;
   ep_internode_create_fn create = nullptr;
+  ep_internode_connect_fn connect = nullptr;
+  ep_internode_abandon_fn abandon = nullptr;
   ep_internode_dispatch_fn dispatch = nullptr;
   ep_internode_combine_fn combine = nullptr;
   ep_internode_check_error_fn check_error = nullptr;
@@ -71,6 +73,8 @@ const Library& library() {
     }
     l.ok = librarySymbol("ep_internode_symmetric_bytes", l.symmetric_bytes, l.error) &&
            librarySymbol("ep_internode_create", l.create, l.error) &&
+           librarySymbol("ep_internode_connect", l.connect, l.error) &&
+           librarySymbol("ep_internode_abandon", l.abandon, l.error) &&
            librarySymbol("ep_internode_dispatch", l.dispatch, l.error) &&
            librarySymbol("ep_internode_combine", l.combine, l.error) &&
            librarySymbol("ep_internode_check_error", l.check_error, l.error) &&
@@ -386,9 +390,26 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   setup.node_rank = st.node_rank.data();
   setup.capacity = cap;
   setup.num_blocks = static_cast<int>(pg.options()->num_sms);
-  char err[1024] = {0};
-  void* rt = nullptr;
-  check(library().create(&setup, &rt, err, sizeof(err)), "internode setup", err);
+  // Each rank makes its own buffers, and the ranks agree that all did before any calls
+  // nvshmem_malloc (no timeout there); a failure on one rank makes every rank raise.
+  const Library& lib = library();
+  void* rt = nvshmem::agreedSetup(
+      pg,
+      "ep_internode/" + pg.options()->group_name + "/setup/" + std::to_string(st.builds - 1) + "/",
+      "internode setup", "the next call sets the buffers up again",
+      [&](std::string& error) -> void* {
+        char err[1024] = {0};
+        void* made = nullptr;
+        if (lib.create(&setup, &made, err, sizeof(err)) == 0) return made;
+        error = err[0] != 0 ? err : "failed";
+        return nullptr;
+      },
+      [&](void* made) {
+        char err[1024] = {0};
+        return lib.connect(made, err, sizeof(err)) == 0 ? std::string()
+                                                        : std::string(err[0] != 0 ? err : "failed");
+      },
+      [&](void* made) { lib.abandon(made); });
   st.runtime = rt;
   st.capacity = cap;
   trace(pg, st, op, "built");

@@ -490,16 +490,16 @@ void startSessionIfNone(EPProcessGroup& pg, GroupState& st, const at::Device& de
         "low_latency setup", err);
 }
 
-// Set by failNextSetupForTest: the next createAndConnect of this process fails on this rank.
+// Set by failNextSetupForTest: the next agreedSetup of this process fails on this rank.
 std::atomic<bool> g_fail_next_setup{false};
 
 // One step of a collective buffer setup: every rank posts "" (done) or its error, within the
 // group's timeout (a rank that never posts makes the others raise naming it). Returns "" when
 // every rank succeeded, else which ranks failed and the first one's error.
 std::string setupStepFailure(EPProcessGroup& pg, const std::string& prefix, const std::string& mine,
-                             const char* step) {
+                             const char* op, const char* step) {
   const std::vector<std::string> all =
-      allGatherStrings(pg, prefix, mine, std::string("ep low_latency setup (") + step + ")");
+      allGatherStrings(pg, prefix, mine, std::string("ep ") + op + " (" + step + ")");
   std::ostringstream ranks;
   std::string first;
   for (size_t r = 0; r < all.size(); ++r) {
@@ -512,12 +512,7 @@ std::string setupStepFailure(EPProcessGroup& pg, const std::string& prefix, cons
          ")";
 }
 
-// Collective: a new runtime of `cfg` in the process's session. Each rank first makes its own
-// buffers, and the ranks agree (through the store, bounded by the group's timeout) that all did
-// before any calls nvshmem_malloc, which waits for every PE with no timeout: a rank that fails
-// alone makes every rank raise instead of leaving its peers in that wait. A second agreement
-// after connect is the barrier before any rank signals into a peer's region; where connect failed
-// on some rank, every rank abandons its runtime (nvshmem_free would wait for that rank too).
+// A new low-latency runtime of `cfg` in the process's session (see agreedSetup).
 void* createAndConnect(EPProcessGroup& pg, GroupState& st, const at::Device& device,
                        const NvshmemConfig& cfg) {
   const Library& lib = library();
@@ -525,37 +520,23 @@ void* createAndConnect(EPProcessGroup& pg, GroupState& st, const at::Device& dev
   // never reads the failed attempt's posts.
   const std::string prefix =
       "ep_ll/" + pg.options()->group_name + "/setup/" + std::to_string(++st.generation) + "/";
-  char err[1024] = {0};
-  void* rt = nullptr;
-  std::string mine;
-  if (lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, &rt, err, sizeof(err)) != 0) {
-    mine = err[0] != 0 ? err : "failed";
-    rt = nullptr;
-  } else if (g_fail_next_setup.exchange(false)) {
-    lib.abandon(rt);
-    rt = nullptr;
-    mine = "a failure injected by a test (_fail_next_low_latency_setup)";
-  }
-  // Every rank's outcome of one step: where any rank failed (or never posted), every rank drops
-  // its new runtime without a collective and raises.
-  const auto agreeOnStep = [&](const char* step, const std::string& outcome) {
-    std::string failure;
-    try {
-      failure = setupStepFailure(pg, prefix + step + "/", outcome, step);
-    } catch (...) {
-      if (rt != nullptr) lib.abandon(rt);
-      throw;
-    }
-    if (failure.empty()) return;
-    if (rt != nullptr) lib.abandon(rt);
-    TORCH_CHECK(false, "ep low_latency setup: ", failure,
-                "; no data moved, and the next low-latency call sets the buffers up again");
-  };
-  agreeOnStep("making", mine);
-  err[0] = 0;
-  mine = lib.connect(rt, err, sizeof(err)) == 0 ? "" : (err[0] != 0 ? err : "failed");
-  agreeOnStep("connecting", mine);
-  return rt;
+  return agreedSetup(
+      pg, prefix, "low_latency setup", "the next low-latency call sets the buffers up again",
+      [&](std::string& error) -> void* {
+        char err[1024] = {0};
+        void* rt = nullptr;
+        if (lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, &rt, err, sizeof(err)) ==
+            0)
+          return rt;
+        error = err[0] != 0 ? err : "failed";
+        return nullptr;
+      },
+      [&](void* rt) {
+        char err[1024] = {0};
+        return lib.connect(rt, err, sizeof(err)) == 0 ? std::string()
+                                                      : std::string(err[0] != 0 ? err : "failed");
+      },
+      [&](void* rt) { lib.abandon(rt); });
 }
 
 // Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not
@@ -730,6 +711,38 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
   }
 #endif
 }
+
+#ifdef EP_WITH_CUDA
+void* agreedSetup(EPProcessGroup& pg, const std::string& prefix, const char* op, const char* retry,
+                  const std::function<void*(std::string&)>& make,
+                  const std::function<std::string(void*)>& connect,
+                  const std::function<void(void*)>& abandon) {
+  std::string mine;
+  void* rt = make(mine);
+  if (rt != nullptr && g_fail_next_setup.exchange(false)) {
+    abandon(rt);
+    rt = nullptr;
+    mine = "a failure injected by a test (_fail_next_nvshmem_setup)";
+  }
+  // Every rank's outcome of one step: where any rank failed (or never posted), every rank drops
+  // its new runtime without a collective and raises.
+  const auto agreeOnStep = [&](const char* step, const std::string& outcome) {
+    std::string failure;
+    try {
+      failure = setupStepFailure(pg, prefix + step + "/", outcome, op, step);
+    } catch (...) {
+      if (rt != nullptr) abandon(rt);
+      throw;
+    }
+    if (failure.empty()) return;
+    if (rt != nullptr) abandon(rt);
+    TORCH_CHECK(false, "ep ", op, ": ", failure, "; no data moved, and ", retry);
+  };
+  agreeOnStep("making", mine);
+  agreeOnStep("connecting", connect(rt));
+  return rt;
+}
+#endif  // EP_WITH_CUDA
 
 void failNextSetupForTest() {
 #ifdef EP_WITH_CUDA

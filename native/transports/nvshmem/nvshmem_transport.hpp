@@ -44,9 +44,10 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range);
 // the build has no NVSHMEM). One per process, never restarted (nvshmem_session_plan.hpp).
 std::tuple<bool, int64_t, int64_t> sessionInfo();
 
-// Test hook: this process's next low-latency buffer setup fails on this rank after it made its own
-// buffers (as a failed allocation would), so that a test can check that every rank raises naming
-// it and that the next call sets the buffers up. A no-op in builds without CUDA.
+// Test hook: this process's next NVSHMEM buffer setup (low-latency or internode, agreedSetup)
+// fails on this rank after it made its own buffers (as a failed allocation would), so that a test
+// can check that every rank raises naming it and that the next call sets the buffers up. A no-op
+// in builds without CUDA.
 void failNextSetupForTest();
 
 #ifdef EP_WITH_CUDA
@@ -88,6 +89,18 @@ void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_sy
 // no such group comes (the process exit reclaims the memory). A shutdown thereby never waits in
 // NVSHMEM for a peer that may be dead.
 void parkCollectiveFree(std::function<void()> free_buffers);
+// Collective: a runtime in the session, set up in two steps the ranks agree on through the store
+// (bounded by the group's timeout). make() makes this rank's own buffers (no collective; null
+// with `error` set on failure); once every rank made them, connect() makes the symmetric ones
+// (nvshmem_malloc, which waits for every PE with no timeout; "" or the error), and the second
+// agreement is the barrier before any rank signals into a peer's region. Where a step failed on
+// any rank, every rank abandon()s its runtime (no collective: nvshmem_free would wait for that
+// rank too) and raises naming the failed ranks; `retry` says what a next call does. `prefix`
+// must be new per attempt, alike on every rank.
+void* agreedSetup(EPProcessGroup& pg, const std::string& prefix, const char* op, const char* retry,
+                  const std::function<void*(std::string&)>& make,
+                  const std::function<std::string(void*)>& connect,
+                  const std::function<void(void*)>& abandon);
 }  // namespace nvshmem
 #endif
 

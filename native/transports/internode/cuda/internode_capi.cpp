@@ -33,6 +33,17 @@ int ep_internode_create(const ep::InternodeSetup* setup, void** out, char* err, 
   return cEntryPoint(err, err_len, [&] { *out = new ep::InternodeRuntime(*setup); });
 }
 
+int ep_internode_connect(void* handle, char* err, size_t err_len) {
+  return cEntryPoint(err, err_len, [&] { runtime(handle)->connect(); });
+}
+
+// Drops a runtime of a failed setup without a collective (see InternodeRuntime::abandon).
+void ep_internode_abandon(void* handle) {
+  ep::InternodeRuntime* rt = runtime(handle);
+  rt->abandon();
+  delete rt;
+}
+
 int ep_internode_dispatch(void* handle, const ep::InternodeDispatchArgs* args, cudaStream_t stream,
                           ep::InternodeRecvView* view, char* err, size_t err_len) {
   return cEntryPoint(err, err_len, [&] { *view = runtime(handle)->dispatch(*args, stream); });
@@ -64,6 +75,8 @@ static_assert(std::is_same_v<decltype(&ep_internode_abi_version), ep_internode_a
 static_assert(
     std::is_same_v<decltype(&ep_internode_symmetric_bytes), ep_internode_symmetric_bytes_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_create), ep_internode_create_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_connect), ep_internode_connect_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_abandon), ep_internode_abandon_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_dispatch), ep_internode_dispatch_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_combine), ep_internode_combine_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_check_error), ep_internode_check_error_fn>);

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_INTERNODE_ABI_VERSION 2
+#define EP_INTERNODE_ABI_VERSION 3
 
 namespace ep {
 struct InternodeSetup;
@@ -24,6 +24,8 @@ extern "C" {
 typedef int (*ep_internode_abi_version_fn)();
 typedef size_t (*ep_internode_symmetric_bytes_fn)(int, int, const ep::internode::Capacity*);
 typedef int (*ep_internode_create_fn)(const ep::InternodeSetup*, void**, char*, size_t);
+typedef int (*ep_internode_connect_fn)(void*, char*, size_t);
+typedef void (*ep_internode_abandon_fn)(void*);
 typedef int (*ep_internode_dispatch_fn)(void*, const ep::InternodeDispatchArgs*, cudaStream_t,
                                         ep::InternodeRecvView*, char*, size_t);
 typedef int (*ep_internode_combine_fn)(void*, const ep::InternodeCombineArgs*, cudaStream_t, char*,

@@ -67,42 +67,47 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
                  "cudaDeviceGetAttribute(SMs)");
     blocks_ = std::max(1, setup.num_blocks > 0 ? setup.num_blocks : sms);
     layout_ = RegionLayout::make(setup.num_nodes, setup.ranks_per_node, setup.capacity);
-    region_ = static_cast<char*>(nvshmem_malloc(static_cast<size_t>(layout_.bytes)));
-    if (region_ == nullptr) {
-      throw std::runtime_error(runtime::strCat(
-          "ep internode: nvshmem_malloc(", layout_.bytes,
-          ") failed: the symmetric heap cannot hold it. It grows on demand only with CUDA VMM "
-          "(leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without VMM "
-          "it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started"));
-    }
-    kChecks.cuda(cudaMemset(region_, 0, static_cast<size_t>(layout_.bytes)), "cudaMemset(region)");
-    int node = -1;
-    for (int i = 0; i < setup.num_ranks; ++i) {
-      if (node_rank_[i] == setup.rank) node = i / setup.ranks_per_node;
-    }
-    kChecks.require(node >= 0, "this rank is missing from the node table");
-    // Only the ranks of this rank's node are reached with loads and stores: the legs between
-    // nodes take the put path even where one host could map them (emulated nodes).
-    for (int l = 0; l < setup.ranks_per_node; ++l) {
-      const int pe = node_rank_[node * setup.ranks_per_node + l];
-      node_peer_[l] = static_cast<char*>(nvshmem_ptr(region_, pe));
-      if (node_peer_[l] == nullptr) {
-        throw std::runtime_error("ep internode: rank " + std::to_string(pe) +
-                                 " of this rank's node is not reachable over NVLink (P2P)");
-      }
-    }
+    kChecks.require(nodeOf(setup.rank) >= 0, "this rank is missing from the node table");
     kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&control_), sizeof(Control)),
                  "cudaMalloc(control)");
     kChecks.cuda(cudaMemset(control_, 0, sizeof(Control)), "cudaMemset(control)");
     runtime::allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
     runtime::allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kProgressWords,
                              &progress_host_, &progress_dev_);
-    kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    nvshmem_barrier_all();  // every region is zeroed before anyone signals into it
   } catch (...) {
-    destroy();
+    release_local();
     throw;
   }
+}
+
+void InternodeRuntime::connect() {
+  using namespace internode;
+  kChecks.require(control_ != nullptr && region_ == nullptr,
+                  "connect: once, on a runtime whose own buffers were made");
+  DeviceGuard guard(setup_.device);
+  region_ = static_cast<char*>(nvshmem_malloc(static_cast<size_t>(layout_.bytes)));
+  if (region_ == nullptr) {
+    throw std::runtime_error(runtime::strCat(
+        "ep internode: nvshmem_malloc(", layout_.bytes,
+        ") failed: the symmetric heap cannot hold it. It grows on demand only with CUDA VMM "
+        "(leave NVSHMEM_DISABLE_CUDA_VMM unset) up to NVSHMEM_MAX_MEMORY_PER_GPU; without VMM "
+        "it is NVSHMEM_SYMMETRIC_SIZE, fixed when the process's session started"));
+  }
+  kChecks.cuda(cudaMemset(region_, 0, static_cast<size_t>(layout_.bytes)), "cudaMemset(region)");
+  // Only the ranks of this rank's node are reached with loads and stores: the legs between
+  // nodes take the put path even where one host could map them (emulated nodes).
+  const int node = nodeOf(setup_.rank);
+  for (int l = 0; l < setup_.ranks_per_node; ++l) {
+    const int pe = node_rank_[node * setup_.ranks_per_node + l];
+    node_peer_[l] = static_cast<char*>(nvshmem_ptr(region_, pe));
+    if (node_peer_[l] == nullptr) {
+      throw std::runtime_error("ep internode: rank " + std::to_string(pe) +
+                               " of this rank's node is not reachable over NVLink (P2P)");
+    }
+  }
+  // Every region is zeroed before anyone signals into it: this rank's here, and the caller's
+  // agreement that every rank connected is the barrier.
+  kChecks.cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 InternodeRuntime::~InternodeRuntime() {
@@ -119,13 +124,30 @@ void InternodeRuntime::destroy() {
   DeviceGuard guard(setup_.device);
   cudaDeviceSynchronize();
   if (region_ != nullptr) nvshmem_free(region_);  // collective
+  region_ = nullptr;
+  release_local();
+}
+
+void InternodeRuntime::abandon() noexcept {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(setup_.device);
+  cudaDeviceSynchronize();
+  // The symmetric region, if any, stays in the session's heap: nvshmem_free would wait for every
+  // PE, and some PE of a failed setup never calls it.
+  region_ = nullptr;
+  release_local();
+  cudaSetDevice(previous);
+}
+
+void InternodeRuntime::release_local() noexcept {
   if (control_ != nullptr) cudaFree(control_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   if (progress_host_ != nullptr) cudaFreeHost(progress_host_);
-  region_ = nullptr;
   control_ = nullptr;
   error_host_ = error_dev_ = nullptr;
   progress_host_ = progress_dev_ = nullptr;
+  for (char*& peer : node_peer_) peer = nullptr;
 }
 
 internode::Context InternodeRuntime::context(int op, double timeout_seconds,

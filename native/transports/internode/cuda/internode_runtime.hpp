@@ -76,7 +76,9 @@ struct InternodeCombineArgs {
 
 class InternodeRuntime {
  public:
-  explicit InternodeRuntime(const InternodeSetup& setup);  // collective (nvshmem_malloc)
+  // Local: checks the setup and makes this rank's own buffers (no collective, so a failure here
+  // leaves no peer waiting). connect() then makes the symmetric region.
+  explicit InternodeRuntime(const InternodeSetup& setup);
   ~InternodeRuntime();
   InternodeRuntime(const InternodeRuntime&) = delete;
   InternodeRuntime& operator=(const InternodeRuntime&) = delete;
@@ -93,11 +95,23 @@ class InternodeRuntime {
   // Which stages the kernels of the latest call reached (host-mapped marks, see
   // internode::Stage): "" while none was launched. For the error of a host wait that ran out.
   std::string progress() const;
-  void destroy();  // collective (nvshmem_free); idempotent
+  // Collective (nvshmem_malloc, which waits for every PE with no timeout): the symmetric region,
+  // zeroed, and the pointers to the node's peers. Call it only once every rank's constructor
+  // succeeded (the caller agrees on that first); no barrier: the caller's agreement that every
+  // rank connected is that barrier.
+  void connect();
+  void destroy();  // collective (nvshmem_free) once connected; idempotent
+  // Frees this rank's buffers with no collective, leaving the symmetric region (if connect made
+  // one) in the session's heap: for a setup that failed on some rank, whose nvshmem_free would
+  // wait for a PE that never calls it. The object is then unusable (destroy() does nothing).
+  void abandon() noexcept;
 
  private:
   // The node of `rank` in the node table (setup's node_rank), -1 if it is not in it.
   int nodeOf(int rank) const;
+  // Frees what only this rank holds (control block, host-mapped words): the shared tail of
+  // destroy() and abandon().
+  void release_local() noexcept;
   internode::Context context(int op, double timeout_seconds, const internode::RecordLayout& rec);
 
   InternodeSetup setup_;
