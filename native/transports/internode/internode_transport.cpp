@@ -360,9 +360,10 @@ at::Tensor agreeInStep(EPProcessGroup& pg, GroupState& st, const char* op, const
 // Collective: a runtime whose buffers hold `need` (every input agreed across the ranks, so every
 // rank decides alike). Growing frees the old buffers, then allocates the new ones, in the
 // process's NVSHMEM session (never restarted: nvshmem_session_plan.hpp). The NVSHMEM calls of a
-// build (free, malloc, barrier) have no timeout: the ranks first meet in the store (bounded by the
-// group's timeout, naming a rank that never comes) and check that they build the same buffers, so
-// that a rank never waits alone in one of them.
+// build (free, malloc) have no timeout: the ranks first meet in the store (bounded by the group's
+// timeout, naming a rank that never comes) and check that they build the same buffers, and the
+// setup agrees again after each of its steps (nvshmem::agreedSetup), so that a rank never waits
+// alone in one of them.
 void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device,
                     const Capacity& need, const char* op) {
   if (st.runtime != nullptr && holds(st.capacity, need)) return st.runtime;
