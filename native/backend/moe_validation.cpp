@@ -228,19 +228,29 @@ std::string validateDispatch(const DispatchArgs& a, int64_t num_ranks,
 
 namespace {
 
-// The handle's counts against its send map and received rows: free on CPU; on CUDA a host read,
-// done only for a handle the process's dispatch did not make (validateRoutingCounts). A handle
-// whose send map and counts disagree would post mismatched exchanges.
-void checkRoutingCounts(Checker& c, const DispatchRouting& r) {
-  const at::Tensor sent = r.is_token_in_rank.sum(0).to(at::kCPU).to(at::kLong);
-  const at::Tensor per_rank = r.num_tokens_per_rank.to(at::kCPU).to(at::kLong);
-  const at::Tensor recv = r.num_recv_tokens_per_rank.to(at::kCPU).to(at::kLong);
-  c.require(at::equal(sent, per_rank),
+// A well-formed handle's counts (routingCounts() order) in one copy to the host, checked into
+// `c` against its send map and received rows: free on CPU; on CUDA a stream sync, made only for a
+// handle the process's dispatch did not make (checkedRoutingCounts). A handle whose send map and
+// counts disagree would post mismatched exchanges.
+std::vector<int64_t> readRoutingCounts(Checker& c, const DispatchRouting& r) {
+  const int64_t R = r.num_tokens_per_rank.numel();
+  const at::Tensor host =
+      at::cat({r.is_token_in_rank.sum(0).to(at::kLong), r.num_tokens_per_rank.to(at::kLong),
+               r.num_recv_tokens_per_rank.to(at::kLong)})
+          .to(at::kCPU);
+  const int64_t* v = host.data_ptr<int64_t>();
+  int64_t received = 0;
+  bool negative = false;
+  for (int64_t i = 0; i < R; ++i) {
+    received += v[2 * R + i];
+    negative = negative || v[2 * R + i] < 0;
+  }
+  c.require(std::equal(v, v + R, v + R),
             "the handle's num_tokens_per_rank does not match its is_token_in_rank")
-      .require(
-          recv.min().item<int64_t>() >= 0 && recv.sum().item<int64_t>() <= r.recv_src_idx.size(0),
-          "the handle's num_recv_tokens_per_rank does not fit its ", r.recv_src_idx.size(0),
-          " received rows");
+      .require(!negative && received <= r.recv_src_idx.size(0),
+               "the handle's num_recv_tokens_per_rank does not fit its ", r.recv_src_idx.size(0),
+               " received rows");
+  return std::vector<int64_t>(v + R, v + 3 * R);
 }
 
 // Checks a handle's routing tensors into `c` (so messages carry the calling op's name); they
@@ -276,15 +286,17 @@ void checkRouting(Checker& c, const DispatchRouting& r, int64_t num_ranks, int64
   if (c.failed() || !r.is_token_in_rank.device().is_cpu()) {
     return;
   }
-  checkRoutingCounts(c, r);
+  readRoutingCounts(c, r);
 }
 
 }  // namespace
 
-std::string validateRoutingCounts(const char* op, const DispatchRouting& r) {
+std::vector<int64_t> checkedRoutingCounts(const char* op, const DispatchRouting& r,
+                                          std::string& error) {
   Checker c(op);
-  checkRoutingCounts(c, r);
-  return c.message();
+  std::vector<int64_t> counts = readRoutingCounts(c, r);
+  error = c.message();
+  return counts;
 }
 
 std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,

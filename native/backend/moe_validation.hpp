@@ -16,9 +16,11 @@ namespace ep {
 // `check_values` reads topk_idx on the host (default: only for CPU tensors).
 std::string validateDispatch(const DispatchArgs& args, int64_t num_ranks,
                              std::optional<bool> check_values = std::nullopt);
-// A well-formed handle's counts against its is_token_in_rank and received rows (on CUDA tensors
-// a host read: the cached dispatch and combine checks do it for CPU handles only).
-std::string validateRoutingCounts(const char* op, const DispatchRouting& routing);
+// A handle's counts (routingCounts() order) read to the host in one copy, with `error` set where
+// they do not fit its is_token_in_rank or received rows. The handle must have passed validation
+// (on CUDA tensors that validation checks no values: this is a stream sync).
+std::vector<int64_t> checkedRoutingCounts(const char* op, const DispatchRouting& routing,
+                                          std::string& error);
 std::string validateCachedDispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                                    const DispatchRouting& routing, int64_t num_ranks);
 std::string validateCombine(const CombineArgs& args, int64_t num_ranks);

@@ -398,19 +398,10 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
       pg,
       "ep_internode/" + pg.options()->group_name + "/setup/" + std::to_string(st.builds - 1) + "/",
       "internode setup", "the next call sets the buffers up again",
-      [&](std::string& error) -> void* {
-        char err[1024] = {0};
-        void* made = nullptr;
-        if (lib.create(&setup, &made, err, sizeof(err)) == 0) return made;
-        error = err[0] != 0 ? err : "failed";
-        return nullptr;
+      [&](void** made, char* err, size_t err_len) {
+        return lib.create(&setup, made, err, err_len);
       },
-      [&](void* made) {
-        char err[1024] = {0};
-        return lib.connect(made, err, sizeof(err)) == 0 ? std::string()
-                                                        : std::string(err[0] != 0 ? err : "failed");
-      },
-      [&](void* made) { lib.abandon(made); });
+      lib.connect, lib.abandon);
   st.runtime = rt;
   st.capacity = cap;
   trace(pg, st, op, "built");

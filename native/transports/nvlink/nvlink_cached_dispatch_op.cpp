@@ -3,10 +3,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "backend/aligned_rows.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
-#include "common/runtime_util.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_handle_routing.hpp"
 #include "transports/nvlink/nvlink_pending_error.hpp"
@@ -25,9 +25,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   std::string input_error = validateCachedDispatch(x, x_scales, routing, num_ranks);
   const std::shared_ptr<const KernelRouting> known = st->routings.recall(routing);
   const bool capture = streamCapturing();
-  if (input_error.empty() && known == nullptr && !capture) {
-    input_error = validateRoutingCounts("cached dispatch", routing);  // read back below anyway
-  }
+  const HandleCounts handle = handleCounts(known.get(), routing, num_ranks, capture,
+                                           input_error.empty(), "cached dispatch");
+  if (input_error.empty()) input_error = handle.error;
   const bool ok = input_error.empty();
   const std::string& error = pending.empty() ? input_error : pending;
   std::vector<AgreedField> fields = cachedDispatchFields(x, x_scales, ok);
@@ -39,11 +39,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   // One local expert: the notify that lends slabs announces one (dummy) count per rank.
   std::vector<int64_t> payload{ok ? x.size(0) : 0, ok ? x.size(1) * x.element_size() : 0, 0,
                                ok && x_scales ? x_scales->size(1) : 0, 1};
-  const auto [counts, counts_known] = handleCounts(known.get(), routing, num_ranks, capture);
-  payload.insert(payload.end(), counts.begin(), counts.end());
+  payload.insert(payload.end(), handle.counts.begin(), handle.counts.end());
   const int64_t rows = ok ? routing.recv_src_idx.size(0) : 0;
   payload.push_back(rows);
-  payload.push_back(counts_known ? 1 : 0);
+  payload.push_back(handle.known ? 1 : 0);
   at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
   const int64_t known_column = 5 + 2 * num_ranks + 1;
   checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank(), known_column);
@@ -98,9 +97,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     recv_scales =
         slabOutput(rt, lease, slab.scales, {rows, x_scales->size(1)}, x_scales->options());
   }
-  // The kernel reads 16-byte vectors: an x whose storage offset breaks that is copied (on this
-  // stream, so the copy's memory is not reused before the kernel has read it).
-  const at::Tensor x_rows = runtime::aligned16(x.data_ptr()) ? x : x.clone();
+  const at::Tensor x_rows = alignedTo16(x);
   NvlinkDispatchArgs args;
   args.x = x_rows.data_ptr();
   args.num_tokens = static_cast<int>(x.size(0));

@@ -4,11 +4,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include "backend/aligned_rows.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
-#include "common/runtime_util.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_handle_routing.hpp"
 #include "transports/nvlink/nvlink_pending_error.hpp"
@@ -49,8 +49,7 @@ KernelBiases kernelBiases(const CombineArgs& a) {
   const at::ScalarType type = same ? elem : (elem == at::kDouble ? at::kDouble : at::kFloat);
   const auto prepare = [type](const std::optional<at::Tensor>& b) -> std::optional<at::Tensor> {
     if (!b) return std::nullopt;
-    at::Tensor t = b->to(type).contiguous();
-    return runtime::aligned16(t.data_ptr()) ? t : t.clone();
+    return alignedTo16(b->to(type).contiguous());
   };
   return {prepare(a.bias0), prepare(a.bias1), type == at::kFloat && elem != at::kFloat};
 }
@@ -65,9 +64,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   std::string input_error = validateCombine(a, num_ranks);
   const std::shared_ptr<const KernelRouting> known = st->routings.recall(a.routing);
   const bool capture = streamCapturing();
-  if (input_error.empty() && known == nullptr && !capture) {
-    input_error = validateRoutingCounts("combine", a.routing);  // read back below anyway
-  }
+  const HandleCounts handle =
+      handleCounts(known.get(), a.routing, num_ranks, capture, input_error.empty(), "combine");
+  if (input_error.empty()) input_error = handle.error;
   stages.mark("validate");
   const bool ok = input_error.empty();
   const std::string& error = pending.empty() ? input_error : pending;
@@ -78,10 +77,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   std::vector<int64_t> payload{ok ? r.is_token_in_rank.size(0) : 0,
                                ok ? a.x.size(1) * a.x.element_size() : 0,
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
-  const auto [counts, counts_known] = handleCounts(known.get(), r, num_ranks, capture);
-  stages.mark("handle_counts");
-  payload.insert(payload.end(), counts.begin(), counts.end());
-  payload.push_back(counts_known ? 1 : 0);
+  payload.insert(payload.end(), handle.counts.begin(), handle.counts.end());
+  payload.push_back(handle.known ? 1 : 0);
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
   checkRoutingAgrees("combine", gathered, 5, pg.getRank(), 5 + 2 * num_ranks);
   stages.mark("agree");
@@ -100,8 +97,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
     out_w = at::empty({num_tokens, a.topk_weights->size(1)}, a.topk_weights->options());
   }
   const KernelBiases biases = kernelBiases(a);
-  // The kernels read 16-byte vectors: an x whose storage offset breaks that is copied.
-  const at::Tensor x = runtime::aligned16(a.x.data_ptr()) ? a.x : a.x.clone();
+  const at::Tensor x = alignedTo16(a.x);
   NvlinkCombineArgs args;
   args.x = x.data_ptr();
   args.elem = combineElem(a.x.scalar_type());

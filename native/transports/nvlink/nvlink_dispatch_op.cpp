@@ -8,11 +8,11 @@
 #include <memory>
 #include <vector>
 
+#include "backend/aligned_rows.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/stream_capture.hpp"
-#include "common/runtime_util.hpp"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_layout_errors.hpp"
@@ -158,9 +158,7 @@ void allocateAndLaunch(NvlinkRuntime& rt, const DispatchArgs& a, DispatchKernelI
   const at::Tensor src_idx = slabOutput(rt, lease, slab.src_idx, {rows}, k.i32);
   const at::Tensor src_rank = slabOutput(rt, lease, slab.src_rank, {rows}, k.i32);
 
-  // The kernel reads 16-byte vectors: an x whose storage offset breaks that is copied (on this
-  // stream, so the copy's memory is not reused before the kernel has read it).
-  const at::Tensor x = runtime::aligned16(a.x.data_ptr()) ? a.x : a.x.clone();
+  const at::Tensor x = alignedTo16(a.x);
   NvlinkDispatchArgs args;
   args.x = x.data_ptr();
   args.num_tokens = static_cast<int>(num_tokens);

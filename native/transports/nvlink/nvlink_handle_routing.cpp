@@ -39,16 +39,18 @@ std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const D
   return {known->send_pos, known->recv_prefix};
 }
 
-std::pair<std::vector<int64_t>, bool> handleCounts(const KernelRouting* known,
-                                                   const DispatchRouting& r, int64_t num_ranks,
-                                                   bool capture) {
-  if (capture || (known != nullptr && known->host_counts.empty())) {
-    return {std::vector<int64_t>(2 * num_ranks, 0), false};
+HandleCounts handleCounts(const KernelRouting* known, const DispatchRouting& r, int64_t num_ranks,
+                          bool capture, bool valid, const char* op) {
+  if (!valid || capture || (known != nullptr && known->host_counts.empty())) {
+    return {std::vector<int64_t>(2 * num_ranks, 0), false, ""};
   }
   if (known != nullptr) {
-    return {known->host_counts, true};
+    return {known->host_counts, true, ""};
   }
-  return {routingCounts(r, num_ranks), true};
+  HandleCounts h;
+  h.counts = checkedRoutingCounts(op, r, h.error);
+  h.known = true;
+  return h;
 }
 
 }  // namespace ep::nvlink

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,12 +24,18 @@ std::pair<at::Tensor, at::Tensor> routingFor(const KernelRouting* known, const D
                                              const c10::cuda::CUDAStream& stream,
                                              bool with_prefix = true);
 
-// A handle's counts (routingCounts() order) for the cross-rank check, and whether they are
-// known: not while capturing a graph, nor for a worst-case handle (its dispatch never had them
-// on the host; no host step is the point of that mode), which skip the check. Only a handle this
-// process's dispatch did not make (or one modified since) is read back: a stream sync.
-std::pair<std::vector<int64_t>, bool> handleCounts(const KernelRouting* known,
-                                                   const DispatchRouting& r, int64_t num_ranks,
-                                                   bool capture);
+// A handle's counts (routingCounts() order) for the cross-rank check, whether they are known,
+// and this rank's error about them. Not known while capturing a graph, for a worst-case handle
+// (its dispatch never had them on the host; no host step is the point of that mode), or for a
+// handle that failed validation (the agreement raises anyway): those skip the check. Only a
+// handle this process's dispatch did not make (or one modified since) is read back, a stream
+// sync, and checked against its send map (`error`, with `op`'s name).
+struct HandleCounts {
+  std::vector<int64_t> counts;
+  bool known = false;
+  std::string error;
+};
+HandleCounts handleCounts(const KernelRouting* known, const DispatchRouting& r, int64_t num_ranks,
+                          bool capture, bool valid, const char* op);
 
 }  // namespace ep::nvlink

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 
+#include "backend/aligned_rows.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/group_state.hpp"
 #include "backend/per_group_transport.hpp"
@@ -522,21 +523,10 @@ void* createAndConnect(EPProcessGroup& pg, GroupState& st, const at::Device& dev
       "ep_ll/" + pg.options()->group_name + "/setup/" + std::to_string(++st.generation) + "/";
   return agreedSetup(
       pg, prefix, "low_latency setup", "the next low-latency call sets the buffers up again",
-      [&](std::string& error) -> void* {
-        char err[1024] = {0};
-        void* rt = nullptr;
-        if (lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, &rt, err, sizeof(err)) ==
-            0)
-          return rt;
-        error = err[0] != 0 ? err : "failed";
-        return nullptr;
+      [&](void** made, char* err, size_t err_len) {
+        return lib.create(pg.getRank(), pg.getSize(), device.index(), &cfg, made, err, err_len);
       },
-      [&](void* rt) {
-        char err[1024] = {0};
-        return lib.connect(rt, err, sizeof(err)) == 0 ? std::string()
-                                                      : std::string(err[0] != 0 ? err : "failed");
-      },
-      [&](void* rt) { lib.abandon(rt); });
+      lib.connect, lib.abandon);
 }
 
 // Collective: a runtime for this call's shape (M exactly; H, K, E at least), rebuilt when not
@@ -714,12 +704,19 @@ void receive(EPProcessGroup& pg, const at::Tensor& layout_range) {
 
 #ifdef EP_WITH_CUDA
 void* agreedSetup(EPProcessGroup& pg, const std::string& prefix, const char* op, const char* retry,
-                  const std::function<void*(std::string&)>& make,
-                  const std::function<std::string(void*)>& connect,
+                  const std::function<int(void**, char*, size_t)>& make,
+                  const std::function<int(void*, char*, size_t)>& connect,
                   const std::function<void(void*)>& abandon) {
-  std::string mine;
-  void* rt = make(mine);
-  if (rt != nullptr && g_fail_next_setup.exchange(false)) {
+  // A C entry point's outcome: "" on success, else its message.
+  const auto outcome = [](int rc, const char* err) {
+    return rc == 0 ? std::string() : std::string(err[0] != 0 ? err : "failed");
+  };
+  char err[1024] = {0};
+  void* rt = nullptr;
+  std::string mine = outcome(make(&rt, err, sizeof(err)), err);
+  if (!mine.empty()) {
+    rt = nullptr;
+  } else if (g_fail_next_setup.exchange(false)) {
     abandon(rt);
     rt = nullptr;
     mine = "a failure injected by a test (_fail_next_nvshmem_setup)";
@@ -739,7 +736,8 @@ void* agreedSetup(EPProcessGroup& pg, const std::string& prefix, const char* op,
     TORCH_CHECK(false, "ep ", op, ": ", failure, "; no data moved, and ", retry);
   };
   agreeOnStep("making", mine);
-  agreeOnStep("connecting", connect(rt));
+  err[0] = 0;
+  agreeOnStep("connecting", outcome(connect(rt, err, sizeof(err)), err));
   return rt;
 }
 #endif  // EP_WITH_CUDA
@@ -849,8 +847,7 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   c10::cuda::CUDAGuard guard(device);
   void* rt = ensureRuntime(pg, *st, device, m, hidden, max_topk, a.num_experts);
   stages.mark("runtime");
-  // The kernels read x with 16-byte loads (a contiguous slice may start anywhere).
-  const at::Tensor x = reinterpret_cast<uintptr_t>(a.x.data_ptr()) % 16 == 0 ? a.x : a.x.clone();
+  const at::Tensor x = alignedTo16(a.x);
   const int64_t experts_per_rank = a.num_experts / num_ranks;
   const int64_t slots = num_ranks * m;
   const auto opts = a.x.options();

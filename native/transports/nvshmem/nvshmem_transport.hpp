@@ -90,16 +90,16 @@ void ensureSession(EPProcessGroup& pg, const at::Device& device, size_t extra_sy
 // NVSHMEM for a peer that may be dead.
 void parkCollectiveFree(std::function<void()> free_buffers);
 // Collective: a runtime in the session, set up in two steps the ranks agree on through the store
-// (bounded by the group's timeout). make() makes this rank's own buffers (no collective; null
-// with `error` set on failure); once every rank made them, connect() makes the symmetric ones
-// (nvshmem_malloc, which waits for every PE with no timeout; "" or the error), and the second
-// agreement is the barrier before any rank signals into a peer's region. Where a step failed on
-// any rank, every rank abandon()s its runtime (no collective: nvshmem_free would wait for that
-// rank too) and raises naming the failed ranks; `retry` says what a next call does. `prefix`
-// must be new per attempt, alike on every rank.
+// (bounded by the group's timeout). `make` (a C entry point: 0, or -1 with a message) makes this
+// rank's own buffers (no collective); once every rank made them, `connect` makes the symmetric
+// ones (nvshmem_malloc, which waits for every PE with no timeout), and the second agreement is
+// the barrier before any rank signals into a peer's region. Where a step failed on any rank,
+// every rank `abandon`s its runtime (no collective: nvshmem_free would wait for that rank too)
+// and raises naming the failed ranks; `retry` says what a next call does. `prefix` must be new
+// per attempt, alike on every rank.
 void* agreedSetup(EPProcessGroup& pg, const std::string& prefix, const char* op, const char* retry,
-                  const std::function<void*(std::string&)>& make,
-                  const std::function<std::string(void*)>& connect,
+                  const std::function<int(void**, char*, size_t)>& make,
+                  const std::function<int(void*, char*, size_t)>& connect,
                   const std::function<void(void*)>& abandon);
 }  // namespace nvshmem
 #endif
