@@ -230,11 +230,30 @@ def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _print_thread_states(pid: int) -> None:
+    """Without gdb: each thread's name, scheduler state (R: running, a spin; S: asleep) and the
+    kernel function it sleeps in (futex_wait: a lock or condition variable; a socket or epoll
+    wait: I/O), from /proc."""
+    lines = []
+    with suppress(OSError):
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            task = f"/proc/{pid}/task/{tid}"
+            fields: dict[str, str] = {}
+            for name in ("comm", "wchan", "stat"):
+                with suppress(OSError), open(f"{task}/{name}") as f:
+                    fields[name] = f.read().strip()
+            state = fields.get("stat", "").rpartition(")")[2].split()[:1]
+            lines.append(f"  tid {tid} {fields.get('comm', '?')!r}: state "
+                         f"{state[0] if state else '?'}, wchan {fields.get('wchan', '?')}")  # fmt: skip
+    print(f"--- threads of pid {pid} (no gdb) ---\n" + "\n".join(lines), file=sys.stderr)
+
+
 def _dump_native_stacks(pid: int) -> None:
     """Print every thread's C/C++ stack of a hung worker (gdb, when present): Python's dump
     cannot show threads that hold or wait for the GIL outside Python code."""
     gdb = shutil.which("gdb")
     if gdb is None:
+        _print_thread_states(pid)
         return
     with suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(
@@ -369,6 +388,7 @@ def run_distributed(
     errors: list[tuple[int, bytes | None, str, str, str]] = []  # arrival order
     died: dict[int, str] = {}
     timed_out = False
+    unfinished: list[int] = []
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
@@ -448,12 +468,13 @@ def run_distributed(
         for p in procs:
             if p.is_alive():
                 p.join(max(0.0, grace_end - time.monotonic()))
-        # (After an error the others are stopped at once: nothing to report about them.)
+        # (After an error the others are stopped at once; the stacks of those that never
+        # reported say where they were held, often the cause of the first rank's error.)
         slow_lines, slow = [], False
         if not errors:
             slow_lines, slow = _slow_teardown(procs, conns, results, finished_at)
         killed = {rank for rank, p in enumerate(procs) if p.is_alive()}
-        _stop(procs, dump_stacks=timed_out or slow)
+        _stop(procs, dump_stacks=timed_out or slow or bool(killed & set(unfinished)))
         for c in conns:
             c.close()
         del store
