@@ -31,8 +31,9 @@ What it does:
 
 It never hangs: if a worker raises, the others get ``grace`` seconds to finish (they are often
 stuck in a collective waiting for the failed rank) and are then killed; after ``timeout``
-seconds all workers still running are sent SIGUSR1 (they dump their Python stacks to stderr,
-which pytest shows with the failure) and killed. The parent then raises:
+seconds all workers still running are killed. Before a worker is killed unfinished it is sent
+SIGUSR1 (it dumps its Python stacks to stderr, which pytest shows with the failure), and its
+native stacks are printed (gdb), or without gdb each thread's state and kernel wait channel. The parent then raises:
 
 * the worker's own exception object (so ``pytest.raises(ValueError)`` works, and
   ``pytest.skip(...)`` inside a worker skips the test), chained ``from`` a ``RemoteTraceback``
