@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -42,6 +43,19 @@ needs_internode = pytest.mark.skipif(
 KERNEL_TIMEOUT_S = 15.0
 GROUP_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 240.0
+
+
+def _run_on_internode(fn: Callable[..., dict], world: int, per_node: int, *args: object,
+                      timeout: float = RUN_TIMEOUT_S,
+                      env: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
+    """``fn(rank, world, per_node, *args)`` on ``world`` ranks of nodes of ``per_node`` GPUs, on
+    the internode transport; skips where the machine has fewer GPUs."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    return run_distributed(
+        fn, world, per_node, *args, backend="ep", timeout=timeout,
+        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE, **(env or {})},
+    )  # fmt: skip
 
 
 def _fail_fast() -> None:
@@ -303,12 +317,7 @@ def _spec(rank: int, world: int, per_node: int) -> dict:
 @needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None:
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    results = run_distributed(
-        _spec, world, per_node, backend="ep", timeout=RUN_TIMEOUT_S,
-        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
-    )  # fmt: skip
+    results = _run_on_internode(_spec, world, per_node)
     summary = {rank: (r["transport"], len(r["failures"])) for rank, r in enumerate(results)}
     print(f"internode spec {world // per_node}x{per_node}: {summary}")
     for rank, r in enumerate(results):
@@ -389,12 +398,8 @@ def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dic
 def test_internode_empty_ranks_match_the_reference(
     world: int, per_node: int, grown_first: bool
 ) -> None:
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    results = run_distributed(
-        _empty_ranks, world, per_node, grown_first, backend="ep", timeout=RUN_TIMEOUT_S,
-        env={"EP_RANKS_PER_NODE": str(per_node), "EP_INTERNODE_TRACE": "1", **INTERNODE},
-    )  # fmt: skip
+    results = _run_on_internode(_empty_ranks, world, per_node, grown_first,
+                                env={"EP_INTERNODE_TRACE": "1"})  # fmt: skip
     for rank, r in enumerate(results):
         assert r["transport"] == "internode", (rank, r["transport"])
         assert r["failures"] == [], (rank, r["failures"][:20])
@@ -426,12 +431,7 @@ def _bad_input_then_exact(rank: int, world: int, per_node: int) -> dict:
 @needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_bad_input_raises_everywhere_then_exact(world: int, per_node: int) -> None:
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    results = run_distributed(
-        _bad_input_then_exact, world, per_node, backend="ep", timeout=RUN_TIMEOUT_S,
-        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
-    )  # fmt: skip
+    results = _run_on_internode(_bad_input_then_exact, world, per_node)
     for rank, r in enumerate(results):
         assert r["raised"], (rank, "did not raise")
         assert r["failures"] == [], (rank, r["failures"])
@@ -470,12 +470,7 @@ def test_internode_setup_failing_on_one_rank_raises_everywhere_then_exact(
     """The last rank's buffer setup fails (test hook) after it made its own buffers: no rank
     enters nvshmem_malloc, every rank raises naming it within the group timeout, and the next
     dispatch sets the buffers up and is exact."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    results = run_distributed(
-        _failed_setup_then_exact, world, per_node, backend="ep", timeout=RUN_TIMEOUT_S,
-        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
-    )  # fmt: skip
+    results = _run_on_internode(_failed_setup_then_exact, world, per_node)
     for rank, r in enumerate(results):
         assert f"rank(s) {world - 1} failed making the NVSHMEM buffers" in r["raised"], (rank, r)
         assert "injected by a test" in r["raised"], (rank, r["raised"])
@@ -519,13 +514,8 @@ def _soak(rank: int, world: int, per_node: int, calls: int) -> dict:
 @needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_soak(world: int, per_node: int) -> None:
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
     calls = int(os.environ.get("EP_INTERNODE_SOAK_CALLS", "300"))
-    results = run_distributed(
-        _soak, world, per_node, calls, backend="ep", timeout=900.0,
-        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE},
-    )  # fmt: skip
+    results = _run_on_internode(_soak, world, per_node, calls, timeout=900.0)
     print(f"internode soak {world // per_node}x{per_node}, {calls} calls: "
           f"{[(len(r['failures']), r['growth']) for r in results]}")  # fmt: skip
     for rank, r in enumerate(results):
