@@ -468,11 +468,33 @@ PYBIND11_MODULE(_C, m) {
       "_nvshmem_places_fingerprint",
       [](const std::vector<std::string>& places) { return ep::nvshmem::placesFingerprint(places); },
       py::arg("places"), "Test hook: the session fingerprint of ranks at `places` (rank order).");
-  m.def("_dispatch_deferred", &ep::dispatchDeferred, py::arg("x"), py::arg("x_scales"),
-        py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
-        py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("group_name"),
-        py::arg("layout"),
-        "ep::dispatch with the count wait deferred: (outputs, finish or None); see moe_ops.hpp.");
+  // Both halves run with the GIL released, as torch.ops calls do: the agreement and the count
+  // wait block on peers, and the group's Gloo worker threads may need the GIL meanwhile (to drop
+  // a tensor whose Python object they own); holding it there deadlocked the agreement.
+  m.def(
+      "_dispatch_deferred",
+      [](const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx,
+         const std::optional<at::Tensor>& topk_weights, int64_t num_experts,
+         int64_t expert_alignment, int64_t num_worst_tokens, const std::string& group_name,
+         const std::vector<at::Tensor>& layout) {
+        std::pair<ep::DispatchOutputs, ep::DeferredCounts> result;
+        {
+          py::gil_scoped_release no_gil;
+          result = ep::dispatchDeferred(x, x_scales, topk_idx, topk_weights, num_experts,
+                                        expert_alignment, num_worst_tokens, group_name, layout);
+        }
+        py::object finish = py::none();
+        if (result.second) {
+          finish =
+              py::cpp_function(std::move(result.second), py::call_guard<py::gil_scoped_release>());
+        }
+        return py::make_tuple(py::cast(std::move(result.first)), std::move(finish));
+      },
+      py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"), py::arg("topk_weights"),
+      py::arg("num_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
+      py::arg("group_name"), py::arg("layout"),
+      "ep::dispatch with the count wait deferred: (outputs, finish or None); see moe_ops.hpp. "
+      "Releases the GIL in both.");
   // The async_op path's record_stream of every input and output in one call (one Python to C++
   // crossing instead of several per tensor).
   m.def(

@@ -38,3 +38,21 @@ def test_survivors_of_a_killed_rank_raise_abort_and_rebuild(
         else:  # the peer's connections closed: at once, no timeout to wait out
             assert res["call"]["seconds"] < 3.0, (rank, res)
             assert f"rank(s) {victim} died during this call" in message, (rank, message)
+
+
+@pytest.mark.parametrize("case", ["before_call", "after_agreement"])
+def test_survivors_agreeing_through_gloo_raise_naming_the_killed_rank(case: str) -> None:
+    """The agreement of ranks on other hosts goes through a Gloo allgather (EP_HOST_EXCHANGE=gloo
+    forces it here): a victim killed before its call closes its Gloo connections, so the
+    survivor's allgather fails early, and the error still names the victim."""
+    run = run_with_killed_rank(killed_mid_call, 2, 1, case, TIMING, timeout=120, exit_within=30,
+                               env={"EP_HOST_EXCHANGE": "gloo"})  # fmt: skip
+    assert sorted(run.results) == [0], run
+    print(summary(run))
+    problems = check_survivors(run, case, TIMING)
+    assert not problems, "\n".join(problems)
+    message = run.results[0]["call"]["error"]["message"]
+    if case == "before_call":
+        assert "rank(s) 1 never joined" in message, message
+        # Gloo raised when the victim's connections closed, not at the group timeout.
+        assert "failed after" in message, message

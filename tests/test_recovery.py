@@ -85,8 +85,12 @@ def _valid_round_trip_on(
     return m.items
 
 
-def test_timeout_then_abort_and_a_new_group() -> None:
-    res = run_distributed(_recovery_worker, 2, backend="ep", timeout=120)
+# "gloo": the agreement of ranks on different hosts (forced here by EP_HOST_EXCHANGE), where the
+# late rank learns through the store that rank 0 gave up.
+@pytest.mark.parametrize("exchange", ["shared_memory", "gloo"])
+def test_timeout_then_abort_and_a_new_group(exchange: str) -> None:
+    env = {"EP_HOST_EXCHANGE": "gloo"} if exchange == "gloo" else {}
+    res = run_distributed(_recovery_worker, 2, backend="ep", timeout=120, env=env)
     alone, again, late = res[0]["alone"], res[0]["again"], res[1]["late"]
     assert alone["timeout"] and alone["ranks"] == (1,), alone
     assert "rank(s) 1 never joined" in alone["message"], alone

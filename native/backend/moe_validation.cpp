@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -480,16 +481,49 @@ GroupStates<ExchangeState>& exchangeStates() {
   return *states;
 }
 
+// The store key by which `rank` tells its peers that it gave up on the group's MoE calls (the
+// Gloo agreement's counterpart of HostExchange::abandon).
+std::string gaveUpKey(EPProcessGroup& pg, int64_t rank) {
+  return "ep_gave_up/" + pg.options()->group_name + "/" + std::to_string(rank);
+}
+
+void postGaveUp(EPProcessGroup& pg) {
+  try {
+    pg.store()->set(gaveUpKey(pg, pg.getRank()), std::vector<uint8_t>{1});
+  } catch (const std::exception&) {  // the store is gone too: peers find out by their timeout
+  }
+}
+
+// The peers that gave up on the group (postGaveUp), ascending, comma-separated; "" for none.
+std::string ranksThatGaveUp(EPProcessGroup& pg) {
+  std::string ranks;
+  try {
+    for (int r = 0; r < pg.getSize(); ++r) {
+      if (r != pg.getRank() && pg.store()->check({gaveUpKey(pg, r)})) {
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+  } catch (const std::exception&) {
+  }
+  return ranks;
+}
+
 // A failed exchange of call `call` leaves the ranks' calls out of step: this rank's later MoE
-// calls raise at once, and its peers on this host learn it at their next call.
+// calls raise at once, and its peers learn it at their next call (on this host through the
+// shared-memory exchange, elsewhere through the store when their Gloo exchange fails).
 [[noreturn]] void giveUp(EPProcessGroup& pg, ExchangeState* state, const char* op, uint64_t call,
                          const std::string& message) {
   pg.markMoeUnusable("call #" + std::to_string(call) + " (" + op + ") failed: " + message);
   if (state != nullptr && state->exchange) {
     state->exchange->abandon();
   }
+  postGaveUp(pg);  // rows too wide for the shared-memory exchange go through Gloo there too
   TORCH_CHECK(false, message);
 }
+
+// Time past the group's timeout that allGatherRows waits for its Gloo allgather: Gloo's timeout
+// applies once the work runs, so a later raise from Gloo itself (naming its cause) comes first.
+constexpr std::chrono::milliseconds kGlooQueueMargin{5000};
 
 at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
                          const std::vector<int64_t>& row) {
@@ -521,14 +555,35 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   at::Tensor all = at::empty({num_ranks * width}, at::kLong);
   c10d::AllgatherOptions opts;
   opts.timeout = pg.options()->timeout;
+  const auto started = std::chrono::steady_clock::now();
   try {
-    pg.innerBackend(c10::DeviceType::CPU, op)->_allgather_base(all, mine, opts)->wait();
+    // Gloo's own timeout counts from when its worker thread starts the allgather; a work queued
+    // behind a stuck one would never start. The bounded wait makes this rank raise anyway.
+    pg.innerBackend(c10::DeviceType::CPU, op)
+        ->_allgather_base(all, mine, opts)
+        ->wait(opts.timeout + kGlooQueueMargin);
   } catch (const std::exception& e) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - started);
     std::ostringstream message;
-    message << "ep " << op << ": rank " << pg.getRank() << " waited "
-            << std::chrono::duration_cast<std::chrono::seconds>(opts.timeout).count()
-            << " s for the other ranks of the group to join this call; " << stalledRanks(pg, call)
-            << " (" << messageWithoutTrace(e) << ")";
+    const std::string gave_up = ranksThatGaveUp(pg);
+    if (!gave_up.empty()) {  // as HostExchange::gather says of an abandoned slot
+      message << "ep " << op << ": rank(s) " << gave_up
+              << " never joined this call: that rank gave up on this group (one of its MoE calls "
+                 "timed out or failed, or it called ep_backend.abort). The group's MoE calls "
+                 "cannot go on: call ep_backend.abort(group) on every rank and create a new group";
+      giveUp(pg, state.get(), op, call, message.str());
+    }
+    message << "ep " << op << ": rank " << pg.getRank();
+    if (waited + std::chrono::seconds(1) < opts.timeout) {  // failed before the timeout
+      message << ": the exchange with the other ranks of the group failed after "
+              << static_cast<double>(waited.count()) / 1000.0 << " s; ";
+    } else {
+      message << " waited "
+              << std::chrono::duration_cast<std::chrono::seconds>(opts.timeout).count()
+              << " s for the other ranks of the group to join this call; ";
+    }
+    message << stalledRanks(pg, call) << " (" << messageWithoutTrace(e) << ")";
     giveUp(pg, state.get(), op, call, message.str());
   }
   return all.view({num_ranks, width});
@@ -741,6 +796,9 @@ void abandonMoeAgreement(EPProcessGroup& pg) {
   auto state = exchangeStates().find(pg);
   if (state && state->exchange) {
     state->exchange->abandon();
+  }
+  if (state && state->decided) {
+    postGaveUp(pg);
   }
 }
 
