@@ -87,6 +87,20 @@ void orderBehindLast(GroupState& st, const c10::cuda::CUDAStream& stream, bool c
   st.a2a_last_stream = stream;
 }
 
+// The comm stream and events of async calls, made at the group's first all-to-all whatever its
+// kind: made at the first async call instead, they held that call's host until the work queued
+// before it on the caller's stream had ended.
+void prepareAsync(GroupState& st, const at::Device& device) {
+  if (!st.a2a_comm_stream.has_value()) {
+    st.a2a_comm_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index());
+  }
+  for (cudaEvent_t* event : {&st.a2a_comm_ready, &st.a2a_order}) {
+    if (*event == nullptr) {
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
+    }
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> completedWork(const at::Tensor& output) {
   auto future =
       c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
@@ -113,6 +127,7 @@ c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
   const c10::cuda::CUDAGuard guard(device);
   NvlinkRuntime* rt = runtimeFor(pg, *st, device, capture);
   if (rt == nullptr) return nullptr;
+  if (!capture) prepareAsync(*st, device);
   const std::string pending = takePendingError(*st, "all_to_all");
   const int R = pg.getSize();
   const int64_t row_bytes = rowBytes(input);
@@ -139,9 +154,7 @@ c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
   c10::cuda::CUDAStream stream = current;
   if (async_op) {
-    if (!st->a2a_comm_stream.has_value()) {
-      st->a2a_comm_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index());
-    }
+    if (!st->a2a_comm_stream.has_value()) prepareAsync(*st, device);  // (first call captured)
     stream = *st->a2a_comm_stream;
     streamWaits(stream.stream(), current.stream(), st->a2a_comm_ready);
   }
