@@ -84,6 +84,11 @@ def _run(
     of the current stream.
     """
     if not async_op:
+        if device.type == "cuda" and device.index not in _comm_streams:
+            # At the first CUDA call, async or not: torch's first stream taken from its pool on a
+            # device holds the host until that device's queued work has ended, which a later
+            # async_op call must not do.
+            _comm_stream(device)
         if previous_event is not None:
             torch.cuda.current_stream(device).wait_event(previous_event)
         return fn(), None

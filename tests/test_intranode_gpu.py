@@ -1111,6 +1111,37 @@ def test_previous_event_is_what_the_op_waits_for() -> None:
         assert all(v for k, v in r.items() if k != "seconds"), (rank, r)
 
 
+def _first_async_call(rank: int, world: int) -> dict:
+    import time
+
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    x, idx, w = _inputs(rank, 200 + 3 * rank, seed=77)
+    want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), E)
+    out = ep.dispatch(x, idx, w, E)  # synchronous calls only so far
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of queued work on the current stream
+    start = time.monotonic()
+    # The group's first async call. A combine (unlike a non-cached dispatch, whose host waits for
+    # the receive counts, behind the queued work) has nothing to wait for on the host.
+    combined = ep.combine(out.recv_x, out.handle, async_op=True)
+    returned = time.monotonic() - start
+    combined.work.wait()
+    torch.cuda.synchronize()
+    expected = ref.combine(want.recv_x, want.handle).combined_x
+    return {"returned_s": returned, "equal": torch.equal(combined.combined_x.cpu(), expected)}
+
+
+def test_the_first_async_call_does_not_wait_for_queued_work() -> None:
+    """The communication stream is made at a group's first CUDA call, not at its first async
+    one: torch's first stream taken from its pool holds the host until the queued work ends."""
+    for rank, r in enumerate(run_distributed(_first_async_call, gpu_world_size(), backend="ep",
+                                             timeout=300)):  # fmt: skip
+        assert r["equal"], (rank, r)
+        assert r["returned_s"] < 0.05, (rank, r)
+
+
 def _absent_peer(rank: int, world: int) -> str:
     import ep_backend as ep
 

@@ -203,6 +203,10 @@ class Buffer:
         if self._backend.high_throughput_transport == "undecided":  # a group given as "ep"
             self._backend.options.num_sms = Buffer.num_sms
         self._streams = CommStreams()
+        if torch.cuda.is_available():
+            # Made now, as DeepEP makes its own: torch's first stream taken from its pool on a
+            # device holds the host until that device's queued work has ended.
+            self._streams.get()
         self._set_up_masking()
         # The last get_dispatch_layout: (its ep layout, weak ref to topk_idx, topk_idx version).
         self._last_layout: tuple[ep_backend.DispatchLayout, weakref.ref, int | None] | None = None
