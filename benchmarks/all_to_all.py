@@ -7,14 +7,17 @@ One process per GPU (R defaults to every visible GPU). Per-peer sizes 4 KiB .. 2
 moves the same bytes (equal splits, bf16 rows of 4 KiB where the size allows). Time: median over
 ranks' CUDA-event times of `iters` back-to-back calls after warm-up, the slowest rank's. GB/s:
 per-GPU egress to peers, (R - 1) x per-peer bytes / time (the convention of design.md section 6).
-The push limit row: every GPU copies to every peer's symmetric-memory buffer at once, one SM copy
-kernel per peer on its own stream (all SMs), the same bytes as the other rows.
+The push limit row: every GPU pushes the same bytes to all its peers at once with all SMs, the
+bench's probe (``ep_backend/_push_limit.py``: one kernel, 4 KiB rows round-robin over the peers,
+CUDA IPC buffers); issue 42's large-message target is a ratio to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,7 @@ def _slowest(us: float) -> float:
 
 
 def _rows(
-    rank: int, world: int, per_peer: int, iters: int, nccl: dist.ProcessGroup
+    rank: int, world: int, per_peer: int, iters: int, nccl: dist.ProcessGroup, probe_lib: str
 ) -> dict[str, float | str]:
     import ep_backend
 
@@ -54,7 +57,7 @@ def _rows(
         lambda: dist.all_to_all_single(y, x, group=nccl), iters
     )
     out["symm_mem all_to_all_vdev"] = _symm_mem_row(rank, world, x, rows, iters, nccl)
-    out["push limit (all SMs)"] = _push_limit(rank, world, x, iters, nccl)
+    out["push limit (all SMs)"] = _push_limit(rank, world, per_peer, iters, probe_lib)
     return out
 
 
@@ -79,36 +82,40 @@ def _symm_mem_row(rank, world, x, rows, iters, nccl) -> float | str:
         return f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
 
-def _push_limit(rank, world, x, iters, nccl) -> float | str:
+def _push_limit(rank: int, world: int, per_peer: int, iters: int, probe_lib: str) -> float | str:
+    """µs of one launch of the bench's push-limit probe (ep_backend/_push_limit.py) with all SMs:
+    every GPU pushes ``per_peer`` bytes to each peer at once, 4 KiB rows (the other rows' size)."""
+    if not probe_lib:
+        return "n/a: the push-limit probe did not compile (nvcc)"
+    from ep_backend._push_limit import PushLimitProbe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    row_bytes = min(4096, per_peer)
+    store = dist.distributed_c10d._get_default_store()
+    probe = None
+    why = ""
     try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symm_mem.set_backend("CUDA")
-        buf = symm_mem.empty(x.numel(), dtype=x.dtype, device="cuda")
-        handle = symm_mem.rendezvous(buf, nccl.group_name)
-        chunk = x.numel() // world
-        src = x.view(-1)
-        peers = [p for p in range(world) if p != rank]
-        views = [
-            handle.get_buffer(p, (chunk,), x.dtype, storage_offset=rank * chunk) for p in peers
-        ]
-        streams = [torch.cuda.Stream() for _ in peers]
-        main = torch.cuda.current_stream()
-
-        def push() -> None:
-            for view, stream in zip(views, streams, strict=True):
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream):
-                    view.copy_(src[:chunk])  # a same-device SM copy kernel into the peer
-            for stream in streams:
-                main.wait_stream(stream)
-
-        return _time_us(push, iters)
-    except Exception as e:  # noqa: BLE001
-        return f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        probe = PushLimitProbe(Path(probe_lib), store, f"a2a_bench/push_limit/{per_peer}", rank,
+                               world, device, row_bytes, per_peer * (world - 1))  # fmt: skip
+        why = probe.setup_error
+    except (OSError, RuntimeError, ValueError) as e:
+        why = str(e)
+    ok = torch.tensor([0 if why else 1], device="cuda")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank measures it or none does
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    result: float | str = (
+        _time_us(lambda: probe.launch(sms), iters)  # type: ignore[union-attr]
+        if int(ok.item()) == 1
+        else f"n/a: {why or 'the probe failed on another rank'}"[:120]
+    )
+    if probe is not None:
+        probe.close()
+        dist.barrier()  # no peer maps this rank's buffer any more
+        probe.free()
+    return result
 
 
-def _worker(rank: int, world: int, iters: int, port: int, results: dict) -> None:
+def _worker(rank: int, world: int, iters: int, port: int, probe_lib: str, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     import ep_backend  # noqa: F401 - registers "ep"
@@ -117,7 +124,8 @@ def _worker(rank: int, world: int, iters: int, port: int, results: dict) -> None
     nccl = dist.new_group(backend="nccl")
     table = {}
     for size in SIZES:
-        row = _rows(rank, world, size, iters if size < (64 << 20) else max(3, iters // 10), nccl)
+        n = iters if size < (64 << 20) else max(3, iters // 10)
+        row = _rows(rank, world, size, n, nccl, probe_lib)
         table[size] = {k: (_slowest(v) if isinstance(v, float) else v) for k, v in row.items()}
     if rank == 0:
         table["transport"] = ep_backend.get_backend().all_to_all_transport
@@ -184,9 +192,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.ranks < 2:
         raise SystemExit("needs at least 2 GPUs")
+    from ep_backend._push_limit import compile_probe, device_arch
+
+    lib, why = compile_probe(Path(tempfile.gettempdir()) / "ep_a2a_push_limit",
+                             device_arch(torch.device("cuda", 0)))  # fmt: skip
+    if lib is None:
+        print(f"push limit: not measured: {why}")
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(args.ranks, args.iters, args.port, results), nprocs=args.ranks)
+        mp.spawn(_worker, args=(args.ranks, args.iters, args.port, str(lib or ""), results),
+                 nprocs=args.ranks)  # fmt: skip
         results = dict(results)
     _print(results, args.ranks)
     if args.png:
