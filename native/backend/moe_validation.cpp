@@ -566,6 +566,19 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - started);
     std::ostringstream message;
+    // Peers on this host whose process is gone, named as the shared-memory exchange names them:
+    // first, as a peer that gave up may have done so because of them.
+    const std::vector<int64_t> dead = deadPeers(pg);
+    if (!dead.empty()) {
+      message << "ep " << op << ": rank(s) " << joinRanks(dead)
+              << " never joined this call and never will: their process is gone (killed or "
+                 "crashed); rank "
+              << pg.getRank() << " found out after " << waited.count()
+              << " ms. The group's MoE calls cannot go on: call ep_backend.abort(group) on every "
+                 "live rank and create a new group without them ("
+              << messageWithoutTrace(e) << ")";
+      giveUp(pg, state.get(), op, call, message.str());
+    }
     const std::string gave_up = ranksThatGaveUp(pg);
     if (!gave_up.empty()) {  // as HostExchange::gather says of an abandoned slot
       message << "ep " << op << ": rank(s) " << gave_up
