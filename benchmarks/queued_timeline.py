@@ -29,6 +29,7 @@ def _parse(line: str) -> tuple[dict[str, float], int]:
     """An EP_PROFILE_HOST line's stages (cumulative µs) and its start (monotonic ns)."""
     cells = dict((k, float(v)) for k, v in re.findall(r"(\S+?)=(\S+)", line))
     start = int(cells.pop("start_ns"))
+    cells.pop("pid", None)  # which process wrote the line, not a stage
     cum, acc = {}, 0.0
     for k, v in cells.items():
         if k != "total":

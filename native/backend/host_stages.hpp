@@ -55,8 +55,9 @@ class HostStages {
       // start_ns: CLOCK_MONOTONIC (Python's time.monotonic_ns), to line stages up with others.
       const long long start_ns =
           std::chrono::duration_cast<std::chrono::nanoseconds>(first_.time_since_epoch()).count();
-      std::fprintf(stderr, "ep %s host us:%s total=%.1f start_ns=%lld\n", op_, line_.c_str(), total,
-                   start_ns);
+      // pid: which rank's process (benchmarks/stage_medians.py lines the ranks' calls up).
+      std::fprintf(stderr, "ep %s host us:%s total=%.1f start_ns=%lld pid=%d\n", op_, line_.c_str(),
+                   total, start_ns, static_cast<int>(getpid()));
     }
   }
 
