@@ -524,6 +524,10 @@ std::string ranksThatGaveUp(EPProcessGroup& pg) {
 // Time past the group's timeout that allGatherRows waits for its Gloo allgather: Gloo's timeout
 // applies once the work runs, so a later raise from Gloo itself (naming its cause) comes first.
 constexpr std::chrono::milliseconds kGlooQueueMargin{5000};
+// After a failed Gloo exchange: how often and how many times allGatherRows looks for peers of this
+// host whose process is gone (a process that is exiting is not yet a zombie).
+constexpr std::chrono::milliseconds kDeadPeerLookEvery{25};
+constexpr int kDeadPeerLooks = 10;
 
 at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
                          const std::vector<int64_t>& row) {
@@ -567,8 +571,14 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
         std::chrono::steady_clock::now() - started);
     std::ostringstream message;
     // Peers on this host whose process is gone, named as the shared-memory exchange names them:
-    // first, as a peer that gave up may have done so because of them.
-    const std::vector<int64_t> dead = deadPeers(pg);
+    // first, as a peer that gave up may have done so because of them. A killed process closes
+    // its sockets (which failed this exchange) before it turns into a zombie: look again for a
+    // moment before concluding that none died.
+    std::vector<int64_t> dead = deadPeers(pg);
+    for (int i = 0; dead.empty() && i < kDeadPeerLooks; ++i) {
+      std::this_thread::sleep_for(kDeadPeerLookEvery);
+      dead = deadPeers(pg);
+    }
     if (!dead.empty()) {
       message << "ep " << op << ": rank(s) " << joinRanks(dead)
               << " never joined this call and never will: their process is gone (killed or "
