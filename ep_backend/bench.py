@@ -347,25 +347,44 @@ class _Timer:
         return (float(mine[0]), float(mine[2])), (float(mine[1]), float(mine[3]))
 
 
-# How far ahead of the latest rank's clock the ranks agree to start (more than the all-reduce's
-# exit skew between ranks, tens of µs on a VM).
-_START_AHEAD_NS = 500_000
+# How far ahead of the latest rank's clock the ranks agree to start: more than the all-reduce that
+# agrees on it takes to return everywhere, or a rank still inside it starts late (and its peers'
+# next agreement waits for it). Three times the all-reduce this rank last saw, within bounds.
+_MIN_AHEAD_NS = 500_000
+_MAX_AHEAD_NS = 10_000_000
+_ahead_ns = _MIN_AHEAD_NS
+# Per barrier, how late this rank left it: ns after the agreed start (0: it waited for the start).
+_late_ns: list[int] = []
 
 
 def _host_barrier() -> None:
     """Lines the ranks' hosts up (over Gloo: no CUDA communicator, fine when ranks share a GPU).
 
-    The ranks all-reduce a start time a little ahead on CLOCK_MONOTONIC, which the processes of
-    one host share, and each spins until it: they leave within a few µs of each other instead of
-    with the all-reduce's own exit skew. A start time far off (clocks of different hosts) is not
-    waited for.
+    The ranks all-reduce a start time ahead on CLOCK_MONOTONIC, which the processes of one host
+    share, and each spins until it: they leave within a few µs of each other instead of with the
+    all-reduce's own exit skew. A start time far off (clocks of different hosts) is not waited
+    for. How late each rank left is kept for :func:`_barrier_lateness`.
     """
-    start = torch.tensor([time.monotonic_ns() + _START_AHEAD_NS], dtype=torch.int64)
+    global _ahead_ns
+    entered = time.monotonic_ns()
+    start = torch.tensor([entered + _ahead_ns], dtype=torch.int64)
     dist.all_reduce(start, op=dist.ReduceOp.MAX)
+    returned = time.monotonic_ns()
+    _ahead_ns = min(_MAX_AHEAD_NS, max(_MIN_AHEAD_NS, 3 * (returned - entered)))
     deadline = int(start.item())
-    if deadline - time.monotonic_ns() <= 2 * _START_AHEAD_NS:
+    if deadline - returned <= 2 * _MAX_AHEAD_NS:
         while time.monotonic_ns() < deadline:
             pass
+        _late_ns.append(max(0, returned - deadline))
+
+
+def _barrier_lateness() -> tuple[float, float, int]:
+    """(median, max) µs by which a rank left a host barrier after the agreed start, the worst rank
+    of the group, and the number of barriers (collective)."""
+    late = _late_ns or [0]
+    mine = torch.tensor([statistics.median(late) / 1e3, max(late) / 1e3], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine[0]), float(mine[1]), len(_late_ns)
 
 
 # num_sms settings of --sm-sweep (capped at the device's SM count, which is always included).
@@ -877,8 +896,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             for t in (1, 8, 32, 64, 256):
                 if t <= args.ll_max_tokens:
                     measure_low_latency(t, full=False)
+    late_median, late_max, barriers = _barrier_lateness()
     if rank == 0:
         Path(result_path).write_text(json.dumps([asdict(r) for r in rows]))
+        # Ranks that leave a barrier late make their peers' next agreement wait: "call" and
+        # "host" then hold that wait.
+        print(f"host barriers: the latest rank left {barriers} barriers a median {late_median:.1f} "
+              f"µs (max {late_max:.1f}) after the agreed start", flush=True)  # fmt: skip
     if probe is not None:  # unmap the peers' buffers everywhere before anyone frees its own
         probe.close()
         dist.barrier()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,11 @@ def test_bench_runs_on_cpu_and_reports_every_op(tmp_path) -> None:
     assert swept == [32, 128, 256], swept
     assert "== low latency" in done.stdout and "ep is" in done.stdout
     assert "ep build: " in done.stdout  # what the build made, since pip hides its output
+    # How late ranks left the bench's host barriers (what "call" and "host" can hold).
+    late = re.search(r"host barriers: the latest rank left (\d+) barriers a median ([\d.]+) µs "
+                     r"\(max ([\d.]+)\)", done.stdout)  # fmt: skip
+    assert late is not None, done.stdout
+    assert int(late.group(1)) > 0 and 0 <= float(late.group(2)) <= float(late.group(3)), late
 
 
 def test_sm_sweep_says_it_needs_gpus_on_cpu(tmp_path) -> None:
