@@ -34,11 +34,22 @@ enum NvlinkOp : int {
 // a slot over NVLink and flags it; the receiver copies it to the output (local HBM) and returns
 // the slot with a credit word in the sender's buffer. Pipelined this way the local copy overlaps
 // the NVLink transfer.
-constexpr int kA2AChunkBytes = 64 * 1024;
-constexpr int kA2ASlots = 4;
+// The EP_A2A_* macros exist for A/B builds (benchmarks/a2a_variants.sh); normal builds take the
+// defaults.
+#ifndef EP_A2A_CHUNK_BYTES
+#define EP_A2A_CHUNK_BYTES (64 * 1024)
+#endif
+#ifndef EP_A2A_SLOTS
+#define EP_A2A_SLOTS 4
+#endif
+#ifndef EP_A2A_SEND_BLOCKS
+#define EP_A2A_SEND_BLOCKS 24
+#endif
+constexpr int kA2AChunkBytes = EP_A2A_CHUNK_BYTES;
+constexpr int kA2ASlots = EP_A2A_SLOTS;
 // Sender blocks per rank in all (divided among its peers): 24 reach the all-peer push limit of
 // design.md section 6 within a few percent.
-constexpr int kA2ASendBlocks = 24;
+constexpr int kA2ASendBlocks = EP_A2A_SEND_BLOCKS;
 constexpr int kA2ASelfBlocks = 16;        // blocks copying this rank's own segment
 constexpr int kA2AMaxLocalExperts = 256;  // of the 2-D (per expert) form
 constexpr int kA2AThreads = 512;

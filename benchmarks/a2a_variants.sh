@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The NVLink all-to-all kernel's tuning constants A/B'd in one GPU session: builds the package once
+# per variant (compile definitions through CMake's EP_VARIANT_DEFINES, host and device code alike,
+# in a copy of this checkout each), then runs benchmarks/all_to_all.py with each, interleaved over
+# rounds (base, a, b, base, a, b, ...: a shared host drifts). Issue #42's large-message target.
+#
+# Usage: bash benchmarks/a2a_variants.sh "name=DEFINE[;DEFINE...]" ...
+#   e.g. "base=" "chunk256k=EP_A2A_CHUNK_BYTES=262144" "send48=EP_A2A_SEND_BLOCKS=48"
+#        "both=EP_A2A_CHUNK_BYTES=262144;EP_A2A_SEND_BLOCKS=48"
+#   (macros: EP_A2A_CHUNK_BYTES, EP_A2A_SLOTS, EP_A2A_SEND_BLOCKS; nvlink_common.hpp)
+#   RANKS (default: every GPU), ITERS (default 20), ROUNDS (default 2); logs under $OUT (./out).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$PWD/out}
+RANKS=${RANKS:-$(nvidia-smi -L | wc -l)}
+ITERS=${ITERS:-20}
+ROUNDS=${ROUNDS:-2}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT"
+[ $# -gt 0 ] || { echo "usage: $0 \"name=DEFINES\" ..." >&2; exit 2; }
+pids=()
+for v in "$@"; do
+  name=${v%%=*}
+  dir=/tmp/ep_a2a_variant_$name
+  rm -rf "$dir" && mkdir -p "$dir"
+  # The tracked files as they are in the working tree (uncommitted changes included).
+  (cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$dir")
+  (cd "$dir" && EP_WITH_CUDA=1 EP_BUILD_DIR="$dir/.build" TORCH_CUDA_ARCH_LIST=9.0a \
+    EP_CMAKE_ARGS="-DEP_VARIANT_DEFINES=${v#*=}" python setup.py build_ext --inplace) \
+    >"$OUT/a2a_variant_$name.build.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+[ "$status" = 0 ] || { tail -20 "$OUT"/a2a_variant_*.build.log; echo "VARIANT BUILD FAILED"; exit 1; }
+for ((round = 1; round <= ROUNDS; ++round)); do
+  for v in "$@"; do
+    name=${v%%=*}
+    echo "== variant $name (round $round): ${v#*=}"
+    # PYTHONPATH: the copy's ep_backend, not an installed one (the script's own folder would
+    # come first on sys.path otherwise).
+    (cd "/tmp/ep_a2a_variant_$name" && PYTHONPATH=$PWD timeout 300 python benchmarks/all_to_all.py \
+      --ranks "$RANKS" --iters "$ITERS") 2>&1 | tee "$OUT/a2a_variant_$name.$round.log" | grep -E "KiB|transport" ||
+      status=1
+  done
+done
+exit "$status"
