@@ -43,12 +43,11 @@ fi
 bench() {  # bench <side> <checkout> <tag> [env...]: the HT rows only, no sweep
   local side=$1 dir=$2 tag=$3
   shift 3
+  # Append mode: the ranks' EP_PROFILE_HOST lines then stay whole (stage_medians.py lines them up).
+  : >"$OUT/$side.$tag.log"
   (cd "$dir" && env CUDA_VISIBLE_DEVICES="$devices" "$@" python -m ep_backend.bench --no-sweep \
-    --no-low-latency --iters "$ITERS" --out "$OUT/$side.$tag") >"$OUT/$side.$tag.log" 2>&1
+    --no-low-latency --iters "$ITERS" --out "$OUT/$side.$tag") >>"$OUT/$side.$tag.log" 2>&1
 }
-# Append mode: the ranks' EP_PROFILE_HOST lines then stay whole (stage_medians.py lines them up).
-: >"$OUT/base.profile.log"
-: >"$OUT/head.profile.log"
 status=0  # 1 once any bench run failed (the script ends with it)
 for round in 1 2; do
   for side in base head; do
@@ -67,9 +66,7 @@ done
 for side in base head; do
   dir=$ROOT
   [ "$side" = base ] && dir=$BASE_DIR
-  (cd "$dir" && env CUDA_VISIBLE_DEVICES="$devices" EP_PROFILE_HOST=1 python -m ep_backend.bench \
-    --no-sweep --no-low-latency --iters "$ITERS" --out "$OUT/$side.profile") >>"$OUT/$side.profile.log" 2>&1 ||
-    status=1
+  bench "$side" "$dir" profile EP_PROFILE_HOST=1 || status=1
   echo "== $side: native host stages (EP_PROFILE_HOST=1, every timed and untimed call)"
   python "$ROOT/benchmarks/stage_medians.py" "$OUT/$side.profile.log" || status=1
 done

@@ -32,6 +32,13 @@ sys.path.insert(0, str(_TESTS))  # megatron_cases: the layer set-up the tests co
 import megatron_cases  # noqa: E402
 
 
+def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    """One forward + backward of ``layer`` on ``x`` (queued; no sync)."""
+    inp = x.detach().requires_grad_(True)
+    out, _ = layer(inp)
+    out.float().square().mean().backward()
+
+
 def _step_times(layer: torch.nn.Module, x: torch.Tensor, steps: int, warmup: int) -> list[float]:
     """Milliseconds of each of ``steps`` forward+backward steps of ``layer`` on ``x``."""
     times = []
@@ -40,9 +47,7 @@ def _step_times(layer: torch.nn.Module, x: torch.Tensor, steps: int, warmup: int
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        inp = x.detach().requires_grad_(True)
-        out, _ = layer(inp)
-        out.float().square().mean().backward()
+        _step(layer, x)
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:
@@ -58,9 +63,7 @@ def _loop_time(layer: torch.nn.Module, x: torch.Tensor, steps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        inp = x.detach().requires_grad_(True)
-        out, _ = layer(inp)
-        out.float().square().mean().backward()
+        _step(layer, x)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps
@@ -75,9 +78,7 @@ def _profile(layer: torch.nn.Module, x: torch.Tensor, steps: int, name: str, ran
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            inp = x.detach().requires_grad_(True)
-            out, _ = layer(inp)
-            out.float().square().mean().backward()
+            _step(layer, x)
         torch.cuda.synchronize()
     if rank == 0:
         table = prof.key_averages()

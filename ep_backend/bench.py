@@ -29,7 +29,9 @@ is the same op called on an idle GPU: it adds the host's work before the launche
 host time of that call. GB/s use "time". A sample keeps the op's outputs until its end event is
 recorded (a model goes on to use them; freeing them is not part of the op). EP_BENCH_HOST_TRACE=1
 prints, per op, when the queued calls' hosts returned on the GPU's clock: a row whose time is
-close to that is bound by the host, not the GPU.
+close to that is bound by the host, not the GPU. Each sample starts after a host barrier (the
+ranks agree on a start time and spin until it); the "host barriers" line says how late the latest
+rank left them: a late rank makes its peers' agreement wait, which "call" and "host" then hold.
 """
 
 from __future__ import annotations

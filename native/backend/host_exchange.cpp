@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "backend/ep_process_group.hpp"
+#include "backend/peer_liveness.hpp"
 #include "backend/store_exchange.hpp"
 #include "common/env.hpp"
 
@@ -154,20 +155,17 @@ void HostExchange::gather(const std::vector<int64_t>& row, int64_t* out, const c
         const auto waited = std::chrono::steady_clock::now() - start;
         if (probe_ && waited > next_probe) {
           next_probe += kProbeEvery;
-          std::string dead;
+          std::vector<int64_t> dead;
           for (int64_t q : probe_()) {
             if (__atomic_load_n(&slot(static_cast<int>(q), parity)->call, __ATOMIC_ACQUIRE) <
                 call) {
-              dead += (dead.empty() ? "" : ", ") + std::to_string(q);
+              dead.push_back(q);
             }
           }
-          TORCH_CHECK(dead.empty(), "ep ", op, ": rank(s) ", dead,
-                      " never joined this call and never will: their process is gone (killed or "
-                      "crashed); rank ",
-                      rank_, " found out after ",
-                      std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
-                      " ms. The group's MoE calls cannot go on: call ep_backend.abort(group) on "
-                      "every live rank and create a new group without them");
+          TORCH_CHECK(
+              dead.empty(),
+              deadPeersMessage(op, dead, rank_,
+                               std::chrono::duration_cast<std::chrono::milliseconds>(waited)));
         }
         if (waited > timeout) {
           std::string missing;
@@ -186,10 +184,7 @@ void HostExchange::gather(const std::vector<int64_t>& row, int64_t* out, const c
         }
       }
     }
-    TORCH_CHECK(seen != kAbandoned, "ep ", op, ": rank(s) ", r,
-                " never joined this call: that rank gave up on this group (one of its MoE calls "
-                "timed out, or it called ep_backend.abort). The group's MoE calls cannot go on: "
-                "call ep_backend.abort(group) on every rank and create a new group");
+    TORCH_CHECK(seen != kAbandoned, gaveUpMessage(op, {r}));
     TORCH_CHECK(seen == call, "ep ", op, ": rank ", r, " is ", seen - call,
                 " MoE call(s) ahead of rank ", rank_,
                 " (an earlier call timed out or failed on some ranks); the group's MoE calls "

@@ -481,33 +481,6 @@ GroupStates<ExchangeState>& exchangeStates() {
   return *states;
 }
 
-// The store key by which `rank` tells its peers that it gave up on the group's MoE calls (the
-// Gloo agreement's counterpart of HostExchange::abandon).
-std::string gaveUpKey(EPProcessGroup& pg, int64_t rank) {
-  return "ep_gave_up/" + pg.options()->group_name + "/" + std::to_string(rank);
-}
-
-void postGaveUp(EPProcessGroup& pg) {
-  try {
-    pg.store()->set(gaveUpKey(pg, pg.getRank()), std::vector<uint8_t>{1});
-  } catch (const std::exception&) {  // the store is gone too: peers find out by their timeout
-  }
-}
-
-// The peers that gave up on the group (postGaveUp), ascending, comma-separated; "" for none.
-std::string ranksThatGaveUp(EPProcessGroup& pg) {
-  std::string ranks;
-  try {
-    for (int r = 0; r < pg.getSize(); ++r) {
-      if (r != pg.getRank() && pg.store()->check({gaveUpKey(pg, r)})) {
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-      }
-    }
-  } catch (const std::exception&) {
-  }
-  return ranks;
-}
-
 // A failed exchange of call `call` leaves the ranks' calls out of step: this rank's later MoE
 // calls raise at once, and its peers learn it at their next call (on this host through the
 // shared-memory exchange, elsewhere through the store when their Gloo exchange fails).
@@ -580,23 +553,12 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
       dead = deadPeers(pg);
     }
     if (!dead.empty()) {
-      message << "ep " << op << ": rank(s) " << joinRanks(dead)
-              << " never joined this call and never will: their process is gone (killed or "
-                 "crashed); rank "
-              << pg.getRank() << " found out after " << waited.count()
-              << " ms. The group's MoE calls cannot go on: call ep_backend.abort(group) on every "
-                 "live rank and create a new group without them ("
-              << messageWithoutTrace(e) << ")";
-      giveUp(pg, state.get(), op, call, message.str());
+      giveUp(
+          pg, state.get(), op, call,
+          deadPeersMessage(op, dead, pg.getRank(), waited) + " (" + messageWithoutTrace(e) + ")");
     }
-    const std::string gave_up = ranksThatGaveUp(pg);
-    if (!gave_up.empty()) {  // as HostExchange::gather says of an abandoned slot
-      message << "ep " << op << ": rank(s) " << gave_up
-              << " never joined this call: that rank gave up on this group (one of its MoE calls "
-                 "timed out or failed, or it called ep_backend.abort). The group's MoE calls "
-                 "cannot go on: call ep_backend.abort(group) on every rank and create a new group";
-      giveUp(pg, state.get(), op, call, message.str());
-    }
+    const std::vector<int64_t> gave_up = peersThatGaveUp(pg);
+    if (!gave_up.empty()) giveUp(pg, state.get(), op, call, gaveUpMessage(op, gave_up));
     message << "ep " << op << ": rank " << pg.getRank();
     if (waited + std::chrono::seconds(1) < opts.timeout) {  // failed before the timeout
       message << ": the exchange with the other ranks of the group failed after "

@@ -18,6 +18,10 @@ std::string keyOf(EPProcessGroup& pg, int64_t rank) {
   return "ep_proc/" + pg.options()->group_name + "/" + std::to_string(rank);
 }
 
+std::string gaveUpKey(EPProcessGroup& pg, int64_t rank) {
+  return "ep_gave_up/" + pg.options()->group_name + "/" + std::to_string(rank);
+}
+
 // The host and pid namespace this process's pid means something in ("host/pid:[4026531836]"):
 // two containers on one host share a host name but not their pids.
 std::string placeOfPids() {
@@ -69,6 +73,41 @@ std::string joinRanks(const std::vector<int64_t>& ranks) {
   std::string out;
   for (int64_t r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
   return out;
+}
+
+void postGaveUp(EPProcessGroup& pg) {
+  try {
+    pg.store()->set(gaveUpKey(pg, pg.getRank()), std::vector<uint8_t>{1});
+  } catch (const std::exception&) {
+  }
+}
+
+std::vector<int64_t> peersThatGaveUp(EPProcessGroup& pg) {
+  std::vector<int64_t> ranks;
+  try {
+    for (int64_t r = 0; r < pg.getSize(); ++r) {
+      if (r != pg.getRank() && pg.store()->check({gaveUpKey(pg, r)})) ranks.push_back(r);
+    }
+  } catch (const std::exception&) {
+  }
+  return ranks;
+}
+
+std::string deadPeersMessage(const char* op, const std::vector<int64_t>& dead, int64_t rank,
+                             std::chrono::milliseconds waited) {
+  return std::string("ep ") + op + ": rank(s) " + joinRanks(dead) +
+         " never joined this call and never will: their process is gone (killed or crashed); "
+         "rank " +
+         std::to_string(rank) + " found out after " + std::to_string(waited.count()) +
+         " ms. The group's MoE calls cannot go on: call ep_backend.abort(group) on every live "
+         "rank and create a new group without them";
+}
+
+std::string gaveUpMessage(const char* op, const std::vector<int64_t>& ranks) {
+  return std::string("ep ") + op + ": rank(s) " + joinRanks(ranks) +
+         " never joined this call: that rank gave up on this group (one of its MoE calls timed "
+         "out or failed, or it called ep_backend.abort). The group's MoE calls cannot go on: "
+         "call ep_backend.abort(group) on every rank and create a new group";
 }
 
 }  // namespace ep
