@@ -33,6 +33,24 @@ def _time_us(fn, iters: int) -> float:
     return gpu_us_per_call(fn, iters, warmup=3)
 
 
+def _host_us(fn, iters: int) -> float:
+    """Host µs to issue one call, median of ``iters`` calls each made on an idle GPU: when the
+    GPU time of back-to-back calls is no larger, the row is bound by the host, not the kernel."""
+    import time
+
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(samples)[len(samples) // 2]
+
+
+HOST = " (host µs/call)"  # a column of host time, not of a transfer
+
+
 def _slowest(us: float) -> float:
     t = torch.tensor([us], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -51,8 +69,10 @@ def _rows(
     y = torch.empty_like(x)
     out: dict[str, float | str] = {}
     out["ep host splits"] = _time_us(lambda: dist.all_to_all_single(y, x), iters)
+    out["ep host splits" + HOST] = _host_us(lambda: dist.all_to_all_single(y, x), iters)
     splits = torch.full((world,), rows, dtype=torch.int64, device="cuda")
     out["ep device splits"] = _time_us(lambda: ep_backend.all_to_all_v(x, splits, y), iters)
+    out["ep device splits" + HOST] = _host_us(lambda: ep_backend.all_to_all_v(x, splits, y), iters)
     out["NCCL all_to_all_single"] = _time_us(
         lambda: dist.all_to_all_single(y, x, group=nccl), iters
     )
@@ -142,7 +162,9 @@ def _print(results: dict, world: int) -> None:
         cells = []
         for n in names:
             v = results[size][n]
-            if isinstance(v, float):
+            if isinstance(v, float) and n.endswith(HOST):
+                cells.append(f"{v:10.1f} us host")
+            elif isinstance(v, float):
                 gbs = (world - 1) * size / v / 1e3
                 cells.append(f"{v:10.1f} us {gbs:7.1f} GB/s")
             else:
@@ -164,6 +186,8 @@ def _plot(results: dict, world: int, path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for n in results[SIZES[0]]:
+        if n.endswith(HOST):
+            continue
         pts = [(s, results[s][n]) for s in SIZES if isinstance(results[s][n], float)]
         if not pts:
             continue

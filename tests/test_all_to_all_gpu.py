@@ -81,9 +81,10 @@ def _ep_vs_nccl(rank: int, world: int) -> dict:
     dist.all_to_all_single(got, x)
     dist.all_to_all_single(want, x, group=nccl)
     out["equal_splits"] = torch.equal(_bits(got), _bits(want))
-    # big messages: many chunks per lane (the staging ring wraps), odd tail
+    # big messages: many chunks per lane (each lane's ring of 4 slots of up to 256 KiB wraps:
+    # more than 48 MiB per peer at 2 ranks, 16 MiB at 4), odd tails
     m = _splits_matrix(world, 77, 1)
-    per = [[(v + 1) * (3 << 20) + 17 * v for v in row] for row in m]  # ~3-6 MiB per peer
+    per = [[(v + 2) * (25 << 20) + 17 * v for v in row] for row in m]  # ~50-75 MiB per peer
     send, recv = per[rank], [per[s][rank] for s in range(world)]
     x = _random_rows(sum(send), 1, torch.uint8, gen).view(-1)
     got = torch.empty(sum(recv), dtype=torch.uint8, device="cuda")
@@ -127,6 +128,53 @@ def test_all_to_all_single_bitwise_vs_nccl() -> None:
     for out in run_distributed(_ep_vs_nccl, gpu_world_size(), backend="ep", timeout=300):
         assert out.pop("transport") == "nvlink", out
         assert all(out.values()), out
+
+
+def _split_mismatch(rank: int, world: int) -> dict:
+    """Rank 0 expects one more row from rank 1 than rank 1 sends it: nothing from rank 1 is
+    written on rank 0, no rank hangs, rank 0's next call raises naming both, and the call after
+    that is exact everywhere."""
+    rows = 1 << 12  # per peer: several chunks per pair
+    x = (torch.arange(world * rows, dtype=torch.float32, device="cuda") + rank * 1e7).view(-1, 1)
+    want = torch.cat([torch.arange(rank * rows, (rank + 1) * rows, device="cuda") + s * 1e7
+                      for s in range(world)]).view(-1, 1)  # fmt: skip
+    dist.all_to_all_single(torch.empty_like(x), x)  # sets up the transport
+    recv = [rows] * world
+    if rank == 0:
+        recv[1] = rows + 1
+    got = torch.full((sum(recv), 1), -1.0, device="cuda")
+    dist.all_to_all_single(got, x, recv, [rows] * world)
+    torch.cuda.synchronize()
+    out: dict = {}
+    parts = torch.split(got, recv)
+    out["others_exact"] = all(
+        torch.equal(parts[s], want[s * rows : (s + 1) * rows]) for s in range(world) if
+        not (rank == 0 and s == 1)
+    )  # fmt: skip
+    out["untouched"] = rank != 0 or bool((parts[1] == -1).all())
+    error = ""
+    y = torch.empty_like(x)
+    try:
+        dist.all_to_all_single(y, x)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        error = str(e)
+    out["error"] = error
+    z = torch.empty_like(x)
+    dist.all_to_all_single(z, x)
+    torch.cuda.synchronize()
+    out["after_exact"] = torch.equal(z, want) and (rank == 0 or torch.equal(y, want))
+    return out
+
+
+def test_all_to_all_split_mismatch_is_reported_not_hung() -> None:
+    results = run_distributed(_split_mismatch, gpu_world_size(), backend="ep", timeout=120)
+    for rank, out in enumerate(results):
+        assert out["others_exact"] and out["untouched"] and out["after_exact"], (rank, out)
+        if rank == 0:
+            assert "expected 16388 bytes from rank 1, which sent 16384" in out["error"], out
+        else:
+            assert out["error"] == "", (rank, out)
 
 
 def _async_and_graph(rank: int, world: int) -> dict:

@@ -56,8 +56,13 @@ class HostStages {
       const long long start_ns =
           std::chrono::duration_cast<std::chrono::nanoseconds>(first_.time_since_epoch()).count();
       // pid: which rank's process (benchmarks/stage_medians.py lines the ranks' calls up).
-      std::fprintf(stderr, "ep %s host us:%s total=%.1f start_ns=%lld pid=%d\n", op_, line_.c_str(),
-                   total, start_ns, static_cast<int>(getpid()));
+      char tail[96];
+      std::snprintf(tail, sizeof(tail), " total=%.1f start_ns=%lld pid=%d\n", total, start_ns,
+                    static_cast<int>(getpid()));
+      // One write(2) per line: the ranks of a bench share one stderr file, and a line written in
+      // pieces (stdio's unbuffered stderr) comes out interleaved with other ranks' bytes.
+      const std::string text = std::string("ep ") + op_ + " host us:" + line_ + tail;
+      [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, text.data(), text.size());
     }
   }
 

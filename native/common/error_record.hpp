@@ -15,6 +15,8 @@ enum ErrorCode : int {
                              // negative split), value_b = rows of the input
   kErrorOutOfStep = 5,       // internode: a peer's signal carries another call's number;
                              // peer = its rank, value_a = that number, value_b = this call's
+  kErrorSplitMismatch = 6,   // all-to-all host splits: peer = the source rank, value_a = bytes
+                             // it sends this rank, value_b = bytes this rank expects from it
 };
 
 // Host-mapped (cudaHostAllocMapped) record of the first error a kernel hit. `code` is written

@@ -5,17 +5,19 @@
 // Blocks: [(R-1) x lanes senders][(R-1) x lanes receivers][kA2ASelfBlocks self copies]. Sender
 // lane j of the pair (me -> d) pushes chunks j, j + lanes, ... of the bytes for d into its ring of
 // kA2ASlots slots at d, and flags each slot with (seq << 32 | k + 1), k counting the lane's chunks
-// of this call. Receiver lane j at d waits for the flag, copies the chunk to the output (HBM) and
-// returns the slot with a credit word in the sender's buffer (same encoding); at the end of the
-// call it writes (seq << 32 | kA2ADone). A sender's first chunk waits until the receiver is done
-// with the previous all-to-all (its sequence is kept in the private words), so a fast rank never
-// overwrites a slot its peer still reads.
+// of this call. The chunk size is the pair's (a2a_chunk_bytes of the bytes the source sends,
+// which it announces, so a receiver never cuts the stream elsewhere than its sender). Receiver lane
+// j at d waits for the flag, copies the chunk to the output (HBM) and returns the slot with a
+// credit word in the sender's buffer (same encoding); at the end of the call it writes (seq << 32 |
+// kA2ADone). A sender's first chunk waits until the receiver is done with the previous all-to-all
+// (its sequence is kept in the private words), so a fast rank never overwrites a slot its peer
+// still reads.
 //
-// Every call also announces (seq, and with device splits the row counts per local expert) from
-// every rank to every rank, in a slot of the call's parity. Waiting for all announcements is the
-// handshake that keeps ranks at most one call apart, which is what makes two parities enough:
-// a rank writing call n's announcement finished call n - 1, whose handshake saw every peer in
-// call n - 1, so every peer has read call n - 2's.
+// Every call also announces (seq; the bytes sent, or with device splits the row counts per local
+// expert) from every rank to every rank, in a slot of the call's parity. Waiting for all
+// announcements is the handshake that keeps ranks at most one call apart, which is what makes two
+// parities enough: a rank writing call n's announcement finished call n - 1, whose handshake saw
+// every peer in call n - 1, so every peer has read call n - 2's.
 //
 // Why staging and not a direct write into the peer's output: the output is a tensor of the
 // caching allocator, whose address changes every call; mapping it into the peers would take a
@@ -174,11 +176,15 @@ __device__ __forceinline__ uint64_t* announce_slot(const CommContext& c, char* b
                  (size_t(parity) * c.num_ranks + src) * (1 + kA2AMaxLocalExperts));
 }
 
-// Tells rank d this call started (and, with device splits, the rows it gets per local expert).
-__device__ void announce(const AllToAllParams& p, const Shared& sh, int d, int parity) {
+// Tells rank d this call started, and the bytes it gets from this rank (host splits) or the rows
+// it gets per local expert (device splits).
+__device__ void announce(const AllToAllParams& p, const Shared& sh, int d, int parity,
+                         long long bytes) {
   const CommContext& c = p.comm;
   uint64_t* slot = announce_slot(c, c.buffers.ptr[d], parity, c.rank);
-  if (p.splits != nullptr) {
+  if (p.splits == nullptr) {
+    if (threadIdx.x == 0) device::st_relaxed_sys(slot + 1, static_cast<uint64_t>(bytes));
+  } else {
     const int E = p.num_local_experts;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       const long long v = sh.valid ? p.splits[d * E + e] : 0;
@@ -276,6 +282,26 @@ __device__ void place(const AllToAllParams& p, const Shared& sh, int s, const ch
   }
 }
 
+// Host splits: the bytes source s announced it sends this rank. They set the stream's chunking
+// (the sender's), so a rank whose split sizes disagree with its peer's still consumes exactly the
+// chunks it is sent; it then writes none of them (`drop`) and records the mismatch, which the
+// next call on the group raises. False on timeout or abort.
+__device__ bool announced_bytes(const AllToAllParams& p, Shared& sh, const WaitContext& ctx, int s,
+                                int parity, long long& bytes, bool& drop) {
+  const uint64_t* slot = announce_slot(p.comm, p.comm.buffers.ptr[p.comm.rank], parity, s);
+  if (threadIdx.x == 0) {
+    if (!device::spin_wait(ctx, s, [&] { return device::flag_arrived(slot, sh.seq); })) sh.fail = 1;
+  }
+  __syncthreads();
+  if (sh.fail) return false;
+  bytes = static_cast<long long>(ld_relaxed_sys(slot + 1));
+  drop = bytes != p.recv_bytes[s];
+  if (drop && threadIdx.x == 0) {
+    device::report_error(ctx, kErrorSplitMismatch, s, bytes, p.recv_bytes[s]);
+  }
+  return true;
+}
+
 __device__ void run_sender(const AllToAllParams& p, Shared& sh, const WaitContext& ctx, int pair,
                            int lane, int parity) {
   const CommContext& c = p.comm;
@@ -283,13 +309,15 @@ __device__ void run_sender(const AllToAllParams& p, Shared& sh, const WaitContex
   const int d = (me + 1 + pair) % R;
   long long bytes, offset;
   send_segment(p, sh, R, d, bytes, offset);
-  if (lane == 0) announce(p, sh, d, parity);
+  if (lane == 0) announce(p, sh, d, parity, bytes);
   const uint64_t seq = sh.seq;
   const uint64_t* credit = word_at(c.buffers.ptr[me], c.layout.a2a_credit_offset, d * L + lane);
   const size_t ring = size_t(c.layout.region_index(me, d)) * L + lane;
-  char* stage = c.buffers.ptr[d] + c.layout.a2a_staging_offset + ring * kA2ASlots * kA2AChunkBytes;
+  char* stage =
+      c.buffers.ptr[d] + c.layout.a2a_staging_offset + ring * kA2ASlots * kA2AMaxChunkBytes;
   uint64_t* flags = word_at(c.buffers.ptr[d], c.layout.a2a_flags_offset, ring * kA2ASlots);
-  const long long chunks = (bytes + kA2AChunkBytes - 1) / kA2AChunkBytes;
+  const long long chunk = a2a_chunk_bytes(bytes, L);
+  const long long chunks = (bytes + chunk - 1) / chunk;
   int k = 0;
   for (long long ch = lane; ch < chunks; ch += L, ++k) {
     const int slot = k % kA2ASlots;
@@ -304,9 +332,9 @@ __device__ void run_sender(const AllToAllParams& p, Shared& sh, const WaitContex
     }
     __syncthreads();
     if (sh.fail) return;
-    const long long pos = ch * kA2AChunkBytes;
-    const long long len = bytes - pos < kA2AChunkBytes ? bytes - pos : kA2AChunkBytes;
-    block_copy<false>(stage + size_t(slot) * kA2AChunkBytes, p.input + offset + pos, len);
+    const long long pos = ch * chunk;
+    const long long len = bytes - pos < chunk ? bytes - pos : chunk;
+    block_copy<false>(stage + size_t(slot) * kA2AMaxChunkBytes, p.input + offset + pos, len);
     __syncthreads();
     if (t == 0) {
       fence_acq_rel_sys();
@@ -328,14 +356,15 @@ __device__ void run_receiver(const AllToAllParams& p, Shared& sh, const WaitCont
     if (!gather_announcements(p, sh, ctx, parity)) return;
     bytes = sh.src_rows[s] * p.row_bytes;
     drop = sh.total_rows > p.capacity_rows;  // overflow: consume the chunks, write nothing
-  } else {
-    bytes = p.recv_bytes[s];
+  } else if (!announced_bytes(p, sh, ctx, s, parity, bytes, drop)) {
+    return;
   }
   const size_t ring = size_t(pair) * L + lane;
   const char* stage =
-      c.buffers.ptr[me] + c.layout.a2a_staging_offset + ring * kA2ASlots * kA2AChunkBytes;
+      c.buffers.ptr[me] + c.layout.a2a_staging_offset + ring * kA2ASlots * kA2AMaxChunkBytes;
   const uint64_t* flags = word_at(c.buffers.ptr[me], c.layout.a2a_flags_offset, ring * kA2ASlots);
-  const long long chunks = (bytes + kA2AChunkBytes - 1) / kA2AChunkBytes;
+  const long long chunk = a2a_chunk_bytes(bytes, L);
+  const long long chunks = (bytes + chunk - 1) / chunk;
   int cursor_e = 0;
   long long cursor_start = 0;
   int k = 0;
@@ -348,10 +377,10 @@ __device__ void run_receiver(const AllToAllParams& p, Shared& sh, const WaitCont
     }
     __syncthreads();
     if (sh.fail) return;
-    const long long pos = ch * kA2AChunkBytes;
-    const long long len = bytes - pos < kA2AChunkBytes ? bytes - pos : kA2AChunkBytes;
+    const long long pos = ch * chunk;
+    const long long len = bytes - pos < chunk ? bytes - pos : chunk;
     if (!drop) {
-      place<true>(p, sh, s, stage + size_t(slot) * kA2AChunkBytes, pos, len, cursor_e,
+      place<true>(p, sh, s, stage + size_t(slot) * kA2AMaxChunkBytes, pos, len, cursor_e,
                   cursor_start);
     }
     __syncthreads();
@@ -369,7 +398,7 @@ __device__ void run_self(const AllToAllParams& p, Shared& sh, const WaitContext&
   const int me = c.rank, R = c.num_ranks, t = threadIdx.x, E = p.num_local_experts;
   long long bytes, offset;
   send_segment(p, sh, R, me, bytes, offset);
-  if (index == 0) announce(p, sh, me, parity);
+  if (index == 0) announce(p, sh, me, parity, bytes);
   bool drop = false;
   if (index == 0 || p.splits != nullptr) {
     if (!gather_announcements(p, sh, ctx, parity)) return;
@@ -392,12 +421,12 @@ __device__ void run_self(const AllToAllParams& p, Shared& sh, const WaitContext&
     }
   }
   if (drop) return;
-  const long long chunks = (bytes + kA2AChunkBytes - 1) / kA2AChunkBytes;
+  const long long chunks = (bytes + kA2ASelfChunkBytes - 1) / kA2ASelfChunkBytes;
   int cursor_e = 0;
   long long cursor_start = 0;
   for (long long ch = index; ch < chunks; ch += kA2ASelfBlocks) {
-    const long long pos = ch * kA2AChunkBytes;
-    const long long len = bytes - pos < kA2AChunkBytes ? bytes - pos : kA2AChunkBytes;
+    const long long pos = ch * kA2ASelfChunkBytes;
+    const long long len = bytes - pos < kA2ASelfChunkBytes ? bytes - pos : kA2ASelfChunkBytes;
     place<false>(p, sh, me, p.input + offset + pos, pos, len, cursor_e, cursor_start);
   }
 }

@@ -29,32 +29,46 @@ enum NvlinkOp : int {
 
 // ---- all-to-all (nvlink_all_to_all.cu) ----------------------------------------------------------
 // Every (source, destination) pair streams its bytes through a ring of staging slots in the
-// destination's buffer: kA2ALanes(R) lanes per pair (one sender block at the source, one
-// receiver block at the destination), kA2ASlots slots of kA2AChunkBytes per lane. A sender fills
-// a slot over NVLink and flags it; the receiver copies it to the output (local HBM) and returns
-// the slot with a credit word in the sender's buffer. Pipelined this way the local copy overlaps
-// the NVLink transfer.
+// destination's buffer: a2a_lanes(R) lanes per pair (one sender block at the source, one
+// receiver block at the destination), kA2ASlots slots of up to kA2AMaxChunkBytes per lane. A
+// sender fills a slot over NVLink and flags it; the receiver copies it to the output (local HBM)
+// and returns the slot with a credit word in the sender's buffer. Pipelined this way the local
+// copy overlaps the NVLink transfer.
 // The EP_A2A_* macros exist for A/B builds (benchmarks/a2a_variants.sh); normal builds take the
 // defaults.
 #ifndef EP_A2A_CHUNK_BYTES
-#define EP_A2A_CHUNK_BYTES (64 * 1024)
+#define EP_A2A_CHUNK_BYTES (256 * 1024)
 #endif
 #ifndef EP_A2A_SLOTS
 #define EP_A2A_SLOTS 4
 #endif
 #ifndef EP_A2A_SEND_BLOCKS
-#define EP_A2A_SEND_BLOCKS 24
+#define EP_A2A_SEND_BLOCKS 48
 #endif
-constexpr int kA2AChunkBytes = EP_A2A_CHUNK_BYTES;
+// A sender block flags a chunk only once its writes are visible at the peer (a system-scope
+// fence), and issues nothing while it waits: large chunks, and two sender blocks per SM's worth
+// of link, keep that wait a small part of each chunk's time.
+constexpr int kA2AMaxChunkBytes = EP_A2A_CHUNK_BYTES;
+constexpr int kA2AChunkAlign = 4096;  // chunk sizes are multiples (16-byte vector copies)
 constexpr int kA2ASlots = EP_A2A_SLOTS;
-// Sender blocks per rank in all (divided among its peers): 24 reach the all-peer push limit of
-// design.md section 6 within a few percent.
-constexpr int kA2ASendBlocks = EP_A2A_SEND_BLOCKS;
-constexpr int kA2ASelfBlocks = 16;        // blocks copying this rank's own segment
-constexpr int kA2AMaxLocalExperts = 256;  // of the 2-D (per expert) form
+constexpr int kA2ASendBlocks = EP_A2A_SEND_BLOCKS;  // sender blocks per rank, over its peers
+constexpr int kA2ASelfBlocks = 16;                  // blocks copying this rank's own segment
+constexpr int kA2ASelfChunkBytes = 64 * 1024;       // their unit of work
+constexpr int kA2AMaxLocalExperts = 256;            // of the 2-D (per expert) form
 constexpr int kA2AThreads = 512;
+static_assert(kA2AMaxChunkBytes % kA2AChunkAlign == 0, "EP_A2A_CHUNK_BYTES: a multiple of 4 KiB");
 EP_HOST_DEVICE constexpr int a2a_lanes(int num_ranks) {
   return num_ranks <= 1 ? 1 : (kA2ASendBlocks + num_ranks - 2) / (num_ranks - 1);
+}
+// The chunk size of a pair that moves `bytes`: spread over all its lanes (small and medium
+// messages use every lane once), capped by the slot size (large ones stream through the rings).
+// Sender and receiver derive it from the same byte count (the sender's, announced).
+EP_HOST_DEVICE constexpr long long a2a_chunk_bytes(long long bytes, int lanes) {
+  const long long per_lane = (bytes + lanes - 1) / lanes;
+  const long long aligned = (per_lane + kA2AChunkAlign - 1) / kA2AChunkAlign * kA2AChunkAlign;
+  return aligned < kA2AChunkAlign      ? kA2AChunkAlign
+         : aligned > kA2AMaxChunkBytes ? kA2AMaxChunkBytes
+                                       : aligned;
 }
 // The low 32 bits of a credit word once the receiver is done with a whole call.
 constexpr uint64_t kA2ADone = 0xffffffffull;
@@ -157,7 +171,7 @@ struct BufferLayout {
   // [announce: 2 parity x R src x (1 + kA2AMaxLocalExperts) u64] (written by the sources)
   // [credits: R dst x lanes u64] (written by the destinations' receivers)
   // [slot flags: src regions x lanes x kA2ASlots u64] (written by the sources)
-  // [staging: src regions x lanes x kA2ASlots x kA2AChunkBytes] (written by the sources)
+  // [staging: src regions x lanes x kA2ASlots x kA2AMaxChunkBytes] (written by the sources)
   int a2a_lanes;
   size_t a2a_private_offset;
   size_t a2a_announce_offset;

@@ -78,7 +78,7 @@ BufferLayout make_layout(const NvlinkConfig& c, int num_ranks) {
   l.a2a_flags_offset = off;
   off = align_up(off + sizeof(uint64_t) * regions * lanes * kA2ASlots, 128);
   l.a2a_staging_offset = off;
-  off += size_t(regions) * lanes * kA2ASlots * kA2AChunkBytes;
+  off += size_t(regions) * lanes * kA2ASlots * kA2AMaxChunkBytes;
   l.total_bytes = align_up(off, 4096);
   return l;
 }
@@ -705,6 +705,11 @@ std::string NvlinkRuntime::check_error() const {
            << "its input's " << e->value_b << " rows";
       }
       os << "; nothing was sent";
+      break;
+    case kErrorSplitMismatch:
+      os << " expected " << e->value_b << " bytes from rank " << e->peer << ", which sent "
+         << e->value_a << " (its input split sizes disagree with this rank's output split "
+         << "sizes); nothing from rank " << e->peer << " was written to the output";
       break;
     default:
       os << " failed with error code " << code;

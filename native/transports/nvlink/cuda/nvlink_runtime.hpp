@@ -260,11 +260,11 @@ class NvlinkRuntime {
 
   // All-to-all of raw bytes (communicating): AllToAllParams without `comm` (the runtime fills
   // it). Host mode: this rank's byte sizes and offsets, consistent with its peers' (rank s's
-  // send_bytes[d] == rank d's recv_bytes[s]; a mismatch ends in a timeout naming the peer, never
-  // a write outside the given ranges). Device mode: the splits stay on the device; an overflow
-  // of capacity_rows or invalid splits are recorded as a non-fatal error (check_error) and
-  // nothing is written to the output. Every byte lands where the split sizes say, so the result
-  // is bitwise that of any correct all-to-all.
+  // send_bytes[d] == rank d's recv_bytes[s]; on a mismatch rank d writes nothing from s and
+  // records a non-fatal error naming both, never a write outside the given ranges). Device mode:
+  // the splits stay on the device; an overflow of capacity_rows or invalid splits are recorded as a
+  // non-fatal error (check_error) and nothing is written to the output. Every byte lands where the
+  // split sizes say, so the result is bitwise that of any correct all-to-all.
   void all_to_all(const AllToAllParams& args, cudaStream_t stream);
 
   // Device-side barrier of all ranks' streams (communicating).
