@@ -40,7 +40,7 @@ for ((round = 1; round <= ROUNDS; ++round)); do
     # PYTHONPATH: the copy's ep_backend, not an installed one (the script's own folder would
     # come first on sys.path otherwise).
     (cd "/tmp/ep_a2a_variant_$name" && PYTHONPATH=$PWD timeout 300 python benchmarks/all_to_all.py \
-      --ranks "$RANKS" --iters "$ITERS") 2>&1 | tee "$OUT/a2a_variant_$name.$round.log" | grep -E "KiB|transport" ||
+      --ranks "$RANKS" --iters "$ITERS") 2>&1 | tee "$OUT/a2a_variant_$name.$round.log" | grep -E "KiB|transport|targets" ||
       status=1
   done
 done

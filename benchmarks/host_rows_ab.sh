@@ -45,7 +45,7 @@ bench() {  # bench <side> <checkout> <tag> [env...]: the HT rows only, no sweep
   shift 3
   # Append mode: the ranks' EP_PROFILE_HOST lines then stay whole (stage_medians.py lines them up).
   : >"$OUT/$side.$tag.log"
-  (cd "$dir" && env CUDA_VISIBLE_DEVICES="$devices" "$@" python -m ep_backend.bench --no-sweep \
+  (cd "$dir" && env CUDA_VISIBLE_DEVICES="$devices" "$@" python -m ep_backend.bench --no-sweep --no-all-to-all \
     --no-low-latency --iters "$ITERS" --out "$OUT/$side.$tag") >>"$OUT/$side.$tag.log" 2>&1
 }
 status=0  # 1 once any bench run failed (the script ends with it)

@@ -15,7 +15,7 @@ for ranks in 2 4 8; do
   devices=$(seq -s, 0 $((ranks - 1)))
   mkdir -p "$OUT/ep$ranks/ll"
   echo "== EP$ranks: HT with the SM sweep"
-  CUDA_VISIBLE_DEVICES=$devices python -m ep_backend.bench --no-sweep --no-low-latency --sm-sweep \
+  CUDA_VISIBLE_DEVICES=$devices python -m ep_backend.bench --no-sweep --no-all-to-all --no-low-latency --sm-sweep \
     --out "$OUT/ep$ranks" 2>&1 | tee "$OUT/ep$ranks/bench_ht.log" | tail -60
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then
@@ -23,7 +23,7 @@ for ranks in 2 4 8; do
     [ "$status" -ne 0 ] || status=$rc
   fi
   echo "== EP$ranks: LL (E = 8 x ranks, as the issue's EP4 runs: top-8 of 32)"
-  CUDA_VISIBLE_DEVICES=$devices python -m ep_backend.bench --no-sweep --no-high-throughput \
+  CUDA_VISIBLE_DEVICES=$devices python -m ep_backend.bench --no-sweep --no-all-to-all --no-high-throughput \
     --ll-experts $((8 * ranks)) --out "$OUT/ep$ranks/ll" 2>&1 | tee "$OUT/ep$ranks/bench_ll.log" | tail -30
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then

@@ -19,7 +19,12 @@ a CUDA-graph
 replay of 16 calls when the NVSHMEM kernels are in use (timed after a host barrier, and again with
 the GPUs in step: one untimed replay right before), and two ``all_to_all_single`` of the same rows
 as the baseline; with ``--sweep`` also T = 1..256 (eager and graph rows, without hook mode).
-Results go to ``--out`` as JSON.
+Results go to ``--out`` as JSON. On 2 or more GPUs an all-to-all section follows
+(``ep_backend/_bench_all_to_all.py``, off with ``--no-all-to-all``), at 2 ranks and at every GPU:
+``all_to_all_single`` on ``ep`` (host splits), ``all_to_all_v`` (device splits), NCCL's
+``all_to_all_single``, torch's ``symm_mem`` all_to_all_vdev where it runs and the push limit, per
+size 4 KiB .. 256 MiB per peer, with ep's ratio to NCCL and to the limit, issue 42's targets, and
+``bench_all_to_all.png`` / ``bench_all_to_all.json`` in ``--out``.
 
 Standard-shape columns on GPUs: "time" is the op's GPU span with its launches queued ahead (the
 host issues it while the GPU still runs a 1 ms busy kernel, the L2 flush and a one-element
@@ -959,7 +964,7 @@ def _check_args(args: argparse.Namespace, nprocs: int, on_gpu: bool) -> str | No
     if on_gpu and nprocs > torch.cuda.device_count() * 8:
         return f"--nprocs {nprocs}: more than 8 ranks per GPU ({torch.cuda.device_count()} GPUs)"
     for name in ("tokens", "hidden", "topk", "experts", "iters", "ll_tokens", "ll_max_tokens",
-                 "ll_experts"):  # fmt: skip
+                 "ll_experts", "a2a_iters"):  # fmt: skip
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1"
     if args.num_sms < 0:
@@ -1006,6 +1011,48 @@ def _plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def _all_to_all_section(gpus: int, iters: int, out: Path, probe_lib: str | None) -> int:
+    """Runs the all-to-all section at each of its rank counts, after the other sections' processes
+    have ended; prints its tables and writes its plot and JSON into ``out``. 1 if a run failed.
+
+    ``probe_lib``: the push-limit probe the HT section compiled ("": it could not), None when that
+    section did not try (the section then compiles it into ``out``).
+    """
+    from ep_backend import _bench_all_to_all as a2a
+
+    counts = a2a.rank_counts(gpus)
+    if not counts:
+        why = "running on CPU" if gpus == 0 else f"{gpus} GPU"
+        print(f"\nall-to-all section skipped: needs at least 2 GPUs ({why})", flush=True)
+        return 0
+    print(f"\n== all-to-all at {' and '.join(map(str, counts))} ranks (per-peer sizes; "
+          f"{iters} calls per size; x NCCL, % limit: ep host splits vs NCCL and the push "
+          "limit) ==", flush=True)  # fmt: skip
+    if probe_lib is None:
+        probe_lib = a2a.compile_push_limit(out / ".push_limit")
+    by_world: dict[int, dict] = {}
+    status = 0
+    for world in counts:
+        try:
+            results = a2a.run(world, iters, _free_port(), probe_lib)
+        except Exception as e:  # noqa: BLE001 - the other sections' results still stand
+            print(f"all-to-all at {world} ranks failed: {type(e).__name__}: {e}", flush=True)
+            status = 1
+            continue
+        by_world[world] = results
+        print("\n".join(a2a.format_table(results, world)), flush=True)
+    if not by_world:
+        return status
+    data = {str(w): {str(k): v for k, v in r.items()} for w, r in by_world.items()}
+    (out / "bench_all_to_all.json").write_text(json.dumps(data, indent=1))
+    png = out / "bench_all_to_all.png"
+    if a2a.plot(by_world, png):
+        print(f"plot: {png}")
+    else:
+        print("all-to-all plot: not written (no matplotlib)")
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ep_backend.bench", description=__doc__.split("\n")[0]
@@ -1041,8 +1088,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sm-sweep", action="store_true",
                         help="also time HT dispatch and combine (BF16) at num_sms 4..all SMs, "
                              "and the push limit at each (GPUs only)")  # fmt: skip
+    parser.add_argument("--no-all-to-all", dest="all_to_all", action="store_false",
+                        help="skip the all-to-all section (ep vs NCCL all_to_all_single at 2 "
+                             "ranks and at every GPU; needs >= 2 GPUs)")  # fmt: skip
+    parser.add_argument("--a2a-iters", type=int, default=20,
+                        help="timed calls per size of the all-to-all section (default 20; a "
+                             "tenth of it, at least 3, from 64 MiB per peer)")  # fmt: skip
     parser.add_argument("--out", type=str, default="bench_out",
-                        help="folder for bench.json and the plot (default ./bench_out)")  # fmt: skip
+                        help="folder for bench.json and the plots (default ./bench_out)")  # fmt: skip
     args = parser.parse_args(argv)
     os.environ.update(_ENV)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 0
@@ -1070,7 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
           f"of E={args.experts}, BF16; torch {torch.__version__}", flush=True)  # fmt: skip
     print(f"ep build: {_build_summary()}", flush=True)
     args.probe_lib, args.probe_reason = "", "needs GPUs (one per rank)"
-    if on_gpu and args.high_throughput and 2 <= nprocs <= gpus:
+    probe_tried = on_gpu and args.high_throughput and 2 <= nprocs <= gpus
+    if probe_tried:
         from ep_backend._push_limit import compile_probe, device_arch
 
         lib, args.probe_reason = compile_probe(
@@ -1107,8 +1161,12 @@ def main(argv: list[str] | None = None) -> int:
             if found is not None:
                 print(f"{op.removeprefix('sm sweep: ')}: {found[0]} SMs reach 95% of its best "
                       f"({found[2]:.1f} µs at {found[1]} SMs)")  # fmt: skip
+    status = 0
+    if args.all_to_all:
+        status = _all_to_all_section(gpus, args.a2a_iters, out,
+                                     args.probe_lib if probe_tried else None)  # fmt: skip
     print(f"results: {result_path}")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

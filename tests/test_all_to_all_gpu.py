@@ -81,10 +81,10 @@ def _ep_vs_nccl(rank: int, world: int) -> dict:
     dist.all_to_all_single(got, x)
     dist.all_to_all_single(want, x, group=nccl)
     out["equal_splits"] = torch.equal(_bits(got), _bits(want))
-    # big messages: many chunks per lane (each lane's ring of 4 slots of up to 256 KiB wraps:
-    # more than 48 MiB per peer at 2 ranks, 16 MiB at 4), odd tails
+    # big messages: many chunks per lane (each lane's ring of 4 slots of up to 512 KiB wraps:
+    # more than 96 MiB per peer at 2 ranks, 32 MiB at 4), odd tails
     m = _splits_matrix(world, 77, 1)
-    per = [[(v + 2) * (25 << 20) + 17 * v for v in row] for row in m]  # ~50-75 MiB per peer
+    per = [[(v + 4) * (25 << 20) + 17 * v for v in row] for row in m]  # ~100-125 MiB per peer
     send, recv = per[rank], [per[s][rank] for s in range(world)]
     x = _random_rows(sum(send), 1, torch.uint8, gen).view(-1)
     got = torch.empty(sum(recv), dtype=torch.uint8, device="cuda")

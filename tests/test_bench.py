@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ep_backend import _bench_all_to_all as a2a
 from ep_backend._push_limit import PushLimitProbe, compile_probe
 from ep_backend.bench import sm_sweep_counts, smallest_sms_reaching
 
@@ -131,3 +132,133 @@ def test_push_limit_rows_go_round_robin_over_the_senders_peers() -> None:
     src = torch.randint(0, 256, (8 * 16,), dtype=torch.uint8, generator=gen).view(8, 16)
     assert torch.equal(PushLimitProbe.rows_sent(1, 0, 3, 4, 16), src[0::2])
     assert torch.equal(PushLimitProbe.rows_sent(1, 2, 3, 4, 16), src[1::2])
+
+
+def _a2a_results(ep: list[float], nccl: list[float], limit: list[float | str]) -> dict:
+    """A hand-made result of the all-to-all section (µs per size; 4 ranks' figures of the docs)."""
+    results: dict = {"transport": "nvlink"}
+    for size, e, n, lim in zip(a2a.SIZES, ep, nccl, limit, strict=True):
+        results[size] = {a2a.EP_HOST: e, a2a.EP_HOST + a2a.HOST: 12.0, "ep device splits": e + 1,
+                         "ep device splits" + a2a.HOST: 20.0, a2a.NCCL: n,
+                         a2a.NCCL + a2a.HOST: 9.5, "symm_mem all_to_all_vdev": "n/a: RuntimeError",
+                         a2a.LIMIT: lim}  # fmt: skip
+    return results
+
+
+_EP = [38.9, 26.9, 30.1, 147.0, 1089.8, 4072.0]
+_NCCL = [157.4, 81.8, 79.8, 127.2, 716.2, 2462.6]
+_LIMIT: list[float | str] = [17.7, 16.7, 17.2, 76.0, 590.0, 2360.0]
+
+
+def test_all_to_all_ratios_and_targets() -> None:
+    results = _a2a_results(_EP, _NCCL, _LIMIT)
+    r = a2a.ratios(results)
+    x, pct = r[4 << 10]
+    assert x == pytest.approx(157.4 / 38.9) and pct == pytest.approx(100 * 17.7 / 38.9)
+    assert a2a.target_summary(results) == (
+        "targets (issue 42): >= NCCL at every size: no (worst 256 MiB: 0.60x); "
+        ">= 2x NCCL at <= 1 MiB: yes (worst 1 MiB: 2.65x); "
+        ">= 90% of the push limit at >= 64 MiB: no (worst 64 MiB: 54.1%)"
+    )
+    # every target met: ep at NCCL's half time and at the limit's time
+    met = _a2a_results(_EP, [2 * e for e in _EP], list(_EP))
+    summary = a2a.target_summary(met)
+    assert summary.count(": yes (worst") == 3 and ": no" not in summary, summary
+    # no push limit (no nvcc): its target is n/a, the NCCL ones still read
+    no_limit = _a2a_results(_EP, _NCCL, ["n/a: nvcc"] * len(a2a.SIZES))
+    assert a2a.ratios(no_limit)[1 << 20] == (pytest.approx(79.8 / 30.1), None)
+    assert a2a.target_summary(no_limit).endswith(
+        ">= 90% of the push limit at >= 64 MiB: n/a (the push limit not measured at every size)"
+    )
+
+
+def test_all_to_all_table_lines() -> None:
+    lines = a2a.format_table(_a2a_results(_EP, _NCCL, _LIMIT), 4)
+    assert lines[0] == "all-to-all, 4 ranks, ep transport: nvlink"
+    assert "NCCL all_to_all_single (host µs/call)" in lines[1]
+    assert lines[1].split()[-4:] == ["x", "NCCL", "%", "limit"]
+    rows = [line for line in lines if " KiB " in line and "targets" not in line]
+    assert [int(line.split()[0]) for line in rows] == [s >> 10 for s in a2a.SIZES]
+    # 4 KiB: ep 38.9 µs, 3 x 4 KiB sent -> 0.3 GB/s; NCCL 157.4 µs; NCCL's host time
+    assert "38.9 us     0.3 GB/s" in rows[0] and "157.4 us" in rows[0] and "9.5 us host" in rows[0]
+    assert rows[0].endswith("4.05x   45.5%"), rows[0]
+    assert rows[-1].endswith("0.60x   58.0%"), rows[-1]
+    assert "  symm_mem all_to_all_vdev: n/a: RuntimeError" in lines
+    assert lines[-1].startswith("targets (issue 42): ")
+    # the header lines up with the rows
+    assert len(lines[1]) == len(rows[0]), (lines[1], rows[0])
+
+
+def test_all_to_all_rank_counts_and_sizes() -> None:
+    assert a2a.rank_counts(0) == [] and a2a.rank_counts(1) == []
+    assert a2a.rank_counts(2) == [2] and a2a.rank_counts(4) == [2, 4]
+    assert a2a.rank_counts(8) == [2, 8]
+    assert [a2a.size_label(s) for s in a2a.SIZES] == ["4 KiB", "64 KiB", "1 MiB", "8 MiB",
+                                                      "64 MiB", "256 MiB"]  # fmt: skip
+
+
+def test_all_to_all_plot(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    results = _a2a_results(_EP, _NCCL, _LIMIT)
+    png = tmp_path / "bench_all_to_all.png"
+    assert a2a.plot({2: results, 4: results}, png)
+    assert png.stat().st_size > 0
+
+
+def test_bench_help_lists_the_all_to_all_flags() -> None:
+    done = subprocess.run([sys.executable, "-m", "ep_backend.bench", "--help"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--no-all-to-all" in done.stdout and "--a2a-iters" in done.stdout, done.stdout
+    refused = subprocess.run([sys.executable, "-m", "ep_backend.bench", "--cpu", "--a2a-iters", "0"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "--a2a-iters 0" in refused.stderr, refused.stderr
+
+
+def test_bench_on_cpu_says_why_the_all_to_all_section_is_skipped(tmp_path) -> None:
+    cmd = [sys.executable, "-m", "ep_backend.bench", "--cpu", "--tokens", "16", "--hidden", "128",
+           "--experts", "8", "--iters", "1", "--warmup", "0", "--no-sweep", "--no-low-latency",
+           "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all-to-all section skipped: needs at least 2 GPUs (running on CPU)" in done.stdout
+    assert not (tmp_path / "bench_all_to_all.png").exists()
+    done = subprocess.run(cmd + ["--no-all-to-all"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all-to-all" not in done.stdout, done.stdout
+
+
+def test_bench_all_to_all_section_prints_and_writes_each_rank_count(tmp_path, monkeypatch,
+                                                                    capsys) -> None:  # fmt: skip
+    from ep_backend import bench
+
+    ran = []
+
+    def fake_run(world: int, iters: int, port: int, probe_lib: str) -> dict:
+        ran.append((world, iters, probe_lib))
+        return _a2a_results(_EP, _NCCL, _LIMIT)
+
+    monkeypatch.setattr(a2a, "run", fake_run)
+    assert bench._all_to_all_section(4, 7, tmp_path, "probe.so") == 0
+    assert ran == [(2, 7, "probe.so"), (4, 7, "probe.so")]
+    out = capsys.readouterr().out
+    assert "== all-to-all at 2 and 4 ranks" in out
+    assert "all-to-all, 2 ranks, ep transport: nvlink" in out
+    assert "all-to-all, 4 ranks, ep transport: nvlink" in out
+    assert out.count("targets (issue 42): ") == 2
+    data = json.loads((tmp_path / "bench_all_to_all.json").read_text())
+    assert sorted(data) == ["2", "4"] and data["4"]["4096"][a2a.NCCL] == 157.4
+
+    # one rank count failing leaves the others' tables, and the bench says so (exit status 1)
+    def failing_run(world: int, iters: int, port: int, probe_lib: str) -> dict:
+        if world == 4:
+            raise RuntimeError("worker died")
+        return _a2a_results(_EP, _NCCL, _LIMIT)
+
+    monkeypatch.setattr(a2a, "run", failing_run)
+    assert bench._all_to_all_section(4, 7, tmp_path, "") == 1
+    out = capsys.readouterr().out
+    assert "all-to-all at 4 ranks failed: RuntimeError: worker died" in out
+    assert out.count("targets (issue 42): ") == 1
+    assert bench._all_to_all_section(1, 7, tmp_path, "") == 0
+    assert "all-to-all section skipped: needs at least 2 GPUs (1 GPU)" in capsys.readouterr().out

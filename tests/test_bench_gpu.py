@@ -63,7 +63,8 @@ def test_push_limit_probe_lands_every_row_in_its_peer_slot() -> None:
 @pytest.mark.gpu(min_gpus=2)
 def test_bench_prints_the_limit_loop_and_sm_sweep_rows(tmp_path) -> None:
     cmd = [sys.executable, "-m", "ep_backend.bench", "--tokens", "1024", "--iters", "3",
-           "--no-sweep", "--no-low-latency", "--sm-sweep", "--out", str(tmp_path)]  # fmt: skip
+           "--no-sweep", "--no-low-latency", "--sm-sweep", "--a2a-iters", "3",
+           "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {(r["op"], r["num_sms"]): r for r in json.loads((tmp_path / "bench.json").read_text())}
@@ -82,3 +83,12 @@ def test_bench_prints_the_limit_loop_and_sm_sweep_rows(tmp_path) -> None:
         for op in ("sm sweep: dispatch BF16", "sm sweep: combine BF16", "sm sweep: push limit"):
             assert rows[(op, n)]["us"] > 0, (op, n)
     assert "dispatch BF16: " in done.stdout and "SMs reach 95% of its best" in done.stdout
+    # the all-to-all section: at 2 ranks and at every GPU, every size timed on ep's kernels
+    a2a = json.loads((tmp_path / "bench_all_to_all.json").read_text())
+    gpus = torch.cuda.device_count()
+    assert sorted(a2a) == sorted({"2", str(gpus)}), list(a2a)
+    for world, table in a2a.items():
+        assert table["transport"] == "nvlink", (world, table["transport"])
+        sizes = [k for k in table if k != "transport"]
+        assert len(sizes) == 6 and all(table[k]["ep host splits"] > 0 for k in sizes), table
+    assert done.stdout.count("targets (issue 42)") == len(a2a), done.stdout

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/ep_process_group.hpp"
+#include "backend/host_stages.hpp"
 #include "backend/stream_capture.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_group_state.hpp"
@@ -101,9 +102,14 @@ void prepareAsync(GroupState& st, const at::Device& device) {
   }
 }
 
+// The type of the futures' value (made once: creating a type allocates).
+const c10::TypePtr& tensorListType() {
+  static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+  return type;
+}
+
 c10::intrusive_ptr<c10d::Work> completedWork(const at::Tensor& output) {
-  auto future =
-      c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
   future->markCompleted(c10::IValue(std::vector<at::Tensor>{output}));
   return c10d::Work::create_from_future(future);
 }
@@ -122,6 +128,7 @@ c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
       output.scalar_type() != input.scalar_type()) {
     return nullptr;
   }
+  HostStages stages("all_to_all");
   auto st = stateOf(pg);
   const bool capture = streamCapturing();
   const c10::cuda::CUDAGuard guard(device);
@@ -129,6 +136,7 @@ c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
   if (rt == nullptr) return nullptr;
   if (!capture) prepareAsync(*st, device);
   const std::string pending = takePendingError(*st, "all_to_all");
+  stages.mark("runtime");
   const int R = pg.getSize();
   const int64_t row_bytes = rowBytes(input);
   TORCH_CHECK(rowBytes(output) == row_bytes,
@@ -149,6 +157,7 @@ c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
   TORCH_CHECK(p.send_bytes[pg.getRank()] == p.recv_bytes[pg.getRank()],
               "ep all_to_all_single: this rank sends itself ", send[pg.getRank()],
               " rows but expects ", recv[pg.getRank()], " from itself");
+  stages.mark("splits");
   // Non-contiguous tensors: the kernel moves contiguous bytes, so a copy goes in (and the
   // result is copied out), on the stream of the call.
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
@@ -165,7 +174,9 @@ c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
   p.input = static_cast<const char*>(in.data_ptr());
   p.output = static_cast<char*>(out.data_ptr());
   orderBehindLast(*st, stream, capture);
+  stages.mark("streams");
   rt->all_to_all(p, stream.stream());
+  stages.mark("launch");
   raiseAfterLaunch(pending);
   if (!out.is_same(output)) output.copy_(out);
   if (!async_op) return completedWork(output);
@@ -177,8 +188,8 @@ c10::intrusive_ptr<c10d::Work> allToAll(EPProcessGroup& pg, at::Tensor& output,
       c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
     }
   }
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device});
+  auto future =
+      c10::make_intrusive<c10::ivalue::Future>(tensorListType(), std::vector<c10::Device>{device});
   future->markCompleted(c10::IValue(std::vector<at::Tensor>{output}));  // event on `stream`
   return c10d::Work::create_from_future(future);
 }

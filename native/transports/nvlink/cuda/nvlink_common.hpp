@@ -37,7 +37,7 @@ enum NvlinkOp : int {
 // The EP_A2A_* macros exist for A/B builds (benchmarks/a2a_variants.sh); normal builds take the
 // defaults.
 #ifndef EP_A2A_CHUNK_BYTES
-#define EP_A2A_CHUNK_BYTES (256 * 1024)
+#define EP_A2A_CHUNK_BYTES (512 * 1024)
 #endif
 #ifndef EP_A2A_SLOTS
 #define EP_A2A_SLOTS 4
@@ -60,12 +60,16 @@ static_assert(kA2AMaxChunkBytes % kA2AChunkAlign == 0, "EP_A2A_CHUNK_BYTES: a mu
 EP_HOST_DEVICE constexpr int a2a_lanes(int num_ranks) {
   return num_ranks <= 1 ? 1 : (kA2ASendBlocks + num_ranks - 2) / (num_ranks - 1);
 }
-// The chunk size of a pair that moves `bytes`: spread over all its lanes (small and medium
-// messages use every lane once), capped by the slot size (large ones stream through the rings).
-// Sender and receiver derive it from the same byte count (the sender's, announced).
+// Up to this many bytes per lane a pair's lane moves one chunk (latency); above it, at least two,
+// so that the receiver's copy of one overlaps the transfer of the next.
+constexpr long long kA2AOneChunkBytes = 128 * 1024;
+// The chunk size of a pair that moves `bytes`: spread over all its lanes (small messages use
+// every lane once, medium ones twice), capped by the slot size (large ones stream through the
+// rings). Sender and receiver derive it from the same byte count (the sender's, announced).
 EP_HOST_DEVICE constexpr long long a2a_chunk_bytes(long long bytes, int lanes) {
   const long long per_lane = (bytes + lanes - 1) / lanes;
-  const long long aligned = (per_lane + kA2AChunkAlign - 1) / kA2AChunkAlign * kA2AChunkAlign;
+  const long long chunk = per_lane <= kA2AOneChunkBytes ? per_lane : (per_lane + 1) / 2;
+  const long long aligned = (chunk + kA2AChunkAlign - 1) / kA2AChunkAlign * kA2AChunkAlign;
   return aligned < kA2AChunkAlign      ? kA2AChunkAlign
          : aligned > kA2AMaxChunkBytes ? kA2AMaxChunkBytes
                                        : aligned;
