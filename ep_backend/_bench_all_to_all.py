@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20, 256 << 20]
 
 HOST = " (host µs/call)"  # a column of host time, not of a transfer
+GRAPH = ", CUDA graph"  # the same calls replayed from a graph: no host time per call
 
 # Row names (the targets read these three).
 EP_HOST = "ep host splits"
@@ -76,6 +77,37 @@ def _host_us(fn: Callable[[], object], iters: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def _graph_us(fn: Callable[[], object], iters: int) -> float | str:
+    """µs per call of ``iters`` calls captured in one CUDA graph, median of :data:`REPEATS`
+    replays: the kernels' time without the host's (equal splits are capturable), or why not."""
+    try:
+        fn()  # warm-up outside the capture (sets up communicators and buffers)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+    except RuntimeError as e:
+        torch.cuda.synchronize()
+        return f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    graph.replay()  # warm replay
+    loops = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        loops.append(start.elapsed_time(end) * 1e3 / iters)
+    return sorted(loops)[REPEATS // 2]
+
+
 def _slowest(us: float) -> float:
     t = torch.tensor([us], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -101,6 +133,8 @@ def _rows(
     out["ep device splits" + HOST] = _host_us(lambda: ep_backend.all_to_all_v(x, splits, y), iters)
     out[NCCL] = _time_us(lambda: dist.all_to_all_single(y, x, group=nccl), iters)
     out[NCCL + HOST] = _host_us(lambda: dist.all_to_all_single(y, x, group=nccl), iters)
+    out[EP_HOST + GRAPH] = _graph_us(lambda: dist.all_to_all_single(y, x), iters)
+    out[NCCL + GRAPH] = _graph_us(lambda: dist.all_to_all_single(y, x, group=nccl), iters)
     out["symm_mem all_to_all_vdev"] = _symm_mem_row(rank, world, x, rows, iters, nccl)
     out[LIMIT] = _push_limit(rank, world, per_peer, iters, probe_lib)
     return out
