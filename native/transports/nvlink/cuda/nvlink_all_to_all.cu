@@ -3,21 +3,28 @@
 // segment is copied straight from input to output.
 //
 // Blocks: [(R-1) x lanes senders][(R-1) x lanes receivers][kA2ASelfBlocks self copies]. Sender
-// lane j of the pair (me -> d) pushes chunks j, j + lanes, ... of the bytes for d into its ring of
-// kA2ASlots slots at d, and flags each slot with (seq << 32 | k + 1), k counting the lane's chunks
-// of this call. The chunk size is the pair's (a2a_chunk_bytes of the bytes the source sends,
-// which it announces, so a receiver never cuts the stream elsewhere than its sender). Receiver lane
-// j at d waits for the flag, copies the chunk to the output (HBM) and returns the slot with a
-// credit word in the sender's buffer (same encoding); at the end of the call it writes (seq << 32 |
-// kA2ADone). A sender's first chunk waits until the receiver is done with the previous all-to-all
-// (its sequence is kept in the private words), so a fast rank never overwrites a slot its peer
-// still reads.
+// lane j of the pair (me -> d) first waits until receiver lane j at d is done with the previous
+// all-to-all (a credit word in the sender's buffer, (seq << 32 | kA2ADone)), then writes its
+// header line at d: the bytes the pair moves, flagged with this call's value (see the lines
+// below). A pair of at most kA2ALinesMaxBytes (host splits) then goes by flagged lines: each
+// lane writes its share of the bytes as 16-byte lines {4 bytes, flag, 4 bytes, flag} into the
+// pair's line region at d, and receiver lane j polls each line until both flags match, copies
+// its 8 bytes out and returns a done credit. No fence is on that path: an 8-byte half of a line
+// lands whole, and a stale line carries an older call's flag.
+// Larger pairs (and all device-split calls) stream through the staging ring: lane j pushes
+// chunks j, j + lanes, ... into its ring of kA2ASlots slots at d and flags each slot with
+// (seq << 32 | k + 1), k counting the lane's chunks of this call; the receiver waits for the flag,
+// copies the chunk to the output (HBM) and returns the slot with a credit (same encoding). The
+// chunk size is the pair's (a2a_chunk_bytes of the bytes the header announces, so a receiver
+// never cuts the stream elsewhere than its sender). The header also decides the protocol, so
+// ranks whose split sizes disagree still agree on it (the receiver then drops the bytes and
+// records the mismatch).
 //
-// Every call also announces (seq; the bytes sent, or with device splits the row counts per local
-// expert) from every rank to every rank, in a slot of the call's parity. Waiting for all
-// announcements is the handshake that keeps ranks at most one call apart, which is what makes two
-// parities enough: a rank writing call n's announcement finished call n - 1, whose handshake saw
-// every peer in call n - 1, so every peer has read call n - 2's.
+// Every call also announces (seq; with device splits the row counts per local expert) from every
+// rank to every rank, in a slot of the call's parity. Waiting for all announcements is the
+// handshake that keeps ranks at most one call apart, which is what makes two parities enough: a
+// rank writing call n's announcement finished call n - 1, whose handshake saw every peer in call n
+// - 1, so every peer has read call n - 2's.
 //
 // Why staging and not a direct write into the peer's output: the output is a tensor of the
 // caching allocator, whose address changes every call; mapping it into the peers would take a
@@ -112,7 +119,8 @@ struct Shared {
   uint64_t prev;
   uint64_t calls;
   int fail;
-  int valid;  // device splits: this rank's splits are valid
+  long long pair_bytes;  // host splits, receivers: the bytes the source sends (its header line)
+  int valid;             // device splits: this rank's splits are valid
   long long min_split;
   long long total_send;                     // device splits: rows this rank's splits send in all
   unsigned long long send_rows[kMaxRanks];  // device splits: rows this rank sends to each rank
@@ -176,15 +184,11 @@ __device__ __forceinline__ uint64_t* announce_slot(const CommContext& c, char* b
                  (size_t(parity) * c.num_ranks + src) * (1 + kA2AMaxLocalExperts));
 }
 
-// Tells rank d this call started, and the bytes it gets from this rank (host splits) or the rows
-// it gets per local expert (device splits).
-__device__ void announce(const AllToAllParams& p, const Shared& sh, int d, int parity,
-                         long long bytes) {
+// Tells rank d this call started (and, with device splits, the rows it gets per local expert).
+__device__ void announce(const AllToAllParams& p, const Shared& sh, int d, int parity) {
   const CommContext& c = p.comm;
   uint64_t* slot = announce_slot(c, c.buffers.ptr[d], parity, c.rank);
-  if (p.splits == nullptr) {
-    if (threadIdx.x == 0) device::st_relaxed_sys(slot + 1, static_cast<uint64_t>(bytes));
-  } else {
+  if (p.splits != nullptr) {
     const int E = p.num_local_experts;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       const long long v = sh.valid ? p.splits[d * E + e] : 0;
@@ -282,19 +286,79 @@ __device__ void place(const AllToAllParams& p, const Shared& sh, int s, const ch
   }
 }
 
-// Host splits: the bytes source s announced it sends this rank. They set the stream's chunking
-// (the sender's), so a rank whose split sizes disagree with its peer's still consumes exactly the
-// chunks it is sent; it then writes none of them (`drop`) and records the mismatch, which the
-// next call on the group raises. False on timeout or abort.
-__device__ bool announced_bytes(const AllToAllParams& p, Shared& sh, const WaitContext& ctx, int s,
-                                int parity, long long& bytes, bool& drop) {
-  const uint64_t* slot = announce_slot(p.comm, p.comm.buffers.ptr[p.comm.rank], parity, s);
+// ---- flagged lines (a2a_lines_*): a line is {data[0:4], flag, data[4:8], flag}, one 16-byte store
+__device__ __forceinline__ void store_line(char* line, uint64_t v, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line),
+               "r"(static_cast<uint32_t>(v)), "r"(flag), "r"(static_cast<uint32_t>(v >> 32)),
+               "r"(flag)
+               : "memory");
+}
+
+// True once the line carries `flag` in both halves; then `v` is its 8 data bytes.
+__device__ __forceinline__ bool load_line(const char* line, uint32_t flag, uint64_t& v) {
+  uint32_t a, b, c, d;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+               : "l"(line)
+               : "memory");
+  v = static_cast<uint64_t>(a) | (static_cast<uint64_t>(c) << 32);
+  return b == flag && d == flag;
+}
+
+// `n` (1..8) bytes at `src` as the low bytes of a word (any alignment).
+__device__ __forceinline__ uint64_t gather_bytes(const char* src, int n) {
+  if (n == 8 && (reinterpret_cast<uintptr_t>(src) & 7) == 0) {
+    return *reinterpret_cast<const uint64_t*>(src);
+  }
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(src[i])) << (8 * i);
+  return v;
+}
+
+__device__ __forceinline__ void scatter_bytes(char* dst, uint64_t v, int n) {
+  if (n == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+    *reinterpret_cast<uint64_t*>(dst) = v;
+    return;
+  }
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<char>(v >> (8 * i));
+}
+
+// The line region of source `src` in `buffer` (a receiver's): header lines, then data lines.
+__device__ __forceinline__ char* lines_region(const CommContext& c, char* buffer, int region) {
+  return buffer + c.layout.a2a_lines_offset + size_t(region) * c.layout.a2a_lines_region_bytes;
+}
+
+// Whether a pair moving `bytes` goes by flagged lines (host splits only: with device splits the
+// receiver places rows per expert, which the ring's chunk copies do).
+__device__ __forceinline__ bool by_lines(const AllToAllParams& p, long long bytes) {
+  return p.splits == nullptr && bytes <= kA2ALinesMaxBytes;
+}
+
+// The payload lines [first, last) of `lane` of a pair moving `bytes` (8 bytes a line).
+__device__ __forceinline__ void lane_lines(long long bytes, int lane, int lanes, long long& first,
+                                           long long& last) {
+  const long long units = (bytes + 7) / 8;
+  first = units * lane / lanes;
+  last = units * (lane + 1) / lanes;
+}
+
+// Host splits: the bytes source s sends this rank, from this lane's header line. They decide the
+// protocol and the ring's chunking (the sender's), so a rank whose split sizes disagree with its
+// peer's still reads exactly what it is sent; it then writes none of it (`drop`) and records the
+// mismatch, which the next call on the group raises. False on timeout or abort.
+__device__ bool header_bytes(const AllToAllParams& p, Shared& sh, const WaitContext& ctx, int s,
+                             int pair, int lane, uint32_t flag, long long& bytes, bool& drop) {
+  const CommContext& c = p.comm;
+  const char* header = lines_region(c, c.buffers.ptr[c.rank], pair) + size_t(lane) * 16;
   if (threadIdx.x == 0) {
-    if (!device::spin_wait(ctx, s, [&] { return device::flag_arrived(slot, sh.seq); })) sh.fail = 1;
+    uint64_t v = 0;
+    if (!device::spin_wait(ctx, s, [&] { return load_line(header, flag, v); })) sh.fail = 1;
+    sh.pair_bytes = static_cast<long long>(v);
   }
   __syncthreads();
   if (sh.fail) return false;
-  bytes = static_cast<long long>(ld_relaxed_sys(slot + 1));
+  bytes = sh.pair_bytes;
   drop = bytes != p.recv_bytes[s];
   if (drop && threadIdx.x == 0) {
     device::report_error(ctx, kErrorSplitMismatch, s, bytes, p.recv_bytes[s]);
@@ -309,9 +373,31 @@ __device__ void run_sender(const AllToAllParams& p, Shared& sh, const WaitContex
   const int d = (me + 1 + pair) % R;
   long long bytes, offset;
   send_segment(p, sh, R, d, bytes, offset);
-  if (lane == 0) announce(p, sh, d, parity, bytes);
+  if (lane == 0) announce(p, sh, d, parity);
   const uint64_t seq = sh.seq;
+  const uint32_t flag = a2a_line_flag(seq);
   const uint64_t* credit = word_at(c.buffers.ptr[me], c.layout.a2a_credit_offset, d * L + lane);
+  // The receiver's lane must be done with the previous all-to-all (its header line, lines and
+  // slots) before anything of this call lands there.
+  if (t == 0 && sh.prev != 0) {
+    const uint64_t need = tag(sh.prev, kA2ADone);
+    if (!device::spin_wait(ctx, d, [&] { return ld_acquire_sys(credit) >= need; })) sh.fail = 1;
+  }
+  __syncthreads();
+  if (sh.fail) return;
+  char* lines = lines_region(c, c.buffers.ptr[d], c.layout.region_index(me, d));
+  if (t == 0) store_line(lines + size_t(lane) * 16, static_cast<uint64_t>(bytes), flag);
+  if (by_lines(p, bytes)) {
+    long long first, last;
+    lane_lines(bytes, lane, L, first, last);
+    const char* src = p.input + offset;
+    char* data = lines + size_t(L) * 16;
+    for (long long u = first + t; u < last; u += blockDim.x) {
+      const int n = bytes - 8 * u < 8 ? static_cast<int>(bytes - 8 * u) : 8;
+      store_line(data + size_t(u) * 16, gather_bytes(src + 8 * u, n), flag);
+    }
+    return;
+  }
   const size_t ring = size_t(c.layout.region_index(me, d)) * L + lane;
   char* stage =
       c.buffers.ptr[d] + c.layout.a2a_staging_offset + ring * kA2ASlots * kA2AMaxChunkBytes;
@@ -321,13 +407,8 @@ __device__ void run_sender(const AllToAllParams& p, Shared& sh, const WaitContex
   int k = 0;
   for (long long ch = lane; ch < chunks; ch += L, ++k) {
     const int slot = k % kA2ASlots;
-    uint64_t need = 0;
-    if (k >= kA2ASlots) {
-      need = tag(seq, k - kA2ASlots + 1);
-    } else if (k == 0 && sh.prev != 0) {
-      need = tag(sh.prev, kA2ADone);
-    }
-    if (t == 0 && need != 0) {
+    if (t == 0 && k >= kA2ASlots) {
+      const uint64_t need = tag(seq, k - kA2ASlots + 1);
       if (!device::spin_wait(ctx, d, [&] { return ld_acquire_sys(credit) >= need; })) sh.fail = 1;
     }
     __syncthreads();
@@ -349,6 +430,7 @@ __device__ void run_receiver(const AllToAllParams& p, Shared& sh, const WaitCont
   const int me = c.rank, R = c.num_ranks, L = c.layout.a2a_lanes, t = threadIdx.x;
   const int s = (me + 1 + pair) % R;  // region_index(s, me) == pair
   const uint64_t seq = sh.seq;
+  const uint32_t flag = a2a_line_flag(seq);
   uint64_t* credit = word_at(c.buffers.ptr[s], c.layout.a2a_credit_offset, me * L + lane);
   long long bytes = 0;
   bool drop = false;
@@ -356,7 +438,28 @@ __device__ void run_receiver(const AllToAllParams& p, Shared& sh, const WaitCont
     if (!gather_announcements(p, sh, ctx, parity)) return;
     bytes = sh.src_rows[s] * p.row_bytes;
     drop = sh.total_rows > p.capacity_rows;  // overflow: consume the chunks, write nothing
-  } else if (!announced_bytes(p, sh, ctx, s, parity, bytes, drop)) {
+  } else if (!header_bytes(p, sh, ctx, s, pair, lane, flag, bytes, drop)) {
+    return;
+  }
+  if (by_lines(p, bytes)) {
+    if (!drop) {
+      long long first, last;
+      lane_lines(bytes, lane, L, first, last);
+      const char* data = lines_region(c, c.buffers.ptr[me], pair) + size_t(L) * 16;
+      char* dst = p.output + p.recv_offset[s];
+      for (long long u = first + t; u < last; u += blockDim.x) {
+        uint64_t v = 0;
+        const char* line = data + size_t(u) * 16;
+        if (!device::spin_wait(ctx, s, [&] { return load_line(line, flag, v); })) {
+          sh.fail = 1;
+          break;
+        }
+        scatter_bytes(dst + 8 * u, v, bytes - 8 * u < 8 ? static_cast<int>(bytes - 8 * u) : 8);
+      }
+    }
+    __syncthreads();
+    if (sh.fail) return;
+    if (t == 0) st_release_sys(credit, tag(seq, kA2ADone));
     return;
   }
   const size_t ring = size_t(pair) * L + lane;
@@ -398,7 +501,7 @@ __device__ void run_self(const AllToAllParams& p, Shared& sh, const WaitContext&
   const int me = c.rank, R = c.num_ranks, t = threadIdx.x, E = p.num_local_experts;
   long long bytes, offset;
   send_segment(p, sh, R, me, bytes, offset);
-  if (index == 0) announce(p, sh, me, parity, bytes);
+  if (index == 0) announce(p, sh, me, parity);
   bool drop = false;
   if (index == 0 || p.splits != nullptr) {
     if (!gather_announcements(p, sh, ctx, parity)) return;

@@ -74,6 +74,25 @@ EP_HOST_DEVICE constexpr long long a2a_chunk_bytes(long long bytes, int lanes) {
          : aligned > kA2AMaxChunkBytes ? kA2AMaxChunkBytes
                                        : aligned;
 }
+// Pairs that move at most this many bytes (host splits) skip the staging ring: the sender writes
+// 16-byte lines of {4 data bytes, flag, 4 data bytes, flag} straight into the receiver's buffer
+// and the receiver polls each line until both flags carry this call's value. An 8-byte half of a
+// line lands whole, so no fence or per-chunk flag is needed: a pair costs one NVLink crossing
+// instead of fence, flag and credit round trips, at twice the bytes.
+#ifndef EP_A2A_LINES_MAX_BYTES
+#define EP_A2A_LINES_MAX_BYTES (256 * 1024)
+#endif
+constexpr long long kA2ALinesMaxBytes = EP_A2A_LINES_MAX_BYTES;
+static_assert(kA2ALinesMaxBytes % 8 == 0, "EP_A2A_LINES_MAX_BYTES: a multiple of 8");
+// Bytes of one source's line region at a receiver: a header line per lane (the bytes the lane's
+// sender sends, in both protocols), then one line per 8 payload bytes.
+EP_HOST_DEVICE constexpr size_t a2a_lines_region_bytes(int lanes) {
+  return (size_t(lanes) + size_t(kA2ALinesMaxBytes / 8)) * 16;
+}
+// The flag value of a call's lines: never 0 (the buffer starts zeroed).
+EP_HOST_DEVICE constexpr uint32_t a2a_line_flag(uint64_t seq) {
+  return static_cast<uint32_t>(seq % 0xffffffffull) + 1;
+}
 // The low 32 bits of a credit word once the receiver is done with a whole call.
 constexpr uint64_t kA2ADone = 0xffffffffull;
 
@@ -176,12 +195,16 @@ struct BufferLayout {
   // [credits: R dst x lanes u64] (written by the destinations' receivers)
   // [slot flags: src regions x lanes x kA2ASlots u64] (written by the sources)
   // [staging: src regions x lanes x kA2ASlots x kA2AMaxChunkBytes] (written by the sources)
+  // [lines: src regions x a2a_lines_region_bytes: lanes header lines, then the data lines of
+  //  the flagged-line protocol, 16 bytes each] (written by the sources)
   int a2a_lanes;
   size_t a2a_private_offset;
   size_t a2a_announce_offset;
   size_t a2a_credit_offset;
   size_t a2a_flags_offset;
   size_t a2a_staging_offset;
+  size_t a2a_lines_offset;
+  size_t a2a_lines_region_bytes;
   size_t total_bytes;
 
   EP_HOST_DEVICE int region_index(int src, int receiver) const {

@@ -79,6 +79,9 @@ BufferLayout make_layout(const NvlinkConfig& c, int num_ranks) {
   off = align_up(off + sizeof(uint64_t) * regions * lanes * kA2ASlots, 128);
   l.a2a_staging_offset = off;
   off += size_t(regions) * lanes * kA2ASlots * kA2AMaxChunkBytes;
+  l.a2a_lines_offset = off;
+  l.a2a_lines_region_bytes = align_up(a2a_lines_region_bytes(l.a2a_lanes), 128);
+  off += size_t(regions) * l.a2a_lines_region_bytes;
   l.total_bytes = align_up(off, 4096);
   return l;
 }
