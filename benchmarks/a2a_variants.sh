@@ -7,7 +7,8 @@
 # Usage: bash benchmarks/a2a_variants.sh "name=DEFINE[;DEFINE...]" ...
 #   e.g. "base=" "chunk256k=EP_A2A_CHUNK_BYTES=262144" "send48=EP_A2A_SEND_BLOCKS=48"
 #        "both=EP_A2A_CHUNK_BYTES=262144;EP_A2A_SEND_BLOCKS=48"
-#   (macros: EP_A2A_CHUNK_BYTES, EP_A2A_SLOTS, EP_A2A_SEND_BLOCKS; nvlink_common.hpp)
+#   (macros: EP_A2A_CHUNK_BYTES, EP_A2A_SLOTS, EP_A2A_SEND_BLOCKS, EP_A2A_LINES_MAX_BYTES;
+#   nvlink_common.hpp)
 #   RANKS (default: every GPU), ITERS (default 20), ROUNDS (default 2); logs under $OUT (./out).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

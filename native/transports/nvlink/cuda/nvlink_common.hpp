@@ -56,7 +56,8 @@ constexpr int kA2ASelfBlocks = 16;                  // blocks copying this rank'
 constexpr int kA2ASelfChunkBytes = 64 * 1024;       // their unit of work
 constexpr int kA2AMaxLocalExperts = 256;            // of the 2-D (per expert) form
 constexpr int kA2AThreads = 512;
-static_assert(kA2AMaxChunkBytes % kA2AChunkAlign == 0, "EP_A2A_CHUNK_BYTES: a multiple of 4 KiB");
+static_assert(kA2AMaxChunkBytes % kA2AChunkAlign == 0,
+              "the chunk size must be a multiple of 4 KiB");
 EP_HOST_DEVICE constexpr int a2a_lanes(int num_ranks) {
   return num_ranks <= 1 ? 1 : (kA2ASendBlocks + num_ranks - 2) / (num_ranks - 1);
 }
@@ -83,7 +84,7 @@ EP_HOST_DEVICE constexpr long long a2a_chunk_bytes(long long bytes, int lanes) {
 #define EP_A2A_LINES_MAX_BYTES (256 * 1024)
 #endif
 constexpr long long kA2ALinesMaxBytes = EP_A2A_LINES_MAX_BYTES;
-static_assert(kA2ALinesMaxBytes % 8 == 0, "EP_A2A_LINES_MAX_BYTES: a multiple of 8");
+static_assert(kA2ALinesMaxBytes % 8 == 0, "the flagged-line limit must be a multiple of 8");
 // Bytes of one source's line region at a receiver: a header line per lane (the bytes the lane's
 // sender sends, in both protocols), then one line per 8 payload bytes.
 EP_HOST_DEVICE constexpr size_t a2a_lines_region_bytes(int lanes) {
