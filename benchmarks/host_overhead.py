@@ -14,20 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 
 def median_host_us(fn, iters: int) -> float:
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples[iters // 5 :])
+    from ep_backend.bench import host_us_per_call  # after the worker's set_device
+
+    return host_us_per_call(fn, iters, skip=iters // 5)
 
 
 def main() -> None:

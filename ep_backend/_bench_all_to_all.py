@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -67,14 +66,9 @@ def _time_us(fn: Callable[[], object], iters: int) -> float:
 def _host_us(fn: Callable[[], object], iters: int) -> float:
     """Host µs to issue one call, median of ``iters`` calls each made on an idle GPU: when the
     GPU time of back-to-back calls is no larger, the row is bound by the host, not the kernel."""
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return sorted(samples)[len(samples) // 2]
+    from ep_backend.bench import host_us_per_call
+
+    return host_us_per_call(fn, iters)
 
 
 def _graph_us(fn: Callable[[], object], iters: int) -> float | str:

@@ -95,6 +95,19 @@ def _routing(num_tokens: int, num_experts: int, topk: int, device: torch.device,
     return idx, weights.float()
 
 
+def host_us_per_call(fn: Callable[[], object], iters: int, skip: int = 0) -> float:
+    """Median host time of one call of ``fn``, in µs: ``iters`` calls, each made on an idle device
+    (synchronised first), the first ``skip`` of them left out of the median."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples[skip:])
+
+
 def gpu_us_per_call(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
     """Mean GPU time of one call of ``fn``, in µs, over ``iters`` calls queued back to back.
 
