@@ -72,12 +72,17 @@ void raiseAfterLaunch(const std::string& pending) {
 // Communicating kernels of a rank run one at a time: a call on another stream than the previous
 // one waits for it (an event recorded only when the stream changes; inside a capture the graph's
 // own dependencies order it).
-// `waiter` waits for the work queued on `on` so far, through `event` (created at first use).
-void streamWaits(cudaStream_t waiter, cudaStream_t on, cudaEvent_t& event) {
+// `event`, created at its first use (an event without timing: only ordering).
+cudaEvent_t created(cudaEvent_t& event) {
   if (event == nullptr) {
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
   }
-  C10_CUDA_CHECK(cudaEventRecord(event, on));
+  return event;
+}
+
+// `waiter` waits for the work queued on `on` so far, through `event`.
+void streamWaits(cudaStream_t waiter, cudaStream_t on, cudaEvent_t& event) {
+  C10_CUDA_CHECK(cudaEventRecord(created(event), on));
   C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
 }
 
@@ -95,11 +100,8 @@ void prepareAsync(GroupState& st, const at::Device& device) {
   if (!st.a2a_comm_stream.has_value()) {
     st.a2a_comm_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index());
   }
-  for (cudaEvent_t* event : {&st.a2a_comm_ready, &st.a2a_order}) {
-    if (*event == nullptr) {
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
-    }
-  }
+  created(st.a2a_comm_ready);
+  created(st.a2a_order);
 }
 
 // The type of the futures' value (made once: creating a type allocates).
