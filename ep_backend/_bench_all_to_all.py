@@ -163,31 +163,20 @@ def _push_limit(rank: int, world: int, per_peer: int, iters: int, probe_lib: str
     every GPU pushes ``per_peer`` bytes to each peer at once, 4 KiB rows (the other rows' size)."""
     if not probe_lib:
         return "n/a: the push-limit probe did not compile (nvcc)"
-    from ep_backend._push_limit import PushLimitProbe
+    from ep_backend._push_limit import close_on_every_rank, open_on_every_rank
 
     device = torch.device("cuda", torch.cuda.current_device())
-    row_bytes = min(4096, per_peer)
     store = dist.distributed_c10d._get_default_store()
-    probe = None
-    why = ""
-    try:
-        probe = PushLimitProbe(Path(probe_lib), store, f"a2a_bench/push_limit/{per_peer}", rank,
-                               world, device, row_bytes, per_peer * (world - 1))  # fmt: skip
-        why = probe.setup_error
-    except (OSError, RuntimeError, ValueError) as e:
-        why = str(e)
-    ok = torch.tensor([0 if why else 1], device="cuda")
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank measures it or none does
+    probe, why = open_on_every_rank(Path(probe_lib), store, f"a2a_bench/push_limit/{per_peer}",
+                                    rank, world, device, min(4096, per_peer),
+                                    per_peer * (world - 1), device)  # fmt: skip
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     result: float | str = (
         _time_us(lambda: probe.launch(sms), iters)  # type: ignore[union-attr]
-        if int(ok.item()) == 1
-        else f"n/a: {why or 'the probe failed on another rank'}"[:120]
+        if probe is not None
+        else f"n/a: {why}"[:120]
     )
-    if probe is not None:
-        probe.close()
-        dist.barrier()  # no peer maps this rank's buffer any more
-        probe.free()
+    close_on_every_rank(probe)
     return result
 
 

@@ -275,3 +275,49 @@ class PushLimitProbe:
                 self._check(self.lib.ep_probe_set_device(self.device.index))
                 self._check(self.lib.ep_probe_free(self.recv))
             self.recv = ctypes.c_void_p()
+
+
+def open_on_every_rank(
+    lib: Path,
+    store: object,
+    key: str,
+    rank: int,
+    world: int,
+    device: torch.device,
+    row_bytes: int,
+    bytes_per_launch: int,
+    agree_on: torch.device,
+) -> tuple[PushLimitProbe | None, str]:
+    """This rank's probe when every rank of the default group could set one up, else (None, why):
+    its timing is collective, so every rank measures the limit or none does.
+
+    ``agree_on``: the device of the tensor the ranks all-reduce the verdict with (the default
+    group's backend must serve it). Collective; pair with :func:`close_on_every_rank`.
+    """
+    import torch.distributed as dist
+
+    probe, why = None, ""
+    try:
+        probe = PushLimitProbe(lib, store, key, rank, world, device, row_bytes, bytes_per_launch)
+        if probe.setup_error:  # its buffer is freed below, once no peer maps it
+            why = f"probe failed on rank {rank}: {probe.setup_error}"
+    except (OSError, RuntimeError, ValueError) as e:
+        why = f"probe failed on rank {rank}: {e}"
+    ok = torch.tensor([0 if why else 1], dtype=torch.int64, device=agree_on)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if int(ok.item()) == 1:
+        return probe, ""
+    close_on_every_rank(probe)
+    return None, why or "the probe failed on another rank"
+
+
+def close_on_every_rank(probe: PushLimitProbe | None) -> None:
+    """Unmaps the peers' buffers on every rank, then frees this rank's own once no peer maps it.
+    Collective (a barrier of the default group), also for a rank whose probe is None."""
+    import torch.distributed as dist
+
+    if probe is not None:
+        probe.close()
+    dist.barrier()
+    if probe is not None:
+        probe.free()

@@ -450,34 +450,26 @@ def _open_push_limit_probe(
         return None, "ranks share a GPU (not a link figure)"
     if world < 2:
         return None, "needs at least 2 ranks"
-    from ep_backend._push_limit import MAX_PEERS, PushLimitProbe
+    from ep_backend._push_limit import MAX_PEERS, open_on_every_rank
 
     if world > MAX_PEERS + 1:
         return None, f"{world} ranks: the probe pushes to at most {MAX_PEERS} peers"
     if not args.probe_lib:
         return None, args.probe_reason
-    probe, why = None, ""
-    try:
-        probe = PushLimitProbe(Path(args.probe_lib), store, "ep_bench/push_limit", rank, world,
-                               device, args.hidden * 2, 64 << 20)  # fmt: skip
-        if probe.setup_error:  # its buffer is freed below, once no peer maps it
-            why = f"probe failed on rank {rank}: {probe.setup_error}"
-    except (OSError, RuntimeError) as e:
-        why = f"probe failed on rank {rank}: {e}"
+    probe, why = open_on_every_rank(
+        Path(args.probe_lib),
+        store,
+        "ep_bench/push_limit",
+        rank,
+        world,
+        device,
+        args.hidden * 2,
+        64 << 20,
+        torch.device("cpu"),
+    )
     if why:
         print(f"push limit: {why}", flush=True)
-    # Every rank measures the limit or none does (its timing is collective).
-    ok = torch.tensor([0 if why else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if int(ok.item()) == 0:
-        if probe is not None:
-            probe.close()
-        why = why or "the probe failed on another rank"
-        dist.barrier()  # every peer has unmapped the buffers before they are freed
-        if probe is not None:
-            probe.free()
-        return None, why
-    return probe, ""
+    return probe, why
 
 
 def _nccl_pipeline(x, idx, weights, num_experts: int, group) -> Callable[[], torch.Tensor]:
@@ -923,10 +915,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         # "host" then hold that wait.
         print(f"host barriers: the latest rank left {barriers} barriers a median {late_median:.1f} "
               f"µs (max {late_max:.1f}) after the agreed start", flush=True)  # fmt: skip
-    if probe is not None:  # unmap the peers' buffers everywhere before anyone frees its own
-        probe.close()
-        dist.barrier()
-        probe.free()
+    from ep_backend._push_limit import close_on_every_rank
+
+    close_on_every_rank(probe)  # unmaps the peers' buffers everywhere before anyone frees its own
     dist.barrier()
     dist.destroy_process_group()
 
