@@ -94,6 +94,13 @@ EP_HOST_DEVICE constexpr size_t a2a_lines_region_bytes(int lanes) {
 EP_HOST_DEVICE constexpr uint32_t a2a_line_flag(uint64_t seq) {
   return static_cast<uint32_t>(seq % 0xffffffffull) + 1;
 }
+// What the rule gives (16 lanes: 4 ranks): one 64 KiB chunk a lane at 1 MiB, two 256 KiB chunks at
+// 8 MiB, capped slots beyond; never below the alignment.
+static_assert(a2a_chunk_bytes(0, 16) == kA2AChunkAlign && a2a_chunk_bytes(100, 16) == 4096);
+static_assert(a2a_chunk_bytes(1 << 20, 16) == 64 * 1024);
+static_assert(a2a_chunk_bytes(8 << 20, 16) == 256 * 1024 || kA2AMaxChunkBytes < 256 * 1024);
+static_assert(a2a_chunk_bytes(1ll << 30, 16) == kA2AMaxChunkBytes);
+static_assert(a2a_line_flag(0) == 1 && a2a_line_flag(0xfffffffeull) == 0xffffffffu);
 // The low 32 bits of a credit word once the receiver is done with a whole call.
 constexpr uint64_t kA2ADone = 0xffffffffull;
 
