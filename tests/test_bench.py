@@ -262,3 +262,27 @@ def test_bench_all_to_all_section_prints_and_writes_each_rank_count(tmp_path, mo
     assert out.count("targets (issue 42): ") == 1
     assert bench._all_to_all_section(1, 7, tmp_path, "") == 0
     assert "all-to-all section skipped: needs at least 2 GPUs (1 GPU)" in capsys.readouterr().out
+
+
+def _open_probe_that_cannot_load(rank: int, world: int, missing: str) -> tuple[bool, str]:
+    import torch.distributed as dist
+
+    from ep_backend._push_limit import close_on_every_rank, open_on_every_rank
+
+    store = dist.distributed_c10d._get_default_store()
+    probe, why = open_on_every_rank(Path(missing), store, "test/push_limit", rank, world,
+                                    torch.device("cpu"), 4096, 1 << 20, torch.device("cpu"))  # fmt: skip
+    close_on_every_rank(probe)  # collective also without a probe: must not hang
+    return probe is None, why
+
+
+def test_push_limit_probe_that_fails_is_given_up_by_every_rank(tmp_path) -> None:
+    """The probe's collective open: a rank whose probe cannot be set up (here: no library) makes
+    every rank go without it, each saying why, and the collective close still pairs up."""
+    from _dist_utils import run_distributed
+
+    missing = str(tmp_path / "no_such_probe.so")
+    results = run_distributed(_open_probe_that_cannot_load, 2, missing, timeout=60)
+    for rank, (none, why) in enumerate(results):
+        assert none, rank
+        assert why.startswith(f"probe failed on rank {rank}: ") and "no_such_probe" in why, why
