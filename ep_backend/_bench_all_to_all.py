@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ep_backend.bench import gpu_us_per_call, host_us_per_call
+
 # Bytes each rank sends to each peer.
 SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20, 256 << 20]
 
@@ -57,18 +59,8 @@ REPEATS = 5  # timed loops per row and size: their median (one host hiccup moves
 def _time_us(fn: Callable[[], object], iters: int) -> float:
     """µs per call: the median of :data:`REPEATS` loops of ``iters`` back-to-back calls, after
     three warm-up calls."""
-    from ep_backend.bench import gpu_us_per_call  # after the worker's set_device
-
     loops = [gpu_us_per_call(fn, iters, warmup=3 if i == 0 else 0) for i in range(REPEATS)]
     return sorted(loops)[REPEATS // 2]
-
-
-def _host_us(fn: Callable[[], object], iters: int) -> float:
-    """Host µs to issue one call, median of ``iters`` calls each made on an idle GPU: when the
-    GPU time of back-to-back calls is no larger, the row is bound by the host, not the kernel."""
-    from ep_backend.bench import host_us_per_call
-
-    return host_us_per_call(fn, iters)
 
 
 def _graph_us(fn: Callable[[], object], iters: int) -> float | str:
@@ -121,12 +113,14 @@ def _rows(
     y = torch.empty_like(x)
     out: dict[str, float | str] = {}
     out[EP_HOST] = _time_us(lambda: dist.all_to_all_single(y, x), iters)
-    out[EP_HOST + HOST] = _host_us(lambda: dist.all_to_all_single(y, x), iters)
+    out[EP_HOST + HOST] = host_us_per_call(lambda: dist.all_to_all_single(y, x), iters)
     splits = torch.full((world,), rows, dtype=torch.int64, device="cuda")
     out["ep device splits"] = _time_us(lambda: ep_backend.all_to_all_v(x, splits, y), iters)
-    out["ep device splits" + HOST] = _host_us(lambda: ep_backend.all_to_all_v(x, splits, y), iters)
+    out["ep device splits" + HOST] = host_us_per_call(
+        lambda: ep_backend.all_to_all_v(x, splits, y), iters
+    )
     out[NCCL] = _time_us(lambda: dist.all_to_all_single(y, x, group=nccl), iters)
-    out[NCCL + HOST] = _host_us(lambda: dist.all_to_all_single(y, x, group=nccl), iters)
+    out[NCCL + HOST] = host_us_per_call(lambda: dist.all_to_all_single(y, x, group=nccl), iters)
     out[EP_HOST + GRAPH] = _graph_us(lambda: dist.all_to_all_single(y, x), iters)
     out[NCCL + GRAPH] = _graph_us(lambda: dist.all_to_all_single(y, x, group=nccl), iters)
     out["symm_mem all_to_all_vdev"] = _symm_mem_row(rank, world, x, rows, iters, nccl)
