@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The NVLink all-to-all kernel's tuning constants A/B'd in one GPU session: builds the package once
+# The NVLink all-to-all kernel's tuning constants A/B'd in one GPU run: builds the package once
 # per variant (compile definitions through CMake's EP_VARIANT_DEFINES, host and device code alike,
 # in a copy of this checkout each), then runs benchmarks/all_to_all.py with each, interleaved over
 # rounds (base, a, b, base, a, b, ...: a shared host drifts). Issue #42's large-message target.
