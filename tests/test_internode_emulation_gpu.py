@@ -6,7 +6,9 @@ layout's per-node counts equal the reference: bitwise for the copies; combine bi
 ``reference.combine_by_node`` (the hierarchical summation order), and against
 ``reference.combine`` too where a node holds one rank. Also: worst-case mode, async_op, empty
 ranks (rank 0, then rank 1, then every rank with T = 0: the sequence the spec test once hung in),
-a bad input on one rank, and a soak (``EP_INTERNODE_SOAK_CALLS``, default 300).
+a bad input on one rank, worst-case dispatch + combine + cached dispatch captured in a CUDA graph
+and replayed, worst-case calls the GPU notify rejects (raised by the next call on every rank), and
+a soak (``EP_INTERNODE_SOAK_CALLS``, default 300).
 """
 
 from __future__ import annotations
@@ -434,6 +436,124 @@ def test_internode_bad_input_raises_everywhere_then_exact(world: int, per_node: 
     results = _run_on_internode(_bad_input_then_exact, world, per_node)
     for rank, r in enumerate(results):
         assert r["raised"], (rank, "did not raise")
+        assert r["failures"] == [], (rank, r["failures"])
+
+
+def _graph_replays(rank: int, world: int, per_node: int) -> dict:
+    """Worst-case dispatch, combine and cached dispatch captured in one CUDA graph (the counts
+    are notified on the GPU; nothing is read on the host), replayed with new inputs copied into
+    the captured ones, each replay against the reference; then eager calls between replays (the
+    kernels take the call number from the device, so replays and eager calls interleave)."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    worst = 160 * world
+    nodes = ep.topology().node_of_rank
+    failures: list[str] = []
+    _fail_fast()
+    step = _Progress(rank)
+    x, idx, w = cuda_routing(160, H, experts, K, seed=rank + 300)
+    static_x, static_idx, static_w = x.clone(), idx.clone(), w.clone()
+    static_x2 = torch.randn_like(x.float()).bfloat16()
+    step("eager warm-up")
+    warm = ep.dispatch(static_x, static_idx, static_w, experts, num_worst_tokens=worst)
+    ep.combine(warm.recv_x, warm.handle, warm.recv_topk_weights)
+    ep.dispatch(static_x2, handle=warm.handle)
+    torch.cuda.synchronize()
+    step("capture")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ep.dispatch(static_x, static_idx, static_w, experts, num_worst_tokens=worst)
+        comb = ep.combine(out.recv_x * 2, out.handle, out.recv_topk_weights)
+        cached = ep.dispatch(static_x2, handle=out.handle)
+
+    def replay(seed: int) -> None:
+        x, idx, w = cuda_routing(160, H, experts, K, seed=seed)
+        x2 = torch.randn_like(x.float()).bfloat16()
+        static_x.copy_(x)
+        static_idx.copy_(idx)
+        static_w.copy_(w)
+        static_x2.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts, num_worst_tokens=worst)
+        _check_dispatch(failures, f"replay {seed}", out, want)
+        want_c = ref.combine_by_node(want.recv_x * 2, want.handle, nodes, want.recv_topk_weights)
+        _compare(failures, f"replay {seed} combine", comb.combined_x, want_c.combined_x)
+        _compare(failures, f"replay {seed} combine weights", comb.combined_topk_weights,
+                 want_c.combined_topk_weights)  # fmt: skip
+        _compare(failures, f"replay {seed} cached", cached.recv_x,
+                 ref.dispatch(x2.cpu(), handle=want.handle).recv_x)  # fmt: skip
+
+    for i in range(3):
+        step(f"replay {i}")
+        replay(1000 * rank + i)
+    step("eager calls between replays")
+    x, idx, w = cuda_routing(90, H, experts, K, seed=rank + 400)
+    a = ep.dispatch(x, idx, w, experts)
+    _check_dispatch(failures, "eager after replays", a,
+                    ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts))  # fmt: skip
+    replay(1000 * rank + 7)
+    torch.cuda.synchronize()
+    step("done")
+    return {"failures": failures, "transport": ep.get_backend().high_throughput_transport}
+
+
+@needs_internode
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_worst_case_graph_capture_and_replay(world: int, per_node: int) -> None:
+    results = _run_on_internode(_graph_replays, world, per_node)
+    for rank, r in enumerate(results):
+        assert r["transport"] == "internode", (rank, r["transport"])
+        assert r["failures"] == [], (rank, r["failures"][:20])
+
+
+def _worst_case_rejected_then_exact(rank: int, world: int, per_node: int) -> dict:
+    """A worst-case dispatch whose num_worst_tokens is too small, then one with an out-of-range
+    id on one rank: no host step sees either, so each moves nothing (padding only) and the next
+    call raises on every rank; the call after that is exact."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    _fail_fast()
+    x, idx, w = cuda_routing(64, H, experts, K, seed=rank + 21)
+    raised: list[str] = []
+    padding_only: list[bool] = []
+    for case in ("too small", "bad id"):
+        bad = idx.clone()
+        if case == "bad id" and rank == 0:
+            bad[5, 1] = -7
+        limit = 3 if case == "too small" else 64 * world
+        out = ep.dispatch(x, bad, w, experts, num_worst_tokens=limit)
+        padding_only.append(bool(out.recv_topk_idx.eq(-1).all()) and
+                            bool(out.handle.recv_src_rank.eq(-1).all()))  # fmt: skip
+        try:
+            ep.dispatch(x, idx, w, experts)
+            raised.append("")
+        except RuntimeError as exc:
+            raised.append(str(exc))
+    failures: list[str] = []
+    a = ep.dispatch(x, idx, w, experts, num_worst_tokens=64 * world)
+    _check_dispatch(failures, "after the rejections", a,
+                    ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts,
+                                 num_worst_tokens=64 * world))  # fmt: skip
+    torch.cuda.synchronize()
+    return {"raised": raised, "padding_only": padding_only, "failures": failures}
+
+
+@needs_internode
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_worst_case_rejection_raises_next_call_everywhere(
+    world: int, per_node: int
+) -> None:
+    results = _run_on_internode(_worst_case_rejected_then_exact, world, per_node)
+    for rank, r in enumerate(results):
+        too_small, bad_id = r["raised"]
+        assert "more than num_worst_tokens=3" in too_small, (rank, too_small)
+        assert "top-k id(s) outside" in bad_id and "rank 0 " in bad_id, (rank, bad_id)
+        assert r["padding_only"] == [True, True], (rank, r["padding_only"])
         assert r["failures"] == [], (rank, r["failures"])
 
 

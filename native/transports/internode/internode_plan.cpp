@@ -10,13 +10,21 @@ namespace ep::internode {
 Plan makePlan(const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
               const std::vector<int64_t>& offsets, const at::Tensor& node_rank_index,
               int64_t num_nodes, int64_t ranks_per_node) {
+  return makePlan(is_token_in_rank, send_pos,
+                  at::tensor(offsets, at::kLong).to(is_token_in_rank.device()), node_rank_index,
+                  num_nodes, ranks_per_node);
+}
+
+Plan makePlan(const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
+              const at::Tensor& offsets, const at::Tensor& node_rank_index, int64_t num_nodes,
+              int64_t ranks_per_node) {
   TORCH_CHECK(is_token_in_rank.dim() == 2 && is_token_in_rank.scalar_type() == at::kBool,
               "ep internode plan: is_token_in_rank must be bool [T, R]");
   const int64_t T = is_token_in_rank.size(0);
   const int64_t R = is_token_in_rank.size(1);
   TORCH_CHECK(send_pos.sizes() == is_token_in_rank.sizes(),
               "ep internode plan: send_pos must have the shape of is_token_in_rank");
-  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == R, "ep internode plan: ", offsets.size(),
+  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() == R, "ep internode plan: ", offsets.numel(),
               " offsets for ", R, " ranks");
   TORCH_CHECK(num_nodes >= 1 && ranks_per_node >= 1 && num_nodes * ranks_per_node == R &&
                   node_rank_index.numel() == R,
@@ -24,7 +32,7 @@ Plan makePlan(const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
               " ranks do not match a group of ", R, " (node table of ", node_rank_index.numel(),
               ")");
   const auto dev = is_token_in_rank.device();
-  const at::Tensor off = at::tensor(offsets, at::kLong).to(dev);
+  const at::Tensor off = offsets.to(dev, at::kLong);
   Plan p;
   p.dest_slot = at::where(send_pos.ge(0), send_pos.to(at::kLong) + off.unsqueeze(0), -1)
                     .to(at::kInt)

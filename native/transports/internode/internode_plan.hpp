@@ -32,6 +32,12 @@ Plan makePlan(const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
               const std::vector<int64_t>& offsets, const at::Tensor& node_rank_index,
               int64_t num_nodes, int64_t ranks_per_node);
 
+// The same with the offsets as an integer tensor [R] on the tensors' device (the notify's): no
+// host read, so a CUDA graph can capture it.
+Plan makePlan(const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
+              const at::Tensor& offsets, const at::Tensor& node_rank_index, int64_t num_nodes,
+              int64_t ranks_per_node);
+
 // Receive offsets of source `rank` at every receiver: the rows of lower source ranks first
 // (receive order: source rank, then source token). matrix: int64 [R, R] [src, dst] counts (CPU).
 std::vector<int64_t> receiveOffsets(const at::Tensor& matrix, int64_t rank);

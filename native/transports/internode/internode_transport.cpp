@@ -54,6 +54,9 @@ struct Library {
   ep_internode_create_fn create = nullptr;
   ep_internode_connect_fn connect = nullptr;
   ep_internode_abandon_fn abandon = nullptr;
+  ep_internode_notify_fn notify = nullptr;
+  ep_internode_notify_counts_fn notify_counts = nullptr;
+  ep_internode_take_rejection_fn take_rejection = nullptr;
   ep_internode_dispatch_fn dispatch = nullptr;
   ep_internode_combine_fn combine = nullptr;
   ep_internode_check_error_fn check_error = nullptr;
@@ -75,6 +78,9 @@ const Library& library() {
            librarySymbol("ep_internode_create", l.create, l.error) &&
            librarySymbol("ep_internode_connect", l.connect, l.error) &&
            librarySymbol("ep_internode_abandon", l.abandon, l.error) &&
+           librarySymbol("ep_internode_notify", l.notify, l.error) &&
+           librarySymbol("ep_internode_notify_counts", l.notify_counts, l.error) &&
+           librarySymbol("ep_internode_take_rejection", l.take_rejection, l.error) &&
            librarySymbol("ep_internode_dispatch", l.dispatch, l.error) &&
            librarySymbol("ep_internode_combine", l.combine, l.error) &&
            librarySymbol("ep_internode_check_error", l.check_error, l.error) &&
@@ -109,6 +115,9 @@ struct GroupState {
   uint64_t builds = 0;    // runtimes built so far (the rendezvous key of the next build)
   uint64_t launches = 0;  // kernel calls on `runtime`: its sequence number, agreed every call
   uint64_t calls = 0;     // ops of this group on this transport (EP_INTERNODE_TRACE)
+  // A CUDA graph captured this transport's kernels on `runtime`: its buffers may not be freed
+  // or moved from then on (the graph keeps their addresses).
+  bool captured = false;
 };
 
 // ---- diagnosis: EP_INTERNODE_TRACE=1 prints each op's host stages to stderr ----------------
@@ -323,23 +332,54 @@ void checkSequenceAgrees(const at::Tensor& gathered, int64_t column, GroupState&
   }
 }
 
-// The counts of this version are agreed on the host (Gloo): nothing of it can be captured. A
-// local error, so that the agreement raises it on every rank.
-std::string captureError(const char* op) {
-  return streamCapturing() ? std::string("ep ") + op +
-                                 ": the internode transport cannot run under CUDA graph capture "
-                                 "yet (its counts are agreed on the host; docs/internode.md)"
-                           : "";
+// A worst-case call the notify rejected (its kernels moved nothing, its outputs are padding):
+// every rank's notify saw the same counts, so every rank raises it at its next op. "" when none.
+std::string takeRejection(GroupState& st, const char* op) {
+  if (st.runtime == nullptr) return "";
+  char msg[512] = {0};
+  library().take_rejection(st.runtime, msg, sizeof(msg));
+  if (msg[0] == 0) return "";
+  return std::string("ep ") + op +
+         ": an earlier worst-case internode dispatch (num_worst_tokens) moved nothing and returned "
+         "padding only: " +
+         msg + " (reported by the next call; the group stays usable)";
+}
+
+// A dispatch without num_worst_tokens sizes its outputs on the host from the counts: it cannot
+// be captured. A local error, so that the agreement raises it on every rank.
+std::string captureError(const char* op, bool host_sized) {
+  return host_sized && streamCapturing()
+             ? std::string("ep ") + op +
+                   ": under CUDA graph capture the internode transport needs num_worst_tokens "
+                   "(without it the outputs are sized on the host from the counts)"
+             : "";
 }
 
 // The start of every op of this transport: counts it (EP_INTERNODE_TRACE) and returns the error
-// an earlier call left or a CUDA graph capture ("" when none): the op adds its own validation and
-// raises the result on every rank through agreeInStep.
-std::string beginOp(EPProcessGroup& pg, GroupState& st, const char* op) {
+// an earlier call left, a rejected worst-case call, or a capture it cannot serve ("" when none):
+// the op adds its own validation and raises the result on every rank through agreeInStep.
+std::string beginOp(EPProcessGroup& pg, GroupState& st, const char* op, bool host_sized = false) {
   ++st.calls;
-  std::string error = previousCallError(pg, st, op);
-  if (error.empty()) error = captureError(op);
+  // While capturing, nothing may wait for the GPU; a capture follows eager calls (the buffers
+  // must exist), whose kernels the first call after the capture waits for.
+  std::string error = streamCapturing() ? pendingError(st, op) : previousCallError(pg, st, op);
+  if (error.empty()) error = takeRejection(st, op);
+  if (error.empty()) error = captureError(op, host_sized);
   return error;
+}
+
+// After the launches of an op: a captured op's kernels are the graph's (no event to wait for).
+void launched(GroupState& st, cudaStream_t stream, const char* op) {
+  ++st.launches;
+  if (streamCapturing()) {
+    st.captured = true;
+  } else {
+    recordLaunch(st, stream, op);
+  }
+}
+
+AgreedField captureField() {
+  return {"CUDA graph capture of the call", streamCapturing() ? 1 : 0};
 }
 
 // The op's agreement (agreeAcrossRanks: raises `error` of any rank on every rank) with the
@@ -369,6 +409,12 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   if (st.runtime != nullptr && holds(st.capacity, need)) return st.runtime;
   const Capacity cap = grownCapacity(st.capacity, need);
   const std::string mine = describe(cap);
+  // Every input of `need` is agreed: every rank raises alike.
+  TORCH_CHECK(!streamCapturing() && !st.captured, "ep ", op,
+              ": the internode buffers must grow (to ", mine, ") but ",
+              streamCapturing() ? "the stream is being captured into a CUDA graph"
+                                : "a CUDA graph holds their addresses",
+              "; run the largest call once eagerly before capturing. Nothing was exchanged");
   trace(pg, st, op, "building the internode buffers: " + mine);
   const std::vector<std::string> wanted = allGatherStrings(
       pg,
@@ -408,17 +454,6 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   return rt;
 }
 
-// Columns [offset, offset + bytes) of the received records as a [rows, bytes / elem] tensor of
-// `dtype` (a copy: the records are reused by a later call).
-at::Tensor field(const at::Tensor& records, int64_t offset, int64_t bytes, at::ScalarType dtype) {
-  if (records.size(0) == 0) {
-    return at::empty({0, bytes / static_cast<int64_t>(c10::elementSize(dtype))},
-                     records.options().dtype(dtype));
-  }
-  // clone, not contiguous(): one row is contiguous already, and would stay a view of the buffer.
-  return records.narrow(1, offset, bytes).clone(at::MemoryFormat::Contiguous).view(dtype);
-}
-
 int64_t maxColumn(const at::Tensor& gathered, int64_t column) {
   return gathered.select(1, column).max().item<int64_t>();
 }
@@ -427,74 +462,170 @@ int64_t elementBytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.element_size());
 }
 
-// Runs the kernels of one (cached) dispatch; returns the received records [rows, n_bytes].
-at::Tensor moveRows(EPProcessGroup& pg, GroupState& st, const at::Tensor& x,
-                    const std::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx64,
-                    const std::optional<at::Tensor>& topk_weights, const Plan& plan,
-                    int64_t experts_per_rank, int64_t recv_rows, const at::Tensor& gathered_t,
-                    int64_t max_recv, bool cached, InternodeRecvView* view_out) {
+// What a notify leaves on the device (int32): offsets [R] (rows of lower source ranks at each
+// receiver), recv_counts [R], num_recv [1].
+struct Notified {
+  at::Tensor offsets;
+  at::Tensor recv_counts;
+  at::Tensor num_recv;
+  uint64_t ticket = 0;
+};
+
+// Enqueues the count exchange of a (cached) dispatch on `rt`. per_rank: int32 [R] rows this rank
+// sends to each rank; invalid: int64 [1] out-of-range top-k ids (undefined: none); limit > 0
+// rejects a call where a rank receives more rows (recorded for the next op when `report`).
+Notified notify(EPProcessGroup& pg, GroupState& st, void* rt, const at::Tensor& per_rank,
+                const at::Tensor& invalid, int64_t num_tokens, int64_t limit, bool report,
+                cudaStream_t stream, const char* op) {
+  const int64_t R = pg.getSize();
+  at::Tensor words = at::empty({2 * R + 1}, per_rank.options().dtype(at::kInt));
+  Notified n;
+  n.offsets = words.narrow(0, 0, R);
+  n.recv_counts = words.narrow(0, R, R);
+  n.num_recv = words.narrow(0, 2 * R, 1);
+  const at::Tensor sent = per_rank.to(at::kInt).contiguous();
+  InternodeNotifyArgs a;
+  a.per_rank = sent.data_ptr<int>();
+  a.invalid = invalid.defined() ? invalid.data_ptr<int64_t>() : nullptr;
+  a.num_tokens = static_cast<int>(num_tokens);
+  a.limit = limit;
+  a.report_rejection = report;
+  a.offsets = n.offsets.data_ptr<int>();
+  a.recv_counts = n.recv_counts.data_ptr<int>();
+  a.num_recv = n.num_recv.data_ptr<int>();
+  a.timeout_seconds = pg.options()->kernel_timeout_s;
+  char err[1024] = {0};
+  check(library().notify(rt, &a, stream, &n.ticket, err, sizeof(err)), op, err);
+  trace(pg, st, op, "notify launched");
+  return n;
+}
+
+// The [R, R + 2] count rows of the notify `ticket` (count_columns), after a wait bounded as the
+// kernels' (a failed notify finishes too; its error is raised here).
+std::vector<int64_t> waitForCounts(EPProcessGroup& pg, GroupState& st, uint64_t ticket,
+                                   const char* op) {
+  const int64_t R = pg.getSize();
+  std::vector<int64_t> rows(static_cast<size_t>(R * count_columns(R)));
+  const auto start = std::chrono::steady_clock::now();
+  const auto limit = std::chrono::duration<double>(hostWaitLimit(pg));
+  const auto spin_until = start + std::chrono::milliseconds(2);
+  while (library().notify_counts(st.runtime, ticket, rows.data()) == 0) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start > limit) {
+      char where[1024] = {0};
+      library().progress(st.runtime, where, sizeof(where));
+      st.failure = std::string("ep ") + op + ": rank " + std::to_string(pg.getRank()) +
+                   " timed out waiting for its internode count exchange: " +
+                   (where[0] != 0 ? where : "no stage recorded") +
+                   " (the group's internode transport is unusable from now on)";
+      std::fprintf(stderr, "%s\n", st.failure.c_str());
+      std::fflush(stderr);
+      TORCH_CHECK(false, st.failure);
+    }
+    if (now < spin_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  const std::string failed = pendingError(st, op);
+  TORCH_CHECK(failed.empty(), failed);
+  trace(pg, st, op, "counts read");
+  return rows;
+}
+
+// Outputs of one (cached) dispatch, written by the unpack kernel: `rows` rows, the received ones
+// then padding.
+struct Outputs {
+  at::Tensor x;
+  std::optional<at::Tensor> x_scales;
+  at::Tensor topk_local;  // int64 [rows, K] (not for a cached dispatch)
+  std::optional<at::Tensor> topk_weights;
+  at::Tensor src_idx;   // int32 [rows]
+  at::Tensor src_rank;  // int32 [rows]
+};
+
+// Runs the kernels of one (cached) dispatch after its notify, into fresh outputs of `rows` rows.
+Outputs moveRows(EPProcessGroup& pg, GroupState& st, void* rt, const at::Tensor& x,
+                 const std::optional<at::Tensor>& x_scales, const at::Tensor& topk_idx64,
+                 const std::optional<at::Tensor>& topk_weights, const Plan& plan,
+                 const Notified& counts, int64_t experts_per_rank, int64_t rows, bool cached,
+                 cudaStream_t stream) {
   const char* op = cached ? "cached dispatch" : "dispatch";
-  const at::Device device = x.device();
-  const int64_t x_bytes = x.size(1) * elementBytes(x);
-  const int64_t scale_bytes = x_scales ? x_scales->size(1) * elementBytes(*x_scales) : 0;
-  const int64_t topk = cached ? 0 : topk_idx64.size(1);
-  const Capacity need = dispatchNeed(maxColumn(gathered_t, 0), max_recv, x.size(1), x_bytes,
-                                     scale_bytes, topk, st.ranks_per_node);
-  void* rt = ensureRuntime(pg, st, device, need, op);
-  if (tracing()) {  // the sizes of an empty rank's call, beside its peers' (no string otherwise)
+  const int64_t K = cached ? 0 : topk_idx64.size(1);
+  Outputs out;
+  out.x = at::empty({rows, x.size(1)}, x.options());
+  if (x_scales) out.x_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
+  if (!cached) {
+    out.topk_local = at::empty({rows, K}, x.options().dtype(at::kLong));
+    if (topk_weights) out.topk_weights = at::empty({rows, K}, x.options().dtype(at::kFloat));
+    out.src_idx = at::empty({rows}, x.options().dtype(at::kInt));
+    out.src_rank = at::empty({rows}, x.options().dtype(at::kInt));
+  }
+  if (tracing()) {
     trace(pg, st, op,
           "buffers #" + std::to_string(st.builds) + " ready; launching call " +
               std::to_string(st.launches + 1) + " (tokens " + std::to_string(x.size(0)) +
-              ", rows to receive " + std::to_string(recv_rows) + ", most any rank receives " +
-              std::to_string(max_recv) + ")");
+              ", output rows " + std::to_string(rows) + ")");
   }
   InternodeDispatchArgs a;
   a.x = x.data_ptr();
-  a.x_bytes = x_bytes;
+  a.x_bytes = x.size(1) * elementBytes(x);
   a.x_scales = x_scales ? x_scales->data_ptr() : nullptr;
-  a.scale_bytes = scale_bytes;
+  a.scale_bytes = x_scales ? x_scales->size(1) * elementBytes(*x_scales) : 0;
   a.topk_idx = cached ? nullptr : topk_idx64.data_ptr<int64_t>();
   a.topk_weights = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
-  a.topk = static_cast<int>(topk);
+  a.topk = static_cast<int>(K);
   a.dest_slot = plan.dest_slot.data_ptr<int>();
   a.node_pos = plan.node_pos.data_ptr<int>();
   a.node_count = plan.node_count.data_ptr<int>();
   a.num_tokens = static_cast<int>(x.size(0));
   a.experts_per_rank = static_cast<int>(experts_per_rank);
-  a.recv_rows = recv_rows;
+  a.recv_counts = counts.recv_counts.data_ptr<int>();
+  a.num_recv = counts.num_recv.data_ptr<int>();
+  a.out_rows = rows;
+  a.out_x = out.x.data_ptr();
+  a.out_scales = out.x_scales ? out.x_scales->data_ptr() : nullptr;
+  if (!cached) {
+    a.out_topk = out.topk_local.data_ptr<int64_t>();
+    a.out_weights = out.topk_weights ? out.topk_weights->data_ptr<float>() : nullptr;
+    a.out_src_idx = out.src_idx.data_ptr<int>();
+    a.out_src_rank = out.src_rank.data_ptr<int>();
+  }
   a.timeout_seconds = pg.options()->kernel_timeout_s;
   a.cached = cached;
   char err[1024] = {0};
-  InternodeRecvView view;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  check(library().dispatch(rt, &a, stream, &view, err, sizeof(err)), op, err);
-  ++st.launches;
-  recordLaunch(st, stream, op);
+  check(library().dispatch(rt, &a, stream, err, sizeof(err)), op, err);
+  launched(st, stream, op);
   trace(pg, st, op, "launched");
-  // A dispatch reads its outputs on the host next (the per-expert counts): it waits here, with a
-  // deadline, and raises its own kernel error (a timeout names the stalled peer) rather than the
-  // next call. A cached dispatch returns while its kernels run, as a combine does: the next op
-  // waits for them (previousCallError).
-  if (!cached) {
-    const std::string stuck = waitForKernels(pg, st, op);
-    if (!stuck.empty()) {
-      st.failure = stuck + " (the group's internode transport is unusable from now on)";
-      std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
-      std::fflush(stderr);
-      TORCH_CHECK(false, st.failure);
-    }
-    const std::string failed = pendingError(st, op);
-    TORCH_CHECK(failed.empty(), failed);
-    trace(pg, st, op, "kernels done");
-  }
-  *view_out = view;
-  return at::from_blob(const_cast<char*>(view.rows), {recv_rows, view.layout.n_bytes},
-                       x.options().dtype(at::kByte));
+  return out;
 }
 
-// Rows, T and the [src, dst] count matrix agreed, with every rank's T in column R.
-at::Tensor countMatrix(const at::Tensor& gathered, int64_t R) {
-  return gathered.narrow(1, 0, R).contiguous();
+// A dispatch that read its counts on the host waits for its kernels here, with a deadline, and
+// raises its own kernel error (a timeout names the stalled peer) rather than the next call.
+void waitForOwnKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
+  const std::string stuck = waitForKernels(pg, st, op);
+  if (!stuck.empty()) {
+    st.failure = stuck + " (the group's internode transport is unusable from now on)";
+    std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
+    std::fflush(stderr);
+    TORCH_CHECK(false, st.failure);
+  }
+  const std::string failed = pendingError(st, op);
+  TORCH_CHECK(failed.empty(), failed);
+  trace(pg, st, op, "kernels done");
+}
+
+// The out-of-range top-k ids of this rank (int64 [T, K] mask), as the message it raises.
+std::string invalidIdsMessage(const at::Tensor& topk_idx, const at::Tensor& invalid,
+                              int64_t num_experts) {
+  const at::Tensor flat = invalid.flatten();
+  const int64_t bad = flat.sum().item<int64_t>();
+  const int64_t first = flat.to(at::kByte).argmax().item<int64_t>();
+  return "ep dispatch: topk_idx has " + std::to_string(bad) +
+         " value(s) outside [-1, num_experts=" + std::to_string(num_experts) + "), the first " +
+         std::to_string(topk_idx.flatten()[first].item<int64_t>()) + " at flat position " +
+         std::to_string(first) + "; nothing was exchanged";
 }
 
 }  // namespace
@@ -502,82 +633,111 @@ at::Tensor countMatrix(const at::Tensor& gathered, int64_t R) {
 DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const int64_t R = pg.getSize();
   const int64_t rank = pg.getRank();
+  const int64_t cols = count_columns(R);
+  const bool worst = a.num_worst_tokens > 0;
   auto st = stateOf(pg);
-  std::string error = beginOp(pg, *st, "dispatch");
+  std::string error = beginOp(pg, *st, "dispatch", /*host_sized=*/!worst);
   if (error.empty()) error = validateDispatch(a, R);
   if (error.empty() && a.topk_idx.size(1) > kMaxTopk) {
     error = "ep dispatch: the internode kernels take top-k <= 32";
   }
-  const bool ok = error.empty();
-  at::Tensor is_token_in_rank, send_pos;
-  std::vector<int64_t> payload(static_cast<size_t>(R) + 1, 0);
-  if (ok) {
-    // validateDispatch leaves the values of CUDA topk_idx to the kernels, and these trust them:
-    // out-of-range ids are counted here (with the send counts: one copy to the host) and raised on
-    // every rank through the agreement; the layout below sees them as -1 (an id >= 2E would index
-    // past its columns).
-    const at::Tensor invalid = a.topk_idx.lt(-1).logical_or(a.topk_idx.ge(a.num_experts));
-    if (a.layout.empty()) {
-      LayoutTensors l =
-          computeDispatchLayout(a.topk_idx.masked_fill(invalid, -1), a.num_experts, R);
-      is_token_in_rank = std::get<2>(l);
-      send_pos = std::get<3>(l);
-    } else {
-      is_token_in_rank = a.layout[2];
-      send_pos = a.layout[3];
-    }
-    std::vector<int64_t> counts =
-        toVector(at::cat({is_token_in_rank.sum(0).to(at::kLong), invalid.sum().view({1})}));
-    std::copy(counts.begin(), counts.begin() + R, payload.begin());
-    payload[static_cast<size_t>(R)] = a.x.size(0);
-    if (const int64_t bad = counts[static_cast<size_t>(R)]; bad > 0) {
-      const at::Tensor flat = invalid.flatten();
-      const int64_t first = flat.to(at::kByte).argmax().item<int64_t>();
-      error = "ep dispatch: topk_idx has " + std::to_string(bad) +
-              " value(s) outside [-1, num_experts=" + std::to_string(a.num_experts) +
-              "), the first " + std::to_string(a.topk_idx.flatten()[first].item<int64_t>()) +
-              " at flat position " + std::to_string(first);
-    }
-  }
+  std::vector<AgreedField> fields = dispatchFields(a, error.empty());
+  fields.push_back(captureField());
   at::Tensor gathered =
-      agreeInStep(pg, *st, "dispatch", error, dispatchFields(a, ok), std::move(payload),
-                  "agreeing (tokens " + std::to_string(ok ? a.x.size(0) : -1) + ")");
-  at::Tensor matrix = countMatrix(gathered, R);
-  std::vector<int64_t> recv_counts(R);
-  auto m = matrix.accessor<int64_t, 2>();
-  for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[s][rank];
-  const int64_t num_recv = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-  const int64_t max_recv = maxReceived(matrix);
-  TORCH_CHECK(a.num_worst_tokens == 0 || max_recv <= a.num_worst_tokens,
-              "ep dispatch: num_worst_tokens=", a.num_worst_tokens,
-              " is smaller than the rows a rank receives (up to ", max_recv,
-              "); nothing was exchanged");
-
+      agreeInStep(pg, *st, "dispatch", error, fields, {error.empty() ? a.x.size(0) : 0},
+                  "agreeing (tokens " + std::to_string(error.empty() ? a.x.size(0) : -1) + ")");
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
-  const int64_t experts_per_rank = a.num_experts / R;
-  const Plan p = makePlan(is_token_in_rank, send_pos, receiveOffsets(matrix, rank),
-                          st->node_rank_index, st->num_nodes, st->ranks_per_node);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  // The kernels trust topk_idx: out-of-range ids count as -1 in the layout (an id >= 2E would
+  // index past its columns), and the notify rejects the call on every rank if any rank had one.
+  const at::Tensor invalid_mask = a.topk_idx.lt(-1).logical_or(a.topk_idx.ge(a.num_experts));
+  const at::Tensor invalid = invalid_mask.sum().to(at::kLong).view({1});
+  at::Tensor per_rank, is_token_in_rank, send_pos;
+  if (a.layout.empty()) {
+    LayoutTensors l =
+        computeDispatchLayout(a.topk_idx.masked_fill(invalid_mask, -1), a.num_experts, R);
+    per_rank = std::get<0>(l);
+    is_token_in_rank = std::get<2>(l);
+    send_pos = std::get<3>(l);
+  } else {
+    per_rank = a.layout[0];
+    is_token_in_rank = a.layout[2];
+    send_pos = a.layout[3];
+  }
+  const int64_t max_tokens = maxColumn(gathered, 0);
+  const int64_t K = a.topk_idx.size(1);
   const at::Tensor x = a.x.contiguous();
   const std::optional<at::Tensor> scales =
       a.x_scales ? std::optional<at::Tensor>(a.x_scales->contiguous()) : std::nullopt;
+  const int64_t x_bytes = x.size(1) * elementBytes(x);
+  const int64_t scale_bytes = scales ? scales->size(1) * elementBytes(*scales) : 0;
+  // Received rows the buffers hold: num_worst_tokens; else what they hold already, at least
+  // T x min(R, K) (a balanced routing's), grown below if the counts need more.
+  const int64_t first_guess = std::max(st->capacity.max_recv_rows, max_tokens * std::min(R, K));
+  Capacity need = dispatchNeed(max_tokens, worst ? a.num_worst_tokens : first_guess, x.size(1),
+                               x_bytes, scale_bytes, K, st->ranks_per_node);
+  void* rt = ensureRuntime(pg, *st, device, need, "dispatch");
+  Notified counts = notify(pg, *st, rt, per_rank, invalid, a.x.size(0),
+                           worst ? a.num_worst_tokens : 0, worst, stream, "dispatch");
+  std::vector<int64_t> recv_counts(static_cast<size_t>(R), 0);
+  std::vector<int64_t> send_counts(static_cast<size_t>(R), 0);
+  int64_t rows = a.num_worst_tokens;
+  if (!worst) {
+    std::vector<int64_t> m = waitForCounts(pg, *st, counts.ticket, "dispatch");
+    // Every rank read the same rows: every rank raises alike, and no kernel moved anything.
+    std::vector<int64_t> bad;
+    for (int64_t s = 0; s < R; ++s) {
+      if (m[static_cast<size_t>(s * cols + R + kCountInvalid)] > 0) bad.push_back(s);
+    }
+    if (!bad.empty()) {
+      ++st->launches;  // the notify ran on every rank
+      if (std::find(bad.begin(), bad.end(), rank) != bad.end()) {
+        TORCH_CHECK(false, invalidIdsMessage(a.topk_idx, invalid_mask, a.num_experts));
+      }
+      raiseRejectedBy("dispatch", bad);
+    }
+    int64_t max_recv = 0;
+    for (int64_t d = 0; d < R; ++d) {
+      int64_t total = 0;
+      for (int64_t s = 0; s < R; ++s) total += m[static_cast<size_t>(s * cols + d)];
+      max_recv = std::max(max_recv, total);
+    }
+    for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[static_cast<size_t>(s * cols + rank)];
+    for (int64_t d = 0; d < R; ++d) send_counts[d] = m[static_cast<size_t>(rank * cols + d)];
+    rows = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+    if (max_recv > st->capacity.max_recv_rows) {
+      // Larger receive buffers (every rank saw the same counts: the same rebuild), and the
+      // exchange again on them: its results are the same, its call number is the new buffers'.
+      ++st->launches;
+      need.max_recv_rows = max_recv;
+      rt = ensureRuntime(pg, *st, device, need, "dispatch");
+      counts = notify(pg, *st, rt, per_rank, invalid, a.x.size(0), 0, false, stream, "dispatch");
+      waitForCounts(pg, *st, counts.ticket, "dispatch");
+    }
+  }
+  const int64_t experts_per_rank = a.num_experts / R;
+  const Plan p = makePlan(is_token_in_rank, send_pos, counts.offsets, st->node_rank_index,
+                          st->num_nodes, st->ranks_per_node);
   const at::Tensor topk64 = a.topk_idx.to(at::kLong).contiguous();
   const std::optional<at::Tensor> weights =
       a.topk_weights ? std::optional<at::Tensor>(a.topk_weights->contiguous()) : std::nullopt;
-  InternodeRecvView view;
-  at::Tensor records = moveRows(pg, *st, x, scales, topk64, weights, p, experts_per_rank, num_recv,
-                                gathered.narrow(1, R, 1), max_recv, false, &view);
-  const RecordLayout& rec = view.layout;
-  const int64_t K = a.topk_idx.size(1);
-  ReceivedRows rows;
-  rows.x = field(records, rec.n_x, rec.x_bytes, x.scalar_type());
-  if (scales) rows.x_scales = field(records, rec.n_scales, rec.scale_bytes, scales->scalar_type());
-  rows.topk_local = field(records, rec.n_topk, 8 * K, at::kLong);
-  if (weights) rows.topk_weights = field(records, rec.n_weights, 4 * K, at::kFloat);
-  rows.src_idx = field(records, rec.n_src, 4, at::kInt).reshape({num_recv});
-  rows.src_rank = segmentIds(recv_counts, x.options().dtype(at::kInt));
-  return finishDispatch(a, std::move(rows), experts_per_rank, is_token_in_rank,
-                        toVector(matrix.select(0, rank)),  // what this rank sent, as agreed
+  Outputs out = moveRows(pg, *st, rt, x, scales, topk64, weights, p, counts, experts_per_rank, rows,
+                         false, stream);
+  ReceivedRows received;
+  received.x = std::move(out.x);
+  received.x_scales = std::move(out.x_scales);
+  received.topk_local = std::move(out.topk_local);
+  received.topk_weights = std::move(out.topk_weights);
+  received.src_idx = std::move(out.src_idx);
+  received.src_rank = std::move(out.src_rank);
+  if (worst) {
+    // Nothing is read on the host: the routing's counts stay on the device.
+    return finishDeviceCountedDispatch(a, std::move(received), experts_per_rank, is_token_in_rank,
+                                       per_rank, counts.recv_counts);
+  }
+  waitForOwnKernels(pg, *st, "dispatch");
+  return finishDispatch(a, std::move(received), experts_per_rank, is_token_in_rank, send_counts,
                         recv_counts);
 }
 
@@ -590,40 +750,41 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   std::string error = beginOp(pg, *st, "cached dispatch");
   if (error.empty()) error = validateCachedDispatch(x_in, x_scales, routing, R);
   const bool ok = error.empty();
-  std::vector<int64_t> payload =
-      ok ? routingCounts(routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
+  // The handle's counts are read on the host (to check it across ranks) except while capturing,
+  // where nothing may be read: the kernels then trust the handle.
+  const bool capturing = streamCapturing();
+  std::vector<int64_t> payload = ok && !capturing
+                                     ? routingCounts(routing, R)
+                                     : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? x_in.size(0) : 0);
-  at::Tensor gathered = agreeInStep(pg, *st, "cached dispatch", error,
-                                    cachedDispatchFields(x_in, x_scales, ok), std::move(payload));
-  checkRoutingAgrees("cached dispatch", gathered, 0, rank);
-  at::Tensor matrix = countMatrix(gathered, R);
-  std::vector<int64_t> recv_counts(R);
-  auto m = matrix.accessor<int64_t, 2>();
-  for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[s][rank];
-  const int64_t num_recv = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+  payload.push_back(ok ? routing.recv_src_idx.size(0) : 0);
+  std::vector<AgreedField> fields = cachedDispatchFields(x_in, x_scales, ok);
+  fields.push_back(captureField());
+  at::Tensor gathered = agreeInStep(pg, *st, "cached dispatch", error, fields, std::move(payload));
+  if (!capturing) checkRoutingAgrees("cached dispatch", gathered, 0, rank);
 
   const at::Device device = x_in.device();
   c10::cuda::CUDAGuard guard(device);
-  const at::Tensor& in_rank = routing.is_token_in_rank;
-  at::Tensor send_pos =
-      at::where(in_rank, in_rank.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
-  const Plan p = makePlan(in_rank.contiguous(), send_pos, receiveOffsets(matrix, rank),
-                          st->node_rank_index, st->num_nodes, st->ranks_per_node);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const at::Tensor x = x_in.contiguous();
   const std::optional<at::Tensor> scales =
       x_scales ? std::optional<at::Tensor>(x_scales->contiguous()) : std::nullopt;
-  InternodeRecvView view;
-  at::Tensor records = moveRows(pg, *st, x, scales, at::Tensor(), std::nullopt, p, 1, num_recv,
-                                gathered.narrow(1, 2 * R, 1), maxReceived(matrix), true, &view);
-  const RecordLayout& rec = view.layout;
-  const int64_t cap = routing.recv_src_idx.size(0);
-  at::Tensor recv_x = padRows(field(records, rec.n_x, rec.x_bytes, x.scalar_type()), cap, 0);
-  std::optional<at::Tensor> recv_scales;
-  if (scales) {
-    recv_scales =
-        padRows(field(records, rec.n_scales, rec.scale_bytes, scales->scalar_type()), cap, 0);
-  }
-  return {recv_x, recv_scales};
+  const int64_t x_bytes = x.size(1) * elementBytes(x);
+  const int64_t scale_bytes = scales ? scales->size(1) * elementBytes(*scales) : 0;
+  const Capacity need = dispatchNeed(maxColumn(gathered, 2 * R), maxColumn(gathered, 2 * R + 1),
+                                     x.size(1), x_bytes, scale_bytes, 0, st->ranks_per_node);
+  void* rt = ensureRuntime(pg, *st, device, need, "cached dispatch");
+  const at::Tensor& in_rank = routing.is_token_in_rank;
+  const Notified counts = notify(pg, *st, rt, routing.num_tokens_per_rank, at::Tensor(), x.size(0),
+                                 0, false, stream, "cached dispatch");
+  at::Tensor send_pos =
+      at::where(in_rank, in_rank.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
+  const Plan p = makePlan(in_rank.contiguous(), send_pos, counts.offsets, st->node_rank_index,
+                          st->num_nodes, st->ranks_per_node);
+  // The handle's rows: the received ones, then padding (a num_worst_tokens handle).
+  Outputs out = moveRows(pg, *st, rt, x, scales, at::Tensor(), std::nullopt, p, counts, 1,
+                         routing.recv_src_idx.size(0), true, stream);
+  return {out.x, out.x_scales};
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
@@ -638,13 +799,16 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const bool ok = error.empty();
   const bool kernel_dtype =
       ok && (a.x.scalar_type() == at::kBFloat16 || a.x.scalar_type() == at::kFloat);
-  std::vector<int64_t> payload =
-      ok ? routingCounts(a.routing, R) : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
+  const bool capturing = streamCapturing();
+  std::vector<int64_t> payload = ok && !capturing
+                                     ? routingCounts(a.routing, R)
+                                     : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
   payload.push_back(ok ? a.routing.is_token_in_rank.size(0) : 0);
   payload.push_back(kernel_dtype ? 1 : 0);
-  at::Tensor gathered =
-      agreeInStep(pg, *st, "combine", error, combineFields(a, ok), std::move(payload));
-  checkRoutingAgrees("combine", gathered, 0, rank);
+  std::vector<AgreedField> fields = combineFields(a, ok);
+  fields.push_back(captureField());
+  at::Tensor gathered = agreeInStep(pg, *st, "combine", error, fields, std::move(payload));
+  if (!capturing) checkRoutingAgrees("combine", gathered, 0, rank);
   // x dtype is an agreed field: every rank takes the same path. Other dtypes (float64, half):
   // the ATen path, whose own agreement step every rank then runs too.
   if (gathered.select(1, 2 * R + 1).min().item<int64_t>() == 0) {
@@ -655,8 +819,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const int64_t num_tokens = a.routing.is_token_in_rank.size(0);
   const int64_t hidden = a.x.size(1);
   const int64_t K = a.topk_weights ? a.topk_weights->size(1) : 0;
-  // Rows this rank holds: what every source sent it (checkRoutingAgrees tied both ends).
-  const int64_t num_valid = countMatrix(gathered, R).select(1, rank).sum().item<int64_t>();
+  // Every row of the handle: a worst-case handle's padding rows (source -1) are skipped by the
+  // kernel, so nothing here reads a count on the host.
+  const int64_t num_rows = std::min(a.x.size(0), a.routing.recv_src_rank.size(0));
   const int64_t elem = a.x.scalar_type() == at::kBFloat16 ? 2 : 4;
   const Capacity need = combineNeed(maxColumn(gathered, 2 * R), hidden, elem, K);
   void* rt = ensureRuntime(pg, *st, device, need, "combine");
@@ -664,18 +829,18 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
     trace(pg, *st, "combine",
           "buffers #" + std::to_string(st->builds) + " ready; launching call " +
               std::to_string(st->launches + 1) + " (tokens " + std::to_string(num_tokens) +
-              ", rows held " + std::to_string(num_valid) + ")");
+              ", rows held " + std::to_string(num_rows) + ")");
   }
 
-  const at::Tensor x = a.x.narrow(0, 0, num_valid).contiguous();
+  const at::Tensor x = a.x.narrow(0, 0, num_rows).contiguous();
   const std::optional<at::Tensor> weights =
       a.topk_weights
-          ? std::optional<at::Tensor>(a.topk_weights->narrow(0, 0, num_valid).contiguous())
+          ? std::optional<at::Tensor>(a.topk_weights->narrow(0, 0, num_rows).contiguous())
           : std::nullopt;
   const at::Tensor src_rank =
-      a.routing.recv_src_rank.narrow(0, 0, num_valid).to(at::kInt).contiguous();
+      a.routing.recv_src_rank.narrow(0, 0, num_rows).to(at::kInt).contiguous();
   const at::Tensor src_idx =
-      a.routing.recv_src_idx.narrow(0, 0, num_valid).to(at::kInt).contiguous();
+      a.routing.recv_src_idx.narrow(0, 0, num_rows).to(at::kInt).contiguous();
   const at::Tensor in_rank = a.routing.is_token_in_rank.contiguous();
   // Biases are added in float32 (the reference casts them to its float32 accumulator).
   std::optional<at::Tensor> b0, b1;
@@ -689,7 +854,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   c.x = x.data_ptr();
   c.x_dtype = elem == 2 ? 0 : 1;
   c.hidden = static_cast<int>(hidden);
-  c.num_rows = static_cast<int>(num_valid);
+  c.num_rows = static_cast<int>(num_rows);
   c.topk_weights = weights ? weights->data_ptr<float>() : nullptr;
   c.topk = static_cast<int>(K);
   c.recv_src_rank = src_rank.data_ptr<int>();
@@ -704,9 +869,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   char err[1024] = {0};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   check(library().combine(rt, &c, stream, err, sizeof(err)), "combine", err);
-  ++st->launches;
   // No host wait here (combine returns while its kernels run): the next op waits for them.
-  recordLaunch(*st, stream, "combine");
+  launched(*st, stream, "combine");
   trace(pg, *st, "combine", "launched");
   return {out, out_w};
 }

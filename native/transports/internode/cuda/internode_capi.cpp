@@ -44,9 +44,27 @@ void ep_internode_abandon(void* handle) {
   delete rt;
 }
 
+int ep_internode_notify(void* handle, const ep::InternodeNotifyArgs* args, cudaStream_t stream,
+                        uint64_t* ticket, char* err, size_t err_len) {
+  return cEntryPoint(err, err_len, [&] { *ticket = runtime(handle)->notify(*args, stream); });
+}
+
+// 1 once the notify of `ticket` finished (its count rows copied to `rows`), else 0.
+int ep_internode_notify_counts(void* handle, uint64_t ticket, int64_t* rows) {
+  return runtime(handle)->notify_counts(ticket, rows) ? 1 : 0;
+}
+
+// The latest rejected worst-case call not yet taken ("" when none).
+void ep_internode_take_rejection(void* handle, char* msg, size_t msg_len) {
+  std::string r;
+  if (cEntryPoint(msg, msg_len, [&] { r = runtime(handle)->take_rejection(); }) == 0) {
+    copyMessage(r.c_str(), msg, msg_len);
+  }
+}
+
 int ep_internode_dispatch(void* handle, const ep::InternodeDispatchArgs* args, cudaStream_t stream,
-                          ep::InternodeRecvView* view, char* err, size_t err_len) {
-  return cEntryPoint(err, err_len, [&] { *view = runtime(handle)->dispatch(*args, stream); });
+                          char* err, size_t err_len) {
+  return cEntryPoint(err, err_len, [&] { runtime(handle)->dispatch(*args, stream); });
 }
 
 int ep_internode_combine(void* handle, const ep::InternodeCombineArgs* args, cudaStream_t stream,
@@ -77,6 +95,10 @@ static_assert(
 static_assert(std::is_same_v<decltype(&ep_internode_create), ep_internode_create_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_connect), ep_internode_connect_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_abandon), ep_internode_abandon_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_notify), ep_internode_notify_fn>);
+static_assert(std::is_same_v<decltype(&ep_internode_notify_counts), ep_internode_notify_counts_fn>);
+static_assert(
+    std::is_same_v<decltype(&ep_internode_take_rejection), ep_internode_take_rejection_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_dispatch), ep_internode_dispatch_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_combine), ep_internode_combine_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_check_error), ep_internode_check_error_fn>);

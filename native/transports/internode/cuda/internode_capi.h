@@ -8,13 +8,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_INTERNODE_ABI_VERSION 3
+#define EP_INTERNODE_ABI_VERSION 4
 
 namespace ep {
 struct InternodeSetup;
+struct InternodeNotifyArgs;
 struct InternodeDispatchArgs;
 struct InternodeCombineArgs;
-struct InternodeRecvView;
 namespace internode {
 struct Capacity;
 }
@@ -26,8 +26,12 @@ typedef size_t (*ep_internode_symmetric_bytes_fn)(int, int, const ep::internode:
 typedef int (*ep_internode_create_fn)(const ep::InternodeSetup*, void**, char*, size_t);
 typedef int (*ep_internode_connect_fn)(void*, char*, size_t);
 typedef void (*ep_internode_abandon_fn)(void*);
+typedef int (*ep_internode_notify_fn)(void*, const ep::InternodeNotifyArgs*, cudaStream_t,
+                                      uint64_t*, char*, size_t);
+typedef int (*ep_internode_notify_counts_fn)(void*, uint64_t, int64_t*);
+typedef void (*ep_internode_take_rejection_fn)(void*, char*, size_t);
 typedef int (*ep_internode_dispatch_fn)(void*, const ep::InternodeDispatchArgs*, cudaStream_t,
-                                        ep::InternodeRecvView*, char*, size_t);
+                                        char*, size_t);
 typedef int (*ep_internode_combine_fn)(void*, const ep::InternodeCombineArgs*, cudaStream_t, char*,
                                        size_t);
 typedef int (*ep_internode_check_error_fn)(void*, char*, size_t, int*);

@@ -38,7 +38,9 @@ enum Op : int { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2, kOpCachedDispatch 
 // timeout of their own), so that a host whose wait for a call's kernels ran out can say which
 // stage never finished (InternodeRuntime::progress). Written once per kernel: no hot-path cost.
 enum Stage : int {
-  kStagePack = 0,
+  kStageNotify = 0,  // entered notify: puts this rank's counts, then waits for every rank's
+  kStageNotifyWaited,
+  kStagePack,
   kStagePut,
   kStageSignal,     // entered rdma_signal: nvshmem_quiet next
   kStageQuietDone,  // nvshmem_quiet returned
@@ -68,10 +70,15 @@ enum WaitWord : int {
   kWaitSeen,     // the value it saw (on entry; on a timeout, the last one)
   kNumWaitWords
 };
-constexpr int kProgressWords = static_cast<int>(kNumStages) + static_cast<int>(kNumWaitWords);
+// After the wait words: the call number (Context seq) of the latest call that started on the GPU.
+// The kernels take it from the device (Control::seq), so a CUDA graph's replays advance it too.
+constexpr int kLatestSeqWord = static_cast<int>(kNumStages) + static_cast<int>(kNumWaitWords);
+constexpr int kProgressWords = kLatestSeqWord + 1;
 
 inline const char* stage_name(int stage) {
-  static const char* const kNames[kNumStages] = {"pack",
+  static const char* const kNames[kNumStages] = {"notify (waiting for every rank's counts)",
+                                                 "notify waited",
+                                                 "pack",
                                                  "RDMA puts",
                                                  "signal (before nvshmem_quiet)",
                                                  "nvshmem_quiet",
@@ -154,11 +161,23 @@ struct Capacity {
   int64_t max_partial_row = 0;  // combine RDMA row bytes (H float32 + K float32)
 };
 
+// A rank's row of the notify (int32): the rows it sends to each of the R ranks, then its token
+// count and the number of out-of-range top-k ids it was given.
+EP_HOST_DEVICE constexpr int64_t count_columns(int64_t num_ranks) {
+  return num_ranks + 2;
+}
+enum CountColumn : int { kCountTokens = 0, kCountInvalid = 1 };  // after the R per-rank counts
+
 // Byte offsets of the symmetric region (identical on every rank).
 struct RegionLayout {
   int64_t num_nodes = 0;
   int64_t ranks_per_node = 0;
   Capacity cap;
+  // notify: signal words [parity][rank] (uint64), this rank's count row (the puts' source) and
+  // every rank's rows [parity][rank][kCountColumns(R)] (int32)
+  int64_t notify_sig = 0;
+  int64_t count_send = 0;
+  int64_t count_rows = 0;
   // signals (uint64): rdma[parity][node], nvl[local] (monotonic), combine[parity][node]
   int64_t rdma_sig = 0;
   int64_t nvl_sig = 0;
@@ -185,6 +204,10 @@ struct RegionLayout {
       return at;
     };
     const int64_t P = kNumParities, N = num_nodes, L = ranks_per_node, T = c.max_tokens;
+    const int64_t R = N * L;
+    l.notify_sig = take(8 * P * R);
+    l.count_send = take(4 * count_columns(R));
+    l.count_rows = take(4 * P * R * count_columns(R));
     l.rdma_sig = take(8 * P * N);
     l.nvl_sig = take(8 * L);
     l.comb_sig = take(8 * P * N);
@@ -202,9 +225,32 @@ struct RegionLayout {
 
 // Private control words of a runtime (plain device memory).
 struct Control {
+  uint64_t seq;    // the latest call's number: the first kernel of each call increments it
   int abort;       // set on a timeout: every later wait gives up at once
   int error_lock;  // first error wins
-  int pad[30];
+  int call_ok;     // 0: the notify rejected this call (every rank alike): its kernels move nothing
+  int pad[27];
+};
+
+// Why a notify rejected a call (RejectionRecord::reason).
+enum Rejection : int {
+  kRejectNone = 0,
+  kRejectInvalidTopk = 1,  // rank `a` was given `b` out-of-range top-k ids
+  kRejectWorstTokens = 2,  // rank `a` receives `b` rows, more than num_worst_tokens
+};
+
+// Host-mapped: the notify's results for the host. `ticket` (the host's number for the call,
+// written last) says the counts are this call's; a rejected worst-case call (no host read follows
+// it) also counts itself in `rejections` with its reason, for the next call to raise.
+struct NotifyHost {
+  uint64_t ticket;
+  uint64_t rejections;
+  int reason;
+  int pad;
+  int64_t a;
+  int64_t b;
+  int64_t limit;
+  // then int32 counts[R][count_columns(R)]
 };
 
 // What every kernel needs to know about the group and the call.
@@ -220,8 +266,6 @@ struct Context {
   int num_nodes;
   int ranks_per_node;
   int num_ranks;
-  int parity;
-  uint64_t seq;  // call number, >= 1, the same on every rank
   RegionLayout layout;
   RecordLayout rec;
   Control* ctrl;
@@ -230,6 +274,22 @@ struct Context {
                        // then the latest wait (WaitWord)
   long long timeout_ns;
   int op;
+};
+
+// The count exchange of a (cached) dispatch: every rank puts its row (count_columns) to every
+// rank with a signal, waits for every rank's, and derives where its rows land at each receiver.
+struct NotifyParams {
+  Context c;
+  const int* per_rank;     // [R] int32: rows this rank sends to each rank
+  const int64_t* invalid;  // [1]: out-of-range top-k ids of this rank, or null (none)
+  int num_tokens;
+  int64_t limit;          // > 0: a call where some rank receives more rows is rejected
+  bool report_rejection;  // no host reads the counts: a rejection is recorded for the next call
+  uint64_t ticket;
+  int* offsets;      // [R] out: rows of lower source ranks at each receiver
+  int* recv_counts;  // [R] out: rows this rank receives from each source
+  int* num_recv;     // [1] out: rows this rank receives
+  NotifyHost* host;  // host-mapped (device address)
 };
 
 struct DispatchParams {
@@ -243,7 +303,17 @@ struct DispatchParams {
   const int* node_count;      // [N] int32: tokens sent to node n
   int num_tokens;
   int experts_per_rank;
-  int64_t recv_rows;  // rows this rank receives (its output's valid rows; capacity check)
+  // This rank's outputs (unpack_kernel): rows [0, num_recv) received, the rest up to out_rows
+  // padding. The notify's recv_counts [R] and num_recv [1] (device).
+  const int* recv_counts;
+  const int* num_recv;
+  int64_t out_rows;
+  char* out_x;         // [out_rows, x_bytes]
+  char* out_scales;    // [out_rows, scale_bytes] or null
+  int64_t* out_topk;   // [out_rows, K] local expert ids (-1: not this rank's), or null
+  float* out_weights;  // [out_rows, K] or null
+  int* out_src_idx;    // [out_rows] or null
+  int* out_src_rank;   // [out_rows] or null
 };
 
 struct CombineParams {

@@ -34,10 +34,36 @@ __device__ __forceinline__ int lane_id() {
   return static_cast<int>(threadIdx.x) & 31;
 }
 
+// The call a kernel belongs to: its number comes from the device (Control::seq, incremented by
+// the first kernel of every call), so that the replays of a CUDA graph are calls of their own.
+struct Call {
+  uint64_t seq;  // >= 1, the same on every rank
+  int parity;    // which set of receive buffers the call uses
+  bool ok;       // false: the notify rejected the call on every rank; its kernels move nothing
+};
+
+__device__ __forceinline__ Call make_call(uint64_t seq, int ok) {
+  return Call{seq, static_cast<int>(seq % kNumParities), ok != 0};
+}
+
+// Every kernel after the first of a call (which wrote both words before this kernel started).
+__device__ __forceinline__ Call this_call(const Context& c) {
+  return make_call(c.ctrl->seq, c.ctrl->call_ok);
+}
+
+// The first kernel of a call, one thread: the next call number, published for the host's
+// diagnosis (progress()).
+__device__ __forceinline__ uint64_t next_seq(const Context& c) {
+  const uint64_t seq = c.ctrl->seq + 1;
+  c.ctrl->seq = seq;
+  reinterpret_cast<volatile uint64_t*>(c.progress)[kLatestSeqWord] = seq;
+  return seq;
+}
+
 // Block 0's thread 0 records that this call's kernels reached `stage` (host-mapped, diagnosis).
-__device__ __forceinline__ void mark(const Context& c, int stage) {
+__device__ __forceinline__ void mark(const Context& c, const Call& call, int stage) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
-    reinterpret_cast<volatile uint64_t*>(c.progress)[stage] = c.seq;
+    reinterpret_cast<volatile uint64_t*>(c.progress)[stage] = call.seq;
   }
 }
 
@@ -55,8 +81,8 @@ __device__ __forceinline__ void report(const Context& c, int code, int peer, lon
 
 // Block 0's thread 0 records the wait it is in (WaitWord; host-mapped, diagnosis): the host names
 // the peer when its own bounded wait for the kernels runs out.
-__device__ __forceinline__ void mark_wait(const Context& c, int stage, int peer_rank,
-                                          uint64_t target, uint64_t seen) {
+__device__ __forceinline__ void mark_wait(const Context& c, const Call& call, int stage,
+                                          int peer_rank, uint64_t target, uint64_t seen) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
     volatile uint64_t* w = reinterpret_cast<volatile uint64_t*>(c.progress) + kNumStages;
     w[kWaitStage] = static_cast<uint64_t>(stage);
@@ -64,18 +90,18 @@ __device__ __forceinline__ void mark_wait(const Context& c, int stage, int peer_
     w[kWaitTarget] = target;
     w[kWaitSeen] = seen;
     __threadfence_system();  // the fields before the call number the host reads them by
-    w[kWaitSeq] = c.seq;
+    w[kWaitSeq] = call.seq;
   }
 }
 
 // One thread: spins until *word >= target and returns the value it saw; 0 on timeout (recorded:
 // the awaited rank, the timeout, the awaited rank's node) or after an earlier timeout (abort).
 // `target` is never 0 (it carries the call number, >= 1), so 0 means "gave up".
-__device__ uint64_t wait_at_least(const Context& c, const uint64_t* word, uint64_t target,
-                                  int peer_rank, int stage) {
+__device__ uint64_t wait_at_least(const Context& c, const Call& call, const uint64_t* word,
+                                  uint64_t target, int peer_rank, int stage) {
   uint64_t v = ptx::ld_acquire_sys(word);
   if (v >= target) return v;
-  mark_wait(c, stage, peer_rank, target, v);
+  mark_wait(c, call, stage, peer_rank, target, v);
   if (aborted(c)) return 0;
   const uint64_t start = ptx::global_timer_ns();
   for (uint32_t iter = 1;; ++iter) {
@@ -84,7 +110,7 @@ __device__ uint64_t wait_at_least(const Context& c, const uint64_t* word, uint64
     if ((iter & 127u) == 0) {
       if (aborted(c)) return 0;
       if (static_cast<long long>(ptx::global_timer_ns() - start) > c.timeout_ns) {
-        mark_wait(c, stage, peer_rank, target, v);
+        mark_wait(c, call, stage, peer_rank, target, v);
         report(c, kErrorTimeout, peer_rank, c.timeout_ns, c.rank_node[peer_rank]);
         atomicExch(&c.ctrl->abort, 1);
         return 0;
@@ -96,10 +122,11 @@ __device__ uint64_t wait_at_least(const Context& c, const uint64_t* word, uint64
 // A signal word of this call carries its call number (`seq` in the high 32 bits of an RDMA
 // signal, the whole word of a combine signal). A larger one is a later call's: the ranks are out
 // of step (a host-side bug), and the word's count belongs to another call. Reported, never used.
-__device__ __forceinline__ bool same_call(const Context& c, uint64_t call, int peer_rank) {
-  if (call == c.seq) return true;
-  report(c, kErrorOutOfStep, peer_rank, static_cast<long long>(call),
-         static_cast<long long>(c.seq));
+__device__ __forceinline__ bool same_call(const Context& c, const Call& call, uint64_t seen,
+                                          int peer_rank) {
+  if (seen == call.seq) return true;
+  report(c, kErrorOutOfStep, peer_rank, static_cast<long long>(seen),
+         static_cast<long long>(call.seq));
   atomicExch(&c.ctrl->abort, 1);
   return false;
 }
@@ -129,12 +156,146 @@ __device__ __forceinline__ uint64_t* sig_word(const Context& c, int64_t offset, 
   return reinterpret_cast<uint64_t*>(c.region + offset) + index;
 }
 
+// ---- notify --------------------------------------------------------------------------------
+
+// One block, the first kernel of a (cached) dispatch: starts the call (its number), puts this
+// rank's count row to every rank with a signal (put-with-signal: the signal lands after the row),
+// waits for every rank's row of this call, and derives from the [source, destination] matrix
+// where this rank's rows land at each receiver (rows of lower source ranks first) and what it
+// receives. Every rank sees the same matrix, so every rank takes the same decision on a rejected
+// call (an out-of-range top-k id on some rank, or a receiver over `limit` rows).
+__global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant__ NotifyParams p) {
+  const Context& c = p.c;
+  const int R = c.num_ranks;
+  const int64_t cols = count_columns(R);
+  __shared__ uint64_t first_seq;
+  __shared__ int waited_ok;
+  __shared__ unsigned long long most;  // (rows << 32) | receiver of the largest receive count
+  __shared__ int invalid_rank;         // lowest source with an out-of-range top-k id, or R
+  __shared__ int received;
+  if (threadIdx.x == 0) {
+    first_seq = next_seq(c);
+    waited_ok = aborted(c) ? 0 : 1;
+    most = 0;
+    invalid_rank = R;
+    received = 0;
+  }
+  __syncthreads();
+  const Call call = make_call(first_seq, waited_ok);
+  mark(c, call, kStageNotify);
+  // A call that cannot go on (an earlier timeout, or its own waits failed): nothing moves, and
+  // the host, which may wait for this call's counts, gets its ticket and then the error record.
+  const auto give_up = [&] {
+    if (threadIdx.x == 0) {
+      c.ctrl->call_ok = 0;
+      __threadfence_system();
+      reinterpret_cast<volatile NotifyHost*>(p.host)->ticket = p.ticket;
+    }
+  };
+  if (!waited_ok) {
+    give_up();
+    return;
+  }
+  int* row = reinterpret_cast<int*>(c.region + c.layout.count_send);
+  for (int d = static_cast<int>(threadIdx.x); d < R; d += static_cast<int>(blockDim.x)) {
+    row[d] = p.per_rank[d];
+  }
+  if (threadIdx.x == 0) {
+    row[R + kCountTokens] = p.num_tokens;
+    row[R + kCountInvalid] = p.invalid != nullptr ? static_cast<int>(*p.invalid) : 0;
+  }
+  // The row is read by warp 0's puts (and, over RDMA, by the NIC).
+  __threadfence_system();
+  __syncthreads();
+  const int64_t my_row = (static_cast<int64_t>(call.parity) * R + c.rank) * cols;
+  uint64_t* my_signal = sig_word(c, c.layout.notify_sig, call.parity * R + c.rank);
+  if (threadIdx.x < 32) {
+    for (int d = 0; d < R; ++d) {
+      nvshmemx_putmem_signal_nbi_warp(
+          reinterpret_cast<int*>(c.region + c.layout.count_rows) + my_row, row,
+          static_cast<size_t>(4 * cols), my_signal, call.seq, NVSHMEM_SIGNAL_SET, d);
+    }
+    __syncwarp();
+    // The row is rewritten by the next call's notify: its puts complete first.
+    if (threadIdx.x == 0) nvshmem_quiet();
+  }
+  for (int s = static_cast<int>(threadIdx.x); s < R; s += static_cast<int>(blockDim.x)) {
+    const uint64_t v = wait_at_least(c, call, sig_word(c, c.layout.notify_sig, call.parity * R + s),
+                                     call.seq, s, kStageNotify);
+    if (v == 0 || !same_call(c, call, v, s)) waited_ok = 0;
+  }
+  __syncthreads();
+  mark(c, call, kStageNotifyWaited);
+  if (!waited_ok) {  // a timeout or a call out of step: recorded (fatal)
+    give_up();
+    return;
+  }
+  const int* m = reinterpret_cast<const int*>(c.region + c.layout.count_rows) +
+                 static_cast<int64_t>(call.parity) * R * cols;
+  for (int d = static_cast<int>(threadIdx.x); d < R; d += static_cast<int>(blockDim.x)) {
+    int before = 0;
+    int total = 0;
+    for (int s = 0; s < R; ++s) {
+      const int v = m[s * cols + d];
+      before += s < c.rank ? v : 0;
+      total += v;
+    }
+    p.offsets[d] = before;
+    atomicMax(&most, (static_cast<unsigned long long>(total) << 32) | static_cast<unsigned>(d));
+    if (d == c.rank) received = total;
+  }
+  for (int s = static_cast<int>(threadIdx.x); s < R; s += static_cast<int>(blockDim.x)) {
+    p.recv_counts[s] = m[s * cols + c.rank];
+    if (m[s * cols + R + kCountInvalid] > 0) atomicMin(&invalid_rank, s);
+  }
+  int* host_counts = reinterpret_cast<int*>(reinterpret_cast<char*>(p.host) + sizeof(NotifyHost));
+  for (int64_t i = threadIdx.x; i < R * cols; i += blockDim.x) host_counts[i] = m[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *p.num_recv = received;
+    const int most_rows = static_cast<int>(most >> 32);
+    int reason = kRejectNone;
+    int64_t a = 0;
+    int64_t b = 0;
+    if (invalid_rank < R) {
+      reason = kRejectInvalidTopk;
+      a = invalid_rank;
+      b = m[invalid_rank * cols + R + kCountInvalid];
+    } else if (p.limit > 0 && most_rows > p.limit) {
+      reason = kRejectWorstTokens;
+      a = static_cast<int64_t>(most & 0xffffffffu);
+      b = most_rows;
+    }
+    c.ctrl->call_ok = reason == kRejectNone ? 1 : 0;
+    volatile NotifyHost* h = p.host;
+    if (reason != kRejectNone && p.report_rejection) {
+      h->reason = reason;
+      h->a = a;
+      h->b = b;
+      h->limit = p.limit;
+      __threadfence_system();
+      h->rejections = h->rejections + 1;
+    }
+    __threadfence_system();  // the counts before the ticket the host reads them by
+    h->ticket = p.ticket;
+  }
+}
+
+// One thread, the first kernel of a combine: starts the call.
+__global__ void begin_kernel(const __grid_constant__ Context c) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  next_seq(c);
+  c.ctrl->call_ok = 1;
+}
+
 // ---- dispatch ------------------------------------------------------------------------------
 
 // Stage 0: one RDMA record per (token, destination node) into send_buf[node][position].
 __global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
-  mark(c, kStagePack);
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStagePack);
   if (aborted(c)) return;
   const int lane = lane_id();
   const RecordLayout& r = c.rec;
@@ -170,7 +331,9 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ 
 __global__ void __launch_bounds__(kThreads)
     rdma_put_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
-  mark(c, kStagePut);
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStagePut);
   if (aborted(c)) return;
   const RecordLayout& r = c.rec;
   const int64_t T = c.layout.cap.max_tokens;
@@ -190,8 +353,9 @@ __global__ void __launch_bounds__(kThreads)
     const int first = (item - chunks_before[n]) * kPutChunkRows;
     const int rows = min(kPutChunkRows, p.node_count[n] - first);
     const char* src = c.region + c.layout.send_buf + (n * T + first) * r.r_bytes;
-    char* dst = c.region + c.layout.rdma_recv +
-                ((static_cast<int64_t>(c.parity) * c.num_nodes + c.node) * T + first) * r.r_bytes;
+    char* dst =
+        c.region + c.layout.rdma_recv +
+        ((static_cast<int64_t>(call.parity) * c.num_nodes + c.node) * T + first) * r.r_bytes;
     nvshmemx_putmem_nbi_block(dst, src, static_cast<size_t>(rows) * r.r_bytes,
                               node_rank(c, n, c.local));
   }
@@ -202,16 +366,18 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void rdma_signal_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  mark(c, kStageSignal);
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStageSignal);
   if (aborted(c)) return;
   nvshmem_quiet();
-  mark(c, kStageQuietDone);
+  mark(c, call, kStageQuietDone);
   for (int n = 0; n < c.num_nodes; ++n) {
-    const uint64_t value = (c.seq << 32) | static_cast<uint32_t>(p.node_count[n]);
-    nvshmemx_signal_op(sig_word(c, c.layout.rdma_sig, c.parity * c.num_nodes + c.node), value,
+    const uint64_t value = (call.seq << 32) | static_cast<uint32_t>(p.node_count[n]);
+    nvshmemx_signal_op(sig_word(c, c.layout.rdma_sig, call.parity * c.num_nodes + c.node), value,
                        NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
   }
-  mark(c, kStageSignalled);
+  mark(c, call, kStageSignalled);
 }
 
 // Stage 2 (NVLink leg): every record received from the sources (n, my local) goes to the local
@@ -219,11 +385,13 @@ __global__ void rdma_signal_kernel(const __grid_constant__ DispatchParams p) {
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
+  const Call call = this_call(c);
+  if (!call.ok) return;
   const RecordLayout& r = c.rec;
   const int64_t T = c.layout.cap.max_tokens;
   __shared__ int records_before[kMaxNodes + 1];
   __shared__ int ok;
-  mark(c, kStageForward);
+  mark(c, call, kStageForward);
   if (threadIdx.x == 0) {
     ok = 1;
     records_before[0] = 0;
@@ -231,9 +399,9 @@ __global__ void __launch_bounds__(kThreads)
       // Every source signals every node, with a count of 0 where it sends nothing there (an
       // empty rank included): this wait always has a writer.
       const int src = node_rank(c, n, c.local);
-      const uint64_t* word = sig_word(c, c.layout.rdma_sig, c.parity * c.num_nodes + n);
-      const uint64_t v = wait_at_least(c, word, c.seq << 32, src, kStageForward);
-      if (v == 0 || !same_call(c, v >> 32, src)) {
+      const uint64_t* word = sig_word(c, c.layout.rdma_sig, call.parity * c.num_nodes + n);
+      const uint64_t v = wait_at_least(c, call, word, call.seq << 32, src, kStageForward);
+      if (v == 0 || !same_call(c, call, v >> 32, src)) {
         ok = 0;
         break;
       }
@@ -246,7 +414,7 @@ __global__ void __launch_bounds__(kThreads)
       records_before[n + 1] = records_before[n] + static_cast<int>(count);
     }
   }
-  mark(c, kStageForwardWaited);
+  mark(c, call, kStageForwardWaited);
   __syncthreads();
   if (!ok) return;
   const int lane = lane_id();
@@ -257,7 +425,7 @@ __global__ void __launch_bounds__(kThreads)
     while (records_before[n + 1] <= item) ++n;
     const int k = item - records_before[n];
     const char* rec = c.region + c.layout.rdma_recv +
-                      ((static_cast<int64_t>(c.parity) * c.num_nodes + n) * T + k) * r.r_bytes;
+                      ((static_cast<int64_t>(call.parity) * c.num_nodes + n) * T + k) * r.r_bytes;
     const int src_token = reinterpret_cast<const int*>(rec)[0];
     const int my_slot =
         lane < c.ranks_per_node ? reinterpret_cast<const int*>(rec + r.r_slots)[lane] : -1;
@@ -274,8 +442,9 @@ __global__ void __launch_bounds__(kThreads)
         continue;
       }
       const int d = node_rank(c, c.node, l);
-      char* out = c.node_peer[l] + c.layout.nvl_recv +
-                  (static_cast<int64_t>(c.parity) * c.layout.cap.max_recv_rows + slot) * r.n_bytes;
+      char* out =
+          c.node_peer[l] + c.layout.nvl_recv +
+          (static_cast<int64_t>(call.parity) * c.layout.cap.max_recv_rows + slot) * r.n_bytes;
       // x and scales are adjacent, 16-byte aligned, in both records.
       warp_copy(out + r.n_x, rec + r.r_x, r.n_topk - r.n_x, lane);
       if (K > 0 && lane < K) {
@@ -297,20 +466,91 @@ __global__ void __launch_bounds__(kThreads)
 // cannot get further (its next barrier waits for this rank's seq + 1).
 __global__ void node_barrier_kernel(const __grid_constant__ Context c) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  mark(c, kStageBarrier);
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStageBarrier);
   if (aborted(c)) return;
   ptx::fence_acq_rel_sys();
   for (int l = 0; l < c.ranks_per_node; ++l) {
     ptx::st_release_sys(reinterpret_cast<uint64_t*>(c.node_peer[l] + c.layout.nvl_sig) + c.local,
-                        c.seq);
+                        call.seq);
   }
   for (int l = 0; l < c.ranks_per_node; ++l) {
     const int peer = node_rank(c, c.node, l);
     const uint64_t v =
-        wait_at_least(c, sig_word(c, c.layout.nvl_sig, l), c.seq, peer, kStageBarrier);
-    if (v == 0 || (v != c.seq + 1 && !same_call(c, v, peer))) return;
+        wait_at_least(c, call, sig_word(c, c.layout.nvl_sig, l), call.seq, peer, kStageBarrier);
+    if (v == 0 || (v != call.seq + 1 && !same_call(c, call, v, peer))) return;
   }
-  mark(c, kStageBarrierDone);
+  mark(c, call, kStageBarrierDone);
+}
+
+// After the node barrier: this rank's output rows from its NVLink records (rows of the call's
+// receive set), then padding up to the output's rows (0, and -1 for ids and sources), so that a
+// worst-case output is complete without the host knowing the count; a rejected call's output is
+// all padding. The source rank of row i is the s with prefix[s] <= i < prefix[s + 1].
+__global__ void __launch_bounds__(kThreads)
+    unpack_kernel(const __grid_constant__ DispatchParams p) {
+  const Context& c = p.c;
+  const Call call = this_call(c);
+  const RecordLayout& r = c.rec;
+  __shared__ int prefix[kMaxRanks + 1];
+  if (threadIdx.x == 0) {
+    prefix[0] = 0;
+    for (int s = 0; s < c.num_ranks; ++s) prefix[s + 1] = prefix[s] + p.recv_counts[s];
+  }
+  __syncthreads();
+  const int64_t valid = call.ok ? min(static_cast<int64_t>(*p.num_recv), p.out_rows) : 0;
+  const int lane = lane_id();
+  const int K = static_cast<int>(r.topk);
+  const char* records = c.region + c.layout.nvl_recv +
+                        static_cast<int64_t>(call.parity) * c.layout.cap.max_recv_rows * r.n_bytes;
+  for (int64_t row = global_warp(); row < p.out_rows; row += num_warps()) {
+    char* x = p.out_x + row * r.x_bytes;
+    char* scales = p.out_scales != nullptr ? p.out_scales + row * r.scale_bytes : nullptr;
+    if (row < valid) {
+      const char* rec = records + row * r.n_bytes;
+      warp_copy(x, rec + r.n_x, r.x_bytes, lane);
+      if (scales != nullptr) warp_copy(scales, rec + r.n_scales, r.scale_bytes, lane);
+      if (lane < K) {
+        if (p.out_topk != nullptr) {
+          p.out_topk[row * K + lane] = reinterpret_cast<const int64_t*>(rec + r.n_topk)[lane];
+        }
+        if (p.out_weights != nullptr) {
+          p.out_weights[row * K + lane] = reinterpret_cast<const float*>(rec + r.n_weights)[lane];
+        }
+      }
+      if (lane == 0) {
+        if (p.out_src_idx != nullptr)
+          p.out_src_idx[row] = reinterpret_cast<const int*>(rec + r.n_src)[0];
+        if (p.out_src_rank != nullptr) {
+          int lo = 0;
+          int hi = c.num_ranks - 1;
+          while (lo < hi) {  // the last s with prefix[s] <= row
+            const int mid = (lo + hi + 1) / 2;
+            if (prefix[mid] <= row) {
+              lo = mid;
+            } else {
+              hi = mid - 1;
+            }
+          }
+          p.out_src_rank[row] = lo;
+        }
+      }
+    } else {
+      for (int64_t i = lane; i < r.x_bytes; i += 32) x[i] = 0;
+      if (scales != nullptr) {
+        for (int64_t i = lane; i < r.scale_bytes; i += 32) scales[i] = 0;
+      }
+      if (lane < K) {
+        if (p.out_topk != nullptr) p.out_topk[row * K + lane] = -1;
+        if (p.out_weights != nullptr) p.out_weights[row * K + lane] = 0.0f;
+      }
+      if (lane == 0) {
+        if (p.out_src_idx != nullptr) p.out_src_idx[row] = -1;
+        if (p.out_src_rank != nullptr) p.out_src_rank[row] = -1;
+      }
+    }
+  }
 }
 
 // ---- combine -------------------------------------------------------------------------------
@@ -328,10 +568,10 @@ __device__ __forceinline__ void store_value(char* row, int dtype, int i, float v
   }
 }
 
-__device__ __forceinline__ int64_t combine_slot(const Context& c, int src_node, int token,
-                                                int local) {
+__device__ __forceinline__ int64_t combine_slot(const Context& c, const Call& call, int src_node,
+                                                int token, int local) {
   const int64_t T = c.layout.cap.max_tokens;
-  return ((static_cast<int64_t>(c.parity) * c.num_nodes + src_node) * T + token) *
+  return ((static_cast<int64_t>(call.parity) * c.num_nodes + src_node) * T + token) *
              c.ranks_per_node +
          local;
 }
@@ -341,7 +581,9 @@ __device__ __forceinline__ int64_t combine_slot(const Context& c, int src_node, 
 __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
-  mark(c, kStageCombineSend);
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStageCombineSend);
   if (aborted(c)) return;
   const int lane = lane_id();
   const int64_t x_bytes = c.rec.x_bytes;
@@ -349,11 +591,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int row = global_warp(); row < p.num_rows; row += num_warps()) {
     const int s = p.recv_src_rank[row];
     const int t = p.recv_src_idx[row];
+    if (s == -1) continue;  // a padding row of a worst-case dispatch: no source
     if (s < 0 || s >= c.num_ranks || t < 0 || t >= c.layout.cap.max_tokens) {
       if (lane == 0) report(c, kErrorInvalidTopkIdx, s, t, row);
       continue;
     }
-    const int64_t slot = combine_slot(c, c.rank_node[s], t, c.local);
+    const int64_t slot = combine_slot(c, call, c.rank_node[s], t, c.local);
     char* base = c.node_peer[c.rank_local[s]];
     char* dst = base + c.layout.comb_nvl + slot * c.layout.cap.max_combine_row;
     warp_copy(dst, p.x + row * x_bytes, x_bytes, lane);
@@ -362,7 +605,7 @@ __global__ void __launch_bounds__(kThreads)
           p.topk_weights[static_cast<int64_t>(row) * p.topk + lane];
     }
     if (lane == 0) {
-      reinterpret_cast<volatile uint64_t*>(base + c.layout.comb_flag)[slot] = c.seq;
+      reinterpret_cast<volatile uint64_t*>(base + c.layout.comb_flag)[slot] = call.seq;
     }
   }
 }
@@ -372,7 +615,9 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     combine_reduce_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
-  mark(c, kStageCombineReduce);
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStageCombineReduce);
   if (aborted(c)) return;
   const int lane = lane_id();
   const int64_t T = c.layout.cap.max_tokens;
@@ -384,9 +629,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int item = global_warp(); item < items; item += num_warps()) {
     const int n = item / static_cast<int>(T);
     const int t = item % static_cast<int>(T);
-    const int64_t first = combine_slot(c, n, t, 0);
+    const int64_t first = combine_slot(c, call, n, t, 0);
     const bool flagged =
-        lane < c.ranks_per_node && ptx::ld_volatile_u64(flags + first + lane) == c.seq;
+        lane < c.ranks_per_node && ptx::ld_volatile_u64(flags + first + lane) == call.seq;
     const unsigned present = __ballot_sync(0xffffffffu, flagged);
     if (present == 0) continue;
     const char* rows = c.region + c.layout.comb_nvl + first * c.layout.cap.max_combine_row;
@@ -414,7 +659,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
     __threadfence();
     char* dst = c.region + c.layout.comb_rdma +
-                ((static_cast<int64_t>(c.parity) * c.num_nodes + c.node) * T + t) *
+                ((static_cast<int64_t>(call.parity) * c.num_nodes + c.node) * T + t) *
                     c.layout.cap.max_partial_row;
     nvshmemx_putmem_nbi_warp(dst, partial, static_cast<size_t>(pw_offset + 4 * p.topk),
                              node_rank(c, n, c.local));
@@ -424,15 +669,17 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void combine_signal_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  mark(c, kStageCombineSignal);
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStageCombineSignal);
   if (aborted(c)) return;
   nvshmem_quiet();
-  mark(c, kStageCombineQuietDone);
+  mark(c, call, kStageCombineQuietDone);
   for (int n = 0; n < c.num_nodes; ++n) {
-    nvshmemx_signal_op(sig_word(c, c.layout.comb_sig, c.parity * c.num_nodes + c.node), c.seq,
+    nvshmemx_signal_op(sig_word(c, c.layout.comb_sig, call.parity * c.num_nodes + c.node), call.seq,
                        NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
   }
-  mark(c, kStageCombineSignalled);
+  mark(c, call, kStageCombineSignalled);
 }
 
 // Source: out[t] = cast(sum over nodes in node order of the node partials (float32, from +0.0),
@@ -440,24 +687,26 @@ __global__ void combine_signal_kernel(const __grid_constant__ CombineParams p) {
 __global__ void __launch_bounds__(kThreads)
     combine_out_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
+  const Call call = this_call(c);
+  if (!call.ok) return;
   const int64_t T = c.layout.cap.max_tokens;
   __shared__ int ok;
-  mark(c, kStageCombineOut);
+  mark(c, call, kStageCombineOut);
   if (threadIdx.x == 0) {
     ok = 1;
     for (int n = 0; n < c.num_nodes; ++n) {
       // Every forwarder signals every source, whether it put rows to it or not.
       const int fwd = node_rank(c, n, c.local);
       const uint64_t v =
-          wait_at_least(c, sig_word(c, c.layout.comb_sig, c.parity * c.num_nodes + n), c.seq, fwd,
-                        kStageCombineOut);
-      if (v == 0 || !same_call(c, v, fwd)) {
+          wait_at_least(c, call, sig_word(c, c.layout.comb_sig, call.parity * c.num_nodes + n),
+                        call.seq, fwd, kStageCombineOut);
+      if (v == 0 || !same_call(c, call, v, fwd)) {
         ok = 0;
         break;
       }
     }
   }
-  mark(c, kStageCombineOutWaited);
+  mark(c, call, kStageCombineOutWaited);
   __syncthreads();
   if (!ok) return;
   const int lane = lane_id();
@@ -475,7 +724,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const char* part = c.region + c.layout.comb_rdma;
     const int64_t node_stride = T * c.layout.cap.max_partial_row;
-    const int64_t parity_base = static_cast<int64_t>(c.parity) * c.num_nodes * node_stride;
+    const int64_t parity_base = static_cast<int64_t>(call.parity) * c.num_nodes * node_stride;
     for (int h = lane; h < p.hidden; h += 32) {
       float acc = 0.0f;
       for (int n = 0; n < c.num_nodes; ++n) {
@@ -504,6 +753,11 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
+cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream) {
+  notify_kernel<<<1, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(num_blocks));
   pack_kernel<<<grid, kThreads, 0, stream>>>(p);
@@ -511,11 +765,13 @@ cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_
   rdma_signal_kernel<<<1, 32, 0, stream>>>(p);
   forward_kernel<<<grid, kThreads, 0, stream>>>(p);
   node_barrier_kernel<<<1, 32, 0, stream>>>(p.c);
+  unpack_kernel<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(num_blocks));
+  begin_kernel<<<1, 32, 0, stream>>>(p.c);
   combine_send_kernel<<<grid, kThreads, 0, stream>>>(p);
   node_barrier_kernel<<<1, 32, 0, stream>>>(p.c);
   combine_reduce_kernel<<<grid, kThreads, 0, stream>>>(p);

@@ -74,6 +74,10 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     runtime::allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
     runtime::allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kProgressWords,
                              &progress_host_, &progress_dev_);
+    const int64_t rows = static_cast<int64_t>(setup.num_ranks) * count_columns(setup.num_ranks);
+    runtime::allocMappedHost(kChecks, "notify counts",
+                             sizeof(NotifyHost) + sizeof(int) * static_cast<size_t>(rows),
+                             &notify_host_, &notify_dev_);
   } catch (...) {
     release_local();
     throw;
@@ -119,7 +123,7 @@ InternodeRuntime::~InternodeRuntime() {
 
 void InternodeRuntime::destroy() {
   if (region_ == nullptr && control_ == nullptr && error_host_ == nullptr &&
-      progress_host_ == nullptr)
+      progress_host_ == nullptr && notify_host_ == nullptr)
     return;
   DeviceGuard guard(setup_.device);
   cudaDeviceSynchronize();
@@ -144,9 +148,11 @@ void InternodeRuntime::release_local() noexcept {
   if (control_ != nullptr) cudaFree(control_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   if (progress_host_ != nullptr) cudaFreeHost(progress_host_);
+  if (notify_host_ != nullptr) cudaFreeHost(notify_host_);
   control_ = nullptr;
   error_host_ = error_dev_ = nullptr;
   progress_host_ = progress_dev_ = nullptr;
+  notify_host_ = notify_dev_ = nullptr;
   for (char*& peer : node_peer_) peer = nullptr;
 }
 
@@ -167,8 +173,6 @@ internode::Context InternodeRuntime::context(int op, double timeout_seconds,
   c.num_nodes = setup_.num_nodes;
   c.ranks_per_node = setup_.ranks_per_node;
   c.num_ranks = setup_.num_ranks;
-  c.seq = ++seq_;
-  c.parity = static_cast<int>(c.seq % kNumParities);
   c.layout = layout_;
   c.rec = rec;
   c.ctrl = control_;
@@ -181,14 +185,76 @@ internode::Context InternodeRuntime::context(int op, double timeout_seconds,
   return c;
 }
 
-InternodeRecvView InternodeRuntime::dispatch(const InternodeDispatchArgs& a, cudaStream_t stream) {
+uint64_t InternodeRuntime::notify(const InternodeNotifyArgs& a, cudaStream_t stream) {
+  using namespace internode;
+  kChecks.require(region_ != nullptr, "notify on a destroyed runtime");
+  kChecks.require(a.per_rank != nullptr && a.offsets != nullptr && a.recv_counts != nullptr &&
+                      a.num_recv != nullptr,
+                  "notify needs its count arrays");
+  kChecks.require(a.num_tokens >= 0 && a.num_tokens <= layout_.cap.max_tokens,
+                  "more tokens than the buffers hold");
+  DeviceGuard guard(setup_.device);
+  NotifyParams p{};
+  p.c = context(kOpDispatch, a.timeout_seconds, RecordLayout{});
+  p.per_rank = a.per_rank;
+  p.invalid = a.invalid;
+  p.num_tokens = a.num_tokens;
+  p.limit = a.limit;
+  p.report_rejection = a.report_rejection;
+  p.ticket = ++tickets_;
+  p.offsets = a.offsets;
+  p.recv_counts = a.recv_counts;
+  p.num_recv = a.num_recv;
+  p.host = notify_dev_;
+  kChecks.cuda(launch_notify(p, stream), "launching the internode notify");
+  return p.ticket;
+}
+
+bool InternodeRuntime::notify_counts(uint64_t ticket, int64_t* rows) const {
+  using namespace internode;
+  const volatile NotifyHost* h = notify_host_;
+  if (h == nullptr || h->ticket != ticket) return false;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const volatile int* counts = reinterpret_cast<const volatile int*>(
+      reinterpret_cast<const char*>(notify_host_) + sizeof(NotifyHost));
+  const int64_t n = static_cast<int64_t>(setup_.num_ranks) * count_columns(setup_.num_ranks);
+  for (int64_t i = 0; i < n; ++i) rows[i] = counts[i];
+  return true;
+}
+
+std::string InternodeRuntime::take_rejection() {
+  using namespace internode;
+  const volatile NotifyHost* h = notify_host_;
+  if (h == nullptr || h->rejections == rejections_seen_) return "";
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const uint64_t count = h->rejections;
+  std::string msg;
+  using runtime::strCat;
+  if (h->reason == kRejectInvalidTopk) {
+    msg = strCat("rank ", h->a, " (node ", nodeOf(static_cast<int>(h->a)), ") was given ", h->b,
+                 " top-k id(s) outside [-1, num_experts)");
+  } else {
+    msg = strCat("rank ", h->a, " (node ", nodeOf(static_cast<int>(h->a)), ") receives ", h->b,
+                 " rows, more than num_worst_tokens=", h->limit);
+  }
+  if (count - rejections_seen_ > 1) {
+    msg += strCat(" (the latest of ", count - rejections_seen_, " rejected calls)");
+  }
+  rejections_seen_ = count;
+  return msg;
+}
+
+void InternodeRuntime::dispatch(const InternodeDispatchArgs& a, cudaStream_t stream) {
   using namespace internode;
   kChecks.require(region_ != nullptr, "dispatch on a destroyed runtime");
   kChecks.require(a.num_tokens >= 0 && a.num_tokens <= layout_.cap.max_tokens,
                   "more tokens than the buffers hold");
-  kChecks.require(a.recv_rows >= 0 && a.recv_rows <= layout_.cap.max_recv_rows,
-                  "more received rows than the buffers hold");
+  kChecks.require(a.out_rows >= 0 && a.out_rows <= layout_.cap.max_recv_rows,
+                  "more output rows than the buffers hold");
   kChecks.require(a.topk >= 0 && a.topk <= kMaxTopk, "top-k must be in [0, 32]");
+  kChecks.require(
+      a.recv_counts != nullptr && a.num_recv != nullptr && (a.out_x != nullptr || a.out_rows == 0),
+      "dispatch needs the notify's counts and its outputs");
   const RecordLayout rec =
       RecordLayout::make(a.x_bytes, a.scale_bytes, a.topk, setup_.ranks_per_node);
   kChecks.require(
@@ -206,13 +272,16 @@ InternodeRecvView InternodeRuntime::dispatch(const InternodeDispatchArgs& a, cud
   p.node_count = a.node_count;
   p.num_tokens = a.num_tokens;
   p.experts_per_rank = a.experts_per_rank;
-  p.recv_rows = a.recv_rows;
+  p.recv_counts = a.recv_counts;
+  p.num_recv = a.num_recv;
+  p.out_rows = a.out_rows;
+  p.out_x = static_cast<char*>(a.out_x);
+  p.out_scales = static_cast<char*>(a.out_scales);
+  p.out_topk = a.out_topk;
+  p.out_weights = a.out_weights;
+  p.out_src_idx = a.out_src_idx;
+  p.out_src_rank = a.out_src_rank;
   kChecks.cuda(launch_dispatch(p, blocks_, stream), "launching the internode dispatch");
-  InternodeRecvView view;
-  view.rows = region_ + layout_.nvl_recv +
-              static_cast<int64_t>(p.c.parity) * layout_.cap.max_recv_rows * rec.n_bytes;
-  view.layout = rec;
-  return view;
 }
 
 void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t stream) {
@@ -299,9 +368,10 @@ std::string InternodeRuntime::progress() const {
   using namespace internode;
   if (progress_host_ == nullptr || last_op_ == kOpNone) return "";
   // The stages of the latest call's op, in launch order.
-  static const int kDispatchStages[] = {kStagePack,          kStagePut,       kStageSignal,
-                                        kStageQuietDone,     kStageSignalled, kStageForward,
-                                        kStageForwardWaited, kStageBarrier,   kStageBarrierDone};
+  static const int kDispatchStages[] = {kStageNotify,    kStageNotifyWaited, kStagePack,
+                                        kStagePut,       kStageSignal,       kStageQuietDone,
+                                        kStageSignalled, kStageForward,      kStageForwardWaited,
+                                        kStageBarrier,   kStageBarrierDone};
   static const int kCombineStages[] = {
       kStageCombineSend,      kStageBarrier,       kStageBarrierDone,
       kStageCombineReduce,    kStageCombineSignal, kStageCombineQuietDone,
@@ -311,12 +381,15 @@ std::string InternodeRuntime::progress() const {
   const int count = combine ? static_cast<int>(std::size(kCombineStages))
                             : static_cast<int>(std::size(kDispatchStages));
   const volatile uint64_t* marks = progress_host_;
+  // The latest call that started on the GPU (a CUDA graph's replays count too).
+  const uint64_t seq = marks[kLatestSeqWord];
   using runtime::strCat;
+  if (seq == 0) return strCat("its kernels (", op_name(last_op_), ") never started");
   std::string msg =
-      strCat("its kernels (call ", seq_, " of this runtime, ", op_name(last_op_), ") ");
+      strCat("its kernels (call ", seq, " of this runtime, ", op_name(last_op_), ") ");
   bool all = true;
   for (int i = 0; i < count && all; ++i) {
-    if (marks[stages[i]] < seq_) {
+    if (marks[stages[i]] < seq) {
       msg += strCat("never got past ", i == 0 ? "their launch" : stage_name(stages[i - 1]),
                     " (next: ", stage_name(stages[i]), ")");
       all = false;
@@ -325,7 +398,7 @@ std::string InternodeRuntime::progress() const {
   if (all) msg += "reached every stage";
   // The latest wait of block 0 in this call, if any: whom it waited for and what it saw.
   const volatile uint64_t* wait = marks + kNumStages;
-  if (wait[kWaitSeq] == seq_) {
+  if (wait[kWaitSeq] == seq) {
     std::atomic_thread_fence(std::memory_order_acquire);
     const int peer = static_cast<int>(wait[kWaitPeer]);
     msg +=

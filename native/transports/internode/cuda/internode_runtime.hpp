@@ -31,7 +31,22 @@ struct InternodeSetup {
   int num_blocks = 0;  // blocks per kernel; 0: one per SM
 };
 
-// Host arguments of one dispatch (device pointers; shapes in internode_common.hpp).
+// Host arguments of one notify, the count exchange that starts a (cached) dispatch (device
+// pointers; NotifyParams in internode_common.hpp).
+struct InternodeNotifyArgs {
+  const int* per_rank = nullptr;     // [R] int32: rows this rank sends to each rank
+  const int64_t* invalid = nullptr;  // [1]: out-of-range top-k ids given to this rank, or null
+  int num_tokens = 0;
+  int64_t limit = 0;              // > 0: reject a call where a rank receives more rows
+  bool report_rejection = false;  // no host read follows: record a rejection for later
+  int* offsets = nullptr;         // [R] out
+  int* recv_counts = nullptr;     // [R] out
+  int* num_recv = nullptr;        // [1] out
+  double timeout_seconds = 60;
+};
+
+// Host arguments of one dispatch (device pointers; shapes in internode_common.hpp). It follows
+// its notify, whose recv_counts and num_recv it reads on the device.
 struct InternodeDispatchArgs {
   const void* x = nullptr;
   int64_t x_bytes = 0;  // bytes of one row of x
@@ -45,15 +60,17 @@ struct InternodeDispatchArgs {
   const int* node_count = nullptr;
   int num_tokens = 0;
   int experts_per_rank = 1;
-  int64_t recv_rows = 0;
+  const int* recv_counts = nullptr;
+  const int* num_recv = nullptr;
+  int64_t out_rows = 0;  // rows of the outputs: the received ones, then padding
+  void* out_x = nullptr;
+  void* out_scales = nullptr;
+  int64_t* out_topk = nullptr;
+  float* out_weights = nullptr;
+  int* out_src_idx = nullptr;
+  int* out_src_rank = nullptr;
   double timeout_seconds = 60;
   bool cached = false;
-};
-
-// Where a dispatch's received rows are: NVLink records (RecordLayout n_*) in this rank's region.
-struct InternodeRecvView {
-  const char* rows = nullptr;
-  internode::RecordLayout layout;
 };
 
 struct InternodeCombineArgs {
@@ -88,7 +105,16 @@ class InternodeRuntime {
                                 const internode::Capacity& capacity);
 
   const internode::Capacity& capacity() const { return layout_.cap; }
-  InternodeRecvView dispatch(const InternodeDispatchArgs& args, cudaStream_t stream);
+  // Enqueues the notify of a (cached) dispatch; returns its ticket, which notify_counts takes.
+  uint64_t notify(const InternodeNotifyArgs& args, cudaStream_t stream);
+  // Whether the notify of `ticket` has finished; if so, the [R, R + 2] count rows it saw
+  // (internode::count_columns) in `rows` (R * (R + 2) values). A notify that failed (a timeout)
+  // finishes too: check_error() says so.
+  bool notify_counts(uint64_t ticket, int64_t* rows) const;
+  // A worst-case call the notify rejected since the last take (none: ""), as a message naming
+  // the rank and the reason; the rejected call moved nothing and the runtime stays usable.
+  std::string take_rejection();
+  void dispatch(const InternodeDispatchArgs& args, cudaStream_t stream);
   void combine(const InternodeCombineArgs& args, cudaStream_t stream);
   std::string check_error() const;
   bool failed() const;
@@ -124,7 +150,10 @@ class InternodeRuntime {
   ErrorRecord* error_dev_ = nullptr;
   uint64_t* progress_host_ = nullptr;  // [kNumStages], host-mapped
   uint64_t* progress_dev_ = nullptr;
-  uint64_t seq_ = 0;
+  internode::NotifyHost* notify_host_ = nullptr;  // host-mapped, then the count rows
+  internode::NotifyHost* notify_dev_ = nullptr;
+  uint64_t tickets_ = 0;          // notifies enqueued
+  uint64_t rejections_seen_ = 0;  // NotifyHost::rejections already taken
   int last_op_ = internode::kOpNone;
   int blocks_ = 1;
   double last_timeout_ = 0;
