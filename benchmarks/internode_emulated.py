@@ -1,9 +1,10 @@
 """The internode transport on emulated nodes: dispatch (BF16, FP8) and combine times with the bytes
 of each leg (RDMA: between nodes; NVLink: inside a node), one process per GPU.
 
-Usage: python benchmarks/internode_emulated.py WORLD RANKS_PER_NODE [T] [iters]
+Usage: python benchmarks/internode_emulated.py WORLD RANKS_PER_NODE [T] [iters] [--profile]
        (e.g. 2 1 for 2 nodes x 1 GPU, 4 2 for 2 x 2; T defaults to 4096, H=7168, top-8 of 256,
-       Options.num_sms = 24, the bench's shape)
+       Options.num_sms = 24, the bench's shape). --profile: rank 0 also prints the GPU time of
+       each kernel of a BF16 dispatch and combine (torch.profiler, 3 calls each).
 
 Times are medians over `iters` (max over ranks) of the op alone, after a barrier; the legs' bytes
 are what this rank's tokens put on each leg (summed over ranks: the traffic of the whole group),
@@ -12,7 +13,8 @@ remote node it visits), NVLink = one output record per (token, destination rank)
 is another GPU; combine RDMA = one float32 partial row per (token, remote node), NVLink = one row
 per received row whose forwarder is another GPU. On one host the "RDMA" leg runs over NVLink
 through NVSHMEM's put path: the times are protocol costs, not predictions for a NIC
-(docs/internode.md).
+(docs/internode.md). The BF16 dispatch is also timed with num_worst_tokens (no host wait for the
+counts: what a CUDA graph replays).
 """
 
 import os
@@ -74,7 +76,29 @@ def _time(fn, iters: int) -> float:  # noqa: ANN001
     return statistics.median(samples)
 
 
-def worker(rank: int, world: int, per_node: int, tokens: int, iters: int, port: int) -> None:
+def _profile(rank: int, fn, label: str) -> None:  # noqa: ANN001
+    """Rank 0 prints the GPU time per call of each kernel of ``fn`` (3 calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    if rank != 0:
+        return
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append((us / 3, e.key))
+    for us, key in sorted(rows, reverse=True)[:12]:
+        print(f"  profile {label}: {us:9.1f} us/call  {key[:90]}", flush=True)
+
+
+def worker(rank: int, world: int, per_node: int, tokens: int, iters: int, port: int,
+           profiled: bool) -> None:  # fmt: skip
     import ep_backend as ep
     from ep_backend import reference as ref
 
@@ -99,17 +123,28 @@ def worker(rank: int, world: int, per_node: int, tokens: int, iters: int, port: 
             else torch.randn(out.recv_x.shape, device=x.device).bfloat16()
         )
         t_combine = _time(lambda y=y, out=out: ep.combine(y, out.handle), iters)
-        vals = torch.tensor([t_dispatch, t_combine], dtype=torch.float64, device=x.device)
+        worst = tokens * world
+        t_worst = _time(
+            lambda xin=xin, scales=scales, worst=worst: ep.dispatch(
+                xin, idx, w, E, x_scales=scales, num_worst_tokens=worst
+            ),
+            iters,
+        )
+        if profiled and tag == "BF16":
+            _profile(rank, lambda xin=xin: ep.dispatch(xin, idx, w, E), "dispatch")
+            _profile(rank, lambda y=y, out=out: ep.combine(y, out.handle), "combine")
+        vals = torch.tensor([t_dispatch, t_combine, t_worst], dtype=torch.float64, device=x.device)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX)
         sums = torch.tensor(list(legs.values()), dtype=torch.float64, device=x.device)
         dist.all_reduce(sums)
         results[tag] = (vals.tolist(), dict(zip(legs, sums.tolist(), strict=True)))
     transport = ep.get_backend().high_throughput_transport
     if rank == 0:
-        for tag, ((td, tc), legs) in results.items():
+        for tag, ((td, tc, tw), legs) in results.items():
             mb = {k: v / 1e6 / world for k, v in legs.items() if k.endswith("bytes")}
             print(f"internode {world // per_node}x{per_node} ({transport}) {tag} T={tokens} H={H} "
-                  f"top-{K}/{E} 24 SMs: dispatch {td:8.1f} us, combine {tc:8.1f} us | per GPU: "
+                  f"top-{K}/{E} 24 SMs: dispatch {td:8.1f} us (num_worst_tokens {tw:8.1f}), "
+                  f"combine {tc:8.1f} us | per GPU: "
                   f"dispatch RDMA {mb['dispatch_rdma_bytes']:.1f} MB "
                   f"({legs['dispatch_rdma_rows'] / world:.0f} rows), NVLink "
                   f"{mb['dispatch_nvlink_bytes']:.1f} MB "
@@ -121,8 +156,11 @@ def worker(rank: int, world: int, per_node: int, tokens: int, iters: int, port: 
 
 if __name__ == "__main__":
     world, per_node = int(sys.argv[1]), int(sys.argv[2])
-    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
-    iters = int(sys.argv[4]) if len(sys.argv) > 4 else 20
+    numbers = [a for a in sys.argv[3:] if not a.startswith("--")]
+    tokens = int(numbers[0]) if numbers else 4096
+    iters = int(numbers[1]) if len(numbers) > 1 else 20
     os.environ["EP_RANKS_PER_NODE"] = str(per_node)
-    os.environ.setdefault("EP_HIGH_THROUGHPUT", "internode")  # the transport is opt-in for now
-    local_ranks.spawn(worker, (world, per_node, tokens, iters, 29500 + os.getpid() % 1000), world)
+    profiled = "--profile" in sys.argv
+    local_ranks.spawn(
+        worker, (world, per_node, tokens, iters, 29500 + os.getpid() % 1000, profiled), world
+    )

@@ -29,14 +29,6 @@ pytestmark = pytest.mark.gpu(min_gpus=2)
 
 H, K = 512, 8
 
-# The internode transport is opt-in (EP_HIGH_THROUGHPUT=internode) until it has passed these
-# tests on GPUs; its tests run where EP_TEST_INTERNODE=1 (tools/internode_emulation_check.sh).
-INTERNODE = {"EP_HIGH_THROUGHPUT": "internode"}
-needs_internode = pytest.mark.skipif(
-    os.environ.get("EP_TEST_INTERNODE") != "1",
-    reason="the internode transport is experimental: EP_TEST_INTERNODE=1 runs its tests "
-    "(tools/internode_emulation_check.sh)",
-)
 
 # A hang of the internode transport fails these tests in about a minute instead of hanging them:
 # its kernels give up after KERNEL_TIMEOUT_S (naming the peer), every host wait of the
@@ -56,7 +48,7 @@ def _run_on_internode(fn: Callable[..., dict], world: int, per_node: int, *args:
         pytest.skip(f"needs {world} GPUs")
     return run_distributed(
         fn, world, per_node, *args, backend="ep", timeout=timeout,
-        env={"EP_RANKS_PER_NODE": str(per_node), **INTERNODE, **(env or {})},
+        env={"EP_RANKS_PER_NODE": str(per_node), **(env or {})},
     )  # fmt: skip
 
 
@@ -134,14 +126,19 @@ def _emulated(rank: int, world: int, per_node: int) -> dict:
             "agreement": backend.moe_agreement_transport}  # fmt: skip
 
 
-@pytest.mark.parametrize("transport", ["aten", pytest.param("internode", marks=needs_internode)])
+@pytest.mark.parametrize("transport", ["aten", "internode"])
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_emulated_nodes_match_the_reference(world: int, per_node: int, transport: str) -> None:
     import ep_backend as ep
 
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    env = {"EP_RANKS_PER_NODE": str(per_node), **(INTERNODE if transport == "internode" else {})}
+    # The internode transport serves a group of several nodes by default; EP_HIGH_THROUGHPUT=aten
+    # asks for the ATen path.
+    env = {
+        "EP_RANKS_PER_NODE": str(per_node),
+        **({"EP_HIGH_THROUGHPUT": "aten"} if transport == "aten" else {}),
+    }
     results = run_distributed(
         _emulated, world, per_node, backend="ep", env=env, timeout=RUN_TIMEOUT_S
     )
@@ -153,7 +150,7 @@ def test_emulated_nodes_match_the_reference(world: int, per_node: int, transport
             tuple(q % per_node for q in range(world)), emulated=True,
         ), (rank, t)  # fmt: skip
         assert r["failures"] == [], (rank, r["failures"])
-        # Never NVLink across emulated nodes: the internode transport where opted in, else ATen.
+        # Never NVLink across emulated nodes: the internode transport, or ATen where asked for.
         # (the ATen path's name carries its reason: "aten: <why>")
         assert r["transport"].split(":", 1)[0] == transport, r["transport"]
         assert r["agreement"] == "gloo", r["agreement"]
@@ -316,7 +313,6 @@ def _spec(rank: int, world: int, per_node: int) -> dict:
     return {"failures": failures, "transport": backend.high_throughput_transport}
 
 
-@needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None:
     results = _run_on_internode(_spec, world, per_node)
@@ -394,7 +390,6 @@ def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dic
     return {"failures": failures, "transport": backend.high_throughput_transport}
 
 
-@needs_internode
 @pytest.mark.parametrize("grown_first", [False, True], ids=["fresh", "grown-first"])
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_empty_ranks_match_the_reference(
@@ -430,7 +425,6 @@ def _bad_input_then_exact(rank: int, world: int, per_node: int) -> dict:
     return {"raised": raised, "failures": failures}
 
 
-@needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_bad_input_raises_everywhere_then_exact(world: int, per_node: int) -> None:
     results = _run_on_internode(_bad_input_then_exact, world, per_node)
@@ -500,7 +494,6 @@ def _graph_replays(rank: int, world: int, per_node: int) -> dict:
     return {"failures": failures, "transport": ep.get_backend().high_throughput_transport}
 
 
-@needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_worst_case_graph_capture_and_replay(world: int, per_node: int) -> None:
     results = _run_on_internode(_graph_replays, world, per_node)
@@ -543,7 +536,6 @@ def _worst_case_rejected_then_exact(rank: int, world: int, per_node: int) -> dic
     return {"raised": raised, "padding_only": padding_only, "failures": failures}
 
 
-@needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_worst_case_rejection_raises_next_call_everywhere(
     world: int, per_node: int
@@ -582,7 +574,6 @@ def _failed_setup_then_exact(rank: int, world: int, per_node: int) -> dict:
     return {"raised": raised, "seconds": seconds, "failures": failures, "transport": transport}
 
 
-@needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_setup_failing_on_one_rank_raises_everywhere_then_exact(
     world: int, per_node: int
@@ -631,7 +622,6 @@ def _soak(rank: int, world: int, per_node: int, calls: int) -> dict:
     return {"failures": failures, "growth": end - (floor or end)}
 
 
-@needs_internode
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_soak(world: int, per_node: int) -> None:
     calls = int(os.environ.get("EP_INTERNODE_SOAK_CALLS", "300"))

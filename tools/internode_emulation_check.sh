@@ -7,7 +7,7 @@
 # Usage: bash tools/internode_emulation_check.sh [extra pytest args]. Logs go to $OUT (./out).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 EP_WITH_CUDA=1 EP_TEST_INTERNODE=1 TORCH_CUDA_ARCH_LIST=9.0a
+export PYTHONUNBUFFERED=1 EP_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a
 export EP_BUILD_DIR=${EP_BUILD_DIR:-$PWD/.build-gpu} MAX_JOBS=${MAX_JOBS:-16}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"

@@ -122,7 +122,7 @@ step nvshmem_session 90 -- tests/test_nvshmem_session_gpu.py tests/test_nvshmem_
 step peer_killed 180 -- -rP tests/test_peer_killed_gpu.py tests/test_peer_killed_cpu.py tests/test_recovery.py
 # inter40b (issue #40): the internode transport on emulated nodes, with its stage trace (last:
 # a hang here costs the most; its soak is cut to 50 calls, EP_INTERNODE_SOAK_CALLS overrides).
-step internode 200 EP_TEST_INTERNODE=1 EP_INTERNODE_TRACE=1 \
+step internode 200 EP_INTERNODE_TRACE=1 \
   EP_INTERNODE_SOAK_CALLS="${EP_INTERNODE_SOAK_CALLS:-50}" -- tests/test_internode_emulation_gpu.py
 
 # The rest of the GPU suite, in two parts that each fit one 10-minute command at 4 GPUs; run only

@@ -22,9 +22,7 @@ struct Variable {
   Scope scope;
 };
 
-// Users: "aten" runs a group's high-throughput / low-latency CUDA calls on the ATen fallback;
-// EP_HIGH_THROUGHPUT=internode opts a group of several nodes into the (experimental) internode
-// transport.
+// Users: "aten" runs a group's high-throughput / low-latency CUDA calls on the ATen fallback.
 inline constexpr Variable kHighThroughput{"EP_HIGH_THROUGHPUT", Scope::kGroup};
 inline constexpr Variable kLowLatency{"EP_LOW_LATENCY", Scope::kGroup};
 // Users: the path of libep_nvshmem.so (default: next to _C).

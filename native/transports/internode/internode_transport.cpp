@@ -238,13 +238,6 @@ Verdict decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
     why = "the group spans " + std::to_string(topology.num_nodes) +
           " nodes; the internode kernels serve at most " + std::to_string(kMaxNodes);
   }
-  if (why.empty() && !env::equals<env::kHighThroughput>("internode")) {
-    // Opt-in until the transport has passed its GPU tests: groups of several nodes keep the
-    // ATen path by default.
-    why =
-        "the internode transport is experimental (not yet validated on GPUs); set "
-        "EP_HIGH_THROUGHPUT=internode on every rank to use it";
-  }
   if (!why.empty()) {
     return Verdict{why, false};  // topology and environment: the same on every rank
   }
