@@ -4,6 +4,11 @@
 
 namespace ep {
 
+at::Tensor positionsInColumns(const at::Tensor& mask) {
+  const at::Tensor inclusive = mask.t().to(at::kInt).contiguous().cumsum(1, at::kInt).t();
+  return at::where(mask, inclusive - 1, -1).to(at::kInt).contiguous();
+}
+
 LayoutTensors computeDispatchLayout(const at::Tensor& topk_idx, int64_t num_experts,
                                     int64_t num_ranks) {
   checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
@@ -20,9 +25,7 @@ LayoutTensors computeDispatchLayout(const at::Tensor& topk_idx, int64_t num_expe
   at::Tensor per_expert = at::zeros({num_experts + 1}, idx.options());
   per_expert.scatter_add_(0, experts, at::ones_like(experts));
   // Exclusive scan over tokens of each rank's column; -1 where the token is not sent.
-  at::Tensor sent = is_token_in_rank.to(at::kInt);
-  at::Tensor send_pos =
-      at::where(is_token_in_rank, sent.cumsum(0, at::kInt) - 1, -1).to(at::kInt).contiguous();
+  at::Tensor send_pos = positionsInColumns(is_token_in_rank);
   return {per_rank, per_expert.narrow(0, 0, num_experts).to(at::kInt), is_token_in_rank, send_pos};
 }
 

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "backend/dispatch_layout.hpp"
+
 namespace ep::internode {
 
 Plan makePlan(const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
@@ -40,7 +42,7 @@ Plan makePlan(const at::Tensor& is_token_in_rank, const at::Tensor& send_pos,
   const at::Tensor in_node = is_token_in_rank.index_select(1, node_rank_index.to(dev))
                                  .view({T, num_nodes, ranks_per_node})
                                  .any(2);
-  p.node_pos = at::where(in_node, in_node.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
+  p.node_pos = positionsInColumns(in_node);
   // [N] even when T = 0 (the sum of no rows): the signal of every node carries its count.
   p.node_count = in_node.sum(0).to(at::kInt).contiguous();
   return p;

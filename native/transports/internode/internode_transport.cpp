@@ -770,8 +770,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const at::Tensor& in_rank = routing.is_token_in_rank;
   const Notified counts = notify(pg, *st, rt, routing.num_tokens_per_rank, at::Tensor(), x.size(0),
                                  0, false, stream, "cached dispatch");
-  at::Tensor send_pos =
-      at::where(in_rank, in_rank.to(at::kInt).cumsum(0) - 1, -1).to(at::kInt).contiguous();
+  const at::Tensor send_pos = positionsInColumns(in_rank);
   const Plan p = makePlan(in_rank.contiguous(), send_pos, counts.offsets, st->node_rank_index,
                           st->num_nodes, st->ranks_per_node);
   // The handle's rows: the received ones, then padding (a num_worst_tokens handle).

@@ -138,13 +138,37 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t by
   if ((a & 15u) == 0) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
-    for (int64_t i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+    const int64_t n = bytes / 16;
+    int64_t i = lane;
+    // Four loads in flight per lane before their stores: one at a time, a row's copy is a chain
+    // of load latencies (a warp copies a 14 KB row in 28 dependent steps).
+    for (; i + 96 < n; i += 128) {
+      const int4 v0 = s[i];
+      const int4 v1 = s[i + 32];
+      const int4 v2 = s[i + 64];
+      const int4 v3 = s[i + 96];
+      d[i] = v0;
+      d[i + 32] = v1;
+      d[i + 64] = v2;
+      d[i + 96] = v3;
+    }
+    for (; i < n; i += 32) d[i] = s[i];
   } else if ((a & 3u) == 0) {
     const int* s = reinterpret_cast<const int*>(src);
     int* d = reinterpret_cast<int*>(dst);
     for (int64_t i = lane; i < bytes / 4; i += 32) d[i] = s[i];
   } else {
     for (int64_t i = lane; i < bytes; i += 32) dst[i] = src[i];
+  }
+}
+
+// A warp zeroes `bytes` bytes (16-byte stores where the span allows).
+__device__ __forceinline__ void warp_zero(char* dst, int64_t bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15u) == 0) {
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = lane; i < bytes / 16; i += 32) d[i] = make_int4(0, 0, 0, 0);
+  } else {
+    for (int64_t i = lane; i < bytes; i += 32) dst[i] = 0;
   }
 }
 
@@ -537,10 +561,8 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     } else {
-      for (int64_t i = lane; i < r.x_bytes; i += 32) x[i] = 0;
-      if (scales != nullptr) {
-        for (int64_t i = lane; i < r.scale_bytes; i += 32) scales[i] = 0;
-      }
+      warp_zero(x, r.x_bytes, lane);
+      if (scales != nullptr) warp_zero(scales, r.scale_bytes, lane);
       if (lane < K) {
         if (p.out_topk != nullptr) p.out_topk[row * K + lane] = -1;
         if (p.out_weights != nullptr) p.out_weights[row * K + lane] = 0.0f;
@@ -565,6 +587,25 @@ __device__ __forceinline__ void store_value(char* row, int dtype, int i, float v
     reinterpret_cast<__nv_bfloat16*>(row)[i] = __float2bfloat16_rn(v);
   } else {
     reinterpret_cast<float*>(row)[i] = v;
+  }
+}
+
+// acc[i] += value i of the v-th 16 bytes of `row` (8 BF16 or 4 float32 values), float32, in
+// order: the scalar loop's additions.
+__device__ __forceinline__ void add_vector(float* acc, const char* row, int dtype, int v) {
+  const int4 raw = reinterpret_cast<const int4*>(row)[v];
+  if (dtype == 0) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(pairs[i]);
+      acc[2 * i] = __fadd_rn(acc[2 * i], f.x);
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], f.y);
+    }
+  } else {
+    const float* f = reinterpret_cast<const float*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
   }
 }
 
@@ -625,6 +666,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t w_offset = static_cast<int64_t>(align16(static_cast<size_t>(x_bytes)));
   const int64_t pw_offset = static_cast<int64_t>(align16(4 * static_cast<size_t>(p.hidden)));
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.region + c.layout.comb_flag);
+  const int per_vector = p.x_dtype == 0 ? 8 : 4;  // values in 16 bytes of a row
+  const int vectors = p.hidden % per_vector == 0 ? p.hidden / per_vector : 0;
   const int items = c.num_nodes * static_cast<int>(T);
   for (int item = global_warp(); item < items; item += num_warps()) {
     const int n = item / static_cast<int>(T);
@@ -637,14 +680,30 @@ __global__ void __launch_bounds__(kThreads)
     const char* rows = c.region + c.layout.comb_nvl + first * c.layout.cap.max_combine_row;
     float* partial = reinterpret_cast<float*>(c.region + c.layout.comb_send +
                                               (n * T + t) * c.layout.cap.max_partial_row);
-    for (int h = lane; h < p.hidden; h += 32) {
-      float acc = 0.0f;
-      for (int l = 0; l < c.ranks_per_node; ++l) {
-        if (present & (1u << l)) {
-          acc = __fadd_rn(acc, load_value(rows + l * c.layout.cap.max_combine_row, p.x_dtype, h));
+    if (vectors > 0) {
+      // 16-byte loads of each row (8 BF16 or 4 float32 values), summed in local index order as
+      // the scalar loop below does: the same bits.
+      for (int v = lane; v < vectors; v += 32) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int l = 0; l < c.ranks_per_node; ++l) {
+          if (present & (1u << l)) {
+            add_vector(acc, rows + l * c.layout.cap.max_combine_row, p.x_dtype, v);
+          }
         }
+        float4* out = reinterpret_cast<float4*>(partial + static_cast<int64_t>(v) * per_vector);
+        out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        if (per_vector == 8) out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
       }
-      partial[h] = acc;
+    } else {
+      for (int h = lane; h < p.hidden; h += 32) {
+        float acc = 0.0f;
+        for (int l = 0; l < c.ranks_per_node; ++l) {
+          if (present & (1u << l)) {
+            acc = __fadd_rn(acc, load_value(rows + l * c.layout.cap.max_combine_row, p.x_dtype, h));
+          }
+        }
+        partial[h] = acc;
+      }
     }
     if (lane < p.topk) {
       float acc = 0.0f;
@@ -725,18 +784,55 @@ __global__ void __launch_bounds__(kThreads)
     const char* part = c.region + c.layout.comb_rdma;
     const int64_t node_stride = T * c.layout.cap.max_partial_row;
     const int64_t parity_base = static_cast<int64_t>(call.parity) * c.num_nodes * node_stride;
-    for (int h = lane; h < p.hidden; h += 32) {
-      float acc = 0.0f;
-      for (int n = 0; n < c.num_nodes; ++n) {
-        if (visited & (1u << n)) {
-          const float* row = reinterpret_cast<const float*>(part + parity_base + n * node_stride +
-                                                            t * c.layout.cap.max_partial_row);
-          acc = __fadd_rn(acc, row[h]);
+    const char* token_part = part + parity_base + t * c.layout.cap.max_partial_row;
+    if (p.hidden % 8 == 0) {
+      // 8 values per lane and step (two 16-byte loads of each float32 partial and bias row),
+      // added in the scalar loop's order: the same bits.
+      for (int v = lane; v < p.hidden / 8; v += 32) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int n = 0; n < c.num_nodes; ++n) {
+          if (visited & (1u << n)) {
+            const char* row = token_part + n * node_stride + static_cast<int64_t>(v) * 32;
+            add_vector(acc, row, 1, 0);
+            add_vector(acc + 4, row, 1, 1);
+          }
+        }
+        const int64_t h = static_cast<int64_t>(t) * p.hidden + static_cast<int64_t>(v) * 8;
+        if (p.bias0 != nullptr) {
+          add_vector(acc, reinterpret_cast<const char*>(p.bias0 + h), 1, 0);
+          add_vector(acc + 4, reinterpret_cast<const char*>(p.bias0 + h), 1, 1);
+        }
+        if (p.bias1 != nullptr) {
+          add_vector(acc, reinterpret_cast<const char*>(p.bias1 + h), 1, 0);
+          add_vector(acc + 4, reinterpret_cast<const char*>(p.bias1 + h), 1, 1);
+        }
+        if (p.x_dtype == 0) {
+          int4 packed;
+          __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            pairs[i] = __halves2bfloat162(__float2bfloat16_rn(acc[2 * i]),
+                                          __float2bfloat16_rn(acc[2 * i + 1]));
+          }
+          reinterpret_cast<int4*>(p.out)[h / 8] = packed;
+        } else {
+          float4* out = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.out) + h);
+          out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+          out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
         }
       }
-      if (p.bias0 != nullptr) acc = __fadd_rn(acc, p.bias0[t * p.hidden + h]);
-      if (p.bias1 != nullptr) acc = __fadd_rn(acc, p.bias1[t * p.hidden + h]);
-      store_value(p.out + t * x_bytes, p.x_dtype, h, acc);
+    } else {
+      for (int h = lane; h < p.hidden; h += 32) {
+        float acc = 0.0f;
+        for (int n = 0; n < c.num_nodes; ++n) {
+          if (visited & (1u << n)) {
+            acc = __fadd_rn(acc, reinterpret_cast<const float*>(token_part + n * node_stride)[h]);
+          }
+        }
+        if (p.bias0 != nullptr) acc = __fadd_rn(acc, p.bias0[t * p.hidden + h]);
+        if (p.bias1 != nullptr) acc = __fadd_rn(acc, p.bias1[t * p.hidden + h]);
+        store_value(p.out + t * x_bytes, p.x_dtype, h, acc);
+      }
     }
     if (p.out_weights != nullptr && lane < p.topk) {
       float acc = 0.0f;
