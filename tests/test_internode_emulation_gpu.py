@@ -6,7 +6,7 @@ layout's per-node counts equal the reference: bitwise for the copies; combine bi
 ``reference.combine_by_node`` (the hierarchical summation order), and against
 ``reference.combine`` too where a node holds one rank. Also: worst-case mode, async_op, empty
 ranks (rank 0, then rank 1, then every rank with T = 0: the sequence the spec test once hung in),
-a bad input on one rank, worst-case dispatch + combine + cached dispatch captured in a CUDA graph
+a bad input on one rank, a rank that never joins a call, worst-case dispatch + combine + cached dispatch captured in a CUDA graph
 and replayed, worst-case calls the GPU notify rejects (raised by the next call on every rank), and
 a soak (``EP_INTERNODE_SOAK_CALLS``, default 300).
 """
@@ -547,6 +547,45 @@ def test_internode_worst_case_rejection_raises_next_call_everywhere(
         assert "top-k id(s) outside" in bad_id and "rank 0 " in bad_id, (rank, bad_id)
         assert r["padding_only"] == [True, True], (rank, r["padding_only"])
         assert r["failures"] == [], (rank, r["failures"])
+
+
+def _absent_rank(rank: int, world: int, per_node: int) -> dict:
+    """The last rank stays alive but never joins a dispatch; every other rank must raise naming
+    it within the group timeout (plus the stalled-rank probe)."""
+    import ep_backend as ep
+
+    experts = 8 * world
+    _fail_fast()
+    x, idx, w = cuda_routing(64, H, experts, K, seed=rank + 31)
+    ep.dispatch(x, idx, w, experts)  # every rank sets the transport up
+    torch.cuda.synchronize()
+    ep.get_backend().set_timeout(datetime.timedelta(seconds=ABSENT_TIMEOUT_S))
+    if rank == world - 1:
+        time.sleep(ABSENT_TIMEOUT_S + 10)  # alive, but never joins the call
+        return {"raised": "stayed away", "seconds": 0.0}
+    start = time.monotonic()
+    try:
+        ep.dispatch(x, idx, w, experts)
+        raised = "no error"
+    except RuntimeError as exc:
+        raised = str(exc)
+    return {"raised": raised, "seconds": time.monotonic() - start}
+
+
+ABSENT_TIMEOUT_S = 5.0
+
+
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_a_rank_that_never_arrives_is_named_on_every_live_rank(
+    world: int, per_node: int
+) -> None:
+    results = _run_on_internode(_absent_rank, world, per_node)
+    absent = world - 1
+    assert results[absent]["raised"] == "stayed away"
+    for rank, r in enumerate(results[:absent]):
+        assert f"rank(s) {absent} never joined it" in r["raised"], (rank, r["raised"])
+        # The group timeout, then the 2 s stalled-rank probe (and Gloo's own teardown).
+        assert r["seconds"] < ABSENT_TIMEOUT_S + 8, (rank, r["seconds"])
 
 
 def _failed_setup_then_exact(rank: int, world: int, per_node: int) -> dict:
