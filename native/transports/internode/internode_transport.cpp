@@ -131,7 +131,7 @@ void trace(EPProcessGroup& pg, const GroupState& st, const char* op, const std::
   if (!tracing()) return;
   static const auto start = std::chrono::steady_clock::now();
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::fprintf(stderr, "[ep internode r%d %9.3fs] #%llu %s: %s\n", pg.getRank(), t,
+  std::fprintf(stderr, "[ep internode r%d %11.6fs] #%llu %s: %s\n", pg.getRank(), t,
                static_cast<unsigned long long>(st.calls), op, what.c_str());
   std::fflush(stderr);
 }
@@ -730,8 +730,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                                        per_rank, counts.recv_counts);
   }
   waitForOwnKernels(pg, *st, "dispatch");
-  return finishDispatch(a, std::move(received), experts_per_rank, is_token_in_rank, send_counts,
-                        recv_counts);
+  DispatchResult result = finishDispatch(a, std::move(received), experts_per_rank,
+                                         is_token_in_rank, send_counts, recv_counts);
+  trace(pg, *st, "dispatch", "outputs ready");
+  return result;
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
