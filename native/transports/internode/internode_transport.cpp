@@ -730,8 +730,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
                                        per_rank, counts.recv_counts);
   }
   waitForOwnKernels(pg, *st, "dispatch");
-  DispatchResult result = finishDispatch(a, std::move(received), experts_per_rank,
-                                         is_token_in_rank, send_counts, recv_counts);
+  DispatchResult result = finishDispatch(a, std::move(received), experts_per_rank, is_token_in_rank,
+                                         send_counts, recv_counts);
   trace(pg, *st, "dispatch", "outputs ready");
   return result;
 }
