@@ -174,7 +174,7 @@ struct RegionLayout {
   int64_t ranks_per_node = 0;
   Capacity cap;
   // notify: signal words [parity][rank] (uint64), this rank's count row (the puts' source) and
-  // every rank's rows [parity][rank][kCountColumns(R)] (int32)
+  // every rank's rows [parity][rank][count_columns(R)] (int32)
   int64_t notify_sig = 0;
   int64_t count_send = 0;
   int64_t count_rows = 0;
@@ -232,7 +232,7 @@ struct Control {
   int pad[27];
 };
 
-// Why a notify rejected a call (RejectionRecord::reason).
+// Why a notify rejected a call (NotifyHost::reason).
 enum Rejection : int {
   kRejectNone = 0,
   kRejectInvalidTopk = 1,  // rank `a` was given `b` out-of-range top-k ids
