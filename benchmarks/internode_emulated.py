@@ -13,7 +13,7 @@ remote node it visits), NVLink = one output record per (token, destination rank)
 is another GPU; combine RDMA = one float32 partial row per (token, remote node), NVLink = one row
 per received row whose forwarder is another GPU. On one host the "RDMA" leg runs over NVLink
 through NVSHMEM's put path: the times are protocol costs, not predictions for a NIC
-(docs/internode.md). The BF16 dispatch is also timed with num_worst_tokens (no host wait for the
+(docs/internode.md). Each dispatch is also timed with num_worst_tokens (no host wait for the
 counts: what a CUDA graph replays).
 """
 

@@ -6,17 +6,20 @@
 namespace ep {
 
 DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows, int64_t experts_per_rank,
-                              const at::Tensor& is_token_in_rank,
-                              const std::vector<int64_t>& send_counts,
-                              const std::vector<int64_t>& recv_counts) {
+                              const at::Tensor& is_token_in_rank, const at::Tensor& send_counts,
+                              const at::Tensor& recv_counts) {
   DispatchResult out;
-  at::Tensor selected = rows.topk_local.masked_select(rows.topk_local.ge(0));
-  at::Tensor per_expert = at::bincount(selected, {}, experts_per_rank);
+  // A scatter into a spare bin for -1: bincount would size its output on the host.
+  const at::Tensor ids = rows.topk_local.flatten();
+  const at::Tensor valid = ids.ge(0);
+  at::Tensor per_expert = at::zeros({experts_per_rank + 1}, ids.options().dtype(at::kLong));
+  per_expert.scatter_add_(0, at::where(valid, ids, experts_per_rank), valid.to(at::kLong));
   const int64_t align = a.expert_alignment;
-  out.num_recv_tokens_per_expert =
-      (per_expert + (align - 1)).div(align, "floor").mul(align).to(at::kInt);
-  // The counts are on the device of x; reading them back is one more sync of paths that
-  // synchronise anyway.
+  out.num_recv_tokens_per_expert = (per_expert.narrow(0, 0, experts_per_rank) + (align - 1))
+                                       .div(align, "floor")
+                                       .mul(align)
+                                       .to(at::kInt);
+  // The one read of the device in normal mode (the paths that take it synchronise anyway).
   out.num_recv_tokens_per_expert_host =
       a.num_worst_tokens > 0 ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
                              : out.num_recv_tokens_per_expert.to(at::kCPU, at::kLong);
@@ -35,40 +38,19 @@ DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows, int64_t 
   }
   const at::Device device = a.x.device();
   out.routing.is_token_in_rank = is_token_in_rank;
-  out.routing.num_tokens_per_rank = at::tensor(send_counts, at::kLong).to(device, at::kInt);
-  out.routing.num_recv_tokens_per_rank = at::tensor(recv_counts, at::kLong).to(device, at::kInt);
+  out.routing.num_tokens_per_rank = send_counts.to(device, at::kInt);
+  out.routing.num_recv_tokens_per_rank = recv_counts.to(device, at::kInt);
   out.routing.recv_src_idx = std::move(rows.src_idx);
   out.routing.recv_src_rank = std::move(rows.src_rank);
   return out;
 }
 
-DispatchResult finishDeviceCountedDispatch(const DispatchArgs& a, ReceivedRows rows,
-                                           int64_t experts_per_rank,
-                                           const at::Tensor& is_token_in_rank,
-                                           const at::Tensor& send_counts,
-                                           const at::Tensor& recv_counts) {
-  DispatchResult out;
-  // A scatter into a spare bin for -1 (bincount would size its output on the host).
-  const at::Tensor ids = rows.topk_local.flatten().to(at::kLong);
-  const at::Tensor valid = ids.ge(0);
-  at::Tensor per_expert = at::zeros({experts_per_rank + 1}, ids.options());
-  per_expert.scatter_add_(0, at::where(valid, ids, experts_per_rank), valid.to(at::kLong));
-  const int64_t align = a.expert_alignment;
-  out.num_recv_tokens_per_expert = (per_expert.narrow(0, 0, experts_per_rank) + (align - 1))
-                                       .div(align, "floor")
-                                       .mul(align)
-                                       .to(at::kInt);
-  out.num_recv_tokens_per_expert_host = at::empty({0}, at::TensorOptions().dtype(at::kLong));
-  out.recv_x = std::move(rows.x);
-  out.recv_x_scales = std::move(rows.x_scales);
-  out.recv_topk_idx = rows.topk_local.to(a.topk_idx.scalar_type());
-  out.recv_topk_weights = std::move(rows.topk_weights);
-  out.routing.is_token_in_rank = is_token_in_rank;
-  out.routing.num_tokens_per_rank = send_counts.to(at::kInt).clone();
-  out.routing.num_recv_tokens_per_rank = recv_counts.to(at::kInt).clone();
-  out.routing.recv_src_idx = std::move(rows.src_idx);
-  out.routing.recv_src_rank = std::move(rows.src_rank);
-  return out;
+DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows, int64_t experts_per_rank,
+                              const at::Tensor& is_token_in_rank,
+                              const std::vector<int64_t>& send_counts,
+                              const std::vector<int64_t>& recv_counts) {
+  return finishDispatch(a, std::move(rows), experts_per_rank, is_token_in_rank,
+                        at::tensor(send_counts, at::kLong), at::tensor(recv_counts, at::kLong));
 }
 
 at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill) {

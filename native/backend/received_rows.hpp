@@ -33,15 +33,13 @@ DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows, int64_t 
                               const std::vector<int64_t>& send_counts,
                               const std::vector<int64_t>& recv_counts);
 
-// The same for a num_worst_tokens dispatch whose rows are already padded to a.num_worst_tokens
-// (0, -1 for indices and sources) and whose counts never reached the host: send_counts and
-// recv_counts are integer [R] tensors on the device, the per-expert counts are computed without
-// a host read (a CUDA graph can capture all of it), and num_recv_tokens_per_expert_host is empty.
-DispatchResult finishDeviceCountedDispatch(const DispatchArgs& a, ReceivedRows rows,
-                                           int64_t experts_per_rank,
-                                           const at::Tensor& is_token_in_rank,
-                                           const at::Tensor& send_counts,
-                                           const at::Tensor& recv_counts);
+// The same with the counts as integer [R] tensors (on the device, or the host): nothing is read
+// on the host unless a.num_worst_tokens is 0 (the per-expert counts' host copy), so a CUDA graph
+// can capture a worst-case dispatch's finish. The routing keeps int32 copies of the counts on the
+// device of x (the tensors themselves where they already are: pass tensors the result may keep).
+DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows, int64_t experts_per_rank,
+                              const at::Tensor& is_token_in_rank, const at::Tensor& send_counts,
+                              const at::Tensor& recv_counts);
 
 // Pads the first dimension of `t` to `rows` (>= t.size(0)) with `fill`.
 at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill);

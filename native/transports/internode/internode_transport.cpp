@@ -390,6 +390,25 @@ at::Tensor agreeInStep(EPProcessGroup& pg, GroupState& st, const char* op, const
   return gathered;
 }
 
+// The agreement of an op on a dispatch's handle (combine, cached dispatch): `extra` after the
+// handle's counts ([2R]: what this rank sent to and received from each rank), checked to match
+// across ranks. The counts are read on the host (a stream sync) except while capturing, where
+// nothing may be read and the kernels trust the handle.
+at::Tensor agreeOnHandle(EPProcessGroup& pg, GroupState& st, const char* op,
+                         const std::string& error, std::vector<AgreedField> fields,
+                         const DispatchRouting& routing, const std::vector<int64_t>& extra) {
+  const int64_t R = pg.getSize();
+  const bool capturing = streamCapturing();
+  std::vector<int64_t> payload = error.empty() && !capturing
+                                     ? routingCounts(routing, R)
+                                     : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
+  payload.insert(payload.end(), extra.begin(), extra.end());
+  fields.push_back(captureField());
+  at::Tensor gathered = agreeInStep(pg, st, op, error, fields, std::move(payload));
+  if (!capturing) checkRoutingAgrees(op, gathered, 0, pg.getRank());
+  return gathered;
+}
+
 // Collective: a runtime whose buffers hold `need` (every input agreed across the ranks, so every
 // rank decides alike). Growing frees the old buffers, then allocates the new ones, in the
 // process's NVSHMEM session (never restarted: nvshmem_session_plan.hpp). The NVSHMEM calls of a
@@ -673,8 +692,8 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   void* rt = ensureRuntime(pg, *st, device, need, "dispatch");
   Notified counts = notify(pg, *st, rt, per_rank, invalid, a.x.size(0),
                            worst ? a.num_worst_tokens : 0, worst, stream, "dispatch");
-  std::vector<int64_t> recv_counts(static_cast<size_t>(R), 0);
-  std::vector<int64_t> send_counts(static_cast<size_t>(R), 0);
+  std::vector<int64_t> recv_counts;
+  std::vector<int64_t> send_counts;
   int64_t rows = a.num_worst_tokens;
   if (!worst) {
     std::vector<int64_t> m = waitForCounts(pg, *st, counts.ticket, "dispatch");
@@ -690,23 +709,17 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
       }
       raiseRejectedBy("dispatch", bad);
     }
-    int64_t max_recv = 0;
-    for (int64_t d = 0; d < R; ++d) {
-      int64_t total = 0;
-      for (int64_t s = 0; s < R; ++s) total += m[static_cast<size_t>(s * cols + d)];
-      max_recv = std::max(max_recv, total);
-    }
-    for (int64_t s = 0; s < R; ++s) recv_counts[s] = m[static_cast<size_t>(s * cols + rank)];
-    for (int64_t d = 0; d < R; ++d) send_counts[d] = m[static_cast<size_t>(rank * cols + d)];
+    const at::Tensor matrix = at::from_blob(m.data(), {R, cols}, at::kLong).narrow(1, 0, R);
+    recv_counts = toVector(matrix.select(1, rank));
+    send_counts = toVector(matrix.select(0, rank));
     rows = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-    if (max_recv > st->capacity.max_recv_rows) {
+    if (const int64_t max_recv = maxReceived(matrix); max_recv > st->capacity.max_recv_rows) {
       // Larger receive buffers (every rank saw the same counts: the same rebuild), and the
-      // exchange again on them: its results are the same, its call number is the new buffers'.
-      ++st->launches;
+      // exchange again on them: the same results, under the new buffers' call number. No host
+      // wait for it: a failed notify makes the kernels move nothing and waitForOwnKernels raise.
       need.max_recv_rows = max_recv;
       rt = ensureRuntime(pg, *st, device, need, "dispatch");
       counts = notify(pg, *st, rt, per_rank, invalid, a.x.size(0), 0, false, stream, "dispatch");
-      waitForCounts(pg, *st, counts.ticket, "dispatch");
     }
   }
   const int64_t experts_per_rank = a.num_experts / R;
@@ -725,9 +738,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   received.src_idx = std::move(out.src_idx);
   received.src_rank = std::move(out.src_rank);
   if (worst) {
-    // Nothing is read on the host: the routing's counts stay on the device.
-    return finishDeviceCountedDispatch(a, std::move(received), experts_per_rank, is_token_in_rank,
-                                       per_rank, counts.recv_counts);
+    // Nothing is read on the host: the routing's counts stay on the device (copies: per_rank may
+    // be the caller's layout, recv_counts a view of the notify's words).
+    return finishDispatch(a, std::move(received), experts_per_rank, is_token_in_rank,
+                          per_rank.clone(), counts.recv_counts.clone());
   }
   waitForOwnKernels(pg, *st, "dispatch");
   DispatchResult result = finishDispatch(a, std::move(received), experts_per_rank, is_token_in_rank,
@@ -740,23 +754,13 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
     EPProcessGroup& pg, const at::Tensor& x_in, const std::optional<at::Tensor>& x_scales,
     const DispatchRouting& routing) {
   const int64_t R = pg.getSize();
-  const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
   std::string error = beginOp(pg, *st, "cached dispatch");
   if (error.empty()) error = validateCachedDispatch(x_in, x_scales, routing, R);
   const bool ok = error.empty();
-  // The handle's counts are read on the host (to check it across ranks) except while capturing,
-  // where nothing may be read: the kernels then trust the handle.
-  const bool capturing = streamCapturing();
-  std::vector<int64_t> payload = ok && !capturing
-                                     ? routingCounts(routing, R)
-                                     : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
-  payload.push_back(ok ? x_in.size(0) : 0);
-  payload.push_back(ok ? routing.recv_src_idx.size(0) : 0);
-  std::vector<AgreedField> fields = cachedDispatchFields(x_in, x_scales, ok);
-  fields.push_back(captureField());
-  at::Tensor gathered = agreeInStep(pg, *st, "cached dispatch", error, fields, std::move(payload));
-  if (!capturing) checkRoutingAgrees("cached dispatch", gathered, 0, rank);
+  const at::Tensor gathered =
+      agreeOnHandle(pg, *st, "cached dispatch", error, cachedDispatchFields(x_in, x_scales, ok),
+                    routing, {ok ? x_in.size(0) : 0, ok ? routing.recv_src_idx.size(0) : 0});
 
   const at::Device device = x_in.device();
   c10::cuda::CUDAGuard guard(device);
@@ -783,7 +787,6 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
 
 std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, const CombineArgs& a) {
   const int64_t R = pg.getSize();
-  const int64_t rank = pg.getRank();
   auto st = stateOf(pg);
   std::string error = beginOp(pg, *st, "combine");
   if (error.empty()) error = validateCombine(a, R);
@@ -793,16 +796,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   const bool ok = error.empty();
   const bool kernel_dtype =
       ok && (a.x.scalar_type() == at::kBFloat16 || a.x.scalar_type() == at::kFloat);
-  const bool capturing = streamCapturing();
-  std::vector<int64_t> payload = ok && !capturing
-                                     ? routingCounts(a.routing, R)
-                                     : std::vector<int64_t>(static_cast<size_t>(2 * R), 0);
-  payload.push_back(ok ? a.routing.is_token_in_rank.size(0) : 0);
-  payload.push_back(kernel_dtype ? 1 : 0);
-  std::vector<AgreedField> fields = combineFields(a, ok);
-  fields.push_back(captureField());
-  at::Tensor gathered = agreeInStep(pg, *st, "combine", error, fields, std::move(payload));
-  if (!capturing) checkRoutingAgrees("combine", gathered, 0, rank);
+  const at::Tensor gathered =
+      agreeOnHandle(pg, *st, "combine", error, combineFields(a, ok), a.routing,
+                    {ok ? a.routing.is_token_in_rank.size(0) : 0, kernel_dtype ? 1 : 0});
   // x dtype is an agreed field: every rank takes the same path. Other dtypes (float64, half):
   // the ATen path, whose own agreement step every rank then runs too.
   if (gathered.select(1, 2 * R + 1).min().item<int64_t>() == 0) {
