@@ -136,10 +136,13 @@ def _symm_mem_row(
         import torch.distributed._symmetric_memory as symm_mem
 
         symm_mem.set_backend("NVSHMEM")
-        inp = symm_mem.empty(x.numel(), dtype=x.dtype, device="cuda")
-        outb = symm_mem.empty(x.numel() * 2, dtype=x.dtype, device="cuda")
-        in_splits = symm_mem.empty(world, dtype=torch.int64, device="cuda")
-        out_so = symm_mem.empty((2, world), dtype=torch.int64, device="cuda")
+        # The rank's own device, by index: torch's NVSHMEM team manager keeps the first device
+        # it is given and refuses any other, and "cuda" alone is not resolved to the index.
+        device = x.device
+        inp = symm_mem.empty(x.numel(), dtype=x.dtype, device=device)
+        outb = symm_mem.empty(x.numel() * 2, dtype=x.dtype, device=device)
+        in_splits = symm_mem.empty(world, dtype=torch.int64, device=device)
+        out_so = symm_mem.empty((2, world), dtype=torch.int64, device=device)
         symm_mem.rendezvous(inp, nccl.group_name)
         symm_mem.rendezvous(outb, nccl.group_name)
         symm_mem.rendezvous(in_splits, nccl.group_name)
