@@ -235,8 +235,9 @@ void bindProcessGroup(py::module_& m) {
           "moe_agreement_transport",
           [](ep::EPProcessGroup& self) { return ep::moeAgreementTransport(self); },
           "How the MoE collectives' per-call cross-rank check travels: 'shared memory' (all ranks "
-          "on one host), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), 'none (one rank)' for a group of "
-          "one rank, 'undecided' before the first.")
+          "on one host), 'nvshmem' (a group of several nodes once the internode transport's "
+          "buffers exist: all-gathered on the GPU), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), "
+          "'none (one rank)' for a group of one rank, 'undecided' before the first.")
       .def_property_readonly(
           "high_throughput_transport",
           [](ep::EPProcessGroup& self) {

@@ -153,7 +153,9 @@ def test_emulated_nodes_match_the_reference(world: int, per_node: int, transport
         # Never NVLink across emulated nodes: the internode transport, or ATen where asked for.
         # (the ATen path's name carries its reason: "aten: <why>")
         assert r["transport"].split(":", 1)[0] == transport, r["transport"]
-        assert r["agreement"] == "gloo", r["agreement"]
+        # Across nodes the ATen path agrees over Gloo (TCP); the internode transport all-gathers
+        # the agreement's rows on the GPU once its buffers exist.
+        assert r["agreement"] == ("nvshmem" if transport == "internode" else "gloo"), r["agreement"]
 
 
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
@@ -310,7 +312,8 @@ def _spec(rank: int, world: int, per_node: int) -> dict:
     torch.cuda.synchronize()
     step("done")
     backend = ep.get_backend()
-    return {"failures": failures, "transport": backend.high_throughput_transport}
+    return {"failures": failures, "transport": backend.high_throughput_transport,
+            "agreement": backend.moe_agreement_transport}  # fmt: skip
 
 
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
@@ -320,6 +323,7 @@ def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None
     print(f"internode spec {world // per_node}x{per_node}: {summary}")
     for rank, r in enumerate(results):
         assert r["transport"] == "internode", (rank, r["transport"])
+        assert r["agreement"] == "nvshmem", (rank, r["agreement"])
         assert r["failures"] == [], (rank, r["failures"][:20])
 
 
@@ -387,7 +391,8 @@ def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dic
     torch.cuda.synchronize()
     step("done")
     backend = ep.get_backend()
-    return {"failures": failures, "transport": backend.high_throughput_transport}
+    return {"failures": failures, "transport": backend.high_throughput_transport,
+            "agreement": backend.moe_agreement_transport}  # fmt: skip
 
 
 @pytest.mark.parametrize("grown_first", [False, True], ids=["fresh", "grown-first"])
@@ -399,6 +404,7 @@ def test_internode_empty_ranks_match_the_reference(
                                 env={"EP_INTERNODE_TRACE": "1"})  # fmt: skip
     for rank, r in enumerate(results):
         assert r["transport"] == "internode", (rank, r["transport"])
+        assert r["agreement"] == "nvshmem", (rank, r["agreement"])
         assert r["failures"] == [], (rank, r["failures"][:20])
 
 
@@ -491,7 +497,10 @@ def _graph_replays(rank: int, world: int, per_node: int) -> dict:
     replay(1000 * rank + 7)
     torch.cuda.synchronize()
     step("done")
-    return {"failures": failures, "transport": ep.get_backend().high_throughput_transport}
+    backend = ep.get_backend()
+    # The agreement's rows went through the GPU exchange while the graph was captured too.
+    return {"failures": failures, "transport": backend.high_throughput_transport,
+            "agreement": backend.moe_agreement_transport}  # fmt: skip
 
 
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
@@ -499,6 +508,7 @@ def test_internode_worst_case_graph_capture_and_replay(world: int, per_node: int
     results = _run_on_internode(_graph_replays, world, per_node)
     for rank, r in enumerate(results):
         assert r["transport"] == "internode", (rank, r["transport"])
+        assert r["agreement"] == "nvshmem", (rank, r["agreement"])
         assert r["failures"] == [], (rank, r["failures"][:20])
 
 

@@ -18,6 +18,7 @@
 #include "backend/host_exchange.hpp"
 #include "backend/peer_liveness.hpp"
 #include "backend/rank_mask.hpp"
+#include "backend/row_gather.hpp"
 #include "backend/store_exchange.hpp"
 
 namespace ep {
@@ -470,10 +471,12 @@ std::string stalledRanks(EPProcessGroup& pg, uint64_t call) {
 }
 
 // Per group: the shared-memory exchange when every rank is on one host (decided collectively at
-// the group's first MoE call), else null and the agreement goes through Gloo.
+// the group's first MoE call), else null and the agreement goes through Gloo; a transport's own
+// gather (useRowGather) once it installed one.
 struct ExchangeState {
   bool decided = false;
   std::unique_ptr<HostExchange> exchange;
+  std::shared_ptr<RowGather> transport_gather;
 };
 
 GroupStates<ExchangeState>& exchangeStates() {
@@ -518,6 +521,27 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
       state->exchange->setDeadPeerProbe([group] { return deadPeers(*group); });
     }
     state->decided = true;
+  }
+  if (state->transport_gather && state->transport_gather->fits(width)) {
+    at::Tensor all = at::empty({num_ranks, width}, at::kLong);
+    const auto timeout = pg.options()->timeout;
+    std::string missing;
+    try {
+      missing = state->transport_gather->gather(row, all.data_ptr<int64_t>(), timeout);
+    } catch (const std::exception& e) {
+      giveUp(pg, state.get(), op, call,
+             std::string("ep ") + op + ": rank " + std::to_string(pg.getRank()) +
+                 ": the agreement exchange failed: " + messageWithoutTrace(e));
+    }
+    if (!missing.empty()) {
+      std::ostringstream message;
+      message << "ep " << op << ": rank " << pg.getRank() << " waited "
+              << std::chrono::duration_cast<std::chrono::seconds>(timeout).count()
+              << " s for the other ranks of the group to join this call; " << missing
+              << " never joined it";
+      giveUp(pg, state.get(), op, call, message.str());
+    }
+    return all;
   }
   if (state->exchange && HostExchange::fits(width)) {
     at::Tensor all = at::empty({num_ranks, width}, at::kLong);
@@ -792,6 +816,9 @@ std::string moeAgreementTransport(EPProcessGroup& pg) {
     return "none (one rank)";
   }
   auto state = exchangeStates().of(pg);
+  if (state->transport_gather) {
+    return "nvshmem";
+  }
   if (!state->decided) {
     return "undecided";
   }
@@ -911,6 +938,10 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
 }
 
 }  // namespace
+
+void useRowGather(EPProcessGroup& pg, std::shared_ptr<RowGather> gather) {
+  exchangeStates().of(pg)->transport_gather = std::move(gather);
+}
 
 at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                             const std::vector<AgreedField>& fields,

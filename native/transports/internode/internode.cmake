@@ -7,4 +7,5 @@ set(EP_INTERNODE_DIR "${CMAKE_CURRENT_LIST_DIR}/cuda")
 target_sources(ep_nvshmem PRIVATE
   "${EP_INTERNODE_DIR}/internode_kernels.cu"
   "${EP_INTERNODE_DIR}/internode_runtime.cpp"
+  "${EP_INTERNODE_DIR}/row_exchange.cu"
   "${EP_INTERNODE_DIR}/internode_capi.cpp")

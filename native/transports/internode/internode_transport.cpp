@@ -3,11 +3,12 @@
 // hierarchical kernels of cuda/internode_kernels.cu (RDMA leg by NVSHMEM puts to the rank with
 // the same local index on each node, NVLink leg inside the node; docs/internode.md).
 //
-// First version: the counts are agreed on the host (the group's agreement all-gather over Gloo,
-// the same step the ATen path takes), not yet notified on the GPU, so the ops are not
-// graph-capturable; every rank then knows every source's row counts and computes the final
-// position of each of its rows at each receiver. The kernels run in libep_nvshmem.so (dlsym'd
-// here) on the NVSHMEM session of the group's low-latency runtime.
+// Per call: the host agreement (validation, shapes, call numbers) all-gathers its rows on the GPU
+// once the group's buffers exist (cuda/row_exchange.hpp, installed as the group's RowGather: no
+// TCP round trip per call); a dispatch's counts are notified on the GPU, and the host reads them
+// only to size its outputs (never with num_worst_tokens, which is graph-capturable). The kernels
+// run in libep_nvshmem.so (dlsym'd here) on the NVSHMEM session of the group's low-latency
+// runtime.
 #include "transports/internode/internode_transport.hpp"
 
 #ifdef EP_WITH_CUDA
@@ -33,12 +34,14 @@
 #include "backend/moe_validation.hpp"
 #include "backend/per_group_transport.hpp"
 #include "backend/received_rows.hpp"
+#include "backend/row_gather.hpp"
 #include "backend/store_exchange.hpp"
 #include "backend/stream_capture.hpp"
 #include "common/env.hpp"
 #include "transports/aten/aten_transport.hpp"
 #include "transports/internode/cuda/internode_capi.h"
 #include "transports/internode/cuda/internode_runtime.hpp"
+#include "transports/internode/cuda/row_exchange.hpp"
 #include "transports/internode/internode_plan.hpp"
 #include "transports/nvshmem/nvshmem_transport.hpp"
 
@@ -62,6 +65,12 @@ struct Library {
   ep_internode_check_error_fn check_error = nullptr;
   ep_internode_destroy_fn destroy = nullptr;
   ep_internode_progress_fn progress = nullptr;
+  ep_row_exchange_symmetric_bytes_fn exchange_bytes = nullptr;
+  ep_row_exchange_create_fn exchange_create = nullptr;
+  ep_row_exchange_connect_fn exchange_connect = nullptr;
+  ep_row_exchange_abandon_fn exchange_abandon = nullptr;
+  ep_row_exchange_gather_fn exchange_gather = nullptr;
+  ep_row_exchange_destroy_fn exchange_destroy = nullptr;
 };
 
 const Library& library() {
@@ -85,7 +94,13 @@ const Library& library() {
            librarySymbol("ep_internode_combine", l.combine, l.error) &&
            librarySymbol("ep_internode_check_error", l.check_error, l.error) &&
            librarySymbol("ep_internode_destroy", l.destroy, l.error) &&
-           librarySymbol("ep_internode_progress", l.progress, l.error);
+           librarySymbol("ep_internode_progress", l.progress, l.error) &&
+           librarySymbol("ep_row_exchange_symmetric_bytes", l.exchange_bytes, l.error) &&
+           librarySymbol("ep_row_exchange_create", l.exchange_create, l.error) &&
+           librarySymbol("ep_row_exchange_connect", l.exchange_connect, l.error) &&
+           librarySymbol("ep_row_exchange_abandon", l.exchange_abandon, l.error) &&
+           librarySymbol("ep_row_exchange_gather", l.exchange_gather, l.error) &&
+           librarySymbol("ep_row_exchange_destroy", l.exchange_destroy, l.error);
     return l;
   }();
   return lib;
@@ -94,6 +109,35 @@ const Library& library() {
 void check(int rc, const char* what, const char* err) {
   TORCH_CHECK(rc == 0, "ep ", what, ": ", err);
 }
+
+// ---- the agreement's rows on the GPU --------------------------------------------------------
+
+// The group's row exchange (null until made, and again once the group is torn down).
+struct ExchangeHandle {
+  void* exchange = nullptr;
+};
+
+// The group's agreement rows through its row exchange (backend/row_gather.hpp).
+class DeviceRowGather final : public RowGather {
+ public:
+  explicit DeviceRowGather(std::shared_ptr<ExchangeHandle> handle) : handle_(std::move(handle)) {}
+  bool fits(int64_t width) const override { return width <= RowExchange::kMaxWidth; }
+  std::string gather(const std::vector<int64_t>& row, int64_t* out,
+                     std::chrono::milliseconds timeout) override {
+    TORCH_CHECK(handle_->exchange != nullptr, "the group's agreement exchange was released");
+    char missing[256] = {0};
+    char err[1024] = {0};
+    const double seconds = static_cast<double>(timeout.count()) / 1000.0;
+    TORCH_CHECK(
+        library().exchange_gather(handle_->exchange, row.data(), static_cast<int>(row.size()),
+                                  seconds, out, missing, sizeof(missing), err, sizeof(err)) == 0,
+        err);
+    return missing;
+  }
+
+ private:
+  std::shared_ptr<ExchangeHandle> handle_;
+};
 
 // ---- per-group state -----------------------------------------------------------------------
 
@@ -118,6 +162,10 @@ struct GroupState {
   // A CUDA graph captured this transport's kernels on `runtime`: its buffers may not be freed
   // or moved from then on (the graph keeps their addresses).
   bool captured = false;
+  // The agreement's row exchange, made with the first buffers (null: not made, or its setup
+  // failed on some rank and the agreement stays on Gloo).
+  std::shared_ptr<ExchangeHandle> exchange;
+  bool exchange_tried = false;
 };
 
 // ---- diagnosis: EP_INTERNODE_TRACE=1 prints each op's host stages to stderr ----------------
@@ -215,6 +263,15 @@ std::shared_ptr<GroupState> stateOf(EPProcessGroup& pg, bool create = true) {
         }
       });
       state.runtime = nullptr;
+    }
+    if (state.exchange != nullptr && state.exchange->exchange != nullptr) {
+      nvshmem::parkCollectiveFree([ex = state.exchange->exchange] {
+        char err[512] = {0};
+        if (library().exchange_destroy(ex, err, sizeof(err)) != 0) {
+          TORCH_WARN("ep: freeing the internode agreement exchange of a destroyed group: ", err);
+        }
+      });
+      state.exchange->exchange = nullptr;
     }
     if (state.done != nullptr) {
       cudaEventDestroy(state.done);
@@ -409,6 +466,38 @@ at::Tensor agreeOnHandle(EPProcessGroup& pg, GroupState& st, const char* op,
   return gathered;
 }
 
+// Collective, once per group, after its first buffers: the row exchange that carries the group's
+// agreements from then on. A setup that fails on some rank fails on every rank alike
+// (agreedSetup), and the agreement then stays on Gloo.
+void ensureExchange(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
+  if (st.exchange_tried) return;
+  st.exchange_tried = true;
+  RowExchangeSetup setup;
+  setup.rank = pg.getRank();
+  setup.num_ranks = pg.getSize();
+  setup.device = device.index();
+  const Library& lib = library();
+  void* ex = nullptr;
+  try {
+    ex = nvshmem::agreedSetup(
+        pg, "ep_internode/" + pg.options()->group_name + "/exchange/", "internode agreement setup",
+        "the per-call agreement goes through Gloo",
+        [&](void** made, char* err, size_t err_len) {
+          return lib.exchange_create(&setup, made, err, err_len);
+        },
+        lib.exchange_connect, lib.exchange_abandon);
+  } catch (const std::exception& e) {
+    TORCH_WARN(
+        "ep: the internode agreement exchange could not be set up; the per-call "
+        "agreement goes through Gloo: ",
+        e.what());
+    return;
+  }
+  st.exchange = std::make_shared<ExchangeHandle>(ExchangeHandle{ex});
+  useRowGather(pg, std::make_shared<DeviceRowGather>(st.exchange));
+  trace(pg, st, "setup", "the agreement goes through the GPU from now on");
+}
+
 // Collective: a runtime whose buffers hold `need` (every input agreed across the ranks, so every
 // rank decides alike). Growing frees the old buffers, then allocates the new ones, in the
 // process's NVSHMEM session (never restarted: nvshmem_session_plan.hpp). The NVSHMEM calls of a
@@ -439,7 +528,8 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   }
   releaseRuntime(st);  // free before malloc: the heap can reuse the space
   const size_t bytes = library().symmetric_bytes(st.num_nodes, st.ranks_per_node, &cap);
-  nvshmem::ensureSession(pg, device, bytes);
+  const size_t exchange_bytes = st.exchange_tried ? 0 : library().exchange_bytes(pg.getSize());
+  nvshmem::ensureSession(pg, device, bytes + exchange_bytes);
   InternodeSetup setup;
   setup.rank = pg.getRank();
   setup.num_ranks = pg.getSize();
@@ -463,6 +553,7 @@ void* ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Device& device
   st.runtime = rt;
   st.capacity = cap;
   trace(pg, st, op, "built");
+  ensureExchange(pg, st, device);
   return rt;
 }
 

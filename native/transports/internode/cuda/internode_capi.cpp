@@ -6,6 +6,7 @@
 
 #include "common/c_entry_point.hpp"
 #include "transports/internode/cuda/internode_runtime.hpp"
+#include "transports/internode/cuda/row_exchange.hpp"
 
 namespace {
 
@@ -14,6 +15,10 @@ using ep::capi::copyMessage;
 
 ep::InternodeRuntime* runtime(void* handle) {
   return static_cast<ep::InternodeRuntime*>(handle);
+}
+
+ep::RowExchange* exchange(void* handle) {
+  return static_cast<ep::RowExchange*>(handle);
 }
 
 }  // namespace
@@ -87,6 +92,41 @@ int ep_internode_destroy(void* handle, char* err, size_t err_len) {
   return ep::capi::destroyEntry(runtime(handle), err, err_len);
 }
 
+size_t ep_row_exchange_symmetric_bytes(int num_ranks) {
+  return ep::RowExchange::symmetric_bytes(num_ranks);
+}
+
+int ep_row_exchange_create(const ep::RowExchangeSetup* setup, void** out, char* err,
+                           size_t err_len) {
+  return cEntryPoint(err, err_len, [&] { *out = new ep::RowExchange(*setup); });
+}
+
+int ep_row_exchange_connect(void* handle, char* err, size_t err_len) {
+  return cEntryPoint(err, err_len, [&] { exchange(handle)->connect(); });
+}
+
+// Drops the exchange of a failed setup without a collective (see RowExchange::abandon).
+void ep_row_exchange_abandon(void* handle) {
+  ep::RowExchange* ex = exchange(handle);
+  ex->abandon();
+  delete ex;
+}
+
+// 0 with every rank's row in `out` ("" in `missing`), or with the ranks that never sent theirs
+// named in `missing`; -1 with a message in `err` on any other failure.
+int ep_row_exchange_gather(void* handle, const int64_t* row, int width, double timeout_seconds,
+                           int64_t* out, char* missing, size_t missing_len, char* err,
+                           size_t err_len) {
+  return cEntryPoint(err, err_len, [&] {
+    const std::string who = exchange(handle)->gather(row, width, timeout_seconds, out);
+    copyMessage(who.c_str(), missing, missing_len);
+  });
+}
+
+int ep_row_exchange_destroy(void* handle, char* err, size_t err_len) {
+  return ep::capi::destroyEntry(exchange(handle), err, err_len);
+}
+
 }  // extern "C"
 
 static_assert(std::is_same_v<decltype(&ep_internode_abi_version), ep_internode_abi_version_fn>);
@@ -104,3 +144,10 @@ static_assert(std::is_same_v<decltype(&ep_internode_combine), ep_internode_combi
 static_assert(std::is_same_v<decltype(&ep_internode_check_error), ep_internode_check_error_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_destroy), ep_internode_destroy_fn>);
 static_assert(std::is_same_v<decltype(&ep_internode_progress), ep_internode_progress_fn>);
+static_assert(
+    std::is_same_v<decltype(&ep_row_exchange_symmetric_bytes), ep_row_exchange_symmetric_bytes_fn>);
+static_assert(std::is_same_v<decltype(&ep_row_exchange_create), ep_row_exchange_create_fn>);
+static_assert(std::is_same_v<decltype(&ep_row_exchange_connect), ep_row_exchange_connect_fn>);
+static_assert(std::is_same_v<decltype(&ep_row_exchange_abandon), ep_row_exchange_abandon_fn>);
+static_assert(std::is_same_v<decltype(&ep_row_exchange_gather), ep_row_exchange_gather_fn>);
+static_assert(std::is_same_v<decltype(&ep_row_exchange_destroy), ep_row_exchange_destroy_fn>);

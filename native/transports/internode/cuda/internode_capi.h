@@ -8,13 +8,14 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_INTERNODE_ABI_VERSION 4
+#define EP_INTERNODE_ABI_VERSION 5
 
 namespace ep {
 struct InternodeSetup;
 struct InternodeNotifyArgs;
 struct InternodeDispatchArgs;
 struct InternodeCombineArgs;
+struct RowExchangeSetup;
 namespace internode {
 struct Capacity;
 }
@@ -37,4 +38,12 @@ typedef int (*ep_internode_combine_fn)(void*, const ep::InternodeCombineArgs*, c
 typedef int (*ep_internode_check_error_fn)(void*, char*, size_t, int*);
 typedef int (*ep_internode_destroy_fn)(void*, char*, size_t);
 typedef void (*ep_internode_progress_fn)(void*, char*, size_t);
+// The agreement's row exchange (row_exchange.hpp).
+typedef size_t (*ep_row_exchange_symmetric_bytes_fn)(int);
+typedef int (*ep_row_exchange_create_fn)(const ep::RowExchangeSetup*, void**, char*, size_t);
+typedef int (*ep_row_exchange_connect_fn)(void*, char*, size_t);
+typedef void (*ep_row_exchange_abandon_fn)(void*);
+typedef int (*ep_row_exchange_gather_fn)(void*, const int64_t*, int, double, int64_t*, char*,
+                                         size_t, char*, size_t);
+typedef int (*ep_row_exchange_destroy_fn)(void*, char*, size_t);
 }
