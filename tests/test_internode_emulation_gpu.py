@@ -424,7 +424,10 @@ def _bad_input_then_exact(rank: int, world: int, per_node: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - every rank must raise, whatever the type
         raised = f"{type(exc).__name__}: {exc}"[:200]
     failures: list[str] = []
-    a = ep.dispatch(x, idx, w, experts)
+    # The dispatch raised the bad ids itself: no layout error is left behind for the next
+    # get_dispatch_layout on this device to raise.
+    layout = ep.get_dispatch_layout(idx, experts)
+    a = ep.dispatch(x, idx, w, experts, layout=layout)
     b = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
     _check_dispatch(failures, "after bad input", a, b)
     torch.cuda.synchronize()
@@ -436,6 +439,10 @@ def test_internode_bad_input_raises_everywhere_then_exact(world: int, per_node: 
     results = _run_on_internode(_bad_input_then_exact, world, per_node)
     for rank, r in enumerate(results):
         assert r["raised"], (rank, "did not raise")
+        if rank == world - 1:  # the rank with the bad id names it; its peers name that rank
+            assert "outside [-1, num_experts" in r["raised"], (rank, r["raised"])
+        else:
+            assert f"rank(s) {world - 1}" in r["raised"], (rank, r["raised"])
         assert r["failures"] == [], (rank, r["failures"])
 
 

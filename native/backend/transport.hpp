@@ -75,6 +75,11 @@ class Transport {
 
   // High-throughput ops (OpFamily::kHighThroughput).
   virtual LayoutTensors layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+  // The layout of a routing whose out-of-range ids (outside [-1, E)) the caller counts and
+  // raises itself: they count as -1 here, and nothing records or raises them. The default masks
+  // them with ATen, then takes layout().
+  virtual LayoutTensors layoutIgnoringInvalid(const at::Tensor& topk_idx, int64_t num_experts,
+                                              int64_t num_ranks);
   virtual DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args,
                                   DeferredCounts* deferred);
   virtual std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(

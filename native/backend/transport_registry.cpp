@@ -108,6 +108,11 @@ namespace {
 LayoutTensors Transport::layout(const at::Tensor&, int64_t, int64_t) {
   notServed(*this, "dispatch_layout");
 }
+LayoutTensors Transport::layoutIgnoringInvalid(const at::Tensor& topk_idx, int64_t num_experts,
+                                               int64_t num_ranks) {
+  const at::Tensor invalid = topk_idx.lt(-1).logical_or(topk_idx.ge(num_experts));
+  return layout(topk_idx.masked_fill(invalid, -1), num_experts, num_ranks);
+}
 DispatchResult Transport::dispatch(EPProcessGroup&, const DispatchArgs&, DeferredCounts*) {
   notServed(*this, "dispatch");
 }

@@ -17,7 +17,9 @@
 
 namespace ep::internode {
 
-// What the kernels of one (cached) dispatch take from the host about this rank's rows.
+// What the kernels of one (cached) dispatch take about this rank's rows. On the GPU the notify
+// kernel writes it (write_plan in cuda/internode_kernels.cu); makePlan below is the same with ATen
+// ops, which the CPU tests check (ep_backend._C._internode_plan).
 struct Plan {
   at::Tensor dest_slot;   // int32 [T, R]: row of token t in rank d's output, -1 where not sent
   at::Tensor node_pos;    // int32 [T, N]: index of token t among those sent to node n, or -1

@@ -146,7 +146,6 @@ struct GroupState {
   void* runtime = nullptr;
   Capacity capacity;           // of `runtime`
   std::vector<int> node_rank;  // [num_nodes * ranks_per_node]: global rank of (node, local)
-  at::Tensor node_rank_index;  // the same, int64 on the device (column gathers)
   int num_nodes = 0;
   int ranks_per_node = 0;
   std::string failure;  // a timeout's message: the transport is unusable from then on
@@ -320,9 +319,6 @@ Verdict decide(EPProcessGroup& pg, GroupState& st, const at::Device& device) {
     st.node_rank[static_cast<size_t>(topology.node_of_rank[r] * topology.ranks_per_node +
                                      topology.local_rank[r])] = r;
   }
-  st.node_rank_index =
-      at::tensor(std::vector<int64_t>(st.node_rank.begin(), st.node_rank.end()), at::kLong)
-          .to(device);
   return Verdict{};
 }
 
@@ -566,30 +562,54 @@ int64_t elementBytes(const at::Tensor& t) {
 }
 
 // What a notify leaves on the device (int32): offsets [R] (rows of lower source ranks at each
-// receiver), recv_counts [R], num_recv [1].
+// receiver), recv_counts [R], num_recv [1], and the plan of this rank's rows.
 struct Notified {
   at::Tensor offsets;
   at::Tensor recv_counts;
   at::Tensor num_recv;
+  Plan plan;
   uint64_t ticket = 0;
 };
 
-// Enqueues the count exchange of a (cached) dispatch on `rt`. per_rank: int32 [R] rows this rank
-// sends to each rank; invalid: int64 [1] out-of-range top-k ids (undefined: none); limit > 0
-// rejects a call where a rank receives more rows (recorded for the next op when `report`).
+// The routing a dispatch's notify checks: int64 [T, K] global expert ids (undefined for a cached
+// dispatch, whose handle was checked when it was made) and E.
+struct Routing {
+  at::Tensor topk_idx64;
+  int64_t num_experts = 0;
+};
+
+// Enqueues the count exchange of a (cached) dispatch on `rt`, and the plan of this rank's rows
+// behind it. per_rank: int32 [R] rows this rank sends to each rank; in_rank: bool [T, R] and
+// send_pos: int32 [T, R] (contiguous) of the layout; the notify counts `routing`'s out-of-range
+// ids into its row; limit > 0 rejects a call where a rank receives more rows (recorded for the
+// next op when `report`).
 Notified notify(EPProcessGroup& pg, GroupState& st, void* rt, const at::Tensor& per_rank,
-                const at::Tensor& invalid, int64_t num_tokens, int64_t limit, bool report,
-                cudaStream_t stream, const char* op) {
+                const at::Tensor& in_rank, const at::Tensor& send_pos, const Routing& routing,
+                int64_t num_tokens, int64_t limit, bool report, cudaStream_t stream,
+                const char* op) {
   const int64_t R = pg.getSize();
-  at::Tensor words = at::empty({2 * R + 1}, per_rank.options().dtype(at::kInt));
+  const auto i32 = per_rank.options().dtype(at::kInt);
+  at::Tensor words = at::empty({2 * R + 1}, i32);
   Notified n;
   n.offsets = words.narrow(0, 0, R);
   n.recv_counts = words.narrow(0, R, R);
   n.num_recv = words.narrow(0, 2 * R, 1);
+  n.plan.dest_slot = at::empty({num_tokens, R}, i32);
+  n.plan.node_pos = at::empty({num_tokens, st.num_nodes}, i32);
+  n.plan.node_count = at::empty({st.num_nodes}, i32);
   const at::Tensor sent = per_rank.to(at::kInt).contiguous();
   InternodeNotifyArgs a;
   a.per_rank = sent.data_ptr<int>();
-  a.invalid = invalid.defined() ? invalid.data_ptr<int64_t>() : nullptr;
+  a.is_token_in_rank = in_rank.data_ptr<bool>();
+  a.send_pos = send_pos.data_ptr<int>();
+  a.dest_slot = n.plan.dest_slot.data_ptr<int>();
+  a.node_pos = n.plan.node_pos.data_ptr<int>();
+  a.node_count = n.plan.node_count.data_ptr<int>();
+  if (routing.topk_idx64.defined()) {
+    a.topk_idx = routing.topk_idx64.data_ptr<int64_t>();
+    a.num_topk = static_cast<int>(routing.topk_idx64.size(1));
+    a.num_experts = static_cast<int>(routing.num_experts);
+  }
   a.num_tokens = static_cast<int>(num_tokens);
   a.limit = limit;
   a.report_rejection = report;
@@ -719,10 +739,9 @@ void waitForOwnKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
   trace(pg, st, op, "kernels done");
 }
 
-// The out-of-range top-k ids of this rank (int64 [T, K] mask), as the message it raises.
-std::string invalidIdsMessage(const at::Tensor& topk_idx, const at::Tensor& invalid,
-                              int64_t num_experts) {
-  const at::Tensor flat = invalid.flatten();
+// The out-of-range top-k ids of this rank, as the message it raises.
+std::string invalidIdsMessage(const at::Tensor& topk_idx, int64_t num_experts) {
+  const at::Tensor flat = topk_idx.lt(-1).logical_or(topk_idx.ge(num_experts)).flatten();
   const int64_t bad = flat.sum().item<int64_t>();
   const int64_t first = flat.to(at::kByte).argmax().item<int64_t>();
   return "ep dispatch: topk_idx has " + std::to_string(bad) +
@@ -752,21 +771,18 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  // The kernels trust topk_idx: out-of-range ids count as -1 in the layout (an id >= 2E would
-  // index past its columns), and the notify rejects the call on every rank if any rank had one.
-  const at::Tensor invalid_mask = a.topk_idx.lt(-1).logical_or(a.topk_idx.ge(a.num_experts));
-  const at::Tensor invalid = invalid_mask.sum().to(at::kLong).view({1});
+  // The kernels trust topk_idx: out-of-range ids count as -1 in the layout, and the notify
+  // counts them and rejects the call on every rank if any rank had one.
   at::Tensor per_rank, is_token_in_rank, send_pos;
   if (a.layout.empty()) {
-    LayoutTensors l =
-        computeDispatchLayout(a.topk_idx.masked_fill(invalid_mask, -1), a.num_experts, R);
+    LayoutTensors l = layoutTransport(R).layoutIgnoringInvalid(a.topk_idx, a.num_experts, R);
     per_rank = std::get<0>(l);
     is_token_in_rank = std::get<2>(l);
     send_pos = std::get<3>(l);
   } else {
     per_rank = a.layout[0];
-    is_token_in_rank = a.layout[2];
-    send_pos = a.layout[3];
+    is_token_in_rank = a.layout[2].contiguous();
+    send_pos = a.layout[3].contiguous();
   }
   const int64_t max_tokens = maxColumn(gathered, 0);
   const int64_t K = a.topk_idx.size(1);
@@ -781,7 +797,9 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   Capacity need = dispatchNeed(max_tokens, worst ? a.num_worst_tokens : first_guess, x.size(1),
                                x_bytes, scale_bytes, K, st->ranks_per_node);
   void* rt = ensureRuntime(pg, *st, device, need, "dispatch");
-  Notified counts = notify(pg, *st, rt, per_rank, invalid, a.x.size(0),
+  const at::Tensor topk64 = a.topk_idx.to(at::kLong).contiguous();
+  const Routing routing{topk64, a.num_experts};
+  Notified counts = notify(pg, *st, rt, per_rank, is_token_in_rank, send_pos, routing, a.x.size(0),
                            worst ? a.num_worst_tokens : 0, worst, stream, "dispatch");
   std::vector<int64_t> recv_counts;
   std::vector<int64_t> send_counts;
@@ -796,7 +814,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
     if (!bad.empty()) {
       ++st->launches;  // the notify ran on every rank
       if (std::find(bad.begin(), bad.end(), rank) != bad.end()) {
-        TORCH_CHECK(false, invalidIdsMessage(a.topk_idx, invalid_mask, a.num_experts));
+        TORCH_CHECK(false, invalidIdsMessage(a.topk_idx, a.num_experts));
       }
       raiseRejectedBy("dispatch", bad);
     }
@@ -810,17 +828,15 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
       // wait for it: a failed notify makes the kernels move nothing and waitForOwnKernels raise.
       need.max_recv_rows = max_recv;
       rt = ensureRuntime(pg, *st, device, need, "dispatch");
-      counts = notify(pg, *st, rt, per_rank, invalid, a.x.size(0), 0, false, stream, "dispatch");
+      counts = notify(pg, *st, rt, per_rank, is_token_in_rank, send_pos, routing, a.x.size(0), 0,
+                      false, stream, "dispatch");
     }
   }
   const int64_t experts_per_rank = a.num_experts / R;
-  const Plan p = makePlan(is_token_in_rank, send_pos, counts.offsets, st->node_rank_index,
-                          st->num_nodes, st->ranks_per_node);
-  const at::Tensor topk64 = a.topk_idx.to(at::kLong).contiguous();
   const std::optional<at::Tensor> weights =
       a.topk_weights ? std::optional<at::Tensor>(a.topk_weights->contiguous()) : std::nullopt;
-  Outputs out = moveRows(pg, *st, rt, x, scales, topk64, weights, p, counts, experts_per_rank, rows,
-                         false, stream);
+  Outputs out = moveRows(pg, *st, rt, x, scales, topk64, weights, counts.plan, counts,
+                         experts_per_rank, rows, false, stream);
   ReceivedRows received;
   received.x = std::move(out.x);
   received.x_scales = std::move(out.x_scales);
@@ -864,14 +880,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const Capacity need = dispatchNeed(maxColumn(gathered, 2 * R), maxColumn(gathered, 2 * R + 1),
                                      x.size(1), x_bytes, scale_bytes, 0, st->ranks_per_node);
   void* rt = ensureRuntime(pg, *st, device, need, "cached dispatch");
-  const at::Tensor& in_rank = routing.is_token_in_rank;
-  const Notified counts = notify(pg, *st, rt, routing.num_tokens_per_rank, at::Tensor(), x.size(0),
-                                 0, false, stream, "cached dispatch");
+  const at::Tensor in_rank = routing.is_token_in_rank.contiguous();
   const at::Tensor send_pos = positionsInColumns(in_rank);
-  const Plan p = makePlan(in_rank.contiguous(), send_pos, counts.offsets, st->node_rank_index,
-                          st->num_nodes, st->ranks_per_node);
+  const Notified counts = notify(pg, *st, rt, routing.num_tokens_per_rank, in_rank, send_pos,
+                                 Routing{}, x.size(0), 0, false, stream, "cached dispatch");
   // The handle's rows: the received ones, then padding (a num_worst_tokens handle).
-  Outputs out = moveRows(pg, *st, rt, x, scales, at::Tensor(), std::nullopt, p, counts, 1,
+  Outputs out = moveRows(pg, *st, rt, x, scales, at::Tensor(), std::nullopt, counts.plan, counts, 1,
                          routing.recv_src_idx.size(0), true, stream);
   return {out.x, out.x_scales};
 }

@@ -30,7 +30,8 @@ at::Tensor layoutWorkspace(int64_t num_tokens, int64_t num_experts, const at::De
 
 }  // namespace
 
-LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
+                             bool report_invalid) {
   HostStages stages("layout");
   const char* op = "ep get_dispatch_layout: ";
   checkDispatchLayoutArgs(topk_idx, num_experts, num_ranks);
@@ -43,7 +44,9 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   c10::cuda::CUDAGuard guard(device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   LayoutErrorState& err = layoutErrorState(device.index(), stream);
-  if (const volatile ErrorRecord* e = err.host; e->code != kErrorNone) {
+  // An earlier call's error is raised by the next layout that reports its own: a caller that
+  // counts the invalid ids itself raises on every rank together, never here on one.
+  if (const volatile ErrorRecord* e = err.host; report_invalid && e->code != kErrorNone) {
     const ErrorRecord record = takeLayoutError(device.index(), stream);
     const long long value = record.value_a, flat = record.value_b;
     TORCH_CHECK(record.code != kErrorTimeout, op, "an earlier call on ", device,
@@ -75,6 +78,7 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   p.ctrl = err.ctrl;
   p.error = err.dev;
   p.rank = -1;
+  p.ignore_invalid = !report_invalid;
   const at::Tensor ws = layoutWorkspace(idx.size(0), num_experts, device);
   p.workspace = ws.defined() ? ws.data_ptr() : nullptr;
   stages.mark("alloc");

@@ -27,6 +27,10 @@ class NvlinkTransport final : public PerGroupTransport<nvlink::GroupState> {
                        int64_t num_ranks) override {
     return nvlink::dispatchLayout(topk_idx, num_experts, num_ranks);
   }
+  LayoutTensors layoutIgnoringInvalid(const at::Tensor& topk_idx, int64_t num_experts,
+                                      int64_t num_ranks) override {
+    return nvlink::dispatchLayout(topk_idx, num_experts, num_ranks, /*report_invalid=*/false);
+  }
   DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& args,
                           DeferredCounts* deferred) override {
     return nvlink::dispatch(pg, args, deferred);

@@ -21,9 +21,10 @@ class EPProcessGroup;
 namespace nvlink {
 
 // get_dispatch_layout on a CUDA topk_idx: the layout kernel (one launch, no host sync). Ids
-// outside [-1, E) count as -1; the first call on the device after that kernel ran raises. num_ranks
-// <= 8.
-LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks);
+// outside [-1, E) count as -1; with `report_invalid` the first call on the device after that
+// kernel ran raises (without, nothing records them: the caller counts them). num_ranks <= 8.
+LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
+                             bool report_invalid = true);
 
 // The high-throughput dispatch. With `deferred` and an overlapped host wait (the default, without
 // num_worst_tokens) it returns right after launching the kernels: the outputs have the worst-case

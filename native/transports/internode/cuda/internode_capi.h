@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_INTERNODE_ABI_VERSION 5
+#define EP_INTERNODE_ABI_VERSION 6
 
 namespace ep {
 struct InternodeSetup;

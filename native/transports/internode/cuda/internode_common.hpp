@@ -280,8 +280,12 @@ struct Context {
 // rank with a signal, waits for every rank's, and derives where its rows land at each receiver.
 struct NotifyParams {
   Context c;
-  const int* per_rank;     // [R] int32: rows this rank sends to each rank
-  const int64_t* invalid;  // [1]: out-of-range top-k ids of this rank, or null (none)
+  const int* per_rank;  // [R] int32: rows this rank sends to each rank
+  // [T, K] int64 global expert ids, or null (a cached dispatch): the kernel counts the ids
+  // outside [-1, num_experts) into the row it announces.
+  const int64_t* topk_idx;
+  int num_topk;
+  int num_experts;
   int num_tokens;
   int64_t limit;          // > 0: a call where some rank receives more rows is rejected
   bool report_rejection;  // no host reads the counts: a rejection is recorded for the next call
@@ -290,6 +294,12 @@ struct NotifyParams {
   int* recv_counts;  // [R] out: rows this rank receives from each source
   int* num_recv;     // [1] out: rows this rank receives
   NotifyHost* host;  // host-mapped (device address)
+  // The plan of this rank's rows, written after the counts (DispatchParams reads it):
+  const bool* is_token_in_rank;  // [T, R] in
+  const int* send_pos;           // [T, R] in: index among the tokens sent to each rank, or -1
+  int* dest_slot;                // [T, R] out: send_pos + offsets, -1 where not sent
+  int* node_pos;                 // [T, N] out: index among the tokens sent to each node, or -1
+  int* node_count;               // [N] out: tokens sent to each node
 };
 
 struct DispatchParams {

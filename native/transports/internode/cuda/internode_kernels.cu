@@ -182,6 +182,70 @@ __device__ __forceinline__ uint64_t* sig_word(const Context& c, int64_t offset, 
 
 // ---- notify --------------------------------------------------------------------------------
 
+// The exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32,
+// at most 1024); `total` gets the sum. Every thread of the block calls it.
+__device__ int block_exclusive_scan(int value, int* total) {
+  __shared__ int warp_sums[32];
+  const int lane = lane_id();
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  int inclusive = value;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = static_cast<int>(blockDim.x) / 32;
+    int s = lane < warps ? warp_sums[lane] : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, s, d);
+      if (lane >= d) s += v;
+    }
+    warp_sums[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = warp == 0 ? 0 : warp_sums[warp - 1];
+  *total = warp_sums[static_cast<int>(blockDim.x) / 32 - 1];
+  __syncthreads();  // warp_sums is reused by the next call
+  return before + inclusive - value;
+}
+
+// The plan of this rank's rows (NotifyParams): each row's slot at its receivers (its index among
+// the tokens sent there, after the rows of lower source ranks) and its index among the tokens
+// sent to each node. Every thread of the block calls it, after p.offsets was written.
+__device__ void write_plan(const NotifyParams& p, const Context& c) {
+  const int R = c.num_ranks;
+  const int N = c.num_nodes;
+  const int T = p.num_tokens;
+  const int64_t cells = static_cast<int64_t>(T) * R;
+  for (int64_t i = threadIdx.x; i < cells; i += blockDim.x) {
+    const int s = p.send_pos[i];
+    p.dest_slot[i] = s >= 0 ? s + p.offsets[i % R] : -1;
+  }
+  // Node columns: each thread counts a contiguous run of tokens, then one block scan per node.
+  const int per_thread = (T + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int t0 = min(T, static_cast<int>(threadIdx.x) * per_thread);
+  const int t1 = min(T, t0 + per_thread);
+  for (int n = 0; n < N; ++n) {
+    const auto in_node = [&](int t) {
+      bool any = false;
+      for (int l = 0; l < c.ranks_per_node; ++l) {
+        any |= p.is_token_in_rank[static_cast<int64_t>(t) * R + node_rank(c, n, l)];
+      }
+      return any;
+    };
+    int count = 0;
+    for (int t = t0; t < t1; ++t) count += in_node(t) ? 1 : 0;
+    int total = 0;
+    int next = block_exclusive_scan(count, &total);
+    for (int t = t0; t < t1; ++t) {
+      p.node_pos[static_cast<int64_t>(t) * N + n] = in_node(t) ? next++ : -1;
+    }
+    if (threadIdx.x == 0) p.node_count[n] = total;
+  }
+}
+
 // One block, the first kernel of a (cached) dispatch: starts the call (its number), puts this
 // rank's count row to every rank with a signal (put-with-signal: the signal lands after the row),
 // waits for every rank's row of this call, and derives from the [source, destination] matrix
@@ -197,12 +261,14 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
   __shared__ unsigned long long most;  // (rows << 32) | receiver of the largest receive count
   __shared__ int invalid_rank;         // lowest source with an out-of-range top-k id, or R
   __shared__ int received;
+  __shared__ int my_invalid;  // this rank's ids outside [-1, num_experts)
   if (threadIdx.x == 0) {
     first_seq = next_seq(c);
     waited_ok = aborted(c) ? 0 : 1;
     most = 0;
     invalid_rank = R;
     received = 0;
+    my_invalid = 0;
   }
   __syncthreads();
   const Call call = make_call(first_seq, waited_ok);
@@ -224,9 +290,20 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
   for (int d = static_cast<int>(threadIdx.x); d < R; d += static_cast<int>(blockDim.x)) {
     row[d] = p.per_rank[d];
   }
+  if (p.topk_idx != nullptr) {
+    // The layout counted these ids as -1; the call is rejected on every rank if any rank had one.
+    int bad = 0;
+    const int64_t n = static_cast<int64_t>(p.num_tokens) * p.num_topk;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const int64_t v = p.topk_idx[i];
+      bad += (v < -1 || v >= p.num_experts) ? 1 : 0;
+    }
+    if (bad > 0) atomicAdd(&my_invalid, bad);
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
     row[R + kCountTokens] = p.num_tokens;
-    row[R + kCountInvalid] = p.invalid != nullptr ? static_cast<int>(*p.invalid) : 0;
+    row[R + kCountInvalid] = my_invalid;
   }
   // The row is read by warp 0's puts (and, over RDMA, by the NIC).
   __threadfence_system();
@@ -303,6 +380,10 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
     __threadfence_system();  // the counts before the ticket the host reads them by
     h->ticket = p.ticket;
   }
+  // After the ticket: the host's count wait does not wait for the plan; the dispatch kernels,
+  // behind this one on the stream, read it. (A rejected call's kernels move nothing.)
+  __syncthreads();
+  write_plan(p, c);
 }
 
 // One thread, the first kernel of a combine: starts the call.

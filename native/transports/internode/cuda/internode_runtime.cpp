@@ -191,13 +191,20 @@ uint64_t InternodeRuntime::notify(const InternodeNotifyArgs& a, cudaStream_t str
   kChecks.require(a.per_rank != nullptr && a.offsets != nullptr && a.recv_counts != nullptr &&
                       a.num_recv != nullptr,
                   "notify needs its count arrays");
+  kChecks.require(
+      a.node_count != nullptr &&
+          (a.num_tokens == 0 || (a.is_token_in_rank != nullptr && a.send_pos != nullptr &&
+                                 a.dest_slot != nullptr && a.node_pos != nullptr)),
+      "notify needs the plan's arrays");
   kChecks.require(a.num_tokens >= 0 && a.num_tokens <= layout_.cap.max_tokens,
                   "more tokens than the buffers hold");
   DeviceGuard guard(setup_.device);
   NotifyParams p{};
   p.c = context(kOpDispatch, a.timeout_seconds, RecordLayout{});
   p.per_rank = a.per_rank;
-  p.invalid = a.invalid;
+  p.topk_idx = a.topk_idx;
+  p.num_topk = a.num_topk;
+  p.num_experts = a.num_experts;
   p.num_tokens = a.num_tokens;
   p.limit = a.limit;
   p.report_rejection = a.report_rejection;
@@ -206,6 +213,11 @@ uint64_t InternodeRuntime::notify(const InternodeNotifyArgs& a, cudaStream_t str
   p.recv_counts = a.recv_counts;
   p.num_recv = a.num_recv;
   p.host = notify_dev_;
+  p.is_token_in_rank = a.is_token_in_rank;
+  p.send_pos = a.send_pos;
+  p.dest_slot = a.dest_slot;
+  p.node_pos = a.node_pos;
+  p.node_count = a.node_count;
   kChecks.cuda(launch_notify(p, stream), "launching the internode notify");
   return p.ticket;
 }

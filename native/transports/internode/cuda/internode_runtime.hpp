@@ -34,14 +34,23 @@ struct InternodeSetup {
 // Host arguments of one notify, the count exchange that starts a (cached) dispatch (device
 // pointers; NotifyParams in internode_common.hpp).
 struct InternodeNotifyArgs {
-  const int* per_rank = nullptr;     // [R] int32: rows this rank sends to each rank
-  const int64_t* invalid = nullptr;  // [1]: out-of-range top-k ids given to this rank, or null
+  const int* per_rank = nullptr;      // [R] int32: rows this rank sends to each rank
+  const int64_t* topk_idx = nullptr;  // [T, K] int64 global ids (its out-of-range ids are
+                                      // counted), or null: a cached dispatch
+  int num_topk = 0;
+  int num_experts = 0;
   int num_tokens = 0;
   int64_t limit = 0;              // > 0: reject a call where a rank receives more rows
   bool report_rejection = false;  // no host read follows: record a rejection for later
   int* offsets = nullptr;         // [R] out
   int* recv_counts = nullptr;     // [R] out
   int* num_recv = nullptr;        // [1] out
+  // The plan of this rank's rows (NotifyParams), made on the device after the counts.
+  const bool* is_token_in_rank = nullptr;  // [T, R]
+  const int* send_pos = nullptr;           // [T, R]
+  int* dest_slot = nullptr;                // [T, R] out
+  int* node_pos = nullptr;                 // [T, N] out
+  int* node_count = nullptr;               // [N] out
   double timeout_seconds = 60;
 };
 

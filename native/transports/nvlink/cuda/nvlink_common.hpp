@@ -303,6 +303,9 @@ struct LayoutParams {
   ControlBlock* ctrl;
   ErrorRecord* error;
   int rank;
+  // True: out-of-range ids count as -1 without an error record (the caller counts them itself,
+  // as the internode dispatch's notify does). False (zero-initialised): they are recorded.
+  bool ignore_invalid;
   // Several blocks (one chunk of tokens each) need a workspace of
   // nvlink_layout_workspace_bytes() bytes (any contents: blocks tag what they publish with
   // `epoch`, unique per launch); null: one block walks every chunk.

@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) nvlink_layout_kernel(Layout
         const int j = j0 + u * kLayoutThreads;
         const long long idx = v[u];
         if (idx < -1 || idx >= E) {
-          report_error(p, kErrorInvalidTopkIdx, idx, static_cast<long long>(flat0 + j));
+          if (!p.ignore_invalid) {
+            report_error(p, kErrorInvalidTopkIdx, idx, static_cast<long long>(flat0 + j));
+          }
           continue;
         }
         if (idx < 0) continue;
