@@ -411,24 +411,24 @@ PYBIND11_MODULE(_C, m) {
       "_internode_capacity",
       [](const std::vector<int64_t>& have, const std::string& op, int64_t max_tokens,
          int64_t max_recv_rows, int64_t hidden, int64_t element_bytes, int64_t scale_bytes,
-         int64_t topk, int64_t num_nodes, int64_t ranks_per_node) {
-        TORCH_CHECK(have.empty() || have.size() == 6, "have: [] or the 6 capacity fields");
+         int64_t topk, int64_t num_nodes, int64_t ranks_per_node, int64_t local_experts) {
+        TORCH_CHECK(have.empty() || have.size() == 7, "have: [] or the 7 capacity fields");
         TORCH_CHECK(op == "dispatch" || op == "combine", "op: dispatch or combine");
         ep::internode::Capacity h;
-        if (!have.empty()) h = {have[0], have[1], have[2], have[3], have[4], have[5]};
+        if (!have.empty()) h = {have[0], have[1], have[2], have[3], have[4], have[5], have[6]};
         const ep::internode::CapacityDecision d = ep::internode::decideCapacity(
             have.empty() ? nullptr : &h, op == "combine", max_tokens, max_recv_rows, hidden,
-            element_bytes, scale_bytes, topk, num_nodes, ranks_per_node);
+            element_bytes, scale_bytes, topk, num_nodes, ranks_per_node, local_experts);
         const ep::internode::Capacity& c = d.capacity;
         return std::make_tuple(
             d.rebuild,
             std::vector<int64_t>{c.max_tokens, c.max_recv_rows, c.max_record, c.max_out_record,
-                                 c.max_combine_row, c.max_partial_row},
+                                 c.max_combine_row, c.max_partial_row, c.max_local_experts},
             d.symmetric_bytes);
       },
       py::arg("have"), py::arg("op"), py::arg("max_tokens"), py::arg("max_recv_rows"),
       py::arg("hidden"), py::arg("element_bytes"), py::arg("scale_bytes"), py::arg("topk"),
-      py::arg("num_nodes"), py::arg("ranks_per_node"),
+      py::arg("num_nodes"), py::arg("ranks_per_node"), py::arg("local_experts") = 0,
       "Test hook: whether internode buffers of capacity `have` ([] for none; fields in the order "
       "of internode::Capacity) are rebuilt for a call, the capacity they then have (same order) "
       "and the symmetric bytes of that capacity.");

@@ -166,13 +166,14 @@ def test_plan_rejects_a_node_table_that_does_not_match_the_group() -> None:
 H = 512
 
 # Fields of the capacity, in internode::Capacity's order.
-TOKENS, RECV_ROWS, RECORD, OUT_RECORD, COMBINE_ROW, PARTIAL_ROW = range(6)
+TOKENS, RECV_ROWS, RECORD, OUT_RECORD, COMBINE_ROW, PARTIAL_ROW, LOCAL_EXPERTS = range(7)
 
 
 def _dispatch(have: list[int], max_tokens: int, max_recv: int, element_bytes: int = 2,
-              scale_bytes: int = 0, topk: int = 8, nodes: int = 2, per_node: int = 1):  # fmt: skip
+              scale_bytes: int = 0, topk: int = 8, nodes: int = 2, per_node: int = 1,
+              local_experts: int = 8):  # fmt: skip
     return ep._C._internode_capacity(have, "dispatch", max_tokens, max_recv, H, element_bytes,
-                                     scale_bytes, topk, nodes, per_node)  # fmt: skip
+                                     scale_bytes, topk, nodes, per_node, local_experts)  # fmt: skip
 
 
 def _combine(have: list[int], max_tokens: int, element_bytes: int = 2, topk: int = 8):
@@ -205,6 +206,9 @@ def test_the_spec_sequence_rebuilds_only_when_a_row_or_count_grows() -> None:
         (_dispatch, (0, 0), False),  # every rank empty
         (_combine, (0, 2, 0), False),
         (_dispatch, (2000, 4000), True),  # more tokens than the buffers hold
+        (_dispatch, (33, 66, 2, 0, 8, 2, 1, 64), True),  # more experts per rank: wider notify rows
+        (_combine, (33,), False),
+        (_dispatch, (33, 66, 2, 0, 8, 2, 1, 16), False),
     ]
     for fn, args, want in steps:
         result = fn(cap, *args)
@@ -213,11 +217,11 @@ def test_the_spec_sequence_rebuilds_only_when_a_row_or_count_grows() -> None:
         assert all(g >= c for g, c in zip(grown, cap, strict=True)), "capacity never shrinks"
         assert fn(cap, *args) == result, "a pure function of agreed values"
         cap = grown
-    assert cap[TOKENS] >= 2000 and cap[RECV_ROWS] >= 4000
+    assert cap[TOKENS] >= 2000 and cap[RECV_ROWS] >= 4000 and cap[LOCAL_EXPERTS] >= 64
 
 
 def test_capacity_rejects_malformed_arguments() -> None:
-    with pytest.raises(RuntimeError, match="6 capacity fields"):
+    with pytest.raises(RuntimeError, match="7 capacity fields"):
         ep._C._internode_capacity([1, 2], "dispatch", 1, 1, H, 2, 0, 8, 2, 1)
     with pytest.raises(RuntimeError, match="dispatch or combine"):
         ep._C._internode_capacity([], "gather", 1, 1, H, 2, 0, 8, 2, 1)

@@ -8,21 +8,31 @@ namespace ep {
 DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows, int64_t experts_per_rank,
                               const at::Tensor& is_token_in_rank, const at::Tensor& send_counts,
                               const at::Tensor& recv_counts) {
-  DispatchResult out;
   // A scatter into a spare bin for -1: bincount would size its output on the host.
   const at::Tensor ids = rows.topk_local.flatten();
   const at::Tensor valid = ids.ge(0);
   at::Tensor per_expert = at::zeros({experts_per_rank + 1}, ids.options().dtype(at::kLong));
   per_expert.scatter_add_(0, at::where(valid, ids, experts_per_rank), valid.to(at::kLong));
   const int64_t align = a.expert_alignment;
-  out.num_recv_tokens_per_expert = (per_expert.narrow(0, 0, experts_per_rank) + (align - 1))
-                                       .div(align, "floor")
-                                       .mul(align)
-                                       .to(at::kInt);
+  ExpertCounts counts;
+  counts.device = (per_expert.narrow(0, 0, experts_per_rank) + (align - 1))
+                      .div(align, "floor")
+                      .mul(align)
+                      .to(at::kInt);
   // The one read of the device in normal mode (the paths that take it synchronise anyway).
-  out.num_recv_tokens_per_expert_host =
-      a.num_worst_tokens > 0 ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
-                             : out.num_recv_tokens_per_expert.to(at::kCPU, at::kLong);
+  if (a.num_worst_tokens == 0) counts.host = counts.device.to(at::kCPU, at::kLong);
+  return finishDispatch(a, std::move(rows), is_token_in_rank, send_counts, recv_counts,
+                        std::move(counts));
+}
+
+DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows,
+                              const at::Tensor& is_token_in_rank, const at::Tensor& send_counts,
+                              const at::Tensor& recv_counts, ExpertCounts per_expert) {
+  DispatchResult out;
+  out.num_recv_tokens_per_expert = std::move(per_expert.device);
+  out.num_recv_tokens_per_expert_host = a.num_worst_tokens > 0 || !per_expert.host.defined()
+                                            ? at::empty({0}, at::TensorOptions().dtype(at::kLong))
+                                            : std::move(per_expert.host);
   out.recv_x = std::move(rows.x);
   out.recv_x_scales = std::move(rows.x_scales);
   out.recv_topk_idx = rows.topk_local.to(a.topk_idx.scalar_type());

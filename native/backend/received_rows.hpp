@@ -41,6 +41,20 @@ DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows, int64_t 
                               const at::Tensor& is_token_in_rank, const at::Tensor& send_counts,
                               const at::Tensor& recv_counts);
 
+// Rows received per local expert, already rounded up to the call's expert_alignment, where the
+// transport learnt them before the rows arrived (the internode notify): int32 [E / R] on the
+// device, and int64 on the host unless the call has num_worst_tokens (then undefined).
+struct ExpertCounts {
+  at::Tensor device;
+  at::Tensor host;
+};
+
+// finishDispatch with the per-expert counts given: no count over the received rows, and nothing
+// read from the device.
+DispatchResult finishDispatch(const DispatchArgs& a, ReceivedRows rows,
+                              const at::Tensor& is_token_in_rank, const at::Tensor& send_counts,
+                              const at::Tensor& recv_counts, ExpertCounts per_expert);
+
 // Pads the first dimension of `t` to `rows` (>= t.size(0)) with `fill`.
 at::Tensor padRows(const at::Tensor& t, int64_t rows, double fill);
 

@@ -82,7 +82,8 @@ bool holds(const Capacity& have, const Capacity& need) {
   return have.max_tokens >= need.max_tokens && have.max_recv_rows >= need.max_recv_rows &&
          have.max_record >= need.max_record && have.max_out_record >= need.max_out_record &&
          have.max_combine_row >= need.max_combine_row &&
-         have.max_partial_row >= need.max_partial_row;
+         have.max_partial_row >= need.max_partial_row &&
+         have.max_local_experts >= need.max_local_experts;
 }
 
 Capacity grownCapacity(const Capacity& have, const Capacity& need) {
@@ -93,6 +94,8 @@ Capacity grownCapacity(const Capacity& have, const Capacity& need) {
   cap.max_out_record = std::max(have.max_out_record, need.max_out_record);
   cap.max_combine_row = std::max(have.max_combine_row, need.max_combine_row);
   cap.max_partial_row = std::max(have.max_partial_row, need.max_partial_row);
+  cap.max_local_experts =
+      roundUpPositive(std::max(have.max_local_experts, need.max_local_experts), 8);
   return cap;
 }
 
@@ -105,11 +108,13 @@ int64_t aligned(int64_t bytes) {
 }  // namespace
 
 Capacity dispatchNeed(int64_t max_tokens, int64_t max_recv_rows, int64_t hidden, int64_t x_bytes,
-                      int64_t scale_bytes, int64_t topk, int64_t ranks_per_node) {
+                      int64_t scale_bytes, int64_t topk, int64_t ranks_per_node,
+                      int64_t local_experts) {
   const RecordLayout rec = RecordLayout::make(x_bytes, scale_bytes, topk, ranks_per_node);
   Capacity need;
   need.max_tokens = max_tokens;
   need.max_recv_rows = max_recv_rows;
+  need.max_local_experts = local_experts;
   need.max_record = rec.r_bytes;
   need.max_out_record = rec.n_bytes;
   // Room for the combine of this dispatch too (BF16 rows of the same H and top-k), so that the
@@ -133,18 +138,19 @@ std::string describe(const Capacity& c) {
   std::ostringstream os;
   os << "tokens " << c.max_tokens << ", received rows " << c.max_recv_rows << ", record "
      << c.max_record << " B, output record " << c.max_out_record << " B, combine row "
-     << c.max_combine_row << " B, partial row " << c.max_partial_row << " B";
+     << c.max_combine_row << " B, partial row " << c.max_partial_row << " B, local experts "
+     << c.max_local_experts;
   return os.str();
 }
 
 CapacityDecision decideCapacity(const Capacity* have, bool combine, int64_t max_tokens,
                                 int64_t max_recv_rows, int64_t hidden, int64_t element_bytes,
                                 int64_t scale_bytes, int64_t topk, int64_t num_nodes,
-                                int64_t ranks_per_node) {
+                                int64_t ranks_per_node, int64_t local_experts) {
   const Capacity need =
       combine ? combineNeed(max_tokens, hidden, element_bytes, topk)
               : dispatchNeed(max_tokens, max_recv_rows, hidden, element_bytes * hidden, scale_bytes,
-                             topk, ranks_per_node);
+                             topk, ranks_per_node, local_experts);
   CapacityDecision d;
   d.rebuild = have == nullptr || !holds(*have, need);
   d.capacity = d.rebuild ? grownCapacity(have != nullptr ? *have : Capacity{}, need) : *have;

@@ -61,9 +61,11 @@ Capacity grownCapacity(const Capacity& have, const Capacity& need);
 
 // What a dispatch needs: max_tokens / max_recv_rows are agreed maxima over the ranks (0 allowed),
 // the record sizes follow from H's bytes, the scales' bytes and top-k (0 for a cached dispatch),
-// and room is kept for the BF16 combine of the same H and top-k.
+// room is kept for the BF16 combine of the same H and top-k, and the notify rows carry the
+// counts of `local_experts` experts per rank (E / R; 0 for a cached dispatch).
 Capacity dispatchNeed(int64_t max_tokens, int64_t max_recv_rows, int64_t hidden, int64_t x_bytes,
-                      int64_t scale_bytes, int64_t topk, int64_t ranks_per_node);
+                      int64_t scale_bytes, int64_t topk, int64_t ranks_per_node,
+                      int64_t local_experts);
 
 // What a combine needs: its rows of `element_bytes` (2: BF16, 4: float32), H and top-k (0: no
 // weights); max_tokens the agreed maximum T over the ranks.
@@ -84,6 +86,6 @@ struct CapacityDecision {
 CapacityDecision decideCapacity(const Capacity* have, bool combine, int64_t max_tokens,
                                 int64_t max_recv_rows, int64_t hidden, int64_t element_bytes,
                                 int64_t scale_bytes, int64_t topk, int64_t num_nodes,
-                                int64_t ranks_per_node);
+                                int64_t ranks_per_node, int64_t local_experts);
 
 }  // namespace ep::internode

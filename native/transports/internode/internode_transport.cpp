@@ -22,7 +22,6 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
-#include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -567,15 +566,19 @@ struct Notified {
   at::Tensor offsets;
   at::Tensor recv_counts;
   at::Tensor num_recv;
+  at::Tensor recv_per_expert;  // a dispatch's: int32 [E / R], rows per local expert, aligned
   Plan plan;
   uint64_t ticket = 0;
 };
 
-// The routing a dispatch's notify checks: int64 [T, K] global expert ids (undefined for a cached
-// dispatch, whose handle was checked when it was made) and E.
+// The routing a dispatch's notify checks and counts: int64 [T, K] global expert ids and the
+// layout's tokens per expert (int32 [E]), E and the expert alignment (undefined tensors for a
+// cached dispatch, whose handle was checked when it was made).
 struct Routing {
   at::Tensor topk_idx64;
+  at::Tensor per_expert;
   int64_t num_experts = 0;
+  int64_t expert_alignment = 1;
 };
 
 // Enqueues the count exchange of a (cached) dispatch on `rt`, and the plan of this rank's rows
@@ -609,6 +612,11 @@ Notified notify(EPProcessGroup& pg, GroupState& st, void* rt, const at::Tensor& 
     a.topk_idx = routing.topk_idx64.data_ptr<int64_t>();
     a.num_topk = static_cast<int>(routing.topk_idx64.size(1));
     a.num_experts = static_cast<int>(routing.num_experts);
+    n.recv_per_expert = at::empty({routing.num_experts / R}, i32);
+    a.per_expert = routing.per_expert.data_ptr<int>();
+    a.experts_per_rank = static_cast<int>(routing.num_experts / R);
+    a.expert_alignment = static_cast<int>(routing.expert_alignment);
+    a.recv_per_expert = n.recv_per_expert.data_ptr<int>();
   }
   a.num_tokens = static_cast<int>(num_tokens);
   a.limit = limit;
@@ -623,16 +631,18 @@ Notified notify(EPProcessGroup& pg, GroupState& st, void* rt, const at::Tensor& 
   return n;
 }
 
-// The [R, R + 2] count rows of the notify `ticket` (count_columns), after a wait bounded as the
-// kernels' (a failed notify finishes too; its error is raised here).
+// The [R, R + 2] count rows of the notify `ticket` (count_columns), and into `per_expert` the rows
+// this rank receives per local expert, after a wait bounded as the kernels' (a failed notify
+// finishes too; its error is raised here).
 std::vector<int64_t> waitForCounts(EPProcessGroup& pg, GroupState& st, uint64_t ticket,
-                                   const char* op) {
+                                   std::vector<int64_t>& per_expert, const char* op) {
   const int64_t R = pg.getSize();
   std::vector<int64_t> rows(static_cast<size_t>(R * count_columns(R)));
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::duration<double>(hostWaitLimit(pg));
   const auto spin_until = start + std::chrono::milliseconds(2);
-  while (library().notify_counts(st.runtime, ticket, rows.data()) == 0) {
+  while (library().notify_counts(st.runtime, ticket, rows.data(), per_expert.data(),
+                                 static_cast<int>(per_expert.size())) == 0) {
     const auto now = std::chrono::steady_clock::now();
     if (now - start > limit) {
       char where[1024] = {0};
@@ -724,21 +734,6 @@ Outputs moveRows(EPProcessGroup& pg, GroupState& st, void* rt, const at::Tensor&
   return out;
 }
 
-// A dispatch that read its counts on the host waits for its kernels here, with a deadline, and
-// raises its own kernel error (a timeout names the stalled peer) rather than the next call.
-void waitForOwnKernels(EPProcessGroup& pg, GroupState& st, const char* op) {
-  const std::string stuck = waitForKernels(pg, st, op);
-  if (!stuck.empty()) {
-    st.failure = stuck + " (the group's internode transport is unusable from now on)";
-    std::fprintf(stderr, "%s\n", st.failure.c_str());  // the GPU may be hung: say it now
-    std::fflush(stderr);
-    TORCH_CHECK(false, st.failure);
-  }
-  const std::string failed = pendingError(st, op);
-  TORCH_CHECK(failed.empty(), failed);
-  trace(pg, st, op, "kernels done");
-}
-
 // The out-of-range top-k ids of this rank, as the message it raises.
 std::string invalidIdsMessage(const at::Tensor& topk_idx, int64_t num_experts) {
   const at::Tensor flat = topk_idx.lt(-1).logical_or(topk_idx.ge(num_experts)).flatten();
@@ -773,17 +768,20 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   // The kernels trust topk_idx: out-of-range ids count as -1 in the layout, and the notify
   // counts them and rejects the call on every rank if any rank had one.
-  at::Tensor per_rank, is_token_in_rank, send_pos;
+  at::Tensor per_rank, per_expert, is_token_in_rank, send_pos;
   if (a.layout.empty()) {
     LayoutTensors l = layoutTransport(R).layoutIgnoringInvalid(a.topk_idx, a.num_experts, R);
     per_rank = std::get<0>(l);
+    per_expert = std::get<1>(l);
     is_token_in_rank = std::get<2>(l);
     send_pos = std::get<3>(l);
   } else {
     per_rank = a.layout[0];
+    per_expert = a.layout[1].to(at::kInt).contiguous();
     is_token_in_rank = a.layout[2].contiguous();
     send_pos = a.layout[3].contiguous();
   }
+  const int64_t experts_per_rank = a.num_experts / R;
   const int64_t max_tokens = maxColumn(gathered, 0);
   const int64_t K = a.topk_idx.size(1);
   const at::Tensor x = a.x.contiguous();
@@ -795,17 +793,16 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   // T x min(R, K) (a balanced routing's), grown below if the counts need more.
   const int64_t first_guess = std::max(st->capacity.max_recv_rows, max_tokens * std::min(R, K));
   Capacity need = dispatchNeed(max_tokens, worst ? a.num_worst_tokens : first_guess, x.size(1),
-                               x_bytes, scale_bytes, K, st->ranks_per_node);
+                               x_bytes, scale_bytes, K, st->ranks_per_node, experts_per_rank);
   void* rt = ensureRuntime(pg, *st, device, need, "dispatch");
   const at::Tensor topk64 = a.topk_idx.to(at::kLong).contiguous();
-  const Routing routing{topk64, a.num_experts};
+  const Routing routing{topk64, per_expert, a.num_experts, a.expert_alignment};
   Notified counts = notify(pg, *st, rt, per_rank, is_token_in_rank, send_pos, routing, a.x.size(0),
                            worst ? a.num_worst_tokens : 0, worst, stream, "dispatch");
-  std::vector<int64_t> recv_counts;
-  std::vector<int64_t> send_counts;
+  std::vector<int64_t> expert_counts(static_cast<size_t>(experts_per_rank));
   int64_t rows = a.num_worst_tokens;
   if (!worst) {
-    std::vector<int64_t> m = waitForCounts(pg, *st, counts.ticket, "dispatch");
+    std::vector<int64_t> m = waitForCounts(pg, *st, counts.ticket, expert_counts, "dispatch");
     // Every rank read the same rows: every rank raises alike, and no kernel moved anything.
     std::vector<int64_t> bad;
     for (int64_t s = 0; s < R; ++s) {
@@ -819,20 +816,18 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
       raiseRejectedBy("dispatch", bad);
     }
     const at::Tensor matrix = at::from_blob(m.data(), {R, cols}, at::kLong).narrow(1, 0, R);
-    recv_counts = toVector(matrix.select(1, rank));
-    send_counts = toVector(matrix.select(0, rank));
-    rows = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+    rows = 0;
+    for (int64_t s = 0; s < R; ++s) rows += m[static_cast<size_t>(s * cols + rank)];
     if (const int64_t max_recv = maxReceived(matrix); max_recv > st->capacity.max_recv_rows) {
       // Larger receive buffers (every rank saw the same counts: the same rebuild), and the
       // exchange again on them: the same results, under the new buffers' call number. No host
-      // wait for it: a failed notify makes the kernels move nothing and waitForOwnKernels raise.
+      // wait for it: a failed notify makes the kernels move nothing and the next op raise.
       need.max_recv_rows = max_recv;
       rt = ensureRuntime(pg, *st, device, need, "dispatch");
       counts = notify(pg, *st, rt, per_rank, is_token_in_rank, send_pos, routing, a.x.size(0), 0,
                       false, stream, "dispatch");
     }
   }
-  const int64_t experts_per_rank = a.num_experts / R;
   const std::optional<at::Tensor> weights =
       a.topk_weights ? std::optional<at::Tensor>(a.topk_weights->contiguous()) : std::nullopt;
   Outputs out = moveRows(pg, *st, rt, x, scales, topk64, weights, counts.plan, counts,
@@ -844,15 +839,15 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a) {
   received.topk_weights = std::move(out.topk_weights);
   received.src_idx = std::move(out.src_idx);
   received.src_rank = std::move(out.src_rank);
-  if (worst) {
-    // Nothing is read on the host: the routing's counts stay on the device (copies: per_rank may
-    // be the caller's layout, recv_counts a view of the notify's words).
-    return finishDispatch(a, std::move(received), experts_per_rank, is_token_in_rank,
-                          per_rank.clone(), counts.recv_counts.clone());
-  }
-  waitForOwnKernels(pg, *st, "dispatch");
-  DispatchResult result = finishDispatch(a, std::move(received), experts_per_rank, is_token_in_rank,
-                                         send_counts, recv_counts);
+  // The per-expert counts came with the notify: the host returns while the kernels run (the next
+  // op of this transport waits for them with a deadline, and raises their error if any).
+  ExpertCounts per_local_expert;
+  per_local_expert.device = counts.recv_per_expert;
+  if (!worst) per_local_expert.host = at::tensor(expert_counts, at::kLong);
+  // The routing's counts are the device's (copies: per_rank may be the caller's layout,
+  // recv_counts a view of the notify's words): a copy from the host would wait for the kernels.
+  DispatchResult result = finishDispatch(a, std::move(received), is_token_in_rank, per_rank.clone(),
+                                         counts.recv_counts.clone(), std::move(per_local_expert));
   trace(pg, *st, "dispatch", "outputs ready");
   return result;
 }
@@ -878,7 +873,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const int64_t x_bytes = x.size(1) * elementBytes(x);
   const int64_t scale_bytes = scales ? scales->size(1) * elementBytes(*scales) : 0;
   const Capacity need = dispatchNeed(maxColumn(gathered, 2 * R), maxColumn(gathered, 2 * R + 1),
-                                     x.size(1), x_bytes, scale_bytes, 0, st->ranks_per_node);
+                                     x.size(1), x_bytes, scale_bytes, 0, st->ranks_per_node, 0);
   void* rt = ensureRuntime(pg, *st, device, need, "cached dispatch");
   const at::Tensor in_rank = routing.is_token_in_rank.contiguous();
   const at::Tensor send_pos = positionsInColumns(in_rank);

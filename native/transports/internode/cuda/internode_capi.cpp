@@ -54,9 +54,11 @@ int ep_internode_notify(void* handle, const ep::InternodeNotifyArgs* args, cudaS
   return cEntryPoint(err, err_len, [&] { *ticket = runtime(handle)->notify(*args, stream); });
 }
 
-// 1 once the notify of `ticket` finished (its count rows copied to `rows`), else 0.
-int ep_internode_notify_counts(void* handle, uint64_t ticket, int64_t* rows) {
-  return runtime(handle)->notify_counts(ticket, rows) ? 1 : 0;
+// 1 once the notify of `ticket` finished (its count rows copied to `rows`, its per-expert
+// receive counts to `per_expert`), else 0.
+int ep_internode_notify_counts(void* handle, uint64_t ticket, int64_t* rows, int64_t* per_expert,
+                               int num_local_experts) {
+  return runtime(handle)->notify_counts(ticket, rows, per_expert, num_local_experts) ? 1 : 0;
 }
 
 // The latest rejected worst-case call not yet taken ("" when none).

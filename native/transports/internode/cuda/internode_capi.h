@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_INTERNODE_ABI_VERSION 6
+#define EP_INTERNODE_ABI_VERSION 7
 
 namespace ep {
 struct InternodeSetup;
@@ -29,7 +29,7 @@ typedef int (*ep_internode_connect_fn)(void*, char*, size_t);
 typedef void (*ep_internode_abandon_fn)(void*);
 typedef int (*ep_internode_notify_fn)(void*, const ep::InternodeNotifyArgs*, cudaStream_t,
                                       uint64_t*, char*, size_t);
-typedef int (*ep_internode_notify_counts_fn)(void*, uint64_t, int64_t*);
+typedef int (*ep_internode_notify_counts_fn)(void*, uint64_t, int64_t*, int64_t*, int);
 typedef void (*ep_internode_take_rejection_fn)(void*, char*, size_t);
 typedef int (*ep_internode_dispatch_fn)(void*, const ep::InternodeDispatchArgs*, cudaStream_t,
                                         char*, size_t);

@@ -153,18 +153,24 @@ struct RecordLayout {
 
 // Capacity of a runtime's buffers (agreed maxima over the ranks).
 struct Capacity {
-  int64_t max_tokens = 0;       // T of any call (per source rank)
-  int64_t max_recv_rows = 0;    // rows one rank receives in a dispatch
-  int64_t max_record = 0;       // RDMA record bytes
-  int64_t max_out_record = 0;   // NVLink record bytes
-  int64_t max_combine_row = 0;  // combine NVLink row bytes (x row + K float32 weights)
-  int64_t max_partial_row = 0;  // combine RDMA row bytes (H float32 + K float32)
+  int64_t max_tokens = 0;         // T of any call (per source rank)
+  int64_t max_recv_rows = 0;      // rows one rank receives in a dispatch
+  int64_t max_record = 0;         // RDMA record bytes
+  int64_t max_out_record = 0;     // NVLink record bytes
+  int64_t max_combine_row = 0;    // combine NVLink row bytes (x row + K float32 weights)
+  int64_t max_partial_row = 0;    // combine RDMA row bytes (H float32 + K float32)
+  int64_t max_local_experts = 0;  // experts per rank whose counts a notify row carries
 };
 
 // A rank's row of the notify (int32): the rows it sends to each of the R ranks, then its token
-// count and the number of out-of-range top-k ids it was given.
+// count and the number of out-of-range top-k ids it was given (the count columns, which every
+// rank receives alike and the host reads), then the tokens it sends to each expert of the row's
+// destination (capacity's max_local_experts words; each destination gets its own row).
 EP_HOST_DEVICE constexpr int64_t count_columns(int64_t num_ranks) {
   return num_ranks + 2;
+}
+EP_HOST_DEVICE constexpr int64_t count_row_words(int64_t num_ranks, const Capacity& c) {
+  return count_columns(num_ranks) + c.max_local_experts;
 }
 enum CountColumn : int { kCountTokens = 0, kCountInvalid = 1 };  // after the R per-rank counts
 
@@ -173,8 +179,8 @@ struct RegionLayout {
   int64_t num_nodes = 0;
   int64_t ranks_per_node = 0;
   Capacity cap;
-  // notify: signal words [parity][rank] (uint64), this rank's count row (the puts' source) and
-  // every rank's rows [parity][rank][count_columns(R)] (int32)
+  // notify: signal words [parity][rank] (uint64), this rank's count rows, one per destination
+  // (the puts' sources), and every rank's row [parity][rank][count_row_words] (int32)
   int64_t notify_sig = 0;
   int64_t count_send = 0;
   int64_t count_rows = 0;
@@ -206,8 +212,8 @@ struct RegionLayout {
     const int64_t P = kNumParities, N = num_nodes, L = ranks_per_node, T = c.max_tokens;
     const int64_t R = N * L;
     l.notify_sig = take(8 * P * R);
-    l.count_send = take(4 * count_columns(R));
-    l.count_rows = take(4 * P * R * count_columns(R));
+    l.count_send = take(4 * R * count_row_words(R, c));
+    l.count_rows = take(4 * P * R * count_row_words(R, c));
     l.rdma_sig = take(8 * P * N);
     l.nvl_sig = take(8 * L);
     l.comb_sig = take(8 * P * N);
@@ -250,7 +256,8 @@ struct NotifyHost {
   int64_t a;
   int64_t b;
   int64_t limit;
-  // then int32 counts[R][count_columns(R)]
+  // then int32 counts[R][count_columns(R)], then this rank's received rows per local expert
+  // (int32 [max_local_experts], rounded up to the call's expert_alignment)
 };
 
 // What every kernel needs to know about the group and the call.
@@ -294,6 +301,13 @@ struct NotifyParams {
   int* recv_counts;  // [R] out: rows this rank receives from each source
   int* num_recv;     // [1] out: rows this rank receives
   NotifyHost* host;  // host-mapped (device address)
+  // Per expert (null for a cached dispatch): this rank's tokens per global expert (the layout's
+  // [E] int32) in, and the rows it receives per local expert, rounded up to expert_alignment,
+  // out ([experts_per_rank] int32; also to the host-mapped tail).
+  const int* per_expert;
+  int experts_per_rank;
+  int expert_alignment;
+  int* recv_per_expert;
   // The plan of this rank's rows, written after the counts (DispatchParams reads it):
   const bool* is_token_in_rank;  // [T, R] in
   const int* send_pos;           // [T, R] in: index among the tokens sent to each rank, or -1

@@ -256,7 +256,10 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
   const Context& c = p.c;
   const int R = c.num_ranks;
   const int64_t cols = count_columns(R);
+  const int64_t stride = count_row_words(R, c.layout.cap);  // words between two ranks' rows
+  const int epr = p.per_expert != nullptr ? p.experts_per_rank : 0;
   __shared__ uint64_t first_seq;
+  __shared__ int rejected;
   __shared__ int waited_ok;
   __shared__ unsigned long long most;  // (rows << 32) | receiver of the largest receive count
   __shared__ int invalid_rank;         // lowest source with an out-of-range top-k id, or R
@@ -286,9 +289,15 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
     give_up();
     return;
   }
-  int* row = reinterpret_cast<int*>(c.region + c.layout.count_send);
-  for (int d = static_cast<int>(threadIdx.x); d < R; d += static_cast<int>(blockDim.x)) {
-    row[d] = p.per_rank[d];
+  // One row per destination d: the count columns (alike for all), then the tokens this rank sends
+  // to each of d's experts.
+  int* rows_out = reinterpret_cast<int*>(c.region + c.layout.count_send);
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * R; i += blockDim.x) {
+    rows_out[(i / R) * stride + i % R] = p.per_rank[i % R];
+  }
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(R) * epr; i += blockDim.x) {
+    const int64_t d = i / epr;
+    rows_out[d * stride + cols + i % epr] = p.per_expert[i];  // expert d * epr + e
   }
   if (p.topk_idx != nullptr) {
     // The layout counted these ids as -1; the call is rejected on every rank if any rank had one.
@@ -301,20 +310,20 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
     if (bad > 0) atomicAdd(&my_invalid, bad);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    row[R + kCountTokens] = p.num_tokens;
-    row[R + kCountInvalid] = my_invalid;
+  for (int d = static_cast<int>(threadIdx.x); d < R; d += static_cast<int>(blockDim.x)) {
+    rows_out[d * stride + R + kCountTokens] = p.num_tokens;
+    rows_out[d * stride + R + kCountInvalid] = my_invalid;
   }
   // The row is read by warp 0's puts (and, over RDMA, by the NIC).
   __threadfence_system();
   __syncthreads();
-  const int64_t my_row = (static_cast<int64_t>(call.parity) * R + c.rank) * cols;
+  const int64_t my_row = (static_cast<int64_t>(call.parity) * R + c.rank) * stride;
   uint64_t* my_signal = sig_word(c, c.layout.notify_sig, call.parity * R + c.rank);
   if (threadIdx.x < 32) {
     for (int d = 0; d < R; ++d) {
       nvshmemx_putmem_signal_nbi_warp(
-          reinterpret_cast<int*>(c.region + c.layout.count_rows) + my_row, row,
-          static_cast<size_t>(4 * cols), my_signal, call.seq, NVSHMEM_SIGNAL_SET, d);
+          reinterpret_cast<int*>(c.region + c.layout.count_rows) + my_row, rows_out + d * stride,
+          static_cast<size_t>(4 * (cols + epr)), my_signal, call.seq, NVSHMEM_SIGNAL_SET, d);
     }
     __syncwarp();
     // The row is rewritten by the next call's notify: its puts complete first.
@@ -332,12 +341,12 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
     return;
   }
   const int* m = reinterpret_cast<const int*>(c.region + c.layout.count_rows) +
-                 static_cast<int64_t>(call.parity) * R * cols;
+                 static_cast<int64_t>(call.parity) * R * stride;
   for (int d = static_cast<int>(threadIdx.x); d < R; d += static_cast<int>(blockDim.x)) {
     int before = 0;
     int total = 0;
     for (int s = 0; s < R; ++s) {
-      const int v = m[s * cols + d];
+      const int v = m[s * stride + d];
       before += s < c.rank ? v : 0;
       total += v;
     }
@@ -346,11 +355,13 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
     if (d == c.rank) received = total;
   }
   for (int s = static_cast<int>(threadIdx.x); s < R; s += static_cast<int>(blockDim.x)) {
-    p.recv_counts[s] = m[s * cols + c.rank];
-    if (m[s * cols + R + kCountInvalid] > 0) atomicMin(&invalid_rank, s);
+    p.recv_counts[s] = m[s * stride + c.rank];
+    if (m[s * stride + R + kCountInvalid] > 0) atomicMin(&invalid_rank, s);
   }
   int* host_counts = reinterpret_cast<int*>(reinterpret_cast<char*>(p.host) + sizeof(NotifyHost));
-  for (int64_t i = threadIdx.x; i < R * cols; i += blockDim.x) host_counts[i] = m[i];
+  for (int64_t i = threadIdx.x; i < R * cols; i += blockDim.x) {
+    host_counts[i] = m[(i / cols) * stride + i % cols];
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     *p.num_recv = received;
@@ -361,13 +372,14 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
     if (invalid_rank < R) {
       reason = kRejectInvalidTopk;
       a = invalid_rank;
-      b = m[invalid_rank * cols + R + kCountInvalid];
+      b = m[invalid_rank * stride + R + kCountInvalid];
     } else if (p.limit > 0 && most_rows > p.limit) {
       reason = kRejectWorstTokens;
       a = static_cast<int64_t>(most & 0xffffffffu);
       b = most_rows;
     }
     c.ctrl->call_ok = reason == kRejectNone ? 1 : 0;
+    rejected = reason == kRejectNone ? 0 : 1;
     volatile NotifyHost* h = p.host;
     if (reason != kRejectNone && p.report_rejection) {
       h->reason = reason;
@@ -377,8 +389,22 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(const __grid_constant_
       __threadfence_system();
       h->rejections = h->rejections + 1;
     }
+  }
+  __syncthreads();
+  // Rows received per local expert (a rejected call receives none), rounded up to the alignment.
+  int* host_experts = host_counts + R * cols;
+  for (int e = static_cast<int>(threadIdx.x); e < epr; e += static_cast<int>(blockDim.x)) {
+    int rows = 0;
+    for (int s = 0; s < R; ++s) rows += m[s * stride + cols + e];
+    const int align = p.expert_alignment;
+    rows = rejected ? 0 : (rows + align - 1) / align * align;
+    p.recv_per_expert[e] = rows;
+    host_experts[e] = rows;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
     __threadfence_system();  // the counts before the ticket the host reads them by
-    h->ticket = p.ticket;
+    reinterpret_cast<volatile NotifyHost*>(p.host)->ticket = p.ticket;
   }
   // After the ticket: the host's count wait does not wait for the plan; the dispatch kernels,
   // behind this one on the stream, read it. (A rejected call's kernels move nothing.)

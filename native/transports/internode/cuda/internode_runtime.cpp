@@ -74,9 +74,10 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     runtime::allocMappedHost(kChecks, "error", sizeof(ErrorRecord), &error_host_, &error_dev_);
     runtime::allocMappedHost(kChecks, "progress", sizeof(uint64_t) * kProgressWords,
                              &progress_host_, &progress_dev_);
-    const int64_t rows = static_cast<int64_t>(setup.num_ranks) * count_columns(setup.num_ranks);
+    const int64_t words = static_cast<int64_t>(setup.num_ranks) * count_columns(setup.num_ranks) +
+                          setup.capacity.max_local_experts;
     runtime::allocMappedHost(kChecks, "notify counts",
-                             sizeof(NotifyHost) + sizeof(int) * static_cast<size_t>(rows),
+                             sizeof(NotifyHost) + sizeof(int) * static_cast<size_t>(words),
                              &notify_host_, &notify_dev_);
   } catch (...) {
     release_local();
@@ -198,6 +199,10 @@ uint64_t InternodeRuntime::notify(const InternodeNotifyArgs& a, cudaStream_t str
       "notify needs the plan's arrays");
   kChecks.require(a.num_tokens >= 0 && a.num_tokens <= layout_.cap.max_tokens,
                   "more tokens than the buffers hold");
+  kChecks.require(a.per_expert == nullptr || (a.experts_per_rank >= 1 &&
+                                              a.experts_per_rank <= layout_.cap.max_local_experts &&
+                                              a.recv_per_expert != nullptr),
+                  "more experts per rank than the notify rows hold");
   DeviceGuard guard(setup_.device);
   NotifyParams p{};
   p.c = context(kOpDispatch, a.timeout_seconds, RecordLayout{});
@@ -213,6 +218,10 @@ uint64_t InternodeRuntime::notify(const InternodeNotifyArgs& a, cudaStream_t str
   p.recv_counts = a.recv_counts;
   p.num_recv = a.num_recv;
   p.host = notify_dev_;
+  p.per_expert = a.per_expert;
+  p.experts_per_rank = a.experts_per_rank;
+  p.expert_alignment = std::max(1, a.expert_alignment);
+  p.recv_per_expert = a.recv_per_expert;
   p.is_token_in_rank = a.is_token_in_rank;
   p.send_pos = a.send_pos;
   p.dest_slot = a.dest_slot;
@@ -222,7 +231,8 @@ uint64_t InternodeRuntime::notify(const InternodeNotifyArgs& a, cudaStream_t str
   return p.ticket;
 }
 
-bool InternodeRuntime::notify_counts(uint64_t ticket, int64_t* rows) const {
+bool InternodeRuntime::notify_counts(uint64_t ticket, int64_t* rows, int64_t* per_expert,
+                                     int num_local_experts) const {
   using namespace internode;
   const volatile NotifyHost* h = notify_host_;
   if (h == nullptr || h->ticket != ticket) return false;
@@ -231,6 +241,8 @@ bool InternodeRuntime::notify_counts(uint64_t ticket, int64_t* rows) const {
       reinterpret_cast<const char*>(notify_host_) + sizeof(NotifyHost));
   const int64_t n = static_cast<int64_t>(setup_.num_ranks) * count_columns(setup_.num_ranks);
   for (int64_t i = 0; i < n; ++i) rows[i] = counts[i];
+  const int64_t experts = std::min<int64_t>(num_local_experts, layout_.cap.max_local_experts);
+  for (int64_t e = 0; e < experts; ++e) per_expert[e] = counts[n + e];
   return true;
 }
 

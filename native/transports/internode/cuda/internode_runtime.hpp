@@ -45,6 +45,12 @@ struct InternodeNotifyArgs {
   int* offsets = nullptr;         // [R] out
   int* recv_counts = nullptr;     // [R] out
   int* num_recv = nullptr;        // [1] out
+  // A dispatch's (null for a cached one): the layout's tokens per global expert ([E] int32) in,
+  // rows received per local expert rounded up to expert_alignment ([experts_per_rank]) out.
+  const int* per_expert = nullptr;
+  int experts_per_rank = 0;
+  int expert_alignment = 1;
+  int* recv_per_expert = nullptr;
   // The plan of this rank's rows (NotifyParams), made on the device after the counts.
   const bool* is_token_in_rank = nullptr;  // [T, R]
   const int* send_pos = nullptr;           // [T, R]
@@ -117,9 +123,11 @@ class InternodeRuntime {
   // Enqueues the notify of a (cached) dispatch; returns its ticket, which notify_counts takes.
   uint64_t notify(const InternodeNotifyArgs& args, cudaStream_t stream);
   // Whether the notify of `ticket` has finished; if so, the [R, R + 2] count rows it saw
-  // (internode::count_columns) in `rows` (R * (R + 2) values). A notify that failed (a timeout)
-  // finishes too: check_error() says so.
-  bool notify_counts(uint64_t ticket, int64_t* rows) const;
+  // (internode::count_columns) in `rows` (R * (R + 2) values) and the rows this rank receives
+  // per local expert, aligned, in `per_expert` (num_local_experts values; a dispatch's notify).
+  // A notify that failed (a timeout) finishes too: check_error() says so.
+  bool notify_counts(uint64_t ticket, int64_t* rows, int64_t* per_expert,
+                     int num_local_experts) const;
   // A worst-case call the notify rejected since the last take (none: ""), as a message naming
   // the rank and the reason; the rejected call moved nothing and the runtime stays usable.
   std::string take_rejection();
