@@ -39,7 +39,10 @@ struct RowExchangeHost {
 
 class RowExchange {
  public:
-  static constexpr int kMaxWidth = 256;  // words of a row (the agreement's widest, 2R + ~30)
+  // Words of a row: the agreement's rows are 2R + 29 words wide, so groups of up to 113 ranks
+  // agree here and larger ones through Gloo (the row travels as a kernel parameter, which is
+  // limited to 4 KiB).
+  static constexpr int kMaxWidth = 256;
   static constexpr int kMaxRanks = 1024;
 
   // Local: this rank's stream and host-mapped words; connect() makes the symmetric region.
