@@ -10,6 +10,8 @@
 #include "backend/moe_ops.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/rank_mask.hpp"
+#include "backend/row_gather.hpp"
+#include "backend/store_row_gather.hpp"
 #include "backend/transport.hpp"
 #include "transports/internode/internode_plan.hpp"
 #include "transports/nvshmem/nvshmem_session_plan.hpp"
@@ -238,6 +240,14 @@ void bindProcessGroup(py::module_& m) {
           "on one host), 'nvshmem' (a group of several nodes once the internode transport's "
           "buffers exist: all-gathered on the GPU), 'gloo' (else, or EP_HOST_EXCHANGE=gloo), "
           "'none (one rank)' for a group of one rank, 'undecided' before the first.")
+      .def(
+          "_use_store_row_gather",
+          [](ep::EPProcessGroup& self) {
+            ep::useRowGather(self, std::make_shared<ep::StoreRowGather>(self));
+          },
+          "Test hook, collective (every rank before the same MoE call): the group's per-call "
+          "agreement goes through its store, by the transport-gather path the internode "
+          "transport's GPU exchange takes (moe_agreement_transport then reads 'store').")
       .def_property_readonly(
           "high_throughput_transport",
           [](ep::EPProcessGroup& self) {

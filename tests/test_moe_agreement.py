@@ -108,3 +108,49 @@ def test_a_group_of_one_rank_needs_no_agreement() -> None:
     assert r["transport"] == "none (one rank)", r
     assert r["exact"], r
     assert "topk_idx values must be in [-1" in r["raised"], r["raised"]
+
+
+def _through_a_transport_gather(rank: int, world: int) -> dict:
+    """The agreement through a transport's own RowGather (the path the internode transport's GPU
+    exchange takes), here the store-backed test gather: the same results, the same collective
+    rejection, and a rank that never joins a call named by the others."""
+    import datetime
+    import time
+
+    import ep_backend as ep
+
+    backend = ep.get_backend()
+    backend._use_store_row_gather()  # every rank, before its first MoE call
+    g = torch.Generator().manual_seed(3 + rank)
+    x = torch.randn(29 + 7 * rank, 64, generator=g).bfloat16()
+    idx = torch.randint(-1, 6, (x.shape[0], 3), generator=g)
+    w = torch.rand(x.shape[0], 3, generator=g)
+    exact = True
+    for _ in range(5):  # the gathers' keys of two calls back are dropped as they go
+        exact &= _round_trip_exact(x, idx, w)
+    raised, after_bad_exact = _rejected_then_exact(x, idx, w, spoil=rank == 1)
+    exact &= after_bad_exact
+    transport = backend.moe_agreement_transport
+    backend.set_timeout(datetime.timedelta(seconds=3))
+    absent = ""
+    if rank == world - 1:
+        time.sleep(6)  # alive, but never joins the next call
+    else:
+        try:
+            ep.dispatch(x, idx, w, 6)
+        except RuntimeError as exc:
+            absent = str(exc)
+    return {"transport": transport, "exact": exact, "raised": raised, "absent": absent}
+
+
+def test_the_agreement_through_a_transport_gather() -> None:
+    res = run_distributed(_through_a_transport_gather, 3, backend="ep")
+    for rank, r in enumerate(res):
+        assert r["transport"] == "store", r
+        assert r["exact"], rank
+        if rank == 1:
+            assert "topk_idx values must be in [-1" in r["raised"], r["raised"]
+        else:
+            assert "rank(s) 1 rejected their inputs" in r["raised"], r["raised"]
+        if rank < 2:
+            assert "rank(s) 2 never joined it" in r["absent"], r["absent"]

@@ -817,7 +817,7 @@ std::string moeAgreementTransport(EPProcessGroup& pg) {
   }
   auto state = exchangeStates().of(pg);
   if (state->transport_gather) {
-    return "nvshmem";
+    return state->transport_gather->name();
   }
   if (!state->decided) {
     return "undecided";

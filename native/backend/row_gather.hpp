@@ -18,6 +18,8 @@ class EPProcessGroup;
 class RowGather {
  public:
   virtual ~RowGather() = default;
+  // What EPProcessGroup.moe_agreement_transport reports while the gather serves the group.
+  virtual const char* name() const = 0;
   // Whether a row of `width` words goes through this gather (wider ones take Gloo).
   virtual bool fits(int64_t width) const = 0;
   // Every rank's row, rank-major, into out[R * width]. Returns "" or, when some rank's row did

@@ -120,6 +120,7 @@ struct ExchangeHandle {
 class DeviceRowGather final : public RowGather {
  public:
   explicit DeviceRowGather(std::shared_ptr<ExchangeHandle> handle) : handle_(std::move(handle)) {}
+  const char* name() const override { return "nvshmem"; }
   bool fits(int64_t width) const override { return width <= RowExchange::kMaxWidth; }
   std::string gather(const std::vector<int64_t>& row, int64_t* out,
                      std::chrono::milliseconds timeout) override {
