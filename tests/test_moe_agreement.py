@@ -1,8 +1,10 @@
-"""The per-call cross-rank agreement of the MoE collectives: shared memory on one host, Gloo else.
+"""The per-call cross-rank agreement of the MoE collectives: shared memory on one host, Gloo else,
+or a transport's own gather (the internode transport's GPU exchange).
 
 Every other MoE test runs over the shared-memory exchange (all test ranks share this host); this
-file checks which transport was chosen and that the Gloo fallback gives the same results and the
-same collective rejection of bad input.
+file checks which transport was chosen and that the Gloo fallback and a transport's gather (here
+the store-backed test gather) give the same results and the same collective rejection of bad
+input.
 """
 
 from __future__ import annotations
