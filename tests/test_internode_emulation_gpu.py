@@ -52,6 +52,24 @@ def _run_on_internode(fn: Callable[..., dict], world: int, per_node: int, *args:
     )  # fmt: skip
 
 
+def _outcome(failures: list[str]) -> dict:
+    """What a worker on the internode transport returns: its failures and the transports its
+    group took for the ops and for the per-call agreement."""
+    import ep_backend as ep
+
+    backend = ep.get_backend()
+    return {"failures": failures, "transport": backend.high_throughput_transport,
+            "agreement": backend.moe_agreement_transport}  # fmt: skip
+
+
+def _assert_exact_on_internode(results: list[dict]) -> None:
+    """Every rank ran the internode transport, agreed through the GPU exchange, and matched."""
+    for rank, r in enumerate(results):
+        assert r["transport"] == "internode", (rank, r["transport"])
+        assert r["agreement"] == "nvshmem", (rank, r["agreement"])
+        assert r["failures"] == [], (rank, r["failures"][:20])
+
+
 def _fail_fast() -> None:
     """Short timeouts for this worker's group (see KERNEL_TIMEOUT_S)."""
     import ep_backend as ep
@@ -311,9 +329,7 @@ def _spec(rank: int, world: int, per_node: int) -> dict:
         _check_dispatch(failures, f"{tag} async", aa, ref.dispatch(xc, idxc, wc, experts))
     torch.cuda.synchronize()
     step("done")
-    backend = ep.get_backend()
-    return {"failures": failures, "transport": backend.high_throughput_transport,
-            "agreement": backend.moe_agreement_transport}  # fmt: skip
+    return _outcome(failures)
 
 
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
@@ -321,10 +337,7 @@ def test_internode_transport_matches_the_spec(world: int, per_node: int) -> None
     results = _run_on_internode(_spec, world, per_node)
     summary = {rank: (r["transport"], len(r["failures"])) for rank, r in enumerate(results)}
     print(f"internode spec {world // per_node}x{per_node}: {summary}")
-    for rank, r in enumerate(results):
-        assert r["transport"] == "internode", (rank, r["transport"])
-        assert r["agreement"] == "nvshmem", (rank, r["agreement"])
-        assert r["failures"] == [], (rank, r["failures"][:20])
+    _assert_exact_on_internode(results)
 
 
 # Tokens of each rank in the empty-rank sequence: rank 0 empty, then rank 1, then every rank.
@@ -390,9 +403,7 @@ def _empty_ranks(rank: int, world: int, per_node: int, grown_first: bool) -> dic
                          flat.combined_x)  # fmt: skip
     torch.cuda.synchronize()
     step("done")
-    backend = ep.get_backend()
-    return {"failures": failures, "transport": backend.high_throughput_transport,
-            "agreement": backend.moe_agreement_transport}  # fmt: skip
+    return _outcome(failures)
 
 
 @pytest.mark.parametrize("grown_first", [False, True], ids=["fresh", "grown-first"])
@@ -402,10 +413,7 @@ def test_internode_empty_ranks_match_the_reference(
 ) -> None:
     results = _run_on_internode(_empty_ranks, world, per_node, grown_first,
                                 env={"EP_INTERNODE_TRACE": "1"})  # fmt: skip
-    for rank, r in enumerate(results):
-        assert r["transport"] == "internode", (rank, r["transport"])
-        assert r["agreement"] == "nvshmem", (rank, r["agreement"])
-        assert r["failures"] == [], (rank, r["failures"][:20])
+    _assert_exact_on_internode(results)
 
 
 def _bad_input_then_exact(rank: int, world: int, per_node: int) -> dict:
@@ -504,19 +512,14 @@ def _graph_replays(rank: int, world: int, per_node: int) -> dict:
     replay(1000 * rank + 7)
     torch.cuda.synchronize()
     step("done")
-    backend = ep.get_backend()
     # The agreement's rows went through the GPU exchange while the graph was captured too.
-    return {"failures": failures, "transport": backend.high_throughput_transport,
-            "agreement": backend.moe_agreement_transport}  # fmt: skip
+    return _outcome(failures)
 
 
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_worst_case_graph_capture_and_replay(world: int, per_node: int) -> None:
     results = _run_on_internode(_graph_replays, world, per_node)
-    for rank, r in enumerate(results):
-        assert r["transport"] == "internode", (rank, r["transport"])
-        assert r["agreement"] == "nvshmem", (rank, r["agreement"])
-        assert r["failures"] == [], (rank, r["failures"][:20])
+    _assert_exact_on_internode(results)
 
 
 def _worst_case_rejected_then_exact(rank: int, world: int, per_node: int) -> dict:

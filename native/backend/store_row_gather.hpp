@@ -19,11 +19,13 @@ class StoreRowGather final : public RowGather {
   explicit StoreRowGather(EPProcessGroup& pg) : pg_(pg) {}
   const char* name() const override { return "store"; }
   bool fits(int64_t) const override { return true; }
+  // allGatherStrings under a key per gather: waits the group's timeout and raises naming the
+  // ranks that never posted (so it never returns a non-empty string).
   std::string gather(const std::vector<int64_t>& row, int64_t* out,
                      std::chrono::milliseconds timeout) override;
 
  private:
-  std::string key(uint64_t gather, int64_t rank) const;
+  std::string prefix(uint64_t gather) const;
 
   EPProcessGroup& pg_;
   uint64_t gathers_ = 0;
