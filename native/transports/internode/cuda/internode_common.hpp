@@ -41,21 +41,19 @@ enum Stage : int {
   kStageNotify = 0,  // entered notify: puts this rank's counts, then waits for every rank's
   kStageNotifyWaited,
   kStagePack,
-  kStagePut,
-  kStageSignal,     // entered rdma_signal: nvshmem_quiet next
-  kStageQuietDone,  // nvshmem_quiet returned
-  kStageSignalled,  // every node's signal put
-  kStageForward,
-  kStageForwardWaited,  // block 0 saw every node's signal (or gave up)
+  kStagePutForward,       // entered put_forward: block 0 signals every node its record count
+  kStageCountsSignalled,  // the counts are signalled; the block's chunk puts next
+  kStageForward,          // block 0's puts are issued: it waits for every node's record count
+  kStageForwardWaited,    // block 0 saw every node's count (or gave up), forwards records next
+  kStageQuiet,            // block 0 forwarded its records: nvshmem_quiet next
+  kStageQuietDone,        // nvshmem_quiet returned
   kStageBarrier,
   kStageBarrierDone,
   kStageCombineSend,
-  kStageCombineReduce,
-  kStageCombineSignal,
-  kStageCombineQuietDone,
-  kStageCombineSignalled,
-  kStageCombineOut,
-  kStageCombineOutWaited,
+  kStageCombineReduce,     // entered reduce_out: reduces and puts its tokens' partials
+  kStageCombineOut,        // block 0's partials are put: sums this rank's tokens as they land
+  kStageCombineQuiet,      // block 0 summed its tokens: nvshmem_quiet next
+  kStageCombineQuietDone,  // nvshmem_quiet returned
   kNumStages
 };
 
@@ -79,22 +77,32 @@ inline const char* stage_name(int stage) {
   static const char* const kNames[kNumStages] = {"notify (waiting for every rank's counts)",
                                                  "notify waited",
                                                  "pack",
+                                                 "put and forward (count signals)",
                                                  "RDMA puts",
-                                                 "signal (before nvshmem_quiet)",
+                                                 "forward (waiting for the nodes' counts)",
+                                                 "forward (waiting for the records' chunks)",
                                                  "nvshmem_quiet",
-                                                 "signals sent",
-                                                 "forward (waiting for the nodes' signals)",
-                                                 "forward waited",
+                                                 "quiet done",
                                                  "node barrier",
                                                  "node barrier done",
                                                  "combine send",
-                                                 "combine reduce",
-                                                 "combine signal (before nvshmem_quiet)",
-                                                 "combine quiet",
-                                                 "combine signals sent",
-                                                 "combine out (waiting for the nodes' partials)",
-                                                 "combine out waited"};
+                                                 "combine reduce and put",
+                                                 "combine out (waiting for the tokens' partials)",
+                                                 "combine nvshmem_quiet",
+                                                 "combine quiet done"};
   return stage >= 0 && stage < kNumStages ? kNames[stage] : "?";
+}
+
+// Records per put of the RDMA leg, each put with its own signal (the forwarder's unit of waiting).
+constexpr int kPutChunkRows = 8;
+EP_HOST_DEVICE constexpr int64_t put_chunks(int64_t records) {
+  return (records + kPutChunkRows - 1) / kPutChunkRows;
+}
+
+// Tokens whose combine partials share one signal (the source's unit of waiting).
+constexpr int kPartialGroupTokens = 8;
+EP_HOST_DEVICE constexpr int64_t partial_groups(int64_t tokens) {
+  return (tokens + kPartialGroupTokens - 1) / kPartialGroupTokens;
 }
 
 EP_HOST_DEVICE constexpr size_t align16(size_t v) {
@@ -184,8 +192,11 @@ struct RegionLayout {
   int64_t notify_sig = 0;
   int64_t count_send = 0;
   int64_t count_rows = 0;
-  // signals (uint64): rdma[parity][node], nvl[local] (monotonic), combine[parity][node]
+  // signals (uint64): rdma[parity][node] (record counts), rdma_chunk[parity][node][chunk] (seq
+  // once a chunk of the RDMA leg landed), nvl[local] (monotonic), combine[parity][node][token
+  // group] (seq once the group's partials from that node landed)
   int64_t rdma_sig = 0;
+  int64_t rdma_chunk_sig = 0;
   int64_t nvl_sig = 0;
   int64_t comb_sig = 0;
   int64_t send_buf = 0;   // [node][max_tokens] RDMA records (local: the puts' source)
@@ -215,8 +226,9 @@ struct RegionLayout {
     l.count_send = take(4 * R * count_row_words(R, c));
     l.count_rows = take(4 * P * R * count_row_words(R, c));
     l.rdma_sig = take(8 * P * N);
+    l.rdma_chunk_sig = take(8 * P * N * put_chunks(T));
     l.nvl_sig = take(8 * L);
-    l.comb_sig = take(8 * P * N);
+    l.comb_sig = take(8 * P * N * partial_groups(T));
     l.send_buf = take(N * T * c.max_record);
     l.rdma_recv = take(P * N * T * c.max_record);
     l.nvl_recv = take(P * c.max_recv_rows * c.max_out_record);

@@ -1,7 +1,7 @@
-// The hierarchical internode kernels: dispatch (pack -> RDMA leg -> signals -> NVLink forwarding
-// -> node barrier) and combine (NVLink leg -> node barrier -> per-node reduction and RDMA leg ->
-// signals -> sum over nodes). First version: the stages are separate kernels on one stream (the
-// RDMA leg completes before forwarding starts); see docs/internode.md for the overlapped design.
+// The hierarchical internode kernels: dispatch (pack -> RDMA leg overlapped with NVLink forwarding,
+// chunk by chunk -> node barrier -> unpack) and combine (NVLink leg -> node barrier -> per-node
+// reduction and RDMA leg -> signals -> sum over nodes), each stage a kernel on one stream
+// (docs/internode.md).
 //
 // Cross-node traffic uses only nvshmemx_putmem_nbi_block/_warp, nvshmem_quiet and
 // nvshmemx_signal_op; a rank reads the signal words of its own region. Peer memory is touched
@@ -22,7 +22,6 @@ namespace internode {
 namespace {
 
 constexpr int kWarps = kThreads / 32;
-constexpr int kPutChunkRows = 8;  // rows per put of the RDMA leg
 
 __device__ __forceinline__ int global_warp() {
   return static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
@@ -131,34 +130,40 @@ __device__ __forceinline__ bool same_call(const Context& c, const Call& call, ui
   return false;
 }
 
-// A warp copies `bytes` bytes (any alignment; 16-byte vectors where both ends allow).
+// A warp copies `bytes` bytes (any alignment; 16-byte vectors where both ends allow). kFromL2:
+// the source was written by a peer while this kernel runs (loads bypass L1: ld.cg).
+template <bool kFromL2 = false>
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                       static_cast<uintptr_t>(bytes);
   if ((a & 15u) == 0) {
     const int4* s = reinterpret_cast<const int4*>(src);
     int4* d = reinterpret_cast<int4*>(dst);
+    auto load = [s](int64_t i) { return kFromL2 ? __ldcg(s + i) : s[i]; };
     const int64_t n = bytes / 16;
     int64_t i = lane;
     // Four loads in flight per lane before their stores: one at a time, a row's copy is a chain
     // of load latencies (a warp copies a 14 KB row in 28 dependent steps).
     for (; i + 96 < n; i += 128) {
-      const int4 v0 = s[i];
-      const int4 v1 = s[i + 32];
-      const int4 v2 = s[i + 64];
-      const int4 v3 = s[i + 96];
+      const int4 v0 = load(i);
+      const int4 v1 = load(i + 32);
+      const int4 v2 = load(i + 64);
+      const int4 v3 = load(i + 96);
       d[i] = v0;
       d[i + 32] = v1;
       d[i + 64] = v2;
       d[i + 96] = v3;
     }
-    for (; i < n; i += 32) d[i] = s[i];
+    for (; i < n; i += 32) d[i] = load(i);
   } else if ((a & 3u) == 0) {
     const int* s = reinterpret_cast<const int*>(src);
     int* d = reinterpret_cast<int*>(dst);
-    for (int64_t i = lane; i < bytes / 4; i += 32) d[i] = s[i];
+    for (int64_t i = lane; i < bytes / 4; i += 32) d[i] = kFromL2 ? __ldcg(s + i) : s[i];
   } else {
-    for (int64_t i = lane; i < bytes; i += 32) dst[i] = src[i];
+    for (int64_t i = lane; i < bytes; i += 32) {
+      dst[i] = kFromL2 ? static_cast<char>(__ldcg(reinterpret_cast<const signed char*>(src) + i))
+                       : src[i];
+    }
   }
 }
 
@@ -457,80 +462,86 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const __grid_constant__ 
   }
 }
 
-// Stage 1 (RDMA leg): the records for node n go, in chunks, to rdma_recv[parity][my node] of the
-// rank with my local index on node n (myself for my own node: a local copy).
+// The chunk signal of (source node `n`'s chunk `j`) at a forwarder, for this call's parity.
+__device__ __forceinline__ uint64_t* chunk_signal(const Context& c, int parity, int n, int j) {
+  return sig_word(
+      c, c.layout.rdma_chunk_sig,
+      (parity * c.num_nodes + n) * static_cast<int>(put_chunks(c.layout.cap.max_tokens)) + j);
+}
+
+// Stages 1 and 2 in one kernel, so that forwarding (NVLink) runs while the RDMA leg is in flight.
+// Every block is first a source, then a forwarder:
+//  * source: block 0 signals each node's forwarder (the rank with my local index there) how many
+//    records it gets, (seq << 32) | count, count 0 included; then the blocks put the records, in
+//    chunks of kPutChunkRows, round robin over the destination nodes (mine last: a local copy),
+//    each chunk with put-with-signal (its word at the forwarder is set to seq once its bytes
+//    have landed). No source waits for anything, so no rank's forwarding can hold up a put.
+//  * forwarder: waits for the counts of every source node (block 0's thread per block), then
+//    each warp takes records interleaved over the source nodes, waits for the record's chunk
+//    signal and writes its row over NVLink to the local ranks its slot table names, at that slot
+//    of their nvl_recv, with top-k rewritten for them. Records are read from L2 (ld.cg): a chunk
+//    lands while this kernel runs, and a line of it may sit in L1 from a neighbouring record.
+//  * finally each block's thread 0 runs nvshmem_quiet: the puts are complete before the next
+//    call's pack rewrites send_buf.
 __global__ void __launch_bounds__(kThreads)
-    rdma_put_kernel(const __grid_constant__ DispatchParams p) {
+    put_forward_kernel(const __grid_constant__ DispatchParams p) {
   const Context& c = p.c;
   const Call call = this_call(c);
   if (!call.ok) return;
-  mark(c, call, kStagePut);
-  if (aborted(c)) return;
+  mark(c, call, kStagePutForward);
   const RecordLayout& r = c.rec;
   const int64_t T = c.layout.cap.max_tokens;
-  __shared__ int chunks_before[kMaxNodes + 1];
+  const int N = c.num_nodes;
+  __shared__ int chunks[kMaxNodes];
+  __shared__ int most_chunks;
+  __shared__ int counts[kMaxNodes];
+  __shared__ int most_records;
+  __shared__ int ok;
   if (threadIdx.x == 0) {
-    chunks_before[0] = 0;
-    for (int n = 0; n < c.num_nodes; ++n) {
-      chunks_before[n + 1] =
-          chunks_before[n] + (p.node_count[n] + kPutChunkRows - 1) / kPutChunkRows;
+    // One thread decides for the block: the source loop's puts are block-collective.
+    ok = !aborted(c);
+    int most = 0;
+    for (int n = 0; n < N; ++n) {
+      chunks[n] = static_cast<int>(put_chunks(p.node_count[n]));
+      most = max(most, chunks[n]);
+    }
+    most_chunks = most;
+    if (ok && blockIdx.x == 0) {
+      for (int n = 0; n < N; ++n) {
+        const uint64_t value = (call.seq << 32) | static_cast<uint32_t>(p.node_count[n]);
+        nvshmemx_signal_op(sig_word(c, c.layout.rdma_sig, call.parity * N + c.node), value,
+                           NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
+      }
     }
   }
   __syncthreads();
-  const int total = chunks_before[c.num_nodes];
-  for (int item = static_cast<int>(blockIdx.x); item < total; item += static_cast<int>(gridDim.x)) {
-    int n = 0;
-    while (chunks_before[n + 1] <= item) ++n;
-    const int first = (item - chunks_before[n]) * kPutChunkRows;
+  if (!ok) return;
+  mark(c, call, kStageCountsSignalled);
+  // Source: chunk j of every node before chunk j + 1 of any, so every forwarder gets data early.
+  const int items = most_chunks * N;
+  for (int item = static_cast<int>(blockIdx.x); item < items; item += static_cast<int>(gridDim.x)) {
+    const int j = item / N;
+    const int n = (c.node + 1 + item % N) % N;
+    if (j >= chunks[n]) continue;
+    const int first = j * kPutChunkRows;
     const int rows = min(kPutChunkRows, p.node_count[n] - first);
     const char* src = c.region + c.layout.send_buf + (n * T + first) * r.r_bytes;
-    char* dst =
-        c.region + c.layout.rdma_recv +
-        ((static_cast<int64_t>(call.parity) * c.num_nodes + c.node) * T + first) * r.r_bytes;
-    nvshmemx_putmem_nbi_block(dst, src, static_cast<size_t>(rows) * r.r_bytes,
-                              node_rank(c, n, c.local));
+    char* dst = c.region + c.layout.rdma_recv +
+                ((static_cast<int64_t>(call.parity) * N + c.node) * T + first) * r.r_bytes;
+    nvshmemx_putmem_signal_nbi_block(dst, src, static_cast<size_t>(rows) * r.r_bytes,
+                                     chunk_signal(c, call.parity, c.node, j), call.seq,
+                                     NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
   }
-}
-
-// Stage 1 completion: after every put of this rank is complete (quiet), one signal per node
-// carries (seq << 32) | number of records.
-__global__ void rdma_signal_kernel(const __grid_constant__ DispatchParams p) {
-  const Context& c = p.c;
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const Call call = this_call(c);
-  if (!call.ok) return;
-  mark(c, call, kStageSignal);
-  if (aborted(c)) return;
-  nvshmem_quiet();
-  mark(c, call, kStageQuietDone);
-  for (int n = 0; n < c.num_nodes; ++n) {
-    const uint64_t value = (call.seq << 32) | static_cast<uint32_t>(p.node_count[n]);
-    nvshmemx_signal_op(sig_word(c, c.layout.rdma_sig, call.parity * c.num_nodes + c.node), value,
-                       NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
-  }
-  mark(c, call, kStageSignalled);
-}
-
-// Stage 2 (NVLink leg): every record received from the sources (n, my local) goes to the local
-// ranks its slot table names, at that slot of their nvl_recv, with top-k rewritten for them.
-__global__ void __launch_bounds__(kThreads)
-    forward_kernel(const __grid_constant__ DispatchParams p) {
-  const Context& c = p.c;
-  const Call call = this_call(c);
-  if (!call.ok) return;
-  const RecordLayout& r = c.rec;
-  const int64_t T = c.layout.cap.max_tokens;
-  __shared__ int records_before[kMaxNodes + 1];
-  __shared__ int ok;
   mark(c, call, kStageForward);
+  // Forwarder: the record counts of every source node.
   if (threadIdx.x == 0) {
     ok = 1;
-    records_before[0] = 0;
-    for (int n = 0; n < c.num_nodes && ok; ++n) {
+    int most = 0;
+    for (int n = 0; n < N && ok; ++n) {
       // Every source signals every node, with a count of 0 where it sends nothing there (an
       // empty rank included): this wait always has a writer.
       const int src = node_rank(c, n, c.local);
-      const uint64_t* word = sig_word(c, c.layout.rdma_sig, call.parity * c.num_nodes + n);
+      const uint64_t* word = sig_word(c, c.layout.rdma_sig, call.parity * N + n);
       const uint64_t v = wait_at_least(c, call, word, call.seq << 32, src, kStageForward);
       if (v == 0 || !same_call(c, call, v >> 32, src)) {
         ok = 0;
@@ -542,51 +553,71 @@ __global__ void __launch_bounds__(kThreads)
         ok = 0;
         break;
       }
-      records_before[n + 1] = records_before[n] + static_cast<int>(count);
+      counts[n] = static_cast<int>(count);
+      most = max(most, counts[n]);
     }
+    most_records = most;
   }
-  mark(c, call, kStageForwardWaited);
   __syncthreads();
-  if (!ok) return;
-  const int lane = lane_id();
-  const int K = static_cast<int>(r.topk);
-  const int total = records_before[c.num_nodes];
-  for (int item = global_warp(); item < total; item += num_warps()) {
-    int n = 0;
-    while (records_before[n + 1] <= item) ++n;
-    const int k = item - records_before[n];
-    const char* rec = c.region + c.layout.rdma_recv +
-                      ((static_cast<int64_t>(call.parity) * c.num_nodes + n) * T + k) * r.r_bytes;
-    const int src_token = reinterpret_cast<const int*>(rec)[0];
-    const int my_slot =
-        lane < c.ranks_per_node ? reinterpret_cast<const int*>(rec + r.r_slots)[lane] : -1;
-    const int64_t expert =
-        K > 0 && lane < K ? reinterpret_cast<const int64_t*>(rec + r.r_topk)[lane] : -1;
-    const float weight =
-        K > 0 && lane < K ? reinterpret_cast<const float*>(rec + r.r_weights)[lane] : 0.0f;
-    for (int l = 0; l < c.ranks_per_node; ++l) {
-      const int slot = __shfl_sync(0xffffffffu, my_slot, l);
-      if (slot < 0) continue;
-      if (slot >= c.layout.cap.max_recv_rows) {
-        if (lane == 0)
-          report(c, kErrorCapacity, node_rank(c, c.node, l), slot, c.layout.cap.max_recv_rows);
-        continue;
+  mark(c, call, kStageForwardWaited);
+  if (ok) {
+    const int lane = lane_id();
+    const int K = static_cast<int>(r.topk);
+    const int total = most_records * N;
+    for (int item = global_warp(); item < total; item += num_warps()) {
+      const int n = item % N;
+      const int k = item / N;
+      if (k >= counts[n]) continue;
+      int arrived = 1;
+      if (lane == 0) {
+        const int src = node_rank(c, n, c.local);
+        const uint64_t v =
+            wait_at_least(c, call, chunk_signal(c, call.parity, n, k / kPutChunkRows), call.seq,
+                          src, kStageForward);
+        arrived = v != 0 && same_call(c, call, v, src);
       }
-      const int d = node_rank(c, c.node, l);
-      char* out =
-          c.node_peer[l] + c.layout.nvl_recv +
-          (static_cast<int64_t>(call.parity) * c.layout.cap.max_recv_rows + slot) * r.n_bytes;
-      // x and scales are adjacent, 16-byte aligned, in both records.
-      warp_copy(out + r.n_x, rec + r.r_x, r.n_topk - r.n_x, lane);
-      if (K > 0 && lane < K) {
-        const bool mine = expert >= 0 && expert / p.experts_per_rank == d;
-        reinterpret_cast<int64_t*>(out + r.n_topk)[lane] =
-            mine ? expert - static_cast<int64_t>(d) * p.experts_per_rank : -1;
-        reinterpret_cast<float*>(out + r.n_weights)[lane] = mine ? weight : 0.0f;
+      if (__shfl_sync(0xffffffffu, arrived, 0) == 0) break;
+      const char* rec = c.region + c.layout.rdma_recv +
+                        ((static_cast<int64_t>(call.parity) * N + n) * T + k) * r.r_bytes;
+      const int src_token = __ldcg(reinterpret_cast<const int*>(rec));
+      const int my_slot = lane < c.ranks_per_node
+                              ? __ldcg(reinterpret_cast<const int*>(rec + r.r_slots) + lane)
+                              : -1;
+      const int64_t expert =
+          K > 0 && lane < K ? static_cast<int64_t>(
+                                  __ldcg(reinterpret_cast<const long long*>(rec + r.r_topk) + lane))
+                            : -1;
+      const float weight = K > 0 && lane < K
+                               ? __ldcg(reinterpret_cast<const float*>(rec + r.r_weights) + lane)
+                               : 0.0f;
+      for (int l = 0; l < c.ranks_per_node; ++l) {
+        const int slot = __shfl_sync(0xffffffffu, my_slot, l);
+        if (slot < 0) continue;
+        if (slot >= c.layout.cap.max_recv_rows) {
+          if (lane == 0)
+            report(c, kErrorCapacity, node_rank(c, c.node, l), slot, c.layout.cap.max_recv_rows);
+          continue;
+        }
+        const int d = node_rank(c, c.node, l);
+        char* out =
+            c.node_peer[l] + c.layout.nvl_recv +
+            (static_cast<int64_t>(call.parity) * c.layout.cap.max_recv_rows + slot) * r.n_bytes;
+        // x and scales are adjacent, 16-byte aligned, in both records.
+        warp_copy<true>(out + r.n_x, rec + r.r_x, r.n_topk - r.n_x, lane);
+        if (K > 0 && lane < K) {
+          const bool mine = expert >= 0 && expert / p.experts_per_rank == d;
+          reinterpret_cast<int64_t*>(out + r.n_topk)[lane] =
+              mine ? expert - static_cast<int64_t>(d) * p.experts_per_rank : -1;
+          reinterpret_cast<float*>(out + r.n_weights)[lane] = mine ? weight : 0.0f;
+        }
+        if (lane == 0) reinterpret_cast<int*>(out + r.n_src)[0] = src_token;
       }
-      if (lane == 0) reinterpret_cast<int*>(out + r.n_src)[0] = src_token;
     }
   }
+  __syncthreads();
+  mark(c, call, kStageQuiet);
+  if (threadIdx.x == 0) nvshmem_quiet();
+  mark(c, call, kStageQuietDone);
 }
 
 // Node barrier: every local rank has finished the previous kernel (its stores into my region are
@@ -699,8 +730,11 @@ __device__ __forceinline__ void store_value(char* row, int dtype, int i, float v
 
 // acc[i] += value i of the v-th 16 bytes of `row` (8 BF16 or 4 float32 values), float32, in
 // order: the scalar loop's additions.
+// kFromL2: the row was put by a peer while this kernel runs (ld.cg, never a stale L1 line).
+template <bool kFromL2 = false>
 __device__ __forceinline__ void add_vector(float* acc, const char* row, int dtype, int v) {
-  const int4 raw = reinterpret_cast<const int4*>(row)[v];
+  const int4 raw = kFromL2 ? __ldcg(reinterpret_cast<const int4*>(row) + v)
+                           : reinterpret_cast<const int4*>(row)[v];
   if (dtype == 0) {
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
@@ -758,123 +792,109 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The signal word of (source node `n`, token group `g`)'s partials at the source, for this call's
+// parity.
+__device__ __forceinline__ uint64_t* partial_signal(const Context& c, int parity, int n, int g) {
+  return sig_word(
+      c, c.layout.comb_sig,
+      (parity * c.num_nodes + n) * static_cast<int>(partial_groups(c.layout.cap.max_tokens)) + g);
+}
+
 // Forwarder: for each (source node, token) some local rank sent, the sum of the local ranks'
-// rows in local index order (float32, from +0.0), put once to the source (RDMA leg).
-__global__ void __launch_bounds__(kThreads)
-    combine_reduce_kernel(const __grid_constant__ CombineParams p) {
+// rows in local index order (float32, from +0.0), put once to the source (RDMA leg). A warp
+// takes a group of kPartialGroupTokens tokens of one source node: it puts each partial it has,
+// then (nvshmem_fence: the puts land first) signals the group with seq, if it put any. One
+// signal per group rather than per token: on NVLink every signal behind data costs a
+// system-scope fence that waits for the data's stores.
+__device__ void reduce_and_put(const CombineParams& p, const Call& call) {
   const Context& c = p.c;
-  const Call call = this_call(c);
-  if (!call.ok) return;
-  mark(c, call, kStageCombineReduce);
-  if (aborted(c)) return;
   const int lane = lane_id();
   const int64_t T = c.layout.cap.max_tokens;
+  const int groups = static_cast<int>(partial_groups(T));
   const int64_t x_bytes = c.rec.x_bytes;
   const int64_t w_offset = static_cast<int64_t>(align16(static_cast<size_t>(x_bytes)));
   const int64_t pw_offset = static_cast<int64_t>(align16(4 * static_cast<size_t>(p.hidden)));
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(c.region + c.layout.comb_flag);
   const int per_vector = p.x_dtype == 0 ? 8 : 4;  // values in 16 bytes of a row
   const int vectors = p.hidden % per_vector == 0 ? p.hidden / per_vector : 0;
-  const int items = c.num_nodes * static_cast<int>(T);
+  const int items = c.num_nodes * groups;
   for (int item = global_warp(); item < items; item += num_warps()) {
-    const int n = item / static_cast<int>(T);
-    const int t = item % static_cast<int>(T);
-    const int64_t first = combine_slot(c, call, n, t, 0);
-    const bool flagged =
-        lane < c.ranks_per_node && ptx::ld_volatile_u64(flags + first + lane) == call.seq;
-    const unsigned present = __ballot_sync(0xffffffffu, flagged);
-    if (present == 0) continue;
-    const char* rows = c.region + c.layout.comb_nvl + first * c.layout.cap.max_combine_row;
-    float* partial = reinterpret_cast<float*>(c.region + c.layout.comb_send +
-                                              (n * T + t) * c.layout.cap.max_partial_row);
-    if (vectors > 0) {
-      // 16-byte loads of each row (8 BF16 or 4 float32 values), summed in local index order as
-      // the scalar loop below does: the same bits.
-      for (int v = lane; v < vectors; v += 32) {
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int l = 0; l < c.ranks_per_node; ++l) {
-          if (present & (1u << l)) {
-            add_vector(acc, rows + l * c.layout.cap.max_combine_row, p.x_dtype, v);
+    const int n = item / groups;
+    const int g = item % groups;
+    const int source = node_rank(c, n, c.local);
+    bool put_any = false;
+    for (int t = g * kPartialGroupTokens;
+         t < min(static_cast<int64_t>(g + 1) * kPartialGroupTokens, T); ++t) {
+      const int64_t first = combine_slot(c, call, n, t, 0);
+      const bool flagged =
+          lane < c.ranks_per_node && ptx::ld_volatile_u64(flags + first + lane) == call.seq;
+      const unsigned present = __ballot_sync(0xffffffffu, flagged);
+      if (present == 0) continue;
+      put_any = true;
+      const char* rows = c.region + c.layout.comb_nvl + first * c.layout.cap.max_combine_row;
+      float* partial = reinterpret_cast<float*>(c.region + c.layout.comb_send +
+                                                (n * T + t) * c.layout.cap.max_partial_row);
+      if (vectors > 0) {
+        // 16-byte loads of each row (8 BF16 or 4 float32 values), summed in local index order as
+        // the scalar loop below does: the same bits.
+        for (int v = lane; v < vectors; v += 32) {
+          float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+          for (int l = 0; l < c.ranks_per_node; ++l) {
+            if (present & (1u << l)) {
+              add_vector(acc, rows + l * c.layout.cap.max_combine_row, p.x_dtype, v);
+            }
           }
+          float4* out = reinterpret_cast<float4*>(partial + static_cast<int64_t>(v) * per_vector);
+          out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+          if (per_vector == 8) out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
         }
-        float4* out = reinterpret_cast<float4*>(partial + static_cast<int64_t>(v) * per_vector);
-        out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        if (per_vector == 8) out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      } else {
+        for (int h = lane; h < p.hidden; h += 32) {
+          float acc = 0.0f;
+          for (int l = 0; l < c.ranks_per_node; ++l) {
+            if (present & (1u << l)) {
+              acc =
+                  __fadd_rn(acc, load_value(rows + l * c.layout.cap.max_combine_row, p.x_dtype, h));
+            }
+          }
+          partial[h] = acc;
+        }
       }
-    } else {
-      for (int h = lane; h < p.hidden; h += 32) {
+      if (lane < p.topk) {
         float acc = 0.0f;
         for (int l = 0; l < c.ranks_per_node; ++l) {
           if (present & (1u << l)) {
-            acc = __fadd_rn(acc, load_value(rows + l * c.layout.cap.max_combine_row, p.x_dtype, h));
+            acc = __fadd_rn(acc, reinterpret_cast<const float*>(
+                                     rows + l * c.layout.cap.max_combine_row + w_offset)[lane]);
           }
         }
-        partial[h] = acc;
+        reinterpret_cast<float*>(reinterpret_cast<char*>(partial) + pw_offset)[lane] = acc;
       }
+      __syncwarp();
+      __threadfence();
+      char* dst = c.region + c.layout.comb_rdma +
+                  ((static_cast<int64_t>(call.parity) * c.num_nodes + c.node) * T + t) *
+                      c.layout.cap.max_partial_row;
+      nvshmemx_putmem_nbi_warp(dst, partial, static_cast<size_t>(pw_offset + 4 * p.topk), source);
     }
-    if (lane < p.topk) {
-      float acc = 0.0f;
-      for (int l = 0; l < c.ranks_per_node; ++l) {
-        if (present & (1u << l)) {
-          acc = __fadd_rn(acc, reinterpret_cast<const float*>(
-                                   rows + l * c.layout.cap.max_combine_row + w_offset)[lane]);
-        }
+    if (put_any) {
+      __syncwarp();
+      if (lane == 0) {
+        nvshmem_fence();
+        nvshmemx_signal_op(partial_signal(c, call.parity, c.node, g), call.seq, NVSHMEM_SIGNAL_SET,
+                           source);
       }
-      reinterpret_cast<float*>(reinterpret_cast<char*>(partial) + pw_offset)[lane] = acc;
+      __syncwarp();
     }
-    __syncwarp();
-    __threadfence();
-    char* dst = c.region + c.layout.comb_rdma +
-                ((static_cast<int64_t>(call.parity) * c.num_nodes + c.node) * T + t) *
-                    c.layout.cap.max_partial_row;
-    nvshmemx_putmem_nbi_warp(dst, partial, static_cast<size_t>(pw_offset + 4 * p.topk),
-                             node_rank(c, n, c.local));
   }
-}
-
-__global__ void combine_signal_kernel(const __grid_constant__ CombineParams p) {
-  const Context& c = p.c;
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const Call call = this_call(c);
-  if (!call.ok) return;
-  mark(c, call, kStageCombineSignal);
-  if (aborted(c)) return;
-  nvshmem_quiet();
-  mark(c, call, kStageCombineQuietDone);
-  for (int n = 0; n < c.num_nodes; ++n) {
-    nvshmemx_signal_op(sig_word(c, c.layout.comb_sig, call.parity * c.num_nodes + c.node), call.seq,
-                       NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
-  }
-  mark(c, call, kStageCombineSignalled);
 }
 
 // Source: out[t] = cast(sum over nodes in node order of the node partials (float32, from +0.0),
-// then + bias0, + bias1).
-__global__ void __launch_bounds__(kThreads)
-    combine_out_kernel(const __grid_constant__ CombineParams p) {
+// then + bias0, + bias1). Each partial is read once its group's signal says it landed (lane 0
+// waits, with the timeout naming the forwarder): the sums of early tokens overlap later puts.
+__device__ void sum_partials(const CombineParams& p, const Call& call) {
   const Context& c = p.c;
-  const Call call = this_call(c);
-  if (!call.ok) return;
   const int64_t T = c.layout.cap.max_tokens;
-  __shared__ int ok;
-  mark(c, call, kStageCombineOut);
-  if (threadIdx.x == 0) {
-    ok = 1;
-    for (int n = 0; n < c.num_nodes; ++n) {
-      // Every forwarder signals every source, whether it put rows to it or not.
-      const int fwd = node_rank(c, n, c.local);
-      const uint64_t v =
-          wait_at_least(c, call, sig_word(c, c.layout.comb_sig, call.parity * c.num_nodes + n),
-                        call.seq, fwd, kStageCombineOut);
-      if (v == 0 || !same_call(c, call, v, fwd)) {
-        ok = 0;
-        break;
-      }
-    }
-  }
-  mark(c, call, kStageCombineOutWaited);
-  __syncthreads();
-  if (!ok) return;
   const int lane = lane_id();
   const int64_t pw_offset = static_cast<int64_t>(align16(4 * static_cast<size_t>(p.hidden)));
   const int64_t x_bytes = c.rec.x_bytes;
@@ -888,6 +908,18 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (any) visited |= 1u << n;
     }
+    int arrived = 1;
+    if (lane == 0) {
+      for (int n = 0; n < c.num_nodes && arrived; ++n) {
+        if (!(visited & (1u << n))) continue;
+        const int fwd = node_rank(c, n, c.local);
+        const uint64_t v =
+            wait_at_least(c, call, partial_signal(c, call.parity, n, t / kPartialGroupTokens),
+                          call.seq, fwd, kStageCombineOut);
+        arrived = v != 0 && same_call(c, call, v, fwd);
+      }
+    }
+    if (__shfl_sync(0xffffffffu, arrived, 0) == 0) return;
     const char* part = c.region + c.layout.comb_rdma;
     const int64_t node_stride = T * c.layout.cap.max_partial_row;
     const int64_t parity_base = static_cast<int64_t>(call.parity) * c.num_nodes * node_stride;
@@ -900,8 +932,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int n = 0; n < c.num_nodes; ++n) {
           if (visited & (1u << n)) {
             const char* row = token_part + n * node_stride + static_cast<int64_t>(v) * 32;
-            add_vector(acc, row, 1, 0);
-            add_vector(acc + 4, row, 1, 1);
+            add_vector<true>(acc, row, 1, 0);
+            add_vector<true>(acc + 4, row, 1, 1);
           }
         }
         const int64_t h = static_cast<int64_t>(t) * p.hidden + static_cast<int64_t>(v) * 8;
@@ -933,7 +965,8 @@ __global__ void __launch_bounds__(kThreads)
         float acc = 0.0f;
         for (int n = 0; n < c.num_nodes; ++n) {
           if (visited & (1u << n)) {
-            acc = __fadd_rn(acc, reinterpret_cast<const float*>(token_part + n * node_stride)[h]);
+            acc = __fadd_rn(
+                acc, __ldcg(reinterpret_cast<const float*>(token_part + n * node_stride) + h));
           }
         }
         if (p.bias0 != nullptr) acc = __fadd_rn(acc, p.bias0[t * p.hidden + h]);
@@ -946,12 +979,35 @@ __global__ void __launch_bounds__(kThreads)
       for (int n = 0; n < c.num_nodes; ++n) {
         if (visited & (1u << n)) {
           const char* row = part + parity_base + n * node_stride + t * c.layout.cap.max_partial_row;
-          acc = __fadd_rn(acc, reinterpret_cast<const float*>(row + pw_offset)[lane]);
+          acc = __fadd_rn(acc, __ldcg(reinterpret_cast<const float*>(row + pw_offset) + lane));
         }
       }
       p.out_weights[static_cast<int64_t>(t) * p.topk + lane] = acc;
     }
   }
+}
+
+// Stages 3 and 4 of a combine in one kernel: every block first reduces and puts its share of the
+// forwarder's tokens (no waits), then sums its share of this rank's tokens as their partials land.
+// Each block's thread 0 ends with nvshmem_quiet: the puts are complete before the next combine
+// rewrites comb_send.
+__global__ void __launch_bounds__(kThreads)
+    combine_reduce_out_kernel(const __grid_constant__ CombineParams p) {
+  const Context& c = p.c;
+  const Call call = this_call(c);
+  if (!call.ok) return;
+  mark(c, call, kStageCombineReduce);
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = aborted(c);
+  __syncthreads();
+  if (stop) return;
+  reduce_and_put(p, call);
+  mark(c, call, kStageCombineOut);
+  sum_partials(p, call);
+  __syncthreads();
+  mark(c, call, kStageCombineQuiet);
+  if (threadIdx.x == 0) nvshmem_quiet();
+  mark(c, call, kStageCombineQuietDone);
 }
 
 }  // namespace
@@ -964,9 +1020,7 @@ cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream) {
 cudaError_t launch_dispatch(const DispatchParams& p, int num_blocks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(num_blocks));
   pack_kernel<<<grid, kThreads, 0, stream>>>(p);
-  rdma_put_kernel<<<grid, kThreads, 0, stream>>>(p);
-  rdma_signal_kernel<<<1, 32, 0, stream>>>(p);
-  forward_kernel<<<grid, kThreads, 0, stream>>>(p);
+  put_forward_kernel<<<grid, kThreads, 0, stream>>>(p);
   node_barrier_kernel<<<1, 32, 0, stream>>>(p.c);
   unpack_kernel<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
@@ -977,9 +1031,7 @@ cudaError_t launch_combine(const CombineParams& p, int num_blocks, cudaStream_t 
   begin_kernel<<<1, 32, 0, stream>>>(p.c);
   combine_send_kernel<<<grid, kThreads, 0, stream>>>(p);
   node_barrier_kernel<<<1, 32, 0, stream>>>(p.c);
-  combine_reduce_kernel<<<grid, kThreads, 0, stream>>>(p);
-  combine_signal_kernel<<<1, 32, 0, stream>>>(p);
-  combine_out_kernel<<<grid, kThreads, 0, stream>>>(p);
+  combine_reduce_out_kernel<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

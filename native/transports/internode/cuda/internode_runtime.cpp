@@ -392,14 +392,13 @@ std::string InternodeRuntime::progress() const {
   using namespace internode;
   if (progress_host_ == nullptr || last_op_ == kOpNone) return "";
   // The stages of the latest call's op, in launch order.
-  static const int kDispatchStages[] = {kStageNotify,    kStageNotifyWaited, kStagePack,
-                                        kStagePut,       kStageSignal,       kStageQuietDone,
-                                        kStageSignalled, kStageForward,      kStageForwardWaited,
-                                        kStageBarrier,   kStageBarrierDone};
-  static const int kCombineStages[] = {
-      kStageCombineSend,      kStageBarrier,       kStageBarrierDone,
-      kStageCombineReduce,    kStageCombineSignal, kStageCombineQuietDone,
-      kStageCombineSignalled, kStageCombineOut,    kStageCombineOutWaited};
+  static const int kDispatchStages[] = {kStageNotify,        kStageNotifyWaited,    kStagePack,
+                                        kStagePutForward,    kStageCountsSignalled, kStageForward,
+                                        kStageForwardWaited, kStageQuiet,           kStageQuietDone,
+                                        kStageBarrier,       kStageBarrierDone};
+  static const int kCombineStages[] = {kStageCombineSend,     kStageBarrier,    kStageBarrierDone,
+                                       kStageCombineReduce,   kStageCombineOut, kStageCombineQuiet,
+                                       kStageCombineQuietDone};
   const bool combine = last_op_ == kOpCombine;
   const int* stages = combine ? kCombineStages : kDispatchStages;
   const int count = combine ? static_cast<int>(std::size(kCombineStages))
