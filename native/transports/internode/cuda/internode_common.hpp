@@ -52,8 +52,8 @@ enum Stage : int {
   kStageCombineSend,
   kStageCombineReduce,     // entered reduce_out: reduces and puts its tokens' partials
   kStageCombineOut,        // block 0's partials are put: sums this rank's tokens as they land
-  kStageCombineQuiet,      // block 0 summed its tokens: nvshmem_quiet next
-  kStageCombineQuietDone,  // nvshmem_quiet returned
+  kStageCombineQuiet,      // block 0 summed its tokens: nvshmem_quiet, then the peers' starts
+  kStageCombineQuietDone,  // block 0 saw every peer start this call (or gave up)
   kNumStages
 };
 
@@ -88,8 +88,8 @@ inline const char* stage_name(int stage) {
                                                  "combine send",
                                                  "combine reduce and put",
                                                  "combine out (waiting for the tokens' partials)",
-                                                 "combine nvshmem_quiet",
-                                                 "combine quiet done"};
+                                                 "combine quiet and the peers' start signals",
+                                                 "combine done"};
   return stage >= 0 && stage < kNumStages ? kNames[stage] : "?";
 }
 
@@ -194,11 +194,13 @@ struct RegionLayout {
   int64_t count_rows = 0;
   // signals (uint64): rdma[parity][node] (record counts), rdma_chunk[parity][node][chunk] (seq
   // once a chunk of the RDMA leg landed), nvl[local] (monotonic), combine[parity][node][token
-  // group] (seq once the group's partials from that node landed)
+  // group] (seq once the group's partials from that node landed), combine start[parity][node]
+  // (seq once that node's peer started the call)
   int64_t rdma_sig = 0;
   int64_t rdma_chunk_sig = 0;
   int64_t nvl_sig = 0;
   int64_t comb_sig = 0;
+  int64_t comb_start_sig = 0;
   int64_t send_buf = 0;   // [node][max_tokens] RDMA records (local: the puts' source)
   int64_t rdma_recv = 0;  // [parity][node][max_tokens] RDMA records
   int64_t nvl_recv = 0;   // [parity][max_recv_rows] NVLink records
@@ -229,6 +231,7 @@ struct RegionLayout {
     l.rdma_chunk_sig = take(8 * P * N * put_chunks(T));
     l.nvl_sig = take(8 * L);
     l.comb_sig = take(8 * P * N * partial_groups(T));
+    l.comb_start_sig = take(8 * P * N);
     l.send_buf = take(N * T * c.max_record);
     l.rdma_recv = take(P * N * T * c.max_record);
     l.nvl_recv = take(P * c.max_recv_rows * c.max_out_record);

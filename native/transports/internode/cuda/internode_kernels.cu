@@ -991,6 +991,13 @@ __device__ void sum_partials(const CombineParams& p, const Call& call) {
 // forwarder's tokens (no waits), then sums its share of this rank's tokens as their partials land.
 // Each block's thread 0 ends with nvshmem_quiet: the puts are complete before the next combine
 // rewrites comb_send.
+// The partial signals are conditional (a source waits only for the nodes its tokens visited), so
+// on their own they would not keep two RDMA peers within one call of each other, which the two
+// parities of comb_rdma need (consecutive combines, e.g. replayed from a graph, have no notify
+// between them). So block 0 also tells every node's peer that this rank is in the call
+// (comb_start_sig = seq, sent first: this rank finished its previous call) and, before the
+// kernel ends, waits for every peer's: a peer that puts call c + 2's partials has seen this
+// rank start call c + 1, so this rank is done reading call c's.
 __global__ void __launch_bounds__(kThreads)
     combine_reduce_out_kernel(const __grid_constant__ CombineParams p) {
   const Context& c = p.c;
@@ -998,7 +1005,15 @@ __global__ void __launch_bounds__(kThreads)
   if (!call.ok) return;
   mark(c, call, kStageCombineReduce);
   __shared__ int stop;
-  if (threadIdx.x == 0) stop = aborted(c);
+  if (threadIdx.x == 0) {
+    stop = aborted(c);
+    if (!stop && blockIdx.x == 0) {
+      for (int n = 0; n < c.num_nodes; ++n) {
+        nvshmemx_signal_op(sig_word(c, c.layout.comb_start_sig, call.parity * c.num_nodes + c.node),
+                           call.seq, NVSHMEM_SIGNAL_SET, node_rank(c, n, c.local));
+      }
+    }
+  }
   __syncthreads();
   if (stop) return;
   reduce_and_put(p, call);
@@ -1006,7 +1021,18 @@ __global__ void __launch_bounds__(kThreads)
   sum_partials(p, call);
   __syncthreads();
   mark(c, call, kStageCombineQuiet);
-  if (threadIdx.x == 0) nvshmem_quiet();
+  if (threadIdx.x == 0) {
+    nvshmem_quiet();
+    if (blockIdx.x == 0) {
+      for (int n = 0; n < c.num_nodes; ++n) {
+        const int peer = node_rank(c, n, c.local);
+        const uint64_t v = wait_at_least(
+            c, call, sig_word(c, c.layout.comb_start_sig, call.parity * c.num_nodes + n), call.seq,
+            peer, kStageCombineQuiet);
+        if (v == 0 || !same_call(c, call, v, peer)) break;
+      }
+    }
+  }
   mark(c, call, kStageCombineQuietDone);
 }
 
