@@ -727,6 +727,7 @@ Outputs moveRows(EPProcessGroup& pg, GroupState& st, void* rt, const at::Tensor&
     a.out_src_rank = out.src_rank.data_ptr<int>();
   }
   a.timeout_seconds = pg.options()->kernel_timeout_s;
+  a.num_blocks = static_cast<int>(pg.options()->num_sms);  // per call: settable live
   a.cached = cached;
   char err[1024] = {0};
   check(library().dispatch(rt, &a, stream, err, sizeof(err)), op, err);
@@ -957,6 +958,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   c.out = out.data_ptr();
   c.out_weights = out_w ? out_w->data_ptr<float>() : nullptr;
   c.timeout_seconds = pg.options()->kernel_timeout_s;
+  c.num_blocks = static_cast<int>(pg.options()->num_sms);  // per call: settable live
   char err[1024] = {0};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   check(library().combine(rt, &c, stream, err, sizeof(err)), "combine", err);

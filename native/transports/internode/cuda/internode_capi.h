@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#define EP_INTERNODE_ABI_VERSION 7
+#define EP_INTERNODE_ABI_VERSION 8
 
 namespace ep {
 struct InternodeSetup;

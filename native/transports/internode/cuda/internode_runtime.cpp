@@ -65,7 +65,8 @@ InternodeRuntime::InternodeRuntime(const InternodeSetup& setup) : setup_(setup) 
     int sms = 0;
     kChecks.cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, setup.device),
                  "cudaDeviceGetAttribute(SMs)");
-    blocks_ = std::max(1, setup.num_blocks > 0 ? setup.num_blocks : sms);
+    sms_ = std::max(1, sms);
+    blocks_ = blocksFor(setup.num_blocks > 0 ? setup.num_blocks : sms);
     layout_ = RegionLayout::make(setup.num_nodes, setup.ranks_per_node, setup.capacity);
     kChecks.require(nodeOf(setup.rank) >= 0, "this rank is missing from the node table");
     kChecks.cuda(cudaMalloc(reinterpret_cast<void**>(&control_), sizeof(Control)),
@@ -305,7 +306,8 @@ void InternodeRuntime::dispatch(const InternodeDispatchArgs& a, cudaStream_t str
   p.out_weights = a.out_weights;
   p.out_src_idx = a.out_src_idx;
   p.out_src_rank = a.out_src_rank;
-  kChecks.cuda(launch_dispatch(p, blocks_, stream), "launching the internode dispatch");
+  kChecks.cuda(launch_dispatch(p, blocksFor(a.num_blocks), stream),
+               "launching the internode dispatch");
 }
 
 void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t stream) {
@@ -345,7 +347,12 @@ void InternodeRuntime::combine(const InternodeCombineArgs& a, cudaStream_t strea
   p.bias1 = a.bias1;
   p.out = static_cast<char*>(a.out);
   p.out_weights = a.out_weights;
-  kChecks.cuda(launch_combine(p, blocks_, stream), "launching the internode combine");
+  kChecks.cuda(launch_combine(p, blocksFor(a.num_blocks), stream),
+               "launching the internode combine");
+}
+
+int InternodeRuntime::blocksFor(int requested) const {
+  return std::clamp(requested > 0 ? requested : blocks_, 1, sms_);
 }
 
 int InternodeRuntime::nodeOf(int rank) const {

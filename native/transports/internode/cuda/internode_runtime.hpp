@@ -86,6 +86,7 @@ struct InternodeDispatchArgs {
   int* out_src_rank = nullptr;
   double timeout_seconds = 60;
   bool cached = false;
+  int num_blocks = 0;  // blocks of the kernels (Options.num_sms, read per call); 0: the setup's
 };
 
 struct InternodeCombineArgs {
@@ -104,6 +105,7 @@ struct InternodeCombineArgs {
   void* out = nullptr;
   float* out_weights = nullptr;
   double timeout_seconds = 60;
+  int num_blocks = 0;  // blocks of the kernels (Options.num_sms, read per call); 0: the setup's
 };
 
 class InternodeRuntime {
@@ -172,7 +174,12 @@ class InternodeRuntime {
   uint64_t tickets_ = 0;          // notifies enqueued
   uint64_t rejections_seen_ = 0;  // NotifyHost::rejections already taken
   int last_op_ = internode::kOpNone;
+  // The grid of a call's kernels: `requested` (or the setup's when 0), at most one block per SM.
+  // The fused kernels' blocks wait for chunks that other blocks put, so all of them must be
+  // resident at once.
+  int blocksFor(int requested) const;
   int blocks_ = 1;
+  int sms_ = 1;
   double last_timeout_ = 0;
 };
 
