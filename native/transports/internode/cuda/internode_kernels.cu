@@ -1,10 +1,11 @@
-// The hierarchical internode kernels: dispatch (pack -> RDMA leg overlapped with NVLink forwarding,
-// chunk by chunk -> node barrier -> unpack) and combine (NVLink leg -> node barrier -> per-node
-// reduction and RDMA leg -> signals -> sum over nodes), each stage a kernel on one stream
-// (docs/internode.md).
+// The hierarchical internode kernels: dispatch (notify -> pack -> RDMA leg overlapped with NVLink
+// forwarding, chunk by chunk -> node barrier -> unpack) and combine (NVLink leg -> node barrier ->
+// per-node reduction and RDMA leg overlapped with the sum over nodes, group by group), each a
+// sequence of kernels on one stream (docs/internode.md).
 //
-// Cross-node traffic uses only nvshmemx_putmem_nbi_block/_warp, nvshmem_quiet and
-// nvshmemx_signal_op; a rank reads the signal words of its own region. Peer memory is touched
+// Cross-node traffic uses only nvshmemx_putmem_nbi / putmem_signal_nbi (block and warp),
+// nvshmemx_signal_op, nvshmem_fence and nvshmem_quiet; a rank reads the signal words of its own
+// region. Peer memory is touched
 // with plain loads and stores only for ranks of the caller's own node (Context::node_peer, which
 // the runtime fills from nvshmem_ptr of node-local ranks only).
 #include <cuda_bf16.h>
