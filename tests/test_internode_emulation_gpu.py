@@ -1,21 +1,25 @@
 """Emulated nodes on one host (``EP_RANKS_PER_NODE``): 2 GPUs as 2 nodes x 1, 4 GPUs as 2 x 2 and
 4 x 1. Checks the topology each rank sees, that the internode transport serves the group (the
 NVLink transport declines it: legs between nodes must not take NVLink), that the per-call
-agreement goes through Gloo, and that dispatch (BF16, FP8), cached dispatch, combine and the
-layout's per-node counts equal the reference: bitwise for the copies; combine bitwise against
-``reference.combine_by_node`` (the hierarchical summation order), and against
+agreement goes through the GPU row exchange, and that dispatch (BF16, FP8), cached dispatch,
+combine and the layout's per-node counts equal the reference: bitwise for the copies; combine
+bitwise against ``reference.combine_by_node`` (the hierarchical summation order), and against
 ``reference.combine`` too where a node holds one rank. Also: worst-case mode, async_op, empty
 ranks (rank 0, then rank 1, then every rank with T = 0: the sequence the spec test once hung in),
-a bad input on one rank, a rank that never joins a call, worst-case dispatch + combine + cached dispatch captured in a CUDA graph
-and replayed, worst-case calls the GPU notify rejects (raised by the next call on every rank), and
-a soak (``EP_INTERNODE_SOAK_CALLS``, default 300).
+a bad input on one rank, a rank that never joins a call, worst-case dispatch + combine + cached
+dispatch captured in a CUDA graph and replayed, four combines in a row captured in a graph with
+asymmetric routing, worst-case calls the GPU notify rejects (raised by the next call on every
+rank), ``Options.num_sms`` changed on the live group, and a soak (``EP_INTERNODE_SOAK_CALLS``,
+default 300).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -519,6 +523,111 @@ def _graph_replays(rank: int, world: int, per_node: int) -> dict:
 @pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
 def test_internode_worst_case_graph_capture_and_replay(world: int, per_node: int) -> None:
     results = _run_on_internode(_graph_replays, world, per_node)
+    _assert_exact_on_internode(results)
+
+
+def _combines_in_a_graph(rank: int, world: int, per_node: int) -> dict:
+    """Four combines in a row over one handle, captured in one CUDA graph and replayed: no
+    notify runs between them, so what keeps two RDMA peers within one call of each other (the
+    partial buffers have two parities) is the combine's own start signal. The routing is
+    asymmetric (rank 0 sends only to its own node, the others everywhere), so a source does not
+    wait for every node's partials. Each replay's four outputs against the reference."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    nodes = ep.topology().node_of_rank
+    failures: list[str] = []
+    _fail_fast()
+    step = _Progress(rank)
+    x, idx, w = cuda_routing(128, H, experts, K, seed=rank + 500)
+    if rank == 0:  # only the experts of node 0 (8 per rank): every token stays on its node
+        g = torch.Generator().manual_seed(77)
+        own = [torch.randperm(8 * per_node, generator=g)[:K] for _ in range(x.size(0))]
+        idx = torch.stack(own).to(idx.device, idx.dtype)
+    a = ep.dispatch(x, idx, w, experts)
+    want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
+    _check_dispatch(failures, "eager dispatch", a, want)
+    ys = [torch.randn_like(a.recv_x.float()).bfloat16() for _ in range(4)]
+    for y in ys:  # eager warm-up: the combine's buffers exist before the capture
+        ep.combine(y, a.handle, a.recv_topk_weights)
+    torch.cuda.synchronize()
+    step("capture")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [ep.combine(y, a.handle, a.recv_topk_weights) for y in ys]
+    for i in range(5):
+        step(f"replay {i}")
+        fresh = [torch.randn_like(y.float()).bfloat16() for y in ys]
+        for y, f in zip(ys, fresh, strict=True):
+            y.copy_(f)
+        graph.replay()
+        torch.cuda.synchronize()
+        for k, (out, f) in enumerate(zip(outs, fresh, strict=True)):
+            want_c = ref.combine_by_node(f.cpu(), want.handle, nodes, want.recv_topk_weights)
+            _compare(failures, f"replay {i} combine {k}", out.combined_x, want_c.combined_x)
+    step("done")
+    return _outcome(failures)
+
+
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_consecutive_combines_in_a_graph(world: int, per_node: int) -> None:
+    results = _run_on_internode(_combines_in_a_graph, world, per_node)
+    _assert_exact_on_internode(results)
+
+
+def _kernel_grids(trace_path: str) -> dict[str, set[int]]:
+    """Grid x of the internode transport's data kernels in a chrome trace (put_forward: the
+    dispatch's RDMA and NVLink legs; combine_reduce_out: the combine's reduction and sum)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    grids: dict[str, set[int]] = {}
+    for ev in events:
+        if ev.get("cat") != "kernel":
+            continue
+        for key in ("put_forward", "combine_reduce_out"):
+            if key in ev.get("name", ""):
+                grids.setdefault(key, set()).add(int(ev["args"]["grid"][0]))
+    return grids
+
+
+def _live_num_sms(rank: int, world: int, per_node: int) -> dict:
+    """``Options.num_sms`` set on the live group between calls: the next calls' kernels take
+    that many blocks, and every call is exact."""
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    experts = 8 * world
+    nodes = ep.topology().node_of_rank
+    failures: list[str] = []
+    _fail_fast()
+    opts = ep.get_backend().options
+    for step, num_sms in enumerate([24, 8, 32, 24]):
+        opts.num_sms = num_sms
+        x, idx, w = cuda_routing(128, H, experts, K, seed=step * 97 + rank)
+        trace = os.path.join(tempfile.gettempdir(), f"ep_internode_sms_{os.getpid()}_{step}.json")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            a = ep.dispatch(x, idx, w, experts)
+            comb = ep.combine(a.recv_x, a.handle, a.recv_topk_weights)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(trace)
+        grids = _kernel_grids(trace)
+        os.unlink(trace)
+        for key in ("put_forward", "combine_reduce_out"):
+            if grids.get(key) != {num_sms}:
+                failures.append(f"num_sms={num_sms}: {key} grids {grids.get(key)}")
+        want = ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), experts)
+        _check_dispatch(failures, f"num_sms={num_sms}", a, want)
+        want_c = ref.combine_by_node(want.recv_x, want.handle, nodes, want.recv_topk_weights)
+        _compare(failures, f"num_sms={num_sms} combine", comb.combined_x, want_c.combined_x)
+    return _outcome(failures)
+
+
+@pytest.mark.parametrize(("world", "per_node"), TOPOLOGIES)
+def test_internode_num_sms_set_on_a_live_group_changes_the_next_calls_grid(
+    world: int, per_node: int
+) -> None:
+    results = _run_on_internode(_live_num_sms, world, per_node)
     _assert_exact_on_internode(results)
 
 
