@@ -10,13 +10,46 @@ and parameters every rank must agree on (H, K, E, flags) come from a generator w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
+T = TypeVar("T")
+
+
+def kernel_grids(
+    fn: Callable[[], T], keys: Sequence[str], match: Callable[[str], bool] = lambda _: True
+) -> tuple[T, dict[str, set[int]]]:
+    """Runs ``fn`` (then synchronises) under the CUDA profiler. Returns what it returned and the
+    grid x of every kernel launch whose name contains one of ``keys`` and satisfies ``match``,
+    keyed by that key."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    fd, trace = tempfile.mkstemp(suffix=".json", prefix="ep_kernel_grids_")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(trace)
+    grids: dict[str, set[int]] = {}
+    for ev in events:
+        name = ev.get("name", "")
+        if ev.get("cat") != "kernel" or not match(name):
+            continue
+        for key in keys:
+            if key in name:
+                grids.setdefault(key, set()).add(int(ev["args"]["grid"][0]))
+    return result, grids
 
 
 def single_thread() -> None:

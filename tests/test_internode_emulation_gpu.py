@@ -16,10 +16,8 @@ default 300).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -27,7 +25,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from _dist_utils import run_distributed
-from moe_helpers import cuda_routing
+from moe_helpers import cuda_routing, kernel_grids
 
 pytestmark = pytest.mark.gpu(min_gpus=2)
 
@@ -576,21 +574,6 @@ def test_internode_consecutive_combines_in_a_graph(world: int, per_node: int) ->
     _assert_exact_on_internode(results)
 
 
-def _kernel_grids(trace_path: str) -> dict[str, set[int]]:
-    """Grid x of the internode transport's data kernels in a chrome trace (put_forward: the
-    dispatch's RDMA and NVLink legs; combine_reduce_out: the combine's reduction and sum)."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    grids: dict[str, set[int]] = {}
-    for ev in events:
-        if ev.get("cat") != "kernel":
-            continue
-        for key in ("put_forward", "combine_reduce_out"):
-            if key in ev.get("name", ""):
-                grids.setdefault(key, set()).add(int(ev["args"]["grid"][0]))
-    return grids
-
-
 def _live_num_sms(rank: int, world: int, per_node: int) -> dict:
     """``Options.num_sms`` set on the live group between calls: the next calls' kernels take
     that many blocks, and every call is exact."""
@@ -605,14 +588,14 @@ def _live_num_sms(rank: int, world: int, per_node: int) -> dict:
     for step, num_sms in enumerate([24, 8, 32, 24]):
         opts.num_sms = num_sms
         x, idx, w = cuda_routing(128, H, experts, K, seed=step * 97 + rank)
-        trace = os.path.join(tempfile.gettempdir(), f"ep_internode_sms_{os.getpid()}_{step}.json")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+        def calls(x: torch.Tensor = x, idx: torch.Tensor = idx, w: torch.Tensor = w) -> tuple:
             a = ep.dispatch(x, idx, w, experts)
-            comb = ep.combine(a.recv_x, a.handle, a.recv_topk_weights)
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(trace)
-        grids = _kernel_grids(trace)
-        os.unlink(trace)
+            return a, ep.combine(a.recv_x, a.handle, a.recv_topk_weights)
+
+        # put_forward: the dispatch's RDMA and NVLink legs; combine_reduce_out: the combine's
+        # reduction and sum.
+        (a, comb), grids = kernel_grids(calls, ("put_forward", "combine_reduce_out"))
         for key in ("put_forward", "combine_reduce_out"):
             if grids.get(key) != {num_sms}:
                 failures.append(f"num_sms={num_sms}: {key} grids {grids.get(key)}")

@@ -7,33 +7,14 @@ with ``reference.py``.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
-from moe_helpers import cuda_routing
+from moe_helpers import cuda_routing, kernel_grids
 
 pytestmark = pytest.mark.gpu(min_gpus=2)
 
 H, K, E = 1024, 8, 64
-
-
-def _kernel_grids(trace_path: str) -> dict[str, set[int]]:
-    """Grid x of every ep kernel launch in a chrome trace, keyed by a short kernel name."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    grids: dict[str, set[int]] = {}
-    for ev in events:
-        if ev.get("cat") != "kernel":
-            continue
-        name = ev.get("name", "")
-        for key in ("dispatch", "combine"):
-            if key in name and "nvlink" in name.lower():
-                grids.setdefault(key, set()).add(int(ev["args"]["grid"][0]))
-    return grids
 
 
 def _calls_with(rank: int, world: int, num_sms_values: list[int]) -> list[str]:
@@ -47,15 +28,15 @@ def _calls_with(rank: int, world: int, num_sms_values: list[int]) -> list[str]:
     for step, num_sms in enumerate(num_sms_values):
         opts.num_sms = num_sms
         x, idx, w = cuda_routing(256, H, E, K, seed=step * 97 + rank)
-        trace = os.path.join(tempfile.gettempdir(), f"ep_live_opts_{os.getpid()}_{step}.json")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+        def calls(x: torch.Tensor = x, idx: torch.Tensor = idx, w: torch.Tensor = w) -> tuple:
             out = ep.dispatch(x, idx, w, E)
             y = out.recv_x * 2
-            comb = ep.combine(y, out.handle, out.recv_topk_weights)
-            torch.cuda.synchronize()
-        prof.export_chrome_trace(trace)
-        grids = _kernel_grids(trace)
-        os.unlink(trace)
+            return out, y, ep.combine(y, out.handle, out.recv_topk_weights)
+
+        (out, y, comb), grids = kernel_grids(
+            calls, ("dispatch", "combine"), lambda name: "nvlink" in name.lower()
+        )
         for key in ("dispatch", "combine"):
             if grids.get(key) != {num_sms}:
                 failures.append(f"rank {rank} num_sms={num_sms}: {key} grids {grids.get(key)}")
