@@ -98,6 +98,9 @@ TOPOLOGIES = [
     pytest.param(2, 1, id="2x1"),
     pytest.param(4, 2, id="2x2", marks=pytest.mark.gpu(min_gpus=4)),
     pytest.param(4, 1, id="4x1", marks=pytest.mark.gpu(min_gpus=4)),
+    # Issue 40's 8-GPU topologies: they run wherever 8 GPUs are (skipped with fewer).
+    pytest.param(8, 4, id="2x4", marks=pytest.mark.gpu(min_gpus=8)),
+    pytest.param(8, 2, id="4x2", marks=pytest.mark.gpu(min_gpus=8)),
 ]
 
 
