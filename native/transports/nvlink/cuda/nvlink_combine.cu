@@ -182,8 +182,11 @@ __device__ void combine_send(const CombineParams& p, const device::WaitContext& 
   }
   int k = 0;
   for (int i = first; i < max_count; i += stride, ++k) {
+    // Slot i starts at peer (me + 1 + i % (R - 1)): warps at different slots write to different
+    // peers at once, as a dispatch warp's chunk-by-chunk stores to every destination do, instead
+    // of every warp of this rank writing to the same peer first.
     for (int step = 1; step < R; ++step) {
-      const int dst = (me + step) % R;
+      const int dst = (me + 1 + (step - 1 + i) % (R - 1)) % R;
       const int base = __shfl_sync(kFull, prefix, dst);
       const int count = __shfl_sync(kFull, prefix, dst + 1) - base;
       if (i >= count) continue;
