@@ -5,8 +5,8 @@ Usage (GPU machine): python benchmarks/queued_ops.py [--ranks R] [--tokens T] [-
 
 One process per GPU (or R), the bench's standard shape (BF16, H = 7168, top-8 of 256). Each
 loop queues N calls of one op behind ``local_ranks.QueuedLead`` (host barrier, GPU sleep, L2
-flush, GPUs in step) and times them with CUDA events: dispatch (layout given), combine (of one
-dispatch's rows), and dispatch + combine pairs. Prints, per op, the median over loops of the
+flush, GPUs in step) and times them with CUDA events: dispatch (layout given), dispatch of FP8 rows
+(per-128 scales), combine (of one BF16 dispatch's rows), and dispatch + combine pairs. Prints, per op, the median over loops of the
 per-call time, the slowest rank's, on one line starting with ``queued``, so that the lines of
 several builds or environment settings run one after another compare directly.
 """
@@ -32,8 +32,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     out = ep.dispatch(x, idx, w, 256, layout=layout)
     lead = local_ranks.QueuedLead()
 
+    x8, s8 = ep.reference.quantize_fp8_per128(x)
+    out8 = ep.dispatch(x8, idx, w, 256, layout=layout, x_scales=s8)
+
     def dispatch() -> None:
         ep.dispatch(x, idx, w, 256, layout=layout)
+
+    def dispatch_fp8() -> None:
+        ep.dispatch(x8, idx, w, 256, layout=layout, x_scales=s8)
 
     def combine() -> None:
         ep.combine(out.recv_x, out.handle)
@@ -42,7 +48,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         o = ep.dispatch(x, idx, w, 256, layout=layout)
         ep.combine(o.recv_x, o.handle)
 
-    ops = {"dispatch": dispatch, "combine": combine, "dispatch+combine": pair}
+    ops = {"dispatch": dispatch, "dispatch FP8": dispatch_fp8, "combine": combine,
+           "dispatch+combine": pair}  # fmt: skip
+    del out8
     per_call: dict[str, list[float]] = {name: [] for name in ops}
     for loop in range(args.loops + 1):
         for name, op in ops.items():

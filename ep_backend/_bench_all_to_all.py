@@ -7,7 +7,8 @@ there are more than 2), prints the tables with the issue-42 targets and writes
 
 One process per GPU. Per-peer sizes 4 KiB .. 256 MiB; every row moves the same bytes (equal
 splits, bf16 rows of 4 KiB where the size allows). Time: CUDA-event time per call of ``iters``
-back-to-back calls after warm-up, the median of 5 such loops, the slowest rank's. GB/s: per-GPU
+back-to-back calls (a quarter of them, at least 5, from 64 MiB per peer) after warm-up and one
+untimed call that puts the ranks in step, the median of 5 such loops, the slowest rank's. GB/s: per-GPU
 egress to peers, (R - 1) x per-peer bytes / time (the convention of design.md section 6). The
 "(host µs/call)" columns are the host time to issue one call on an idle GPU: a row whose
 back-to-back GPU time is no larger is bound by the host (for NCCL: torch's own Python and
@@ -58,8 +59,11 @@ REPEATS = 5  # timed loops per row and size: their median (one host hiccup moves
 
 def _time_us(fn: Callable[[], object], iters: int) -> float:
     """µs per call: the median of :data:`REPEATS` loops of ``iters`` back-to-back calls, after
-    three warm-up calls."""
-    loops = [gpu_us_per_call(fn, iters, warmup=3 if i == 0 else 0) for i in range(REPEATS)]
+    three warm-up calls, each loop started by an untimed call that puts the ranks in step (see
+    ``gpu_us_per_call``'s ``in_step``; every row alike, NCCL's and the push limit's too)."""
+    loops = [
+        gpu_us_per_call(fn, iters, warmup=3 if i == 0 else 0, in_step=True) for i in range(REPEATS)
+    ]
     return sorted(loops)[REPEATS // 2]
 
 
@@ -187,7 +191,7 @@ def _worker(rank: int, world: int, iters: int, port: int, probe_lib: str, result
     nccl = dist.new_group(backend="nccl")
     table: Results = {}
     for size in SIZES:
-        n = iters if size < (64 << 20) else max(3, iters // 10)
+        n = iters if size < (64 << 20) else max(5, iters // 4)
         row = _rows(rank, world, size, n, nccl, probe_lib)
         table[size] = {k: (_slowest(v) if isinstance(v, float) else v) for k, v in row.items()}
     if rank == 0:

@@ -108,17 +108,28 @@ def host_us_per_call(fn: Callable[[], object], iters: int, skip: int = 0) -> flo
     return statistics.median(samples[skip:])
 
 
-def gpu_us_per_call(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+def gpu_us_per_call(
+    fn: Callable[[], object], iters: int, warmup: int = 0, in_step: bool = False
+) -> float:
     """Mean GPU time of one call of ``fn``, in µs, over ``iters`` calls queued back to back.
 
     ``warmup`` untimed calls first; then the device is synchronised, the ranks of the default
     group meet at a barrier, and two CUDA events around the loop time it. The benchmarks under
     ``benchmarks/`` time their back-to-back rows with it.
+
+    ``in_step``: one more untimed call between the barrier and the start event. For collectives
+    whose kernels wait for every rank, the timed loop then starts when that call ends on this
+    GPU, so the ranks are in step: without it, the first timed call also carries how far apart
+    the ranks left the barrier and the first launch's latency, which a loop of a few calls of a
+    large size (the all-to-all section times 5 from 64 MiB per peer) spreads over few calls.
+    A host-bound op stays host-bound: the host is then at most one call ahead.
     """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
+    if in_step:
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
