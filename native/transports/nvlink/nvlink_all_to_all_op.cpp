@@ -110,10 +110,32 @@ const c10::TypePtr& tensorListType() {
   return type;
 }
 
+// The Work of a call made without async_op: done when returned (its kernel is queued on the
+// caller's stream, which is NCCL's meaning of a completed synchronous call). One allocation, where
+// a Future-backed Work makes several: this is on the host path of every small all-to-all. The
+// Future is made only if someone asks for it.
+class CompletedWork : public c10d::Work {
+ public:
+  explicit CompletedWork(at::Tensor output)
+      : c10d::Work(-1, c10d::OpType::ALLTOALL_BASE), output_(std::move(output)) {
+    finish();
+  }
+  bool isCompleted() override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  void synchronize() override {}
+  std::vector<at::Tensor> result() override { return {output_}; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
+    future->markCompleted(c10::IValue(std::vector<at::Tensor>{output_}));
+    return future;
+  }
+
+ private:
+  at::Tensor output_;
+};
+
 c10::intrusive_ptr<c10d::Work> completedWork(const at::Tensor& output) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
-  future->markCompleted(c10::IValue(std::vector<at::Tensor>{output}));
-  return c10d::Work::create_from_future(future);
+  return c10::make_intrusive<CompletedWork>(output);
 }
 
 }  // namespace
