@@ -65,15 +65,21 @@ EP_HOST_DEVICE constexpr int a2a_lanes(int num_ranks) {
 // so that the receiver's copy of one overlaps the transfer of the next.
 constexpr long long kA2AOneChunkBytes = 128 * 1024;
 // The chunk size of a pair that moves `bytes`: spread over all its lanes (small messages use
-// every lane once, medium ones twice), capped by the slot size (large ones stream through the
-// rings). Sender and receiver derive it from the same byte count (the sender's, announced).
+// every lane once), then as many chunks per lane as the slot size needs (at least two), of equal
+// size, so that every lane moves the same number of chunks: chunks dealt round-robin in the slot
+// size left the last round to some of the lanes (64 MiB over 48 lanes: 128 chunks of 512 KiB,
+// 3 for 32 lanes and 2 for 16), which the link then waited for. Sender and receiver derive it
+// from the same byte count (the sender's, announced).
 EP_HOST_DEVICE constexpr long long a2a_chunk_bytes(long long bytes, int lanes) {
   const long long per_lane = (bytes + lanes - 1) / lanes;
-  const long long chunk = per_lane <= kA2AOneChunkBytes ? per_lane : (per_lane + 1) / 2;
+  long long chunk = per_lane;
+  if (per_lane > kA2AOneChunkBytes) {
+    const long long n = (per_lane + kA2AMaxChunkBytes - 1) / kA2AMaxChunkBytes;
+    chunk = (per_lane + (n < 2 ? 2 : n) - 1) / (n < 2 ? 2 : n);
+  }
+  // A multiple of the alignment, within the slot (per_lane / n <= kA2AMaxChunkBytes, itself one).
   const long long aligned = (chunk + kA2AChunkAlign - 1) / kA2AChunkAlign * kA2AChunkAlign;
-  return aligned < kA2AChunkAlign      ? kA2AChunkAlign
-         : aligned > kA2AMaxChunkBytes ? kA2AMaxChunkBytes
-                                       : aligned;
+  return aligned < kA2AChunkAlign ? kA2AChunkAlign : aligned;
 }
 // Pairs that move at most this many bytes (host splits) skip the staging ring: the sender writes
 // 16-byte lines of {4 data bytes, flag, 4 data bytes, flag} straight into the receiver's buffer
@@ -95,11 +101,14 @@ EP_HOST_DEVICE constexpr uint32_t a2a_line_flag(uint64_t seq) {
   return static_cast<uint32_t>(seq % 0xffffffffull) + 1;
 }
 // What the rule gives (16 lanes: 4 ranks): one 64 KiB chunk a lane at 1 MiB, two 256 KiB chunks at
-// 8 MiB, capped slots beyond; never below the alignment.
+// 8 MiB, full slots at 1 GiB; 48 lanes (2 ranks) at 64 MiB: three chunks a lane (144 in all);
+// never below the alignment, never above the slot.
 static_assert(a2a_chunk_bytes(0, 16) == kA2AChunkAlign && a2a_chunk_bytes(100, 16) == 4096);
 static_assert(a2a_chunk_bytes(1 << 20, 16) == 64 * 1024);
 static_assert(a2a_chunk_bytes(8 << 20, 16) == 256 * 1024 || kA2AMaxChunkBytes < 256 * 1024);
 static_assert(a2a_chunk_bytes(1ll << 30, 16) == kA2AMaxChunkBytes);
+static_assert(kA2AMaxChunkBytes != 512 * 1024 || a2a_chunk_bytes(64ll << 20, 48) == 114 * 4096);
+static_assert(a2a_chunk_bytes((1ll << 30) + 12345, 7) <= kA2AMaxChunkBytes);
 static_assert(a2a_line_flag(0) == 1 && a2a_line_flag(0xfffffffeull) == 0xffffffffu);
 // The low 32 bits of a credit word once the receiver is done with a whole call.
 constexpr uint64_t kA2ADone = 0xffffffffull;
