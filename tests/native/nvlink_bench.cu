@@ -168,13 +168,15 @@ void bench(int iters) {
   auto configure_send_warps = [&](int dw, int cw) {
     for (int r = 0; r < R; ++r) team->rt[r]->set_send_warps(dw, cw, dw);
   };
-  // The defaults: dispatch warps by row size, `cw` combine warps (one_rank: with the rule for
-  // groups of one rank, which overrides both counts there).
+  // The defaults: dispatch warps by row size, `cw` combine warps (one_rank: with the rules for
+  // groups of one rank, which override both counts there, and of 3 or more ranks, which sets the
+  // combine's).
   auto configure_defaults = [&](int cw, bool one_rank = true) {
     for (int r = 0; r < R; ++r)
       team->rt[r]->set_send_warps(
           defaults.dispatch_send_warps, cw, defaults.small_row_dispatch_send_warps,
-          defaults.slab_dispatch_send_warps, one_rank && defaults.one_rank_send_warps);
+          defaults.slab_dispatch_send_warps, one_rank && defaults.one_rank_send_warps,
+          one_rank ? defaults.combine_send_warps_many_ranks : 0);
   };
 
   // Layout (local) and notify once, for the routing used below.
@@ -357,7 +359,7 @@ void bench(int iters) {
       report(label, time_op(combine_op), comb_bytes);
     }
   configure_defaults(default_combine_warps);
-  if (team->rt[0]->combine_send_warps() != default_combine_warps) {  // the one-rank rule
+  if (team->rt[0]->combine_send_warps() != default_combine_warps) {  // the rank-count rules
     std::printf("  (below: default %d send warps)\n", team->rt[0]->combine_send_warps());
     report("combine", time_op(combine_op), comb_bytes);
   }

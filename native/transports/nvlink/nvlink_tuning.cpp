@@ -22,8 +22,10 @@ void applySendWarpOverrides(NvlinkConfig& cfg) {
   if (env::isSet<env::kDispatchSendWarpsSlab>()) {
     cfg.slab_dispatch_send_warps = static_cast<int>(env::integer<env::kDispatchSendWarpsSlab>(0));
   }
-  if (combine_set)
+  if (combine_set) {  // the given count at every rank count
     cfg.combine_send_warps = static_cast<int>(env::integer<env::kCombineSendWarps>(0));
+    cfg.combine_send_warps_many_ranks = 0;
+  }
   if (dispatch_set || combine_set) cfg.one_rank_send_warps = false;
 }
 

@@ -114,7 +114,7 @@ NvlinkRuntime::NvlinkRuntime(int rank, int num_ranks, int device, const NvlinkCo
   kChecks.require(config.num_sms >= 1, "num_sms must be >= 1");
   set_send_warps(config.dispatch_send_warps, config.combine_send_warps,
                  config.small_row_dispatch_send_warps, config.slab_dispatch_send_warps,
-                 config.one_rank_send_warps);
+                 config.one_rank_send_warps, config.combine_send_warps_many_ranks);
 
   DeviceGuard guard(device_);
   // Load every kernel now (see preload_* in nvlink_kernels.hpp: lazy loading can deadlock).
@@ -602,24 +602,30 @@ int NvlinkRuntime::dispatch_send_warps(int hidden_bytes, int num_scales, bool ow
 
 int NvlinkRuntime::combine_send_warps() const {
   // One rank: one sender (it has no rows to send; the owner-side reduce takes the other warps).
-  return num_ranks_ == 1 && config_.one_rank_send_warps ? 1 : config_.combine_send_warps;
+  if (num_ranks_ == 1 && config_.one_rank_send_warps) return 1;
+  if (num_ranks_ >= 3 && config_.combine_send_warps_many_ranks > 0)
+    return config_.combine_send_warps_many_ranks;
+  return config_.combine_send_warps;
 }
 
 void NvlinkRuntime::set_send_warps(int dispatch_send_warps, int combine_send_warps,
                                    int small_row_dispatch_send_warps, int slab_dispatch_send_warps,
-                                   bool one_rank_send_warps) {
+                                   bool one_rank_send_warps, int combine_send_warps_many_ranks) {
   const int limit = kNvlinkMaxSendWarps;
   if (small_row_dispatch_send_warps < 0) small_row_dispatch_send_warps = dispatch_send_warps;
   for (int warps : {dispatch_send_warps, combine_send_warps, small_row_dispatch_send_warps})
     kChecks.require(warps >= 1 && warps <= limit,
                     "send warps must be in [1, " + std::to_string(limit) +
                         "] (a block also needs a publisher and a receiver warp)");
+  kChecks.require(combine_send_warps_many_ranks <= limit,
+                  "combine send warps from 3 ranks must be at most " + std::to_string(limit));
   kChecks.require(slab_dispatch_send_warps <= limit,
                   "slab send warps must be at most " + std::to_string(limit));
   config_.dispatch_send_warps = dispatch_send_warps;
   config_.small_row_dispatch_send_warps = small_row_dispatch_send_warps;
   config_.slab_dispatch_send_warps = slab_dispatch_send_warps;
   config_.combine_send_warps = combine_send_warps;
+  config_.combine_send_warps_many_ranks = combine_send_warps_many_ranks;
   config_.one_rank_send_warps = one_rank_send_warps;
 }
 

@@ -77,9 +77,13 @@ struct NvlinkConfig {
   // nothing to copy). <= 0: only the two above. 6 is best for BF16 and FP8 slab rows (fewer
   // senders contend less).
   int slab_dispatch_send_warps = 6;
-  // Combine: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers); 4 and 6 are
-  // slower on every machine measured.
+  // Combine at 2 ranks: 5 since its BF16 sums pack with cvt.rn.bf16x2 (cheaper receivers); 4
+  // and 6 are slower on every machine measured.
   int combine_send_warps = 5;
+  // Combine from 3 ranks: each owner polls its tokens' rows from several peers and sums up to R of
+  // them, and the receive side needs the warp 5 senders would take: at 4 ranks, 5 or 3 senders
+  // take ~20 % longer than 4. <= 0: combine_send_warps at every rank count.
+  int combine_send_warps_many_ranks = 4;
   // A group of one rank has no peers: its dispatch receivers and its combine senders never have
   // a row. true: dispatch sends with kNvlinkMaxSendWarps and combine with 1, whatever the
   // counts above say (the fastest counts of nvlink_bench with one rank, HT_BENCH_RANKS=1).
@@ -248,15 +252,17 @@ class NvlinkRuntime {
   // The dispatch's send warps for rows of this shape (the small-row and slab rules of
   // NvlinkConfig); own_slab: the outputs are in this rank's own lent slab.
   int dispatch_send_warps(int hidden_bytes, int num_scales, bool own_slab = false) const;
-  // The combine's send warps (NvlinkConfig::combine_send_warps, or the one-rank rule).
+  // The combine's send warps at this group's size (NvlinkConfig::combine_send_warps and
+  // combine_send_warps_many_ranks, or the one-rank rule).
   int combine_send_warps() const;
   // Tuning knob: warps per block (of 16) that send in dispatch / combine (one more publishes,
   // the rest receive). small_row_dispatch_send_warps < 0: dispatch_send_warps for every row;
   // slab_dispatch_send_warps <= 0: no separate count for slab dispatches; one_rank_send_warps:
-  // NvlinkConfig's rule for groups of one rank (off: the counts given here, for sweeps).
+  // NvlinkConfig's rule for groups of one rank (off: the counts given here, for sweeps);
+  // combine_send_warps_many_ranks <= 0: combine_send_warps at every rank count.
   void set_send_warps(int dispatch_send_warps, int combine_send_warps,
                       int small_row_dispatch_send_warps = -1, int slab_dispatch_send_warps = 0,
-                      bool one_rank_send_warps = false);
+                      bool one_rank_send_warps = false, int combine_send_warps_many_ranks = 0);
 
   // All-to-all of raw bytes (communicating): AllToAllParams without `comm` (the runtime fills
   // it). Host mode: this rank's byte sizes and offsets, consistent with its peers' (rank s's
