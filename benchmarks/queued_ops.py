@@ -5,10 +5,11 @@ Usage (GPU machine): python benchmarks/queued_ops.py [--ranks R] [--tokens T] [-
 
 One process per GPU (or R), the bench's standard shape (BF16, H = 7168, top-8 of 256). Each
 loop queues N calls of one op behind ``local_ranks.QueuedLead`` (host barrier, GPU sleep, L2
-flush, GPUs in step) and times them with CUDA events: dispatch (layout given), dispatch of FP8 rows
-(per-128 scales), combine (of one BF16 dispatch's rows), and dispatch + combine pairs. Prints, per op, the median over loops of the
-per-call time, the slowest rank's, on one line starting with ``queued``, so that the lines of
-several builds or environment settings run one after another compare directly.
+flush, GPUs in step) and times them with CUDA events: dispatch (layout given), dispatch of FP8
+rows (per-128 scales), combine (of one BF16 dispatch's rows), and dispatch + combine pairs.
+Prints, per op, the median over loops of the per-call time, the slowest rank's, on one line
+starting with ``queued``, so that the lines of several builds or environment settings run one
+after another compare directly.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     lead = local_ranks.QueuedLead()
 
     x8, s8 = ep.reference.quantize_fp8_per128(x)
-    out8 = ep.dispatch(x8, idx, w, 256, layout=layout, x_scales=s8)
 
     def dispatch() -> None:
         ep.dispatch(x, idx, w, 256, layout=layout)
@@ -50,7 +50,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
     ops = {"dispatch": dispatch, "dispatch FP8": dispatch_fp8, "combine": combine,
            "dispatch+combine": pair}  # fmt: skip
-    del out8
     per_call: dict[str, list[float]] = {name: [] for name in ops}
     for loop in range(args.loops + 1):
         for name, op in ops.items():

@@ -8,9 +8,9 @@ there are more than 2), prints the tables with the issue-42 targets and writes
 One process per GPU. Per-peer sizes 4 KiB .. 256 MiB; every row moves the same bytes (equal
 splits, bf16 rows of 4 KiB where the size allows). Time: CUDA-event time per call of ``iters``
 back-to-back calls (a quarter of them, at least 5, from 64 MiB per peer) after warm-up and one
-untimed call that puts the ranks in step, the median of 5 such loops, the slowest rank's. GB/s: per-GPU
-egress to peers, (R - 1) x per-peer bytes / time (the convention of design.md section 6). The
-"(host µs/call)" columns are the host time to issue one call on an idle GPU: a row whose
+untimed call that puts the ranks in step, the median of 5 such loops, the slowest rank's. GB/s:
+per-GPU egress to peers, (R - 1) x per-peer bytes / time (the convention of design.md section 6).
+The "(host µs/call)" columns are the host time to issue one call on an idle GPU: a row whose
 back-to-back GPU time is no larger is bound by the host (for NCCL: torch's own Python and
 dispatcher layers included). The push limit row: every GPU pushes the same bytes to all its peers
 at once with all SMs, the bench's probe (``ep_backend/_push_limit.py``: one kernel, 4 KiB rows
