@@ -65,19 +65,19 @@ EP_HOST_DEVICE constexpr int a2a_lanes(int num_ranks) {
 // so that the receiver's copy of one overlaps the transfer of the next.
 constexpr long long kA2AOneChunkBytes = 128 * 1024;
 // The chunk size of a pair that moves `bytes`: spread over all its lanes (small messages use
-// every lane once), then as many chunks per lane as the slot size needs (at least two), of equal
-// size, so that every lane moves the same number of chunks: chunks dealt round-robin in the slot
-// size left the last round to some of the lanes (64 MiB over 48 lanes: 128 chunks of 512 KiB,
-// 3 for 32 lanes and 2 for 16), which the link then waited for. Sender and receiver derive it
-// from the same byte count (the sender's, announced).
+// every lane once), then cut into as many equal chunks per lane as the slot size needs (at least
+// two), so that every lane moves the same number of chunks and the last round is not left to
+// some of the lanes while the others idle. Sender and receiver derive it from the same byte count
+// (the sender's, announced).
 EP_HOST_DEVICE constexpr long long a2a_chunk_bytes(long long bytes, int lanes) {
   const long long per_lane = (bytes + lanes - 1) / lanes;
   long long chunk = per_lane;
   if (per_lane > kA2AOneChunkBytes) {
-    const long long n = (per_lane + kA2AMaxChunkBytes - 1) / kA2AMaxChunkBytes;
-    chunk = (per_lane + (n < 2 ? 2 : n) - 1) / (n < 2 ? 2 : n);
+    const long long slots_worth = (per_lane + kA2AMaxChunkBytes - 1) / kA2AMaxChunkBytes;
+    const long long n = slots_worth < 2 ? 2 : slots_worth;
+    chunk = (per_lane + n - 1) / n;  // <= kA2AMaxChunkBytes
   }
-  // A multiple of the alignment, within the slot (per_lane / n <= kA2AMaxChunkBytes, itself one).
+  // Rounded up to the alignment: still within the slot, whose size is a multiple of it.
   const long long aligned = (chunk + kA2AChunkAlign - 1) / kA2AChunkAlign * kA2AChunkAlign;
   return aligned < kA2AChunkAlign ? kA2AChunkAlign : aligned;
 }

@@ -81,8 +81,8 @@ struct NvlinkConfig {
   // and 6 are slower on every machine measured.
   int combine_send_warps = 5;
   // Combine from 3 ranks: each owner polls its tokens' rows from several peers and sums up to R of
-  // them, so an 11th receive warp is worth more than a 5th sender: at 4 ranks, 5 or 3 senders
-  // take ~20 % longer than 4. <= 0: combine_send_warps at every rank count.
+  // them, so an 11th receive warp is worth more than a 5th sender (3 senders no longer keep the
+  // link busy). <= 0: combine_send_warps at every rank count.
   int combine_send_warps_many_ranks = 4;
   // A group of one rank has no peers: its dispatch receivers and its combine senders never have
   // a row. true: dispatch sends with kNvlinkMaxSendWarps and combine with 1, whatever the
