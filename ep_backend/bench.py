@@ -18,7 +18,13 @@ combine (µs per step, one sync at the end: what a decode loop waits for), hook-
 a CUDA-graph
 replay of 16 calls when the NVSHMEM kernels are in use (timed after a host barrier, and again with
 the GPUs in step: one untimed replay right before), and two ``all_to_all_single`` of the same rows
-as the baseline; with ``--sweep`` also T = 1..256 (eager and graph rows, without hook mode).
+as the baseline; with ``--sweep`` also T = 1..256 (eager and graph rows, without hook mode). With
+the NVSHMEM kernels, an LL row's remote GB/s is the bytes they put on the busiest GPU's link in one
+direction (a dispatch message per token and destination rank with its header, a combine partial
+per token and expert rank, the combine's weights, the flags: ``ep_backend/_ll_wire.py``) over its
+time, and its "% limit" that over the push limit with all SMs (measured by the LL section when the
+HT section did not run); the "ll bound" rows are each op's bytes at that limit, the least time the
+link allows. Logical GB/s stays rows sent × row bytes; on CPU both columns are that.
 Results go to ``--out`` as JSON. On 2 or more GPUs an all-to-all section follows
 (``ep_backend/_bench_all_to_all.py``, off with ``--no-all-to-all``), at 2 ranks and at every GPU:
 ``all_to_all_single`` on ``ep`` (host splits), ``all_to_all_v`` (device splits), NCCL's
@@ -758,6 +764,56 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             add("sm sweep: combine BF16", t_c, row_bf16, remote_rows, recv_rows, sm_row=True)
         ep_options.num_sms = budget
 
+    def ll_wire_rows(idx: torch.Tensor, ll_experts: int, num_tokens: int,
+                     transport: str) -> dict[str, int] | None:  # fmt: skip
+        """The LL ops' link bytes (max over GPUs and directions; ``ep_backend/_ll_wire.py``)
+        by op ("fp8", "bf16", "combine", "pair" = FP8 dispatch + combine), None off the NVSHMEM
+        kernels; adds the push limit with all SMs when no section measured it yet, and the "ll
+        bound" rows: each op's bytes at that limit. Collective."""
+        from ep_backend._ll_wire import LLWire, ll_link_bytes, ll_wire_bytes
+
+        ops = (("fp8", "dispatch FP8"), ("bf16", "dispatch BF16"), ("combine", "combine BF16"),
+               ("pair", "dispatch FP8 + combine BF16"))  # fmt: skip
+
+        def bound_op(name: str) -> str:
+            return f"ll bound: {name} wire bytes at the limit (all SMs)"
+
+        if transport != "nvshmem":
+            for _, name in ops:
+                rows.append(Row(bound_op(name), num_tokens, 0.0, 0.0, 0.0, 0.0,
+                                f"not run: the wire bytes are the NVSHMEM kernels'; the "
+                                f"low-latency transport is {transport}"))  # fmt: skip
+            return None
+        # Every rank's share of the traffic (what its tokens send and get back, per peer): what
+        # one GPU sends in a combine and receives in a dispatch depends on its peers' routing.
+        shares = torch.zeros(world, 4, world, dtype=torch.int64)
+        shares[rank] = ll_wire_bytes(idx, ll_experts, world, rank, hidden).as_tensor()
+        dist.all_reduce(shares)  # CPU tensor: Gloo; only row `rank` of each rank is non-zero
+        link = ll_link_bytes([LLWire.from_tensor(r, shares[r]) for r in range(world)])
+        loads = {"fp8": link.dispatch_fp8, "bf16": link.dispatch_bf16, "combine": link.combine}
+        wire = {op: load.bound_bytes for op, load in loads.items()}
+        wire["pair"] = wire["fp8"] + wire["combine"]  # one after the other: the bounds add up
+        where = {op: load.busiest for op, load in loads.items()}
+        where["pair"] = f"FP8 dispatch's {where['fp8']} + combine's {where['combine']}"
+        if probe is not None and sm_count not in limit:  # --no-high-throughput: not yet measured
+            limit_us[sm_count], limit[sm_count] = push_limit(sm_count)
+            mib = probe.bytes_per_launch / 2**20
+            rows.append(Row(f"ll limit: push to all peers, all {sm_count} SMs", num_tokens,
+                            limit_us[sm_count], 0.0, limit[sm_count], limit[sm_count],
+                            f"every GPU pushes {mib:.0f} MiB to its {world - 1} peer(s) at once",
+                            num_sms=sm_count))  # fmt: skip
+        for op, name in ops:
+            mb = wire[op] / 1e6
+            if not limit.get(sm_count):
+                rows.append(Row(bound_op(name), num_tokens, 0.0, 0.0, 0.0, 0.0,
+                                f"not run: {probe_why}; {mb:.3f} MB ({where[op]})"))  # fmt: skip
+                continue
+            gbps = limit[sm_count]
+            rows.append(Row(bound_op(name), num_tokens, wire[op] / gbps / 1e3, 0.0, gbps, gbps,
+                            f"{mb:.3f} MB ({where[op]}) at the {sm_count}-SM push limit",
+                            limit_pct=100.0))  # fmt: skip
+        return wire
+
     def measure_low_latency(num_tokens: int, full: bool) -> None:
         """Decode shape: dispatch/combine latency, eager and (when capturable) graph-replayed."""
         m, ll_experts = args.ll_max_tokens, args.ll_experts
@@ -771,14 +827,28 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         entries = int(counts[0])
         row_bf16, row_fp8 = hidden * 2, hidden + hidden // 128 * 4
         transport = ep.get_backend().low_latency_transport if use_cuda else "aten (CPU)"
+        # GPUs: the bytes the NVSHMEM kernels put on the busiest GPU's link per op (one
+        # direction, the slowest GPU bounds the op), read against the push limit with all SMs.
+        wire = ll_wire_rows(idx, ll_experts, num_tokens, transport) if use_cuda else None
 
         def add(op: str, t: tuple[float, float], row_bytes: int, note: str = "",
-                call_us: float = 0.0) -> None:  # fmt: skip
+                call_us: float = 0.0, wire_bytes: int | None = None,
+                pct: bool = True) -> None:  # fmt: skip
+            # wire_bytes: the op's link bytes (remote GB/s and, unless pct=False, % limit read
+            # them); None: on CPU and off the NVSHMEM kernels, remote GB/s stays the logical one.
             us, host_us = t
             if us <= 0:  # a difference of two timings (combine = pair - dispatch) within noise
                 us, note = 0.0, note + "; not measured: the pair was no slower than the dispatch"
             gbps = entries * row_bytes / us / 1e3 if us else 0.0
-            rows.append(Row(op, num_tokens, us, host_us, gbps, gbps, note, call_us))
+            remote = gbps
+            if wire_bytes is not None:
+                remote = wire_bytes / us / 1e3 if us else 0.0
+            rows.append(Row(op, num_tokens, us, host_us, remote, gbps, note, call_us,
+                            pct_of(remote, sm_count) if wire_bytes is not None and pct
+                            else 0.0))  # fmt: skip
+
+        def wire_of(op: str) -> int | None:
+            return wire[op] if wire is not None else None
 
         # "time" as in the HT rows: queued behind a busy GPU with the GPUs in step, so the span
         # holds the kernels and the gaps they cause, not the host's launch work. "call": one call
@@ -802,12 +872,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         note = f"{transport}; time: queued, GPUs in step; call: alone on an idle GPU"
         if not use_cuda:
             note = transport
-        add("ll dispatch FP8", q_fp8[:2], row_fp8, note, q_fp8[2] if use_cuda else 0.0)
-        add("ll dispatch BF16", q_bf16[:2], row_bf16, note, q_bf16[2] if use_cuda else 0.0)
+        add("ll dispatch FP8", q_fp8[:2], row_fp8, note, q_fp8[2] if use_cuda else 0.0,
+            wire_of("fp8"))  # fmt: skip
+        add("ll dispatch BF16", q_bf16[:2], row_bf16, note, q_bf16[2] if use_cuda else 0.0,
+            wire_of("bf16"))  # fmt: skip
         comb_us = q_pair[0] - q_fp8[0] if use_cuda else t_comb[0]
         add("ll combine BF16", (comb_us, t_comb[1]), row_bf16,
             note + (" (time: pair - FP8 dispatch)" if use_cuda else ""),
-            t_comb[0] if use_cuda else 0.0)  # fmt: skip
+            t_comb[0] if use_cuda else 0.0, wire_of("combine"))  # fmt: skip
 
         # What a decode loop waits for: eager steps queued back to back, one sync at the end.
         def ll_step() -> object:
@@ -818,11 +890,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         t_loop, host_loop, wall_loop = ll_timer.loop(ll_step, steps)
         add("ll dispatch FP8 + combine BF16", (t_loop, host_loop), row_fp8 + row_bf16,
             f"{transport}; eager loop of {steps} steps, one sync at the end; µs per step",
-            wall_loop if use_cuda else 0.0)  # fmt: skip
+            wall_loop if use_cuda else 0.0, wire_of("pair"))  # fmt: skip
         if full:
-            measure_hook_mode(x, idx, m, ll_experts, add, transport, row_fp8)
+            measure_hook_mode(x, idx, m, ll_experts, add, transport, row_fp8, wire)
         if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs
-            measure_graphs(x, y, idx, weights, m, ll_experts, add, transport, row_fp8, row_bf16)
+            measure_graphs(x, y, idx, weights, m, ll_experts, add, transport, row_fp8, row_bf16,
+                           wire)  # fmt: skip
         if not shared_gpus:  # baseline: the same rows through one all_to_all_single
             per_rank = torch.full((world,), entries // world + 1, dtype=torch.int64)
             send = torch.empty(int(per_rank.sum()) * row_bf16 // 2, dtype=torch.bfloat16,
@@ -833,9 +906,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
                 dist.all_to_all_single(recv, send)
                 dist.all_to_all_single(send, recv)
 
-            add("baseline all_to_all_single x2 (BF16 rows)", ll_timer(a2a), 2 * row_bf16)
+            # GPUs: remote GB/s = the rows to the peers (NCCL: not ep's kernels, no % limit).
+            a2a_wire = 2 * (world - 1) * (entries // world + 1) * row_bf16 if use_cuda else None
+            add("baseline all_to_all_single x2 (BF16 rows)", ll_timer(a2a), 2 * row_bf16,
+                wire_bytes=a2a_wire, pct=False)  # fmt: skip
 
-    def measure_hook_mode(x, idx, m, ll_experts, add, transport: str, row_fp8: int) -> None:
+    def measure_hook_mode(x, idx, m, ll_experts, add, transport: str, row_fp8: int,
+                          wire: dict[str, int] | None) -> None:  # fmt: skip
         """Hook mode: the send and the receive (hook) timed apart, and together."""
 
         def hooked() -> None:
@@ -848,13 +925,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
                                             return_recv_hook=True),
             lambda out: out.hook(),
         )  # fmt: skip
-        add("ll dispatch FP8, hook mode: send", t_send, row_fp8, transport)
-        add("ll dispatch FP8, hook mode: recv (hook)", t_recv, row_fp8, transport)
-        add("ll dispatch FP8, hook mode: send+recv", ll_timer(hooked), row_fp8, transport)
+        # The send puts every byte on the link; the hook only copies what has landed.
+        fp8 = wire["fp8"] if wire is not None else None
+        add("ll dispatch FP8, hook mode: send", t_send, row_fp8, transport, wire_bytes=fp8)
+        add("ll dispatch FP8, hook mode: recv (hook)", t_recv, row_fp8, transport,
+            wire_bytes=0 if wire is not None else None)  # fmt: skip
+        add("ll dispatch FP8, hook mode: send+recv", ll_timer(hooked), row_fp8, transport,
+            wire_bytes=fp8)  # fmt: skip
 
     def measure_graphs(x, y, idx, weights, m, ll_experts, add, transport: str, row_fp8: int,
-                       row_bf16: int) -> None:  # fmt: skip
+                       row_bf16: int, wire: dict[str, int] | None) -> None:  # fmt: skip
         """Dispatch, combine and the pair replayed from CUDA graphs (how decode runs them)."""
+        w = wire or {}
         # Eager calls pay this host's launch gap between kernels; a graph of `calls` calls
         # back to back keeps the GPU busy, so time / calls is the kernels' own latency.
         # An even count of alternating-buffer dispatches (or dispatch+combine pairs) is what
@@ -884,21 +966,26 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         )
         g_pair = per_call(pair, "pair")
         note = f"{transport}, CUDA graph of {calls}"
-        add("ll dispatch FP8 (graph)", g_fp8, row_fp8, note)
-        add("ll dispatch BF16 (graph)", g_bf16, row_bf16, note)
+        add("ll dispatch FP8 (graph)", g_fp8, row_fp8, note, wire_bytes=w.get("fp8"))
+        add("ll dispatch BF16 (graph)", g_bf16, row_bf16, note, wire_bytes=w.get("bf16"))
         add("ll combine BF16 (graph: pair - FP8 dispatch)",
-            (g_pair[0] - g_fp8[0], g_pair[1] - g_fp8[1]), row_bf16, note)  # fmt: skip
-        add("ll dispatch FP8 + combine BF16 (graph)", g_pair, row_fp8 + row_bf16, note)
+            (g_pair[0] - g_fp8[0], g_pair[1] - g_fp8[1]), row_bf16, note,
+            wire_bytes=w.get("combine"))  # fmt: skip
+        add("ll dispatch FP8 + combine BF16 (graph)", g_pair, row_fp8 + row_bf16, note,
+            wire_bytes=w.get("pair"))  # fmt: skip
         # The same graphs timed from a point where the GPUs are in step (one untimed replay
         # first): the rows above also hold the host barrier's skew between ranks / calls.
         note = f"{transport}, CUDA graph of {calls}, GPUs in step"
         a_fp8, a_bf16, a_pair = aligned["fp8"], aligned["bf16"], aligned["pair"]
-        add("ll dispatch FP8 (graph, in step)", (a_fp8, g_fp8[1]), row_fp8, note)
-        add("ll dispatch BF16 (graph, in step)", (a_bf16, g_bf16[1]), row_bf16, note)
+        add("ll dispatch FP8 (graph, in step)", (a_fp8, g_fp8[1]), row_fp8, note,
+            wire_bytes=w.get("fp8"))  # fmt: skip
+        add("ll dispatch BF16 (graph, in step)", (a_bf16, g_bf16[1]), row_bf16, note,
+            wire_bytes=w.get("bf16"))  # fmt: skip
         add("ll combine BF16 (graph, in step: pair - FP8 dispatch)",
-            (a_pair - a_fp8, g_pair[1] - g_fp8[1]), row_bf16, note)  # fmt: skip
+            (a_pair - a_fp8, g_pair[1] - g_fp8[1]), row_bf16, note,
+            wire_bytes=w.get("combine"))  # fmt: skip
         add("ll dispatch FP8 + combine BF16 (graph, in step)", (a_pair, g_pair[1]),
-            row_fp8 + row_bf16, note)  # fmt: skip
+            row_fp8 + row_bf16, note, wire_bytes=w.get("pair"))  # fmt: skip
 
     if args.high_throughput:
         measure_limit(args.tokens)
@@ -1138,7 +1225,8 @@ def main(argv: list[str] | None = None) -> int:
           f"of E={args.experts}, BF16; torch {torch.__version__}", flush=True)  # fmt: skip
     print(f"ep build: {_build_summary()}", flush=True)
     args.probe_lib, args.probe_reason = "", "needs GPUs (one per rank)"
-    probe_tried = on_gpu and args.high_throughput and 2 <= nprocs <= gpus
+    # The HT rows read against the limit at the ops' SM budget, the LL rows against all SMs.
+    probe_tried = on_gpu and (args.high_throughput or args.low_latency) and 2 <= nprocs <= gpus
     if probe_tried:
         from ep_backend._push_limit import compile_probe, device_arch
 
@@ -1160,8 +1248,11 @@ def main(argv: list[str] | None = None) -> int:
     if main_rows:
         _print_table(main_rows, f"\n== standard shape (T={args.tokens}) ==", on_gpu)
     if ll_rows:
+        gbps = ("remote GB/s = wire bytes of the busiest GPU / time, % limit: of the push limit "
+                "with all SMs; logical GB/s = rows sent x row bytes / time" if on_gpu
+                else "GB/s = rows sent x row bytes / time")  # fmt: skip
         _print_table(ll_rows, f"\n== low latency (M={args.ll_max_tokens}, top-{args.topk} of "
-                              f"E={args.ll_experts}; GB/s = rows sent x row bytes / time) ==", on_gpu)  # fmt: skip
+                              f"E={args.ll_experts}; {gbps}) ==", on_gpu)  # fmt: skip
     sweep_rows = [r for r in rows_ht if "dispatch+combine" in r["op"] or "baseline" in r["op"]]
     if args.sweep and sweep_rows:
         _print_table(sweep_rows, "\n== sweep over T: dispatch+combine vs baseline ==", on_gpu)

@@ -14,6 +14,14 @@ import pytest
 import torch
 
 from ep_backend import _bench_all_to_all as a2a
+from ep_backend._ll_wire import (
+    LinkLoad,
+    LLWire,
+    header_bytes,
+    ll_link_bytes,
+    ll_wire_bytes,
+    message_bytes,
+)
 from ep_backend._push_limit import PushLimitProbe, compile_probe
 from ep_backend.bench import sm_sweep_counts, smallest_sms_reaching
 
@@ -286,3 +294,90 @@ def test_push_limit_probe_that_fails_is_given_up_by_every_rank(tmp_path) -> None
     for rank, (none, why) in enumerate(results):
         assert none, rank
         assert why.startswith(f"probe failed on rank {rank}: ") and "no_such_probe" in why, why
+
+
+def test_ll_message_sizes_are_the_kernels() -> None:
+    # nvshmem_common.hpp: header = 8 + 8 per entry slot of the largest top-k, rounded up to 16;
+    # payload BF16 2H, or FP8 H + H/128 float32 scales, rounded up to 16
+    assert header_bytes(8) == 80 and header_bytes(1) == 16 and header_bytes(32) == 272
+    assert message_bytes(7168, fp8=False, max_topk=8) == 80 + 14336
+    assert message_bytes(7168, fp8=True, max_topk=8) == 80 + 7168 + 56 * 4
+    assert message_bytes(128, fp8=True, max_topk=4) == 48 + 144  # 128 + 4 rounded up to 144
+
+
+def test_ll_wire_bytes_by_hand() -> None:
+    # 4 ranks, 16 experts (rank d holds 4d .. 4d + 3), H = 128, top-4, rank 0's four tokens
+    idx = torch.tensor([[4, 5, 6, 7],  # all four on rank 1: one message, one float32 partial
+                        [0, 8, 9, 12],  # local; 2 on rank 2 (float32); 1 on rank 3 (BF16 row)
+                        [1, -1, -1, -1],  # local only: nothing leaves
+                        [-1, -1, -1, -1]])  # fmt: skip
+    wire = ll_wire_bytes(idx, 16, 4, 0, 128)
+    fp8_msg, bf16_msg = 48 + 128 + 16, 48 + 256  # header 8 + 4 x 8 -> 48; FP8 scales 1 x 4 -> 16
+    signals = 8 * (1 + 4 + 4)  # to every peer: token count, 4 row counts, a flag per token
+    assert wire.dispatch_fp8 == (0, fp8_msg + signals, fp8_msg + signals, fp8_msg + signals)
+    assert wire.dispatch_bf16 == (0, bf16_msg + signals, bf16_msg + signals, bf16_msg + signals)
+    assert wire.dispatch_fp8_sent == 3 * (192 + 72) and wire.dispatch_bf16_sent == 3 * (304 + 72)
+    weights = 4 * 4 * 8 + 8  # T x K tagged u64 words to every peer, then the weights flag
+    assert wire.combine_weights == (0, weights, weights, weights)
+    float32, bf16 = 4 * 128 + 8, 2 * 128 + 8  # a partial and its flag
+    assert wire.combine_partials == (0, float32, float32, bf16)
+    assert wire.combine_partials_received == 2 * 520 + 264
+    assert LLWire.from_tensor(0, wire.as_tensor()) == wire
+    # all k on one remote rank: one message and one partial, not k; a larger runtime top-k
+    # widens the header only
+    one = ll_wire_bytes(torch.tensor([[12, 13, 14, 15]]), 16, 4, 1, 128, max_topk=8)
+    assert one.dispatch_bf16 == (8 * 6, 0, 8 * 6, 80 + 256 + 8 * 6)  # T = 1: 6 signals a peer
+    assert one.combine_partials == (0, 0, 0, 4 * 128 + 8)
+
+
+def test_ll_link_bytes_puts_every_ranks_share_together() -> None:
+    # 2 ranks, 4 experts (rank 1 holds 2 and 3), H = 128, top-2
+    wires = [ll_wire_bytes(torch.tensor([[2, 3], [0, 2], [0, 1]]), 4, 2, 0, 128),
+             ll_wire_bytes(torch.tensor([[0, -1]]), 4, 2, 1, 128)]  # fmt: skip
+    msg = 32 + 128 + 16  # FP8: header 8 + 2 x 8 -> 32
+    to_1, to_0 = 2 * msg + 8 * (1 + 2 + 3), msg + 8 * (1 + 2 + 1)  # rank 0 reaches 1 twice
+    link = ll_link_bytes(wires)
+    assert link.dispatch_fp8 == LinkLoad(sent=(to_1, to_0), received=(to_0, to_1))
+    assert link.dispatch_fp8.bound_bytes == to_1 == 400
+    assert link.dispatch_fp8.busiest == "rank 0 sending"
+    # combine: each rank's weights to the other; rank 1 returns 2 partials of rank 0's tokens
+    # (float32 for token 0, BF16 row for token 1), rank 0 one BF16 row of rank 1's token
+    w0, w1 = 3 * 2 * 8 + 8, 1 * 2 * 8 + 8
+    back_to_0, back_to_1 = (4 * 128 + 8) + (2 * 128 + 8), 2 * 128 + 8
+    assert link.combine == LinkLoad(sent=(w0 + back_to_1, w1 + back_to_0),
+                                    received=(w1 + back_to_0, w0 + back_to_1))  # fmt: skip
+    assert link.combine.bound_bytes == 808 and link.combine.busiest == "rank 0 receiving"
+    with pytest.raises(ValueError, match="wires\\[0\\]"):
+        ll_link_bytes(wires[::-1])
+
+
+def test_ll_wire_bytes_match_the_expectation_at_the_decode_shape() -> None:
+    # top-8 of 16 experts at 4 ranks, uniform: entries on one rank are hypergeometric
+    # (16, 4, 8): P(0) = P(4) = 495 / 12870, P(1) = P(3) = 3168 / 12870, P(2) = 5544 / 12870
+    num_tokens, hidden, world = 4096, 7168, 4
+    p = [495 / 12870, 3168 / 12870, 5544 / 12870, 3168 / 12870, 495 / 12870]
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.rand(num_tokens, 16, generator=gen).topk(8, dim=1).indices
+    wire = ll_wire_bytes(idx, 16, world, 0, hidden)
+    peers = world - 1
+    signals = peers * 8 * (1 + 4 + num_tokens)
+    expected_fp8 = peers * num_tokens * (1 - p[0]) * (80 + 7168 + 224) + signals
+    expected_partials = peers * num_tokens * (p[1] * (2 * hidden + 8) +
+                                              (1 - p[0] - p[1]) * (4 * hidden + 8))  # fmt: skip
+    assert wire.dispatch_fp8_sent == pytest.approx(expected_fp8, rel=0.01)
+    assert wire.combine_partials_received == pytest.approx(expected_partials, rel=0.01)
+    assert sum(wire.combine_weights) == peers * (num_tokens * 8 * 8 + 8)
+
+
+def test_ll_wire_bytes_refuses_what_the_kernels_refuse() -> None:
+    ok = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiple of world"):
+        ll_wire_bytes(ok, 6, 4, 0, 128)
+    with pytest.raises(ValueError, match="values must be in"):
+        ll_wire_bytes(torch.tensor([[0, 8]]), 8, 2, 0, 128)
+    with pytest.raises(ValueError, match="hidden 100"):
+        ll_wire_bytes(ok, 8, 2, 0, 100)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        ll_wire_bytes(ok, 8, 2, 2, 128)
+    with pytest.raises(ValueError, match="max_topk 1"):
+        ll_wire_bytes(ok, 8, 2, 0, 128, max_topk=1)

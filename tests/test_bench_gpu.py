@@ -92,3 +92,34 @@ def test_bench_prints_the_limit_loop_and_sm_sweep_rows(tmp_path) -> None:
         sizes = [k for k in table if k != "transport"]
         assert len(sizes) == 6 and all(table[k]["ep host splits"] > 0 for k in sizes), table
     assert done.stdout.count("targets (issue 42)") == len(a2a), done.stdout
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_bench_reads_the_low_latency_rows_against_the_link(tmp_path) -> None:
+    """LL section alone: it measures the all-SM push limit itself, prints a bound per op, and
+    every LL row's remote GB/s and "% limit" are its wire bytes over its time and that limit."""
+    cmd = [sys.executable, "-m", "ep_backend.bench", "--iters", "3", "--no-high-throughput",
+           "--no-sweep", "--no-all-to-all", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["op"]: r for r in json.loads((tmp_path / "bench.json").read_text())}
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    limit = rows[f"ll limit: push to all peers, all {sm_count} SMs"]
+    assert limit["us"] > 0 and limit["remote_gbps"] > 0, limit
+    bounds = {}
+    for name in ("dispatch FP8", "dispatch BF16", "combine BF16", "dispatch FP8 + combine BF16"):
+        bound = rows[f"ll bound: {name} wire bytes at the limit (all SMs)"]
+        assert bound["us"] > 0 and " MB (" in bound["note"] and "rank " in bound["note"], bound
+        bounds[name] = bound["us"]
+    # BF16 messages are larger than FP8 ones; the pair's bytes are the two ops' together
+    assert bounds["dispatch BF16"] > bounds["dispatch FP8"]
+    pair = bounds["dispatch FP8"] + bounds["combine BF16"]
+    assert abs(bounds["dispatch FP8 + combine BF16"] - pair) < 1e-6 * pair
+    for op, name in (("ll dispatch FP8", "dispatch FP8"), ("ll combine BF16", "combine BF16"),
+                     ("ll dispatch FP8 (graph)", "dispatch FP8")):  # fmt: skip
+        row = rows[op]
+        assert row["us"] > 0, row
+        # wire bytes / time, against the same limit: the bound's time over the row's time
+        expected_pct = 100 * bounds[name] / row["us"]
+        assert abs(row["limit_pct"] - expected_pct) < 0.01 * expected_pct, (row, expected_pct)
+        assert 0 < row["limit_pct"] <= 100, row  # no op beats the link
