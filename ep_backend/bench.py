@@ -42,7 +42,8 @@ recorded (a model goes on to use them; freeing them is not part of the op). EP_B
 prints, per op, when the queued calls' hosts returned on the GPU's clock: a row whose time is
 close to that is bound by the host, not the GPU. Each sample starts after a host barrier (the
 ranks agree on a start time and spin until it); the "host barriers" line says how late the latest
-rank left them: a late rank makes its peers' agreement wait, which "call" and "host" then hold.
+rank left them: a late rank makes its peers' agreement wait, which "call" and "host" then hold;
+the "MoE agreement" line names how that agreement step exchanged ("shared memory" on one host).
 """
 
 from __future__ import annotations
@@ -1013,6 +1014,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         # "host" then hold that wait.
         print(f"host barriers: the latest rank left {barriers} barriers a median {late_median:.1f} "
               f"µs (max {late_max:.1f}) after the agreed start", flush=True)  # fmt: skip
+        # How the MoE calls' agreement step went ("shared memory" on one host; "gloo" costs tens
+        # of µs per call more): part of every "call" and "host" figure above.
+        print(f"MoE agreement: {ep.get_backend(group).moe_agreement_transport}", flush=True)
     from ep_backend._push_limit import close_on_every_rank
 
     close_on_every_rank(probe)  # unmaps the peers' buffers everywhere before anyone frees its own

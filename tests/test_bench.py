@@ -63,6 +63,8 @@ def test_bench_runs_on_cpu_and_reports_every_op(tmp_path) -> None:
                      r"\(max ([\d.]+)\)", done.stdout)  # fmt: skip
     assert late is not None, done.stdout
     assert int(late.group(1)) > 0 and 0 <= float(late.group(2)) <= float(late.group(3)), late
+    # How the MoE calls agreed (part of "call" and "host"): two ranks of one host share memory.
+    assert "MoE agreement: shared memory" in done.stdout, done.stdout
 
 
 def test_sm_sweep_says_it_needs_gpus_on_cpu(tmp_path) -> None:
