@@ -107,10 +107,13 @@ def _ep_vs_nccl(rank: int, world: int) -> dict:
     outs = [torch.empty((n, 4), device="cuda") for n in recv]
     dist.all_to_all(outs, list(torch.split(x.contiguous(), send)))
     out["list_form"] = torch.equal(_bits(torch.cat(outs)), _bits(want))
-    # many calls in a row, sizes changing every call (the rings' credits and sequence words)
+    # many calls in a row, sizes changing every call (the rings' credits and sequence words);
+    # every fourth call moves up to 25 MiB a pair, so that calls whose pairs go by flagged lines,
+    # by one ring chunk a lane and by several follow each other
     ok = True
     for it in range(40):
-        m = _splits_matrix(world, 1000 + it, 3000 if it % 3 else 0)
+        most = 800_000 if it % 4 == 1 else (3000 if it % 3 else 0)
+        m = _splits_matrix(world, 1000 + it, most)
         send, recv = m[rank], [m[s][rank] for s in range(world)]
         x = _random_rows(sum(send), 8, torch.int32, gen)
         got = torch.empty((sum(recv), 8), dtype=torch.int32, device="cuda")
