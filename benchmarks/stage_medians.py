@@ -12,7 +12,9 @@ calls). Its arrival at the agreement is start_ns plus the stages before "agree";
 the last rank's arrival bounds the agreement from below, so "agree" = waiting for the last rank +
 the exchange itself. Printed per op: the arrival skew (last - first arrival), the other ranks' wait
 for the last one, what is left of "agree" once everyone is there, and per process how often it
-was last. (start_ns is CLOCK_MONOTONIC: the processes must share a host.)
+was last; where the lines carry "agree_wait" (the part of "agree" spent waiting for the peers'
+rows after posting its own), also the last rank's own "agree" and, of it, that wait: the rest
+is its own work before posting and after reading. (start_ns is CLOCK_MONOTONIC: the processes must share a host.)
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def medians(calls) -> None:
 
 
 def agreement_waits(calls) -> None:
-    by_op: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    by_op: dict[str, dict[int, list[tuple[float, float, float | None]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     for op, cells, start, pid in calls:
         if "agree" not in cells or start is None or pid is None:
             continue
@@ -67,7 +71,7 @@ def agreement_waits(calls) -> None:
             if key == "agree":
                 break
             before += value
-        by_op[op][pid].append((start / 1e3 + before, cells["agree"]))  # µs
+        by_op[op][pid].append((start / 1e3 + before, cells["agree"], cells.get("agree_wait")))
     for op, per_pid in by_op.items():
         counts = {len(v) for v in per_pid.values()}
         if len(per_pid) < 2:
@@ -77,13 +81,17 @@ def agreement_waits(calls) -> None:
                   "(lines lost?); arrivals not lined up")  # fmt: skip
             continue
         pids = sorted(per_pid)
-        skews, waits, rest = [], [], []
+        skews, waits, rest, last_agree, last_wait = [], [], [], [], []
         last_count = dict.fromkeys(pids, 0)
         for k in range(counts.pop()):
             arrivals = {p: per_pid[p][k][0] for p in pids}
             first, last = min(arrivals.values()), max(arrivals.values())
             skews.append(last - first)
-            last_count[max(arrivals, key=arrivals.get)] += 1
+            latest = max(arrivals, key=arrivals.get)
+            last_count[latest] += 1
+            last_agree.append(per_pid[latest][k][1])
+            if per_pid[latest][k][2] is not None:
+                last_wait.append(per_pid[latest][k][2])
             for p in pids:
                 wait = last - arrivals[p]
                 if wait > 0:  # the ranks that were not last
@@ -95,6 +103,9 @@ def agreement_waits(calls) -> None:
               f"{statistics.median(skews):.1f}, the others' wait for the last rank "
               f"{statistics.median(waits) if waits else 0.0:.1f}, "
               f"agree once all arrived {statistics.median(rest):.1f}; last to arrive: {lasts}")  # fmt: skip
+        if last_wait:
+            print(f"  the last rank's own agree {statistics.median(last_agree):.1f}, of it waiting "
+                  f"for the peers' rows {statistics.median(last_wait):.1f}")  # fmt: skip
 
 
 def main() -> None:

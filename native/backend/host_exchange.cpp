@@ -191,6 +191,8 @@ void HostExchange::gather(const std::vector<int64_t>& row, int64_t* out, const c
                 "are out of step");
     std::memcpy(out + r * width, s->row, row.size() * sizeof(int64_t));
   }
+  last_wait_us_ =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace ep

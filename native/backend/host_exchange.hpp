@@ -51,6 +51,9 @@ class HostExchange {
   // kProbeEvery asks it every kProbeEvery, and fails at once naming the dead ranks it waits for,
   // instead of waiting out the timeout for ranks that can never arrive.
   void setDeadPeerProbe(std::function<std::vector<int64_t>()> probe) { probe_ = std::move(probe); }
+
+  // µs the last gather() spent waiting for its peers' rows after posting its own.
+  double lastWaitUs() const { return last_wait_us_; }
   static constexpr std::chrono::milliseconds kProbeEvery{500};
 
   // Marks both of this rank's slots "gave up": a peer waiting for, or later reaching, a call this
@@ -70,6 +73,7 @@ class HostExchange {
   size_t bytes_;
   uint64_t calls_ = 0;
   std::function<std::vector<int64_t>()> probe_;
+  double last_wait_us_ = 0.0;
 };
 
 }  // namespace ep

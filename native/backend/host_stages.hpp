@@ -49,6 +49,13 @@ class HostStages {
              std::to_string(std::chrono::duration<double, std::micro>(t - last_).count());
     last_ = t;
   }
+  // A figure of this call that is not a stage (e.g. the part of a stage spent waiting), written
+  // as " key=value" after the stages marked so far.
+  void note(const char* key, double value) {
+    if (on_) {
+      line_ += std::string(" ") + key + "=" + std::to_string(value);
+    }
+  }
   ~HostStages() {
     if (on_) {
       const double total = std::chrono::duration<double, std::micro>(now() - first_).count();

@@ -505,6 +505,22 @@ constexpr std::chrono::milliseconds kGlooQueueMargin{5000};
 constexpr std::chrono::milliseconds kDeadPeerLookEvery{25};
 constexpr int kDeadPeerLooks = 10;
 
+thread_local double last_agreement_wait_us = 0.0;
+
+// Sets last_agreement_wait_us to the time from its construction to its destruction.
+class AgreementWaitClock {
+ public:
+  AgreementWaitClock() : start_(std::chrono::steady_clock::now()) {}
+  ~AgreementWaitClock() {
+    last_agreement_wait_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start_)
+            .count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
 at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
                          const std::vector<int64_t>& row) {
   const int64_t num_ranks = pg.getSize();
@@ -527,6 +543,7 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
     const auto timeout = pg.options()->timeout;
     std::string missing;
     try {
+      AgreementWaitClock clock;
       missing = state->transport_gather->gather(row, all.data_ptr<int64_t>(), timeout);
     } catch (const std::exception& e) {
       giveUp(pg, state.get(), op, call,
@@ -547,6 +564,7 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
     at::Tensor all = at::empty({num_ranks, width}, at::kLong);
     try {
       state->exchange->gather(row, all.data_ptr<int64_t>(), op, pg.options()->timeout);
+      last_agreement_wait_us = state->exchange->lastWaitUs();
     } catch (const std::exception& e) {
       giveUp(pg, state.get(), op, call, messageWithoutTrace(e));
     }
@@ -558,6 +576,7 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
   opts.timeout = pg.options()->timeout;
   const auto started = std::chrono::steady_clock::now();
   try {
+    AgreementWaitClock clock;
     // Gloo's own timeout counts from when its worker thread starts the allgather; a work queued
     // behind a stuck one would never start. The bounded wait makes this rank raise anyway.
     pg.innerBackend(c10::DeviceType::CPU, op)
@@ -947,6 +966,10 @@ at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::strin
                             const std::vector<AgreedField>& fields,
                             const std::vector<int64_t>& payload) {
   return agree(pg, op, local_error, fields, payload, nullptr);
+}
+
+double lastAgreementWaitUs() {
+  return last_agreement_wait_us;
 }
 
 at::Tensor agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,

@@ -56,6 +56,11 @@ at::Tensor agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::st
                                const std::vector<AgreedField>& fields,
                                const std::vector<int64_t>& payload, RankMaskSnapshot& mask);
 
+// µs the calling thread's last agreement step spent waiting for its peers' rows once its own
+// was posted (the Gloo path: the whole all-gather); EP_PROFILE_HOST lines report it next to
+// the "agree" stage, whose rest is this rank's own work.
+double lastAgreementWaitUs();
+
 // Test hook (adversarial tests): rows this rank adds to every send count it announces in a
 // dispatch's agreement, as a faulty or malicious peer would; 0 (the default) in real use.
 void setTestCountInflation(int64_t rows);

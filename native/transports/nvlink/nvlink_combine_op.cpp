@@ -82,6 +82,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
   at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
   checkRoutingAgrees("combine", gathered, 5, pg.getRank(), 5 + 2 * num_ranks);
   stages.mark("agree");
+  stages.note("agree_wait", lastAgreementWaitUs());  // of "agree": waiting for the peers' rows
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);

@@ -233,6 +233,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
   at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload);
   stages.mark("agree");
+  stages.note("agree_wait", lastAgreementWaitUs());  // of "agree": waiting for the peers' rows
 
   const at::Device device = a.x.device();
   c10::cuda::CUDAGuard guard(device);
