@@ -4,12 +4,16 @@
 # in a copy of this checkout each), then runs benchmarks/all_to_all.py with each, interleaved over
 # rounds (base, a, b, base, a, b, ...: a shared host drifts). Issue #42's large-message target.
 #
-# Usage: bash benchmarks/a2a_variants.sh "name=DEFINE[;DEFINE...]" ...
+# Usage: bash benchmarks/a2a_variants.sh "name[@DIR]=DEFINE[;DEFINE...]" ...
+#   "name@DIR=": the sources of another tree (e.g. a branch exported with
+#   `git archive BRANCH | tar x -C DIR`) instead of this checkout's working tree
 #   e.g. "base=" "chunk256k=EP_A2A_CHUNK_BYTES=262144" "send48=EP_A2A_SEND_BLOCKS=48"
 #        "both=EP_A2A_CHUNK_BYTES=262144;EP_A2A_SEND_BLOCKS=48"
 #   (macros: EP_A2A_CHUNK_BYTES, EP_A2A_SLOTS, EP_A2A_SEND_BLOCKS, EP_A2A_LINES_MAX_BYTES;
 #   nvlink_common.hpp)
 #   RANKS (default: every GPU), ITERS (default 20), ROUNDS (default 2); logs under $OUT (./out).
+#   QUICK_MIB="64,256": time only those per-peer sizes, ep against the push limit
+#   (benchmarks/a2a_quick.py, a few seconds a size), instead of the whole all_to_all.py table.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$PWD/out}
@@ -22,10 +26,16 @@ mkdir -p "$OUT"
 pids=()
 for v in "$@"; do
   name=${v%%=*}
+  src=""
+  if [[ $name == *@* ]]; then src=${name#*@}; name=${name%%@*}; fi
   dir=/tmp/ep_a2a_variant_$name
   rm -rf "$dir" && mkdir -p "$dir"
-  # The tracked files as they are in the working tree (uncommitted changes included).
-  (cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$dir")
+  if [ -n "$src" ]; then
+    cp -r "$src"/. "$dir"
+  else
+    # The tracked files as they are in the working tree (uncommitted changes included).
+    (cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$dir")
+  fi
   (cd "$dir" && EP_WITH_CUDA=1 EP_BUILD_DIR="$dir/.build" TORCH_CUDA_ARCH_LIST=9.0a \
     EP_CMAKE_ARGS="-DEP_VARIANT_DEFINES=${v#*=}" python setup.py build_ext --inplace) \
     >"$OUT/a2a_variant_$name.build.log" 2>&1 &
@@ -37,12 +47,19 @@ for p in "${pids[@]}"; do wait "$p" || status=1; done
 for ((round = 1; round <= ROUNDS; ++round)); do
   for v in "$@"; do
     name=${v%%=*}
+    name=${name%%@*}
     echo "== variant $name (round $round): ${v#*=}"
     # PYTHONPATH: the copy's ep_backend, not an installed one (the script's own folder would
     # come first on sys.path otherwise).
-    (cd "/tmp/ep_a2a_variant_$name" && PYTHONPATH=$PWD timeout 300 python benchmarks/all_to_all.py \
-      --ranks "$RANKS" --iters "$ITERS") 2>&1 | tee "$OUT/a2a_variant_$name.$round.log" | grep -E "KiB|transport|targets" ||
-      status=1
+    if [ -n "${QUICK_MIB:-}" ]; then
+      (cd "/tmp/ep_a2a_variant_$name" && PYTHONPATH=$PWD timeout 300 python \
+        "$ROOT/benchmarks/a2a_quick.py" --ranks "$RANKS" --mib "$QUICK_MIB") 2>&1 |
+        tee "$OUT/a2a_variant_$name.$round.log" | grep -E "^R=|Error" || status=1
+    else
+      (cd "/tmp/ep_a2a_variant_$name" && PYTHONPATH=$PWD timeout 300 python benchmarks/all_to_all.py \
+        --ranks "$RANKS" --iters "$ITERS") 2>&1 | tee "$OUT/a2a_variant_$name.$round.log" |
+        grep -E "KiB|transport|targets" || status=1
+    fi
   done
 done
 exit "$status"
