@@ -521,12 +521,14 @@ class AgreementWaitClock {
   std::chrono::steady_clock::time_point start_;
 };
 
-at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
+AgreedRows allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
                          const std::vector<int64_t>& row) {
   const int64_t num_ranks = pg.getSize();
   const int64_t width = static_cast<int64_t>(row.size());
   if (num_ranks == 1) {  // nobody to agree with: skip the round trip through Gloo's worker thread
-    return at::tensor(row, at::kLong).view({1, width});
+    AgreedRows mine(1, width);
+    std::copy(row.begin(), row.end(), mine.data());
+    return mine;
   }
   auto state = exchangeStates().of(pg);
   if (!state->decided) {
@@ -539,12 +541,12 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
     state->decided = true;
   }
   if (state->transport_gather && state->transport_gather->fits(width)) {
-    at::Tensor all = at::empty({num_ranks, width}, at::kLong);
+    AgreedRows all(num_ranks, width);
     const auto timeout = pg.options()->timeout;
     std::string missing;
     try {
       AgreementWaitClock clock;
-      missing = state->transport_gather->gather(row, all.data_ptr<int64_t>(), timeout);
+      missing = state->transport_gather->gather(row, all.data(), timeout);
     } catch (const std::exception& e) {
       giveUp(pg, state.get(), op, call,
              std::string("ep ") + op + ": rank " + std::to_string(pg.getRank()) +
@@ -561,9 +563,9 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
     return all;
   }
   if (state->exchange && HostExchange::fits(width)) {
-    at::Tensor all = at::empty({num_ranks, width}, at::kLong);
+    AgreedRows all(num_ranks, width);
     try {
-      state->exchange->gather(row, all.data_ptr<int64_t>(), op, pg.options()->timeout);
+      state->exchange->gather(row, all.data(), op, pg.options()->timeout);
       last_agreement_wait_us = state->exchange->lastWaitUs();
     } catch (const std::exception& e) {
       giveUp(pg, state.get(), op, call, messageWithoutTrace(e));
@@ -614,7 +616,7 @@ at::Tensor allGatherRows(EPProcessGroup& pg, const char* op, uint64_t call,
     message << stalledRanks(pg, call) << " (" << messageWithoutTrace(e) << ")";
     giveUp(pg, state.get(), op, call, message.str());
   }
-  return all.view({num_ranks, width});
+  return AgreedRows::of(all.view({num_ranks, width}));
 }
 
 // A key of the live-only agreement in the group's store: `what` of `rank` in call `call`.
@@ -713,7 +715,7 @@ std::vector<int64_t> agreeOnMissing(EPProcessGroup& pg, const char* op, uint64_t
 // and reads as `masked_row` too; without it, the call fails naming the peer, as the all-rank
 // agreement does. `masking_col`: the row's column of the masking fingerprint (-1: none; a
 // phase-2 row, after phase 1 agreed on it).
-at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t call, int phase,
+AgreedRows gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t call, int phase,
                                 const std::vector<int64_t>& row,
                                 const std::vector<int64_t>& masked_row, RankMaskSnapshot& mask,
                                 int64_t masking_col) {
@@ -725,8 +727,7 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
   auto key = [&](int64_t r) { return liveKey(pg, call, what, r); };
   const auto* first = reinterpret_cast<const uint8_t*>(row.data());
   postLive(pg, call, what, std::vector<uint8_t>(first, first + row.size() * sizeof(int64_t)));
-  at::Tensor all = at::empty({num_ranks, width}, at::kLong);
-  auto acc = all.accessor<int64_t, 2>();
+  AgreedRows all(num_ranks, width);
   const auto timeout = mask.auto_mask ? mask.auto_timeout : pg.options()->timeout;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<int64_t> missing;
@@ -759,9 +760,7 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
         missing.push_back(p);
       }
     }
-    for (int64_t i = 0; i < width; ++i) {
-      acc[p][i] = (*source)[static_cast<size_t>(i)];
-    }
+    std::copy(source->begin(), source->end(), all.row(p));
   }
   if (mask.auto_mask) {
     // Each rank masks on its own deadline: a peer whose row came just before one rank's
@@ -787,9 +786,7 @@ at::Tensor gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
   for (int64_t p : missing) {
     updateRankMask(pg, p, true);
     mask.masked[static_cast<size_t>(p)] = 1;
-    for (int64_t i = 0; i < width; ++i) {
-      acc[p][i] = masked_row[static_cast<size_t>(i)];
-    }
+    std::copy(masked_row.begin(), masked_row.end(), all.row(p));
   }
   return all;
 }
@@ -846,7 +843,7 @@ std::string moeAgreementTransport(EPProcessGroup& pg) {
 
 namespace {
 
-at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_error,
+AgreedRows agree(EPProcessGroup& pg, const char* op, const std::string& local_error,
                  const std::vector<AgreedField>& fields_in, const std::vector<int64_t>& payload,
                  RankMaskSnapshot* mask) {
   const bool live_only = mask != nullptr && mask->live_only();
@@ -889,7 +886,7 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
   if (inline_payload) {
     std::copy(payload.begin(), payload.end(), header.begin() + kHeaderWidth);
   }
-  at::Tensor all;
+  AgreedRows all;
   if (live_only) {
     // A masked rank's row: this rank's own header, without an error and with an empty payload,
     // so it passes every check and announces no rows.
@@ -901,21 +898,21 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
   } else {
     all = allGatherRows(pg, op, call, header);
   }
-  auto acc = all.accessor<int64_t, 2>();
+  const AgreedRows& acc = all;
 
   // Calls of different kinds or numbers never pair: every rank names both (before any rank's
   // own input error, which belongs to a call its peers are not in).
   for (int64_t r = 0; r < num_ranks; ++r) {
-    if (acc[r][1] != header[1] || acc[r][2] != header[2]) {
-      TORCH_CHECK(false, "ep ", op, ": rank ", r, " is in call #", acc[r][2], " (",
-                  opName(acc[r][1]), "), this rank (", rank, ") in call #", call, " (", op,
+    if (acc(r, 1) != header[1] || acc(r, 2) != header[2]) {
+      TORCH_CHECK(false, "ep ", op, ": rank ", r, " is in call #", acc(r, 2), " (",
+                  opName(acc(r, 1)), "), this rank (", rank, ") in call #", call, " (", op,
                   "); the ranks must call the same MoE collectives in the same order; nothing "
                   "was exchanged");
     }
   }
   std::vector<int64_t> bad_ranks;
   for (int64_t r = 0; r < num_ranks; ++r) {
-    if (acc[r][0] != 0) {
+    if (acc(r, 0) != 0) {
       bad_ranks.push_back(r);
     }
   }
@@ -926,26 +923,26 @@ at::Tensor agree(EPProcessGroup& pg, const char* op, const std::string& local_er
     raiseRejectedBy(op, bad_ranks);
   }
   for (int64_t r = 0; r < num_ranks; ++r) {
-    TORCH_CHECK(acc[r][3] == header[3], "ep ", op, ": ranks disagree on the number of checked ",
-                "fields (rank ", rank, " has ", header[3], ", rank ", r, " has ", acc[r][3],
+    TORCH_CHECK(acc(r, 3) == header[3], "ep ", op, ": ranks disagree on the number of checked ",
+                "fields (rank ", rank, " has ", header[3], ", rank ", r, " has ", acc(r, 3),
                 "); nothing was exchanged");
   }
   for (size_t f = 0; f < fields.size(); ++f) {
     for (int64_t r = 0; r < num_ranks; ++r) {
-      if (acc[r][kHeaderFixed + f] != fields[f].value) {
+      if (acc(r, kHeaderFixed + f) != fields[f].value) {
         TORCH_CHECK(false, "ep ", op, ": ranks disagree on ", fields[f].name, " (rank ", rank,
-                    " has ", fields[f].value, ", rank ", r, " has ", acc[r][kHeaderFixed + f],
+                    " has ", fields[f].value, ", rank ", r, " has ", acc(r, kHeaderFixed + f),
                     "); nothing was exchanged");
       }
     }
   }
   for (int64_t r = 0; r < num_ranks; ++r) {
-    TORCH_CHECK(acc[r][4] == header[4], "ep ", op,
+    TORCH_CHECK(acc(r, 4) == header[4], "ep ", op,
                 ": ranks disagree on the size of the routing metadata (rank ", rank, " has ",
-                header[4], ", rank ", r, " has ", acc[r][4], "); nothing was exchanged");
+                header[4], ", rank ", r, " has ", acc(r, 4), "); nothing was exchanged");
   }
   if (inline_payload) {
-    return all.narrow(1, kHeaderWidth, payload_size);
+    return all.columns(kHeaderWidth, payload_size);
   }
   // Phase 2: a longer payload, now known to have the same size everywhere (and to belong to
   // the same call: phase 1 agreed on it).
@@ -965,6 +962,12 @@ void useRowGather(EPProcessGroup& pg, std::shared_ptr<RowGather> gather) {
 at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                             const std::vector<AgreedField>& fields,
                             const std::vector<int64_t>& payload) {
+  return agree(pg, op, local_error, fields, payload, nullptr).toTensor();
+}
+
+AgreedRows agreeRowsAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                                const std::vector<AgreedField>& fields,
+                                const std::vector<int64_t>& payload) {
   return agree(pg, op, local_error, fields, payload, nullptr);
 }
 
@@ -972,7 +975,7 @@ double lastAgreementWaitUs() {
   return last_agreement_wait_us;
 }
 
-at::Tensor agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+AgreedRows agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                                const std::vector<AgreedField>& fields,
                                const std::vector<int64_t>& payload, RankMaskSnapshot& mask) {
   return agree(pg, op, local_error, fields, payload, &mask);
@@ -1061,16 +1064,15 @@ std::string validateReserve(int64_t num_tokens, int64_t hidden_bytes, int64_t to
   return error.str();
 }
 
-void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank,
+void checkRoutingAgrees(const char* op, const AgreedRows& gathered, int64_t offset, int64_t rank,
                         int64_t known_column) {
-  const int64_t num_ranks = gathered.size(0);
-  auto g = gathered.accessor<int64_t, 2>();
-  const auto known = [&](int64_t r) { return known_column < 0 || g[r][known_column] == 1; };
+  const int64_t num_ranks = gathered.rows();
+  const auto known = [&](int64_t r) { return known_column < 0 || gathered(r, known_column) == 1; };
   for (int64_t s = 0; s < num_ranks; ++s) {
     for (int64_t d = 0; d < num_ranks; ++d) {
       if (!known(s) || !known(d)) continue;
-      const int64_t sent = g[s][offset + d];
-      const int64_t expected = g[d][offset + num_ranks + s];
+      const int64_t sent = gathered(s, offset + d);
+      const int64_t expected = gathered(d, offset + num_ranks + s);
       TORCH_CHECK(
           sent == expected, "ep ", op, ": the handle does not match across ranks (rank ", s,
           " sent ", sent, " rows to rank ", d, ", which expects ", expected,
@@ -1078,6 +1080,35 @@ void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offs
           ")");
     }
   }
+}
+
+void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank,
+                        int64_t known_column) {
+  checkRoutingAgrees(op, AgreedRows::of(gathered), offset, rank, known_column);
+}
+
+AgreedRows AgreedRows::of(const at::Tensor& rows) {
+  TORCH_INTERNAL_ASSERT(rows.dim() == 2 && rows.scalar_type() == at::kLong && rows.is_cpu());
+  AgreedRows out(rows.size(0), rows.size(1));
+  const at::Tensor dense = rows.contiguous();
+  std::copy(dense.data_ptr<int64_t>(), dense.data_ptr<int64_t>() + dense.numel(), out.data());
+  return out;
+}
+
+AgreedRows AgreedRows::columns(int64_t first, int64_t count) const {
+  TORCH_INTERNAL_ASSERT(first >= 0 && count >= 0 && first + count <= cols_);
+  AgreedRows out(rows_, count);
+  for (int64_t r = 0; r < rows_; ++r) {
+    const int64_t* from = data_.data() + r * cols_ + first;
+    std::copy(from, from + count, out.row(r));
+  }
+  return out;
+}
+
+at::Tensor AgreedRows::toTensor() const {
+  at::Tensor out = at::empty({rows_, cols_}, at::kLong);
+  std::copy(data_.begin(), data_.end(), out.data_ptr<int64_t>());
+  return out;
 }
 
 void raiseRejectedBy(const char* op, const std::vector<int64_t>& bad_ranks) {

@@ -33,6 +33,34 @@ struct AgreedField {
   int64_t value;
 };
 
+// Every rank's row of an agreement, rank-major: rows() = R, cols() = the row's width. A plain
+// host array rather than a tensor: the agreement runs in every MoE call, and each ATen op on CPU
+// tensors (an allocation, a narrow) costs microseconds of host time there.
+class AgreedRows {
+ public:
+  AgreedRows() = default;
+  AgreedRows(int64_t rows, int64_t cols)
+      : rows_(rows), cols_(cols), data_(static_cast<size_t>(rows * cols), 0) {}
+  // A copy of an int64 [R, W] CPU tensor.
+  static AgreedRows of(const at::Tensor& rows);
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  int64_t operator()(int64_t r, int64_t c) const {
+    return data_[static_cast<size_t>(r * cols_ + c)];
+  }
+  int64_t* row(int64_t r) { return data_.data() + r * cols_; }
+  int64_t* data() { return data_.data(); }
+  // Columns [first, first + count) of every row, as a new table.
+  AgreedRows columns(int64_t first, int64_t count) const;
+  // An int64 [rows, cols] CPU tensor holding a copy.
+  at::Tensor toTensor() const;
+
+ private:
+  int64_t rows_ = 0;
+  int64_t cols_ = 0;
+  std::vector<int64_t> data_;
+};
+
 // The agreement step, over the group's CPU backend. All-gathers a row of a fixed width (the
 // same in every collective of the group, so ranks never post exchanges of different sizes):
 // [error flag, id of `op`, this rank's call number in the group, #fields, #payload, 16 field
@@ -46,13 +74,17 @@ struct AgreedField {
 at::Tensor agreeAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                             const std::vector<AgreedField>& fields,
                             const std::vector<int64_t>& payload);
+// agreeAcrossRanks with the payloads as a host table (the ops on the hot path).
+AgreedRows agreeRowsAcrossRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+                                const std::vector<AgreedField>& fields,
+                                const std::vector<int64_t>& payload);
 
 // agreeAcrossRanks for the low-latency ops, which honour rank masking: with ranks masked or
 // auto-masking on (RankMaskSnapshot::live_only), the row goes point-to-point among the live ranks
 // only, a masked rank's payload reads as zeros, and the ranks must agree on the mask. A peer that
 // misses the call is masked (into `mask` too) when auto-masking is on.
 struct RankMaskSnapshot;
-at::Tensor agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
+AgreedRows agreeAmongLiveRanks(EPProcessGroup& pg, const char* op, const std::string& local_error,
                                const std::vector<AgreedField>& fields,
                                const std::vector<int64_t>& payload, RankMaskSnapshot& mask);
 
@@ -113,6 +145,8 @@ std::string validateReserve(int64_t num_tokens, int64_t hidden_bytes, int64_t to
 // expects to receive (gathered[d, offset + R + s]): a handle from another dispatch or group.
 // With known_column >= 0, a pair is checked only where both ranks have 1 there (a rank whose
 // handle's counts are not on the host sends zeros and 0).
+void checkRoutingAgrees(const char* op, const AgreedRows& gathered, int64_t offset, int64_t rank,
+                        int64_t known_column = -1);
 void checkRoutingAgrees(const char* op, const at::Tensor& gathered, int64_t offset, int64_t rank,
                         int64_t known_column = -1);
 

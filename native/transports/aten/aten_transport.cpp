@@ -480,7 +480,7 @@ LowLatencyDispatchResult lowLatencyDispatch(EPProcessGroup& pg, const LowLatency
       ok ? toVector(per_expert) : std::vector<int64_t>(a.num_experts > 0 ? a.num_experts : 0, 0);
   const std::vector<uint8_t> masked_before = mask.masked;
   at::Tensor gathered =
-      agreeAmongLiveRanks(pg, "low_latency_dispatch", error, fields, payload, mask);
+      agreeAmongLiveRanks(pg, "low_latency_dispatch", error, fields, payload, mask).toTensor();
   if (mask.masked != masked_before) {
     plan();  // a peer was auto-masked in the agreement: nothing goes to it either
   }
@@ -593,7 +593,7 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
   };
   const std::vector<uint8_t> masked_before = mask.masked;
   at::Tensor gathered =
-      agreeAmongLiveRanks(pg, "low_latency_combine", error, fields, payload, mask);
+      agreeAmongLiveRanks(pg, "low_latency_combine", error, fields, payload, mask).toTensor();
   if (mask.masked != masked_before) {
     plan();  // a peer was auto-masked in the agreement: its rows are absent
   }

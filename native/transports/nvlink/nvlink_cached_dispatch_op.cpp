@@ -43,7 +43,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   const int64_t rows = ok ? routing.recv_src_idx.size(0) : 0;
   payload.push_back(rows);
   payload.push_back(handle.known ? 1 : 0);
-  at::Tensor gathered = agreeAcrossRanks(pg, "cached dispatch", error, fields, payload);
+  const AgreedRows gathered = agreeRowsAcrossRanks(pg, "cached dispatch", error, fields, payload);
   const int64_t known_column = 5 + 2 * num_ranks + 1;
   checkRoutingAgrees("cached dispatch", gathered, 5, pg.getRank(), known_column);
 
@@ -57,11 +57,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
   // with padding rows (nobody writes those in a slab). Every rank reads the same gathered table.
   bool via_slabs = st->slabs != nullptr && !capture;
   {
-    auto g = gathered.accessor<int64_t, 2>();
+    const AgreedRows& g = gathered;
     for (int64_t r = 0; r < num_ranks && via_slabs; ++r) {
       int64_t received = 0;
-      for (int64_t s = 0; s < num_ranks; ++s) received += g[r][5 + num_ranks + s];
-      via_slabs = g[r][known_column] == 1 && g[r][5 + 2 * num_ranks] == received;
+      for (int64_t s = 0; s < num_ranks; ++s) received += g(r, 5 + num_ranks + s);
+      via_slabs = g(r, known_column) == 1 && g(r, 5 + 2 * num_ranks) == received;
     }
   }
   // Behind a slab-lending notify the kernel reads that notify's prefix, not the handle's.

@@ -149,14 +149,13 @@ NvlinkRuntime& ensureRuntime(EPProcessGroup& pg, GroupState& st, const at::Devic
   return *st.runtime;
 }
 
-Needs maxNeeds(const at::Tensor& gathered) {
+Needs maxNeeds(const AgreedRows& gathered) {
   // gathered [R, >=5]: tokens, hidden bytes, top-k, scales, local experts. A plain loop: an ATen
   // reduction here woke the intra-op thread pool and cost milliseconds per call on the GPU host.
-  auto g = gathered.accessor<int64_t, 2>();
   int64_t m[5] = {0, 0, 0, 0, 0};
-  for (int64_t r = 0; r < g.size(0); ++r) {
+  for (int64_t r = 0; r < gathered.rows(); ++r) {
     for (int c = 0; c < 5; ++c) {
-      m[c] = std::max(m[c], g[r][c]);
+      m[c] = std::max(m[c], gathered(r, c));
     }
   }
   Needs n;
@@ -168,11 +167,10 @@ Needs maxNeeds(const at::Tensor& gathered) {
   return n;
 }
 
-int64_t worstCaseRows(const at::Tensor& gathered) {
-  auto g = gathered.accessor<int64_t, 2>();
+int64_t worstCaseRows(const AgreedRows& gathered) {
   int64_t rows = 0;
-  for (int64_t r = 0; r < g.size(0); ++r) {
-    rows += g[r][0];
+  for (int64_t r = 0; r < gathered.rows(); ++r) {
+    rows += gathered(r, 0);
   }
   return rows;
 }
@@ -181,8 +179,9 @@ std::vector<int64_t> reserve(EPProcessGroup& pg, const at::Device& device,
                              const at::Tensor& gathered) {
   auto st = stateOf(pg);
   c10::cuda::CUDAGuard guard(device);
-  const NvlinkConfig& cfg =
-      ensureRuntime(pg, *st, device, maxNeeds(gathered), "reserve", streamCapturing(), -1).config();
+  const NvlinkConfig& cfg = ensureRuntime(pg, *st, device, maxNeeds(AgreedRows::of(gathered)),
+                                          "reserve", streamCapturing(), -1)
+                                .config();
   return {cfg.max_tokens_per_rank, cfg.max_hidden_bytes,  cfg.max_topk,
           cfg.max_scales,          cfg.max_local_experts, cfg.recv_slabs};
 }

@@ -26,11 +26,11 @@ struct Needs {
 };
 
 // gathered [R, >=5]: tokens, hidden bytes, top-k, scales, local experts of each rank.
-Needs maxNeeds(const at::Tensor& gathered);
+Needs maxNeeds(const AgreedRows& gathered);
 
 // The most rows a dispatch can deliver to one rank: every token of every rank (column 0 of the
 // agreed payload), each received at most once.
-int64_t worstCaseRows(const at::Tensor& gathered);
+int64_t worstCaseRows(const AgreedRows& gathered);
 
 // The agreed field that keeps every rank's decision on growing the transport alike.
 AgreedField graphCapturedField(const GroupState& st);

@@ -79,7 +79,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> combine(EPProcessGroup& pg, con
                                ok && has_weights ? a.topk_weights->size(1) : 0, 0, 0};
   payload.insert(payload.end(), handle.counts.begin(), handle.counts.end());
   payload.push_back(handle.known ? 1 : 0);
-  at::Tensor gathered = agreeAcrossRanks(pg, "combine", error, fields, payload);
+  const AgreedRows gathered = agreeRowsAcrossRanks(pg, "combine", error, fields, payload);
   checkRoutingAgrees("combine", gathered, 5, pg.getRank(), 5 + 2 * num_ranks);
   stages.mark("agree");
   stages.note("agree_wait", lastAgreementWaitUs());  // of "agree": waiting for the peers' rows

@@ -231,7 +231,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
   std::vector<int64_t> payload{
       ok ? a.x.size(0) : 0, ok ? a.x.size(1) * a.x.element_size() : 0, ok ? a.topk_idx.size(1) : 0,
       ok && has_scales ? a.x_scales->size(1) : 0, ok ? a.num_experts / num_ranks : 0};
-  at::Tensor gathered = agreeAcrossRanks(pg, "dispatch", error, fields, payload);
+  const AgreedRows gathered = agreeRowsAcrossRanks(pg, "dispatch", error, fields, payload);
   stages.mark("agree");
   stages.note("agree_wait", lastAgreementWaitUs());  // of "agree": waiting for the peers' rows
 

@@ -806,15 +806,14 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   const std::vector<int64_t> payload{ok ? a.topk_idx.size(1) : 0, pendingReceives(*st)};
   RankMaskSnapshot mask = rankMask(pg);
   stages.mark("validate");
-  at::Tensor gathered =
+  const AgreedRows g =
       agreeAmongLiveRanks(pg, "low_latency_dispatch", error, fields, payload, mask);
   stages.mark("agree");
   int64_t max_topk = 1;
   int64_t pending = 0;  // receives still awaited, over all ranks
-  auto g = gathered.accessor<int64_t, 2>();
-  for (int64_t r = 0; r < g.size(0); ++r) {
-    max_topk = std::max(max_topk, g[r][0]);
-    pending += g[r][1];
+  for (int64_t r = 0; r < g.rows(); ++r) {
+    max_topk = std::max(max_topk, g(r, 0));
+    pending += g(r, 1);
   }
 
   const int64_t hidden = a.x.size(1);
@@ -955,15 +954,14 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   const int64_t seq = buffer >= 0 ? static_cast<int64_t>(handle->seq) : -1;
   RankMaskSnapshot mask = rankMask(pg);
   stages.mark("validate");
-  at::Tensor gathered =
+  const AgreedRows g =
       agreeAmongLiveRanks(pg, "low_latency_combine", error, fields, {buffer, seq}, mask);
   stages.mark("agree");
-  auto g = gathered.accessor<int64_t, 2>();
-  for (int64_t r = 0; r < g.size(0); ++r) {
+  for (int64_t r = 0; r < g.rows(); ++r) {
     if (mask.is_masked(r)) {
       continue;  // its row reads as zeros: it takes no part
     }
-    if (g[r][0] < 0 || g[r][0] != buffer || g[r][1] != seq) {
+    if (g(r, 0) < 0 || g(r, 0) != buffer || g(r, 1) != seq) {
       return std::nullopt;  // every rank sees the same gathered rows: all take the ATen path
     }
   }
