@@ -727,6 +727,7 @@ AgreedRows gatherAmongLiveRanks(EPProcessGroup& pg, const char* op, uint64_t cal
   auto key = [&](int64_t r) { return liveKey(pg, call, what, r); };
   const auto* first = reinterpret_cast<const uint8_t*>(row.data());
   postLive(pg, call, what, std::vector<uint8_t>(first, first + row.size() * sizeof(int64_t)));
+  TORCH_INTERNAL_ASSERT(masked_row.size() == row.size(), "a masked rank's row has the row's width");
   AgreedRows all(num_ranks, width);
   const auto timeout = mask.auto_mask ? mask.auto_timeout : pg.options()->timeout;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
