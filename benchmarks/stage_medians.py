@@ -8,7 +8,9 @@ their lines whole (a plain ``2>LOG`` lets ranks overwrite each other's bytes; su
 skipped).
 
 The k-th call of an op in each process is the same collective call (every rank makes the same
-calls). Its arrival at the agreement is start_ns plus the stages before "agree"; for each call
+calls). Its entry is start_ns (the C++ op's start; the skew of the entries is what the ranks
+bring from before the op: the Python layer, or how they left whatever preceded the call), its
+arrival at the agreement start_ns plus the stages before "agree"; for each call
 the last rank's arrival bounds the agreement from below, so "agree" = waiting for the last rank +
 the exchange itself. Printed per op: the arrival skew (last - first arrival), the other ranks' wait
 for the last one, what is left of "agree" once everyone is there, and per process how often it
@@ -60,7 +62,7 @@ def medians(calls) -> None:
 
 
 def agreement_waits(calls) -> None:
-    by_op: dict[str, dict[int, list[tuple[float, float, float | None]]]] = defaultdict(
+    by_op: dict[str, dict[int, list[tuple[float, float, float | None, float]]]] = defaultdict(
         lambda: defaultdict(list)
     )
     for op, cells, start, pid in calls:
@@ -71,7 +73,8 @@ def agreement_waits(calls) -> None:
             if key == "agree":
                 break
             before += value
-        by_op[op][pid].append((start / 1e3 + before, cells["agree"], cells.get("agree_wait")))
+        entry = start / 1e3
+        by_op[op][pid].append((entry + before, cells["agree"], cells.get("agree_wait"), entry))
     for op, per_pid in by_op.items():
         counts = {len(v) for v in per_pid.values()}
         if len(per_pid) < 2:
@@ -81,12 +84,14 @@ def agreement_waits(calls) -> None:
                   "(lines lost?); arrivals not lined up")  # fmt: skip
             continue
         pids = sorted(per_pid)
-        skews, waits, rest, last_agree, last_wait = [], [], [], [], []
+        skews, entry_skews, waits, rest, last_agree, last_wait = [], [], [], [], [], []
         last_count = dict.fromkeys(pids, 0)
         for k in range(counts.pop()):
             arrivals = {p: per_pid[p][k][0] for p in pids}
             first, last = min(arrivals.values()), max(arrivals.values())
             skews.append(last - first)
+            entries = [per_pid[p][k][3] for p in pids]
+            entry_skews.append(max(entries) - min(entries))
             latest = max(arrivals, key=arrivals.get)
             last_count[latest] += 1
             last_agree.append(per_pid[latest][k][1])
@@ -99,7 +104,8 @@ def agreement_waits(calls) -> None:
                 rest.append(per_pid[p][k][1] - wait)
         n = len(skews)
         lasts = ", ".join(f"pid {p} {100 * c / n:.0f}%" for p, c in last_count.items())
-        print(f"{op} agreement ({n} calls x {len(pids)} processes, medians µs): arrival skew "
+        print(f"{op} agreement ({n} calls x {len(pids)} processes, medians µs): C++ entry skew "
+              f"{statistics.median(entry_skews):.1f}, arrival skew "
               f"{statistics.median(skews):.1f}, the others' wait for the last rank "
               f"{statistics.median(waits) if waits else 0.0:.1f}, "
               f"agree once all arrived {statistics.median(rest):.1f}; last to arrive: {lasts}")  # fmt: skip
