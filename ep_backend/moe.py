@@ -360,12 +360,16 @@ def all_to_all_moe_dispatch(
     # traced) runs last, in `finish`: this function's own result objects are built while the GPU
     # runs notify, not after the counts came in (where the host's work delays the op's end).
     finish: Callable[[], list[int]] | None = None
+    # It calls the C++ op itself, not through the dispatcher: only where no dispatch mode or
+    # __torch_function__ override would have seen the op.
     deferred = (
         not async_op
         and type(x) is torch.Tensor
         and x.is_cuda
         and not _needs_grad(x, topk_weights)
         and not torch.compiler.is_compiling()
+        and not torch._C._has_torch_function((x, x_scales, topk_idx, topk_weights))
+        and torch._C._len_torch_dispatch_stack() == 0
     )
 
     def run() -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,7 @@
 
 #include "backend/all_to_all_v.hpp"
 #include "backend/ep_process_group.hpp"
+#include "backend/moe_op_calls.hpp"
 #include "backend/moe_ops.hpp"
 #include "backend/moe_validation.hpp"
 #include "backend/rank_mask.hpp"
@@ -506,6 +507,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group_name"), py::arg("layout"),
       "ep::dispatch with the count wait deferred: (outputs, finish or None); see moe_ops.hpp. "
       "Releases the GIL in both.");
+  // The ops through the typed dispatcher (moe_op_calls.hpp), with the GIL released as torch.ops
+  // releases it: the agreement blocks on peers, and their Gloo threads may need the GIL.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("_call_dispatch_layout", &ep::callDispatchLayout, no_gil,
+        "torch.ops.ep.dispatch_layout.default without Python's argument boxing.");
+  m.def("_call_dispatch", &ep::callDispatch, no_gil,
+        "torch.ops.ep.dispatch.default without Python's argument boxing.");
+  m.def("_call_cached_dispatch", &ep::callCachedDispatch, no_gil,
+        "torch.ops.ep.cached_dispatch.default without Python's argument boxing.");
+  m.def("_call_combine", &ep::callCombine, no_gil,
+        "torch.ops.ep.combine.default without Python's argument boxing.");
+  m.def("_call_low_latency_dispatch", &ep::callLowLatencyDispatch, no_gil,
+        "torch.ops.ep.low_latency_dispatch.default without Python's argument boxing.");
+  m.def("_call_low_latency_combine", &ep::callLowLatencyCombine, no_gil,
+        "torch.ops.ep.low_latency_combine.default without Python's argument boxing.");
   // The async_op path's record_stream of every input and output in one call (one Python to C++
   // crossing instead of several per tensor).
   m.def(
