@@ -8,14 +8,13 @@ that entry must keep of ``torch.ops.ep.<op>.default`` (2 CPU ranks, the Gloo-bac
 * a ``TorchDispatchMode`` still sees every op under its ``torch.ops`` name (the dispatcher's
   Python key runs for the typed call as for a boxed one);
 * a ``TorchFunctionMode``, which only Python can honour, takes ``torch.ops`` (it sees the op, and
-  the entry is not called);
-* the entry releases the GIL while the op waits for a late peer in its agreement.
+  the entry is not called).
+
+That the entries release the GIL while the op waits for a late peer: ``tests/test_gil_release.py``.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import torch
@@ -170,52 +169,3 @@ def test_entries_equal_torch_ops_and_keep_modes() -> None:
             assert f"ep.{op}.default" in r["dispatch_mode"], (op, r["dispatch_mode"])
             assert f"ep.{op}.default" in r["function_mode"], (op, r["function_mode"])
         assert r["function_mode_calls"] == dict.fromkeys(ENTRIES, 0), r["function_mode_calls"]
-
-
-LATE_S = 1.0
-
-
-def _combine_with_a_late_peer(rank: int, world: int) -> dict[str, float]:
-    import torch.distributed as dist
-
-    import ep_backend as ep
-    from ep_backend import reference as ref
-
-    gen = make_generator(rank, 12)
-    x = torch.randn(8, 16, generator=gen)
-    idx = torch.randint(0, 4, (8, 2), generator=gen)
-    out = ep.dispatch(x, idx, None, 4)
-    dist.barrier()
-    ticks = 0
-    stop = threading.Event()
-
-    def tick() -> None:
-        nonlocal ticks
-        while not stop.is_set():
-            ticks += 1
-            time.sleep(0.001)
-
-    if rank == 1:
-        time.sleep(LATE_S)
-    thread = threading.Thread(target=tick)
-    thread.start()
-    start = time.monotonic()
-    combined = ep.combine(out.recv_x, out.handle)
-    waited = time.monotonic() - start
-    stop.set()
-    thread.join()
-    expected = ref.combine(out.recv_x, out.handle)
-    return {
-        "ticks": ticks,
-        "waited": waited,
-        "exact": float(torch.equal(combined.combined_x, expected.combined_x)),
-    }
-
-
-def test_combine_entry_releases_the_gil_while_waiting_for_a_late_peer() -> None:
-    results = run_distributed(_combine_with_a_late_peer, 2, backend="ep", timeout=120)
-    early = results[0]
-    assert all(r["exact"] == 1.0 for r in results), results
-    assert early["waited"] > 0.5 * LATE_S, results
-    # Hundreds of 1 ms ticks if the GIL is free during the wait, one at most if it is held.
-    assert early["ticks"] > 100, results
