@@ -3,8 +3,9 @@
 One rank, one GPU (the op's host path is the same at any rank count up to the exchange):
     python benchmarks/host_overhead.py [--iters N] [--rounds R]
 Prints, per row, the min and the median over R rounds of each round's median (µs): ep.dispatch /
-ep.combine as users call them, the registered custom op called directly (what the Python layer
-wraps), and a one-element torch op (this host's floor). Rows take turns within each round: the
+ep.combine as users call them, the registered custom op called through ``torch.ops`` and through
+the typed dispatcher (``_C._call_combine``, what the Python layer calls on a plain eager call),
+and a one-element torch op (this host's floor). Rows take turns within each round: the
 host's speed drifts by tens of percent over a run on the GPU VMs, so rows timed one after the
 other are not comparable.
 """
@@ -48,6 +49,7 @@ def main() -> None:
     name = pg.group_name
     out = ep.dispatch(x, idx, w, E, layout=lay)
     routing = ep.moe._routing(out.handle)
+    native = ep._C
     rows = {
         "one-element torch op": lambda: x.new_ones(1),
         "ep.dispatch FP8, layout given": lambda: ep.dispatch(
@@ -61,6 +63,9 @@ def main() -> None:
         ),
         "ep.combine BF16": lambda: ep.combine(out.recv_x, out.handle),
         "torch.ops.ep.combine.default": lambda: torch.ops.ep.combine.default(
+            out.recv_x, None, None, None, *routing, name
+        ),
+        "_C._call_combine (typed dispatcher)": lambda: native._call_combine(
             out.recv_x, None, None, None, *routing, name
         ),
     }
