@@ -6,7 +6,7 @@ that entry must keep of ``torch.ops.ep.<op>.default`` (2 CPU ranks, the Gloo-bac
 
 * the same results, bit for bit, for every op (each call also compared with the reference);
 * a ``TorchDispatchMode`` still sees every op under its ``torch.ops`` name (the dispatcher's
-  Python key runs for the typed call as for a boxed one);
+  Python key runs for the typed call as for a boxed one), and the profiler names it ``ep::<op>``;
 * a ``TorchFunctionMode``, which only Python can honour, takes ``torch.ops`` (it sees the op, and
   the entry is not called).
 
@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 E_PER_RANK, K, H, T, M = 3, 2, 128, 9, 16
+OPS = ("dispatch_layout", "dispatch", "cached_dispatch", "combine", "low_latency_dispatch",
+       "low_latency_combine")  # fmt: skip
 ENTRIES = (
     "_call_dispatch_layout",
     "_call_dispatch",
@@ -121,6 +123,9 @@ def _op_calls_worker(rank: int, world: int) -> dict[str, Any]:
 
         with _OpNames() as dispatch_mode:
             _all_ops(x, idx, w, num_experts)
+        with torch.profiler.profile() as profile:
+            _all_ops(x, idx, w, num_experts)
+        profiled = sorted({e.name for e in profile.events() if e.name.startswith("ep::")})
         counting.calls = dict.fromkeys(ENTRIES, 0)
         with _FunctionNames() as function_mode:
             under_function_mode = _all_ops(x, idx, w, num_experts)
@@ -153,6 +158,7 @@ def _op_calls_worker(rank: int, world: int) -> dict[str, Any]:
         "dispatch_mode": dispatch_mode.names,
         "function_mode": function_mode.names,
         "function_mode_calls": function_mode_calls,
+        "profiled": profiled,
     }
 
 
@@ -164,8 +170,9 @@ def test_entries_equal_torch_ops_and_keep_modes() -> None:
     for r in results:
         # A CPU dispatch has no deferred count wait: it takes the op like the others.
         assert r["direct_calls"] == dict.fromkeys(ENTRIES, 1), r["direct_calls"]
-        for op in ("dispatch_layout", "dispatch", "cached_dispatch", "combine",
-                   "low_latency_dispatch", "low_latency_combine"):  # fmt: skip
+        for op in OPS:
             assert f"ep.{op}.default" in r["dispatch_mode"], (op, r["dispatch_mode"])
             assert f"ep.{op}.default" in r["function_mode"], (op, r["function_mode"])
         assert r["function_mode_calls"] == dict.fromkeys(ENTRIES, 0), r["function_mode_calls"]
+        # The profiler names the ops as it does through torch.ops.
+        assert r["profiled"] == sorted(f"ep::{op}" for op in OPS), r["profiled"]
