@@ -95,23 +95,27 @@ def _run(
     if device.type != "cuda":
         result = fn()
         return result, _completed_work(outputs_of(result))
-    current = torch.cuda.current_stream(device)
     comm = _comm_stream(device)
+    comm_ids = (comm.stream_id, comm.device_index, comm.device_type)
     if previous_event is not None:
         comm.wait_event(previous_event)
-    else:
-        comm.wait_stream(current)
-    with torch.cuda.stream(comm):
+    native = _native()
+    # The comm stream becomes current (after waiting for the current stream, unless it waits for
+    # previous_event instead), as in `with torch.cuda.stream(comm)`, in one C++ call.
+    current_ids = native._enter_comm_stream(*comm_ids, previous_event is None)
+    try:
         result = fn()
         outputs = outputs_of(result)
         fut: torch.futures.Future = torch.futures.Future(devices=[device])
         fut.set_result(outputs)  # records an event on the comm stream
-    # ep_backend.record_stream of each: inputs stay alive until the comm stream is done with
-    # them; outputs (receive-slab views too: with previous_event a later dispatch's comm stream
-    # need not wait for the current stream, which may still read them) for the current stream.
-    record = _native()._record_streams
-    record(
-        [t for t in inputs if t is not None], comm.stream_id, comm.device_index, comm.device_type
+    except BaseException:
+        native._exit_comm_stream(current_ids, comm_ids, [], [])  # nothing to record
+        raise
+    # The current stream again, then ep_backend.record_stream of each: inputs stay alive until
+    # the comm stream is done with them; outputs (receive-slab views too: with previous_event a
+    # later dispatch's comm stream need not wait for the current stream, which may still read
+    # them) for the current stream.
+    native._exit_comm_stream(
+        current_ids, comm_ids, [t for t in inputs if t is not None], list(outputs)
     )
-    record(list(outputs), current.stream_id, current.device_index, current.device_type)
     return result, torch._C._distributed_c10d._create_work_from_future(fut)

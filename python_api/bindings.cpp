@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/all_to_all_v.hpp"
+#include "backend/comm_stream_scope.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/moe_op_calls.hpp"
 #include "backend/moe_ops.hpp"
@@ -522,14 +523,31 @@ PYBIND11_MODULE(_C, m) {
         "torch.ops.ep.low_latency_dispatch.default without Python's argument boxing.");
   m.def("_call_low_latency_combine", &ep::callLowLatencyCombine, no_gil,
         "torch.ops.ep.low_latency_combine.default without Python's argument boxing.");
-  // The async_op path's record_stream of every input and output in one call (one Python to C++
-  // crossing instead of several per tensor).
+  // The async_op path's stream switch (comm_stream_scope.hpp); streams as (id, device index,
+  // device type), as torch.Stream packs them.
   m.def(
-      "_record_streams",
-      [](const std::vector<at::Tensor>& tensors, int64_t stream_id, int64_t device_index,
-         int64_t device_type) {
-        ep::recordStreams(tensors, unpackStream(stream_id, device_index, device_type));
+      "_enter_comm_stream",
+      [](int64_t stream_id, int64_t device_index, int64_t device_type, bool wait_current) {
+        const c10::Stream previous =
+            ep::enterCommStream(unpackStream(stream_id, device_index, device_type), wait_current);
+        return std::make_tuple(previous.id(), static_cast<int64_t>(previous.device_index()),
+                               static_cast<int64_t>(previous.device_type()));
       },
-      py::arg("tensors"), py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
-      "ep_backend.record_stream for each CUDA tensor of a list.");
+      py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
+      py::arg("wait_current"),
+      "Makes the stream current on its device (after it waits for the current one, with "
+      "wait_current); returns the replaced stream as (stream_id, device_index, device_type).");
+  m.def(
+      "_exit_comm_stream",
+      [](const std::tuple<int64_t, int64_t, int64_t>& previous,
+         const std::tuple<int64_t, int64_t, int64_t>& comm, const std::vector<at::Tensor>& inputs,
+         const std::vector<at::Tensor>& outputs) {
+        const auto [pid, pidx, ptype] = previous;
+        const auto [cid, cidx, ctype] = comm;
+        ep::exitCommStream(unpackStream(pid, pidx, ptype), unpackStream(cid, cidx, ctype), inputs,
+                           outputs);
+      },
+      py::arg("previous"), py::arg("comm"), py::arg("inputs"), py::arg("outputs"),
+      "Restores `previous` as current, then record_stream: inputs on `comm`, outputs on "
+      "`previous`.");
 }
