@@ -5,21 +5,44 @@
 #include "backend/moe_ops.hpp"
 
 #ifdef EP_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <vector>
 #endif
 
 namespace ep {
 
 #ifdef EP_WITH_CUDA
 
+namespace {
+
+// This thread's ordering event on `device` (no timing), created at its first use there and kept
+// for the thread's life. One event serves every call: cudaStreamWaitEvent waits for the record
+// made just before it, and a later record does not change what an earlier wait waits for.
+cudaEvent_t orderingEvent(c10::DeviceIndex device) {
+  thread_local std::vector<cudaEvent_t> events;
+  if (static_cast<size_t>(device) >= events.size()) {
+    events.resize(static_cast<size_t>(device) + 1, nullptr);
+  }
+  cudaEvent_t& event = events[static_cast<size_t>(device)];
+  if (event == nullptr) {
+    const c10::cuda::CUDAGuard guard(device);  // an event records on its own device's streams
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  }
+  return event;
+}
+
+}  // namespace
+
 c10::Stream enterCommStream(const c10::Stream& comm, bool wait_current) {
   const c10::cuda::CUDAStream comm_stream(comm);
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(comm.device_index());
   if (wait_current && current != comm_stream) {
-    at::cuda::CUDAEvent queued;  // freed by CUDA once the wait no longer needs it
-    queued.record(current);
-    queued.block(comm_stream);
+    cudaEvent_t queued = orderingEvent(comm.device_index());
+    C10_CUDA_CHECK(cudaEventRecord(queued, current.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), queued, 0));
   }
   c10::cuda::setCurrentCUDAStream(comm_stream);
   return current.unwrap();
