@@ -13,6 +13,7 @@ must see it under ``torch.compile``'s tracing and where an argument or a mode ov
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,46 +30,24 @@ def _through_torch_ops(args: tuple[Any, ...]) -> bool:
     return torch.compiler.is_compiling() or _has_torch_function(args)
 
 
-def _dispatch_op(*args: Any) -> tuple[torch.Tensor, ...]:
-    """``ep::dispatch(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-    num_worst_tokens, group_name, layout)``."""
-    if _through_torch_ops(args):
-        return _ops.dispatch.default(*args)
-    return _C._call_dispatch(*args)
+def _op_call(name: str) -> Callable[..., Any]:
+    """``ep::<name>`` called with the op's positional arguments, by whichever way fits the call."""
+    overload = getattr(_ops, name).default
+    entry = f"_call_{name}"
+
+    def call(*args: Any) -> Any:
+        if _through_torch_ops(args):
+            return overload(*args)
+        return getattr(_C, entry)(*args)
+
+    call.__name__ = call.__qualname__ = f"_{name}_op"
+    call.__doc__ = f"``ep::{name}``: ``{overload._schema}``."
+    return call
 
 
-def _layout_op(*args: Any) -> tuple[torch.Tensor, ...]:
-    """``ep::dispatch_layout(topk_idx, num_experts, num_ranks)``."""
-    if _through_torch_ops(args):
-        return _ops.dispatch_layout.default(*args)
-    return _C._call_dispatch_layout(*args)
-
-
-def _cached_dispatch_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ep::cached_dispatch(x, x_scales, *routing, group_name)``."""
-    if _through_torch_ops(args):
-        return _ops.cached_dispatch.default(*args)
-    return _C._call_cached_dispatch(*args)
-
-
-def _combine_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ep::combine(x, topk_weights, bias0, bias1, *routing, group_name)``."""
-    if _through_torch_ops(args):
-        return _ops.combine.default(*args)
-    return _C._call_combine(*args)
-
-
-def _low_latency_dispatch_op(*args: Any) -> tuple[torch.Tensor, ...]:
-    """``ep::low_latency_dispatch(x, topk_idx, M, E, use_fp8, round_scale, use_ue8m0,
-    group_name, send_only)``."""
-    if _through_torch_ops(args):
-        return _ops.low_latency_dispatch.default(*args)
-    return _C._call_low_latency_dispatch(*args)
-
-
-def _low_latency_combine_op(*args: Any) -> torch.Tensor:
-    """``ep::low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range, M,
-    group_name)``."""
-    if _through_torch_ops(args):
-        return _ops.low_latency_combine.default(*args)
-    return _C._call_low_latency_combine(*args)
+_dispatch_op = _op_call("dispatch")
+_layout_op = _op_call("dispatch_layout")
+_cached_dispatch_op = _op_call("cached_dispatch")
+_combine_op = _op_call("combine")
+_low_latency_dispatch_op = _op_call("low_latency_dispatch")
+_low_latency_combine_op = _op_call("low_latency_combine")

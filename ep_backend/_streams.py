@@ -25,6 +25,20 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     return _comm_streams[index]
 
 
+# Each comm stream as (stream_id, device_index, device_type), what the C++ stream switch takes.
+_comm_stream_ids: dict[int, tuple[int, int, int]] = {}
+
+
+def _comm_ids(device: torch.device) -> tuple[int, int, int]:
+    ids = _comm_stream_ids.get(device.index)  # type: ignore[arg-type]
+    if ids is None:
+        comm = _comm_stream(device)
+        ids = (comm.stream_id, comm.device_index, comm.device_type)
+        if device.index is not None:
+            _comm_stream_ids[device.index] = ids
+    return ids
+
+
 def _completed_work(result: list[torch.Tensor]) -> dist.Work:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(result)
@@ -95,10 +109,9 @@ def _run(
     if device.type != "cuda":
         result = fn()
         return result, _completed_work(outputs_of(result))
-    comm = _comm_stream(device)
-    comm_ids = (comm.stream_id, comm.device_index, comm.device_type)
+    comm_ids = _comm_ids(device)
     if previous_event is not None:
-        comm.wait_event(previous_event)
+        _comm_stream(device).wait_event(previous_event)
     native = _native()
     # The comm stream becomes current (after waiting for the current stream, unless it waits for
     # previous_event instead), as in `with torch.cuda.stream(comm)`, in one C++ call.

@@ -29,7 +29,13 @@ import torch.distributed as dist
 
 from ._arguments import _require_int, _require_tensor
 from ._autograd import _CachedDispatchFn, _CombineFn, _DispatchFn, _needs_grad
-from ._custom_ops import _cached_dispatch_op, _combine_op, _dispatch_op, _layout_op
+from ._custom_ops import (
+    _cached_dispatch_op,
+    _combine_op,
+    _dispatch_op,
+    _layout_op,
+    _through_torch_ops,
+)
 from ._failures import _failed, _input_error, _reject, _translate
 from ._fallback import _check_fallback
 from ._groups import Group, _group_info, _group_state, _node_of_rank, get_backend
@@ -367,8 +373,7 @@ def all_to_all_moe_dispatch(
         and type(x) is torch.Tensor
         and x.is_cuda
         and not _needs_grad(x, topk_weights)
-        and not torch.compiler.is_compiling()
-        and not torch._C._has_torch_function((x, x_scales, topk_idx, topk_weights))
+        and not _through_torch_ops((x, x_scales, topk_idx, topk_weights))
         and torch._C._len_torch_dispatch_stack() == 0
     )
 

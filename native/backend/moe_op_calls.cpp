@@ -21,12 +21,12 @@ LayoutTensors callDispatchLayout(const at::Tensor& topk_idx, int64_t num_experts
   return op.call(topk_idx, num_experts, num_ranks);
 }
 
-DispatchOpOutputs callDispatch(const at::Tensor& x, const OptTensor& x_scales,
-                               const at::Tensor& topk_idx, const OptTensor& topk_weights,
-                               int64_t num_experts, int64_t expert_alignment,
-                               int64_t num_worst_tokens, const std::string& group_name,
-                               const std::vector<at::Tensor>& layout) {
-  static const auto op = typedOp<DispatchOpOutputs(
+DispatchOutputs callDispatch(const at::Tensor& x, const OptTensor& x_scales,
+                             const at::Tensor& topk_idx, const OptTensor& topk_weights,
+                             int64_t num_experts, int64_t expert_alignment,
+                             int64_t num_worst_tokens, const std::string& group_name,
+                             const std::vector<at::Tensor>& layout) {
+  static const auto op = typedOp<DispatchOutputs(
       const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&, int64_t, int64_t,
       int64_t, const std::string&, at::TensorList)>("ep::dispatch");
   return op.call(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,

@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backend/moe_ops.hpp"
 #include "backend/moe_types.hpp"
 
 namespace ep {
@@ -25,16 +26,11 @@ using OptTensor = std::optional<at::Tensor>;
 LayoutTensors callDispatchLayout(const at::Tensor& topk_idx, int64_t num_experts,
                                  int64_t num_ranks);
 
-// The dispatch op's outputs (moe_ops.hpp's DispatchOutputs, in the schema's order).
-using DispatchOpOutputs =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-               at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-DispatchOpOutputs callDispatch(const at::Tensor& x, const OptTensor& x_scales,
-                               const at::Tensor& topk_idx, const OptTensor& topk_weights,
-                               int64_t num_experts, int64_t expert_alignment,
-                               int64_t num_worst_tokens, const std::string& group_name,
-                               const std::vector<at::Tensor>& layout);
+DispatchOutputs callDispatch(const at::Tensor& x, const OptTensor& x_scales,
+                             const at::Tensor& topk_idx, const OptTensor& topk_weights,
+                             int64_t num_experts, int64_t expert_alignment,
+                             int64_t num_worst_tokens, const std::string& group_name,
+                             const std::vector<at::Tensor>& layout);
 
 std::tuple<at::Tensor, at::Tensor> callCachedDispatch(
     const at::Tensor& x, const OptTensor& x_scales, const at::Tensor& is_token_in_rank,
