@@ -9,6 +9,8 @@ CPU copies over Gloo, so no NCCL communicator is needed. The low-latency ops nee
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from _dist_utils import gpu_world_size, run_distributed
@@ -215,6 +217,81 @@ def test_moe_collectives_on_cuda_match_reference(
     num_experts = -(-num_experts // world) * world  # a multiple of the rank count
     for rank, failures in enumerate(
         run_distributed(_moe_cuda, world, hidden, topk, num_experts, backend="ep")
+    ):
+        assert failures == [], (rank, failures)
+
+
+def _independent(name: str, tensors: dict[str, torch.Tensor], failures: list[str]) -> None:
+    """The small outputs of one call share one allocation (native/backend/carved_tensors.hpp):
+    each must still be a tensor of its own, over memory of its own, with its own version."""
+    items = [(k, t) for k, t in tensors.items() if t.numel() > 0]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k) for k, t in items)
+    for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
+        if begin < end:
+            failures.append(f"{name}: {a} and {b} overlap in memory")
+    for k, t in items:
+        if t._base is not None:
+            failures.append(f"{name}: {k} is a view")
+        before = {j: u._version for j, u in items}
+        t.copy_(t.clone())  # an in-place write bumps this tensor's version, and no other's
+        for j, u in items:
+            if u._version != before[j] + (j == k):
+                failures.append(f"{name}: writing {k} in place changed the version of {j}")
+
+
+def _separate_outputs(rank: int, world: int, with_low_latency: bool) -> list[str]:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    failures: list[str] = []
+    check = _checker(failures)
+    num_experts, hidden = 8 * world, 512
+    x, idx, w = cuda_routing(96 + 32 * rank, hidden, num_experts, 4, 5000 + rank, distinct=False)
+    probe = ep.get_dispatch_layout(idx, num_experts)  # a dispatch refuses it once written
+    _independent("layout", {"per_rank": probe.num_tokens_per_rank,
+                            "per_expert": probe.num_tokens_per_expert,
+                            "in_rank": probe.is_token_in_rank, "send_pos": probe.send_pos},
+                 failures)  # fmt: skip
+    lay = ep.get_dispatch_layout(idx, num_experts)
+    for given in (True, False):
+        d = ep.dispatch(x, idx, w, num_experts, layout=lay if given else None)
+        h = d.handle
+        _independent(f"dispatch (layout given: {given})",
+                     {"per_expert": d.num_recv_tokens_per_expert,
+                      "recv_per_rank": h.num_recv_tokens_per_rank,
+                      **({} if given else {"in_rank": h.is_token_in_rank,
+                                           "per_rank": h.num_tokens_per_rank})},
+                     failures)  # fmt: skip
+        # the handle still serves after those in-place writes
+        y = (d.recv_x.float() * 0.5).bfloat16()
+        want = ref.combine(y.cpu(), ref.dispatch(x.cpu(), idx.cpu(), w.cpu(), num_experts).handle)
+        check(f"combine after in-place writes (layout given: {given})",
+              ep.combine(y, h).combined_x, want.combined_x)  # fmt: skip
+    if with_low_latency:
+        la = ep.low_latency_dispatch(x, idx, 128, num_experts, use_fp8=True)
+        y = torch.randn(la.recv_x.shape, device=x.device).bfloat16()
+        first = ep.low_latency_combine(y, idx, w, la.handle)
+        lb = ep.low_latency_dispatch(x, idx, 128, num_experts, use_fp8=True)
+        _independent("low_latency_dispatch", {"scales": lb.recv_x_scales,
+                                              "count": lb.recv_count,
+                                              "src_info": lb.handle.src_info},
+                     failures)  # fmt: skip
+        # layout_range (by whose identity and version the kernels find the dispatch's buffer)
+        # kept its version: the kernel combine runs, bitwise as for the untouched handle
+        check("ll combine after in-place writes", ep.low_latency_combine(y, idx, w, lb.handle),
+              first)  # fmt: skip
+    torch.cuda.synchronize()
+    return failures
+
+
+@pytest.mark.parametrize("one_rank", [pytest.param(False, id="ranks"), ONE_RANK])
+@pytest.mark.gpu(min_gpus=1)
+def test_small_outputs_are_separate_tensors(one_rank: bool) -> None:
+    world = _world(one_rank)
+    # the low-latency ops need one GPU per rank; the high-throughput ones may share one
+    with_low_latency = nvshmem_built() and torch.cuda.device_count() >= world
+    for rank, failures in enumerate(
+        run_distributed(_separate_outputs, world, with_low_latency, backend="ep")
     ):
         assert failures == [], (rank, failures)
 

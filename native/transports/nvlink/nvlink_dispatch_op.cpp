@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/aligned_rows.hpp"
+#include "backend/carved_tensors.hpp"
 #include "backend/ep_process_group.hpp"
 #include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
@@ -251,49 +252,54 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
   k.topk = a.topk_idx.size(1);
   k.i32 = a.x.options().dtype(at::kInt);
   k.idx_bytes = static_cast<int>(a.topk_idx.element_size());
-  const auto align4 = [](int64_t n) { return (n + 3) / 4 * 4; };
   // A layout computed earlier (get_dispatch_layout) replaces the layout kernel; its error record
   // tells notify whether it found an invalid topk_idx value.
   const bool given_layout = !a.layout.empty();
   LayoutErrorRef given_layout_error{};
   const LayoutErrorRef* layout_error = nullptr;
+  // One allocation for every small tensor of the call: the receive prefix [R + 1], the lent
+  // slabs [2R], the receive counts [R] and per local expert, and without a given layout the
+  // layout's outputs, its send positions [T, R] and its kernel's scratch.
+  const CarvedShape recv_prefix{{num_ranks + 1}, at::kInt};
+  const CarvedShape dest_slabs{{2 * num_ranks}, at::kInt};
+  const CarvedShape recv_counts{{num_ranks}, at::kInt};
+  const CarvedShape recv_per_expert{{experts_per_rank}, at::kInt};
   if (given_layout) {
     k.per_rank = a.layout[0];
     k.per_expert = a.layout[1];
     k.in_rank = a.layout[2];
     k.send_pos = a.layout[3];
-    at::Tensor small = at::empty({align4(num_ranks + 1) + 2 * num_ranks}, k.i32);
-    k.recv_prefix = small.narrow(0, 0, num_ranks + 1);
-    k.dest_slabs = small.narrow(0, align4(num_ranks + 1), 2 * num_ranks);
+    auto t = carveTensors<4>(device, {recv_prefix, dest_slabs, recv_counts, recv_per_expert});
+    k.recv_prefix = t[0];
+    k.dest_slabs = t[1];
+    k.recv_counts = t[2];
+    k.recv_per_expert = t[3];
     const LayoutErrorState& err = layoutErrorState(device.index(), stream);
     given_layout_error = {err.dev, &err.ctrl->error_lock};
     layout_error = &given_layout_error;
   } else {
-    // Order matters for latency: the GPU idles until the layout launch, so only the layout's
-    // tensors come first; the rest is allocated while the layout and notify kernels run.
-    k.per_rank = at::empty({num_ranks}, k.i32);
-    k.per_expert = at::empty({a.num_experts}, k.i32);
-    k.in_rank = at::empty({num_tokens, num_ranks}, a.x.options().dtype(at::kBool));
-    // One allocation for the kernels' own int32 arrays: send positions [T, R], the receive
-    // prefix [R + 1], the lent slabs [2R] and the layout kernel's scratch, each 16-byte aligned.
-    const int64_t prefix_at = align4(num_tokens * num_ranks);
-    const int64_t slabs_at = prefix_at + align4(num_ranks + 1);
-    const int64_t scratch_at = slabs_at + align4(2 * num_ranks);
-    const size_t layout_ws_bytes = nvlink_layout_workspace_bytes(static_cast<int>(num_tokens),
-                                                                 static_cast<int>(a.num_experts));
-    at::Tensor internal =
-        at::empty({scratch_at + align4(static_cast<int64_t>((layout_ws_bytes + 3) / 4))}, k.i32);
-    k.send_pos = internal.narrow(0, 0, num_tokens * num_ranks).view({num_tokens, num_ranks});
-    k.recv_prefix = internal.narrow(0, prefix_at, num_ranks + 1);
-    k.dest_slabs = internal.narrow(0, slabs_at, 2 * num_ranks);
-    void* layout_ws = layout_ws_bytes > 0 ? internal.data_ptr<int>() + scratch_at : nullptr;
+    const auto layout_ws_bytes = static_cast<int64_t>(nvlink_layout_workspace_bytes(
+        static_cast<int>(num_tokens), static_cast<int>(a.num_experts)));
+    auto t = carveTensors<9>(
+        device,
+        {CarvedShape{{num_ranks}, at::kInt}, CarvedShape{{a.num_experts}, at::kInt},
+         CarvedShape{{num_tokens, num_ranks}, at::kBool},
+         CarvedShape{{num_tokens, num_ranks}, at::kInt}, CarvedShape{{layout_ws_bytes}, at::kByte},
+         recv_prefix, dest_slabs, recv_counts, recv_per_expert});
+    k.per_rank = t[0];
+    k.per_expert = t[1];
+    k.in_rank = t[2];
+    k.send_pos = t[3];
+    const at::Tensor& layout_ws = t[4];
+    k.recv_prefix = t[5];
+    k.dest_slabs = t[6];
+    k.recv_counts = t[7];
+    k.recv_per_expert = t[8];
     rt.layout(a.topk_idx.data_ptr(), k.idx_bytes, static_cast<int>(num_tokens),
               static_cast<int>(k.topk), static_cast<int>(a.num_experts), k.per_rank.data_ptr<int>(),
               k.per_expert.data_ptr<int>(), k.in_rank.data_ptr<bool>(), k.send_pos.data_ptr<int>(),
-              stream, layout_ws);
+              stream, layout_ws_bytes > 0 ? layout_ws.data_ptr() : nullptr);
   }
-  k.recv_counts = at::empty({num_ranks}, k.i32);
-  k.recv_per_expert = at::empty({experts_per_rank}, k.i32);
   const bool host_counts = a.num_worst_tokens == 0;
   // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for
   // the most any rank can receive (every token of every rank), narrowed once the counts are in.

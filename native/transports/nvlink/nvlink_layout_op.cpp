@@ -7,6 +7,7 @@
 
 #include <limits>
 
+#include "backend/carved_tensors.hpp"
 #include "backend/host_stages.hpp"
 #include "backend/moe_validation.hpp"
 #include "transports/nvlink/cuda/nvlink_kernels.hpp"
@@ -14,21 +15,6 @@
 #include "transports/nvlink/nvlink_transport.hpp"
 
 namespace ep::nvlink {
-namespace {
-
-// Scratch of the layout kernel's blocks (undefined when one block does it all). Stream-ordered
-// like any tensor; its contents do not matter.
-at::Tensor layoutWorkspace(int64_t num_tokens, int64_t num_experts, const at::Device& device) {
-  const size_t bytes =
-      nvlink_layout_workspace_bytes(static_cast<int>(num_tokens), static_cast<int>(num_experts));
-  if (bytes == 0) {
-    return at::Tensor();
-  }
-  return at::empty({static_cast<int64_t>(bytes)},
-                   at::TensorOptions().dtype(at::kByte).device(device));
-}
-
-}  // namespace
 
 LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
                              bool report_invalid) {
@@ -59,11 +45,17 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   }
   stages.mark("checks");
   const at::Tensor idx = topk_idx.contiguous();
-  const auto i32 = idx.options().dtype(at::kInt);
-  at::Tensor per_rank = at::empty({num_ranks}, i32);
-  at::Tensor per_expert = at::empty({num_experts}, i32);
-  at::Tensor in_rank = at::empty({idx.size(0), num_ranks}, idx.options().dtype(at::kBool));
-  at::Tensor send_pos = at::empty({idx.size(0), num_ranks}, i32);
+  // The four outputs and the kernel's scratch (empty when one block does it all) in one
+  // allocation: the scratch is stream-ordered like the outputs, and its contents do not matter.
+  const int64_t num_tokens = idx.size(0);
+  const auto workspace_bytes = static_cast<int64_t>(
+      nvlink_layout_workspace_bytes(static_cast<int>(num_tokens), static_cast<int>(num_experts)));
+  auto [per_rank, per_expert, in_rank, send_pos, ws] =
+      carveTensors<5>(device, {{{{num_ranks}, at::kInt},
+                                {{num_experts}, at::kInt},
+                                {{num_tokens, num_ranks}, at::kBool},
+                                {{num_tokens, num_ranks}, at::kInt},
+                                {{workspace_bytes}, at::kByte}}});
   LayoutParams p{};
   p.topk_idx = idx.data_ptr();
   p.idx_bytes = static_cast<int>(idx.element_size());
@@ -79,8 +71,7 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   p.error = err.dev;
   p.rank = -1;
   p.ignore_invalid = !report_invalid;
-  const at::Tensor ws = layoutWorkspace(idx.size(0), num_experts, device);
-  p.workspace = ws.defined() ? ws.data_ptr() : nullptr;
+  p.workspace = workspace_bytes > 0 ? ws.data_ptr() : nullptr;
   stages.mark("alloc");
   C10_CUDA_CHECK(launch_nvlink_layout(p, stream));
   stages.mark("launch");

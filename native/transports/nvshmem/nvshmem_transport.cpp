@@ -32,6 +32,7 @@
 #include <sstream>
 #include <thread>
 
+#include "backend/carved_tensors.hpp"
 #include "backend/gpu_identity.hpp"
 #include "backend/host_stages.hpp"
 #include "backend/kernel_image.hpp"
@@ -853,14 +854,19 @@ LowLatencyDispatchResult dispatch(EPProcessGroup& pg, const LowLatencyDispatchIn
   LowLatencyDispatchResult out;
   out.recv_x = at::empty({experts_per_rank, slots, hidden},
                          opts.dtype(a.use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
-  if (a.use_fp8) {
-    out.recv_x_scales =
-        a.use_ue8m0 ? at::empty({experts_per_rank, slots, hidden / 512}, opts.dtype(at::kInt))
-                    : at::empty({experts_per_rank, slots, hidden / 128}, opts.dtype(at::kFloat));
-  }
-  out.recv_count = at::empty({experts_per_rank}, opts.dtype(at::kInt));
-  out.src_info = at::empty({experts_per_rank, slots}, opts.dtype(at::kInt));
-  out.layout_range = at::empty({experts_per_rank, num_ranks}, opts.dtype(at::kLong));
+  // The small outputs in one allocation (recv_x, which a caller may drop first, in its own):
+  // the FP8 scales, the per-expert counts, the source of each slot and the layout ranges.
+  const CarvedShape scales = a.use_ue8m0
+                                 ? CarvedShape{{experts_per_rank, slots, hidden / 512}, at::kInt}
+                                 : CarvedShape{{experts_per_rank, slots, hidden / 128}, at::kFloat};
+  auto small = carveTensors<4>(device, {a.use_fp8 ? scales : CarvedShape{{0}, at::kFloat},
+                                        CarvedShape{{experts_per_rank}, at::kInt},
+                                        CarvedShape{{experts_per_rank, slots}, at::kInt},
+                                        CarvedShape{{experts_per_rank, num_ranks}, at::kLong}});
+  if (a.use_fp8) out.recv_x_scales = small[0];
+  out.recv_count = small[1];
+  out.src_info = small[2];
+  out.layout_range = small[3];
 
   ep::NvshmemDispatchArgs args;
   args.x = x.data_ptr();
