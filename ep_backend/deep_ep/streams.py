@@ -23,8 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-import ep_backend
-
+from .._native import native as _native
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["CommStreams", "check_flags", "completed_event", "cuda_event_of"]
@@ -102,23 +101,29 @@ class CommStreams:
         event = cuda_event_of(previous_event)
         if device.type != "cuda":
             return fn(), EventOverlap(completed_event() if async_finish else None)
-        current = torch.cuda.current_stream(device)
         if not async_finish:
             if event is not None:
-                current.wait_event(event)
+                torch.cuda.current_stream(device).wait_event(event)
             return fn(), EventOverlap(None)
         comm = self.get(device)
+        comm_ids = (comm.stream_id, comm.device_index, comm.device_type)
         if event is not None:
             comm.wait_event(event)
-        else:
-            comm.wait_stream(current)
-        with torch.cuda.stream(comm):
+        native = _native()
+        # The comm stream becomes current (after waiting for the current stream when there is no
+        # previous_event), as in `with torch.cuda.stream(comm)`, in one C++ call (ep's async_op
+        # switch, ep_backend/_streams.py).
+        current_ids = native._enter_comm_stream(*comm_ids, event is None)
+        try:
             result = fn()
             done = EventHandle()  # recorded on comm, the current stream here
-        for t in inputs:
-            if t is not None:
-                ep_backend.record_stream(t, comm)
-        for t in outputs_of(result):
-            if t is not None:
-                ep_backend.record_stream(t, current)
+            outputs = [t for t in outputs_of(result) if t is not None]
+        except BaseException:
+            native._exit_comm_stream(current_ids, comm_ids, [], [])  # nothing to record
+            raise
+        # The current stream again, then ep_backend.record_stream of each input on comm and each
+        # output on the current stream.
+        native._exit_comm_stream(
+            current_ids, comm_ids, [t for t in inputs if t is not None], outputs
+        )
         return result, EventOverlap(done)
