@@ -11,6 +11,11 @@
 #        "both=EP_A2A_CHUNK_BYTES=262144;EP_A2A_SEND_BLOCKS=48"
 #   (macros: EP_A2A_CHUNK_BYTES, EP_A2A_SLOTS, EP_A2A_SEND_BLOCKS, EP_A2A_LINES_MAX_BYTES;
 #   nvlink_common.hpp)
+#   A patched tree, e.g. benchmarks/a2a_all_destinations.patch (every sender block serves every
+#   destination in turn; correct with 2-4 ranks, never timed):
+#     d=/tmp/alldest; rm -rf $d; mkdir -p $d; git ls-files -z | xargs -0 cp --parents -t $d
+#     (cd $d && patch -p1 <benchmarks/a2a_all_destinations.patch)
+#     bash benchmarks/a2a_variants.sh "base=" "alldest@$d="
 #   RANKS (default: every GPU), ITERS (default 20), ROUNDS (default 2); logs under $OUT (./out).
 #   QUICK_MIB="64,256": time only those per-peer sizes, ep against the push limit
 #   (benchmarks/a2a_quick.py, a few seconds a size), instead of the whole all_to_all.py table.
