@@ -116,7 +116,7 @@ class CommStreams:
         current_ids = native._enter_comm_stream(*comm_ids, event is None)
         try:
             result = fn()
-            done = EventHandle()  # recorded on comm, the current stream here
+            done = EventHandle(comm.record_event())  # on comm, whatever the current device
             outputs = [t for t in outputs_of(result) if t is not None]
         except BaseException:
             native._exit_comm_stream(current_ids, comm_ids, [], [])  # nothing to record
