@@ -246,7 +246,8 @@ def _separate_outputs(rank: int, world: int, with_low_latency: bool) -> list[str
     failures: list[str] = []
     check = _checker(failures)
     num_experts, hidden = 8 * world, 512
-    x, idx, w = cuda_routing(96 + 32 * rank, hidden, num_experts, 4, 5000 + rank, distinct=False)
+    num_tokens = [96, 128, 80, 112][rank % 4]  # at most the low-latency M = 128
+    x, idx, w = cuda_routing(num_tokens, hidden, num_experts, 4, 5000 + rank, distinct=False)
     probe = ep.get_dispatch_layout(idx, num_experts)  # a dispatch refuses it once written
     _independent("layout", {"per_rank": probe.num_tokens_per_rank,
                             "per_expert": probe.num_tokens_per_expert,
