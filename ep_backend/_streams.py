@@ -7,13 +7,15 @@ wait for it (the CPU does not block). On CPU tensors the op completes before the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ._native import native as _native
+
+T = TypeVar("T")
 
 _comm_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -84,6 +86,33 @@ def _check_previous_event(previous_event: Any, device: torch.device) -> None:
         raise ValueError("previous_event needs CUDA tensors")
 
 
+def _on_comm_stream(
+    comm_ids: tuple[int, int, int],
+    wait_current: bool,
+    inputs: Iterable[torch.Tensor | None],
+    body: Callable[[], tuple[T, list[torch.Tensor]]],
+) -> T:
+    """Runs ``body`` with the communication stream current, as ``with torch.cuda.stream(comm)``
+    would, in two C++ calls (``native/backend/comm_stream_scope.hpp``).
+
+    ``comm_ids``: the stream as ``(stream_id, device_index, device_type)``. ``wait_current``: the
+    comm stream first waits for the current stream (False: the caller made it wait for what it
+    must, e.g. ``previous_event``). ``body`` returns ``(result, outputs)``; after it the current
+    stream is restored and ``ep_backend.record_stream`` records each input (``None`` skipped) on
+    the comm stream and each output on the restored stream, so the caching allocator reuses
+    neither before the stream that reads it is done. Returns ``result``.
+    """
+    native = _native()
+    current_ids = native._enter_comm_stream(*comm_ids, wait_current)
+    try:
+        result, outputs = body()
+    except BaseException:
+        native._exit_comm_stream(current_ids, comm_ids, [], [])  # nothing to record
+        raise
+    native._exit_comm_stream(current_ids, comm_ids, [t for t in inputs if t is not None], outputs)
+    return result
+
+
 def _run(
     fn: Callable[[], Any],
     inputs: Sequence[torch.Tensor | None],
@@ -109,26 +138,18 @@ def _run(
     if device.type != "cuda":
         result = fn()
         return result, _completed_work(outputs_of(result))
-    comm_ids = _comm_ids(device)
     if previous_event is not None:
         _comm_stream(device).wait_event(previous_event)
-    native = _native()
-    # The comm stream becomes current (after waiting for the current stream, unless it waits for
-    # previous_event instead), as in `with torch.cuda.stream(comm)`, in one C++ call.
-    current_ids = native._enter_comm_stream(*comm_ids, previous_event is None)
-    try:
+
+    def body() -> tuple[tuple[Any, torch.futures.Future], list[torch.Tensor]]:
         result = fn()
-        outputs = outputs_of(result)
+        outputs = list(outputs_of(result))
         fut: torch.futures.Future = torch.futures.Future(devices=[device])
-        fut.set_result(outputs)  # records an event on the comm stream
-    except BaseException:
-        native._exit_comm_stream(current_ids, comm_ids, [], [])  # nothing to record
-        raise
-    # The current stream again, then ep_backend.record_stream of each: inputs stay alive until
-    # the comm stream is done with them; outputs (receive-slab views too: with previous_event a
-    # later dispatch's comm stream need not wait for the current stream, which may still read
-    # them) for the current stream.
-    native._exit_comm_stream(
-        current_ids, comm_ids, [t for t in inputs if t is not None], list(outputs)
-    )
+        fut.set_result(outputs)  # records an event on the comm stream, current here
+        return (result, fut), outputs
+
+    # Outputs (receive-slab views too: with previous_event a later dispatch's comm stream need
+    # not wait for the current stream, which may still read them) are recorded for the current
+    # stream, inputs for the comm stream.
+    result, fut = _on_comm_stream(_comm_ids(device), previous_event is None, inputs, body)
     return result, torch._C._distributed_c10d._create_work_from_future(fut)

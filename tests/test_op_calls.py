@@ -63,24 +63,26 @@ class _CountingNative:
         return counted
 
 
-class _OpNames(TorchDispatchMode):
+class _RecordsOps:
+    """A mode that records the name of every op it sees, then runs it."""
+
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
 
+    def _record(self, func, args, kwargs):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _OpNames(_RecordsOps, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return self._record(func, args, kwargs)
 
 
-class _FunctionNames(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
+class _FunctionNames(_RecordsOps, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return self._record(func, args, kwargs)
 
 
 def _all_ops(x, idx, w, num_experts):

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._native import native as _native
+from .._streams import _on_comm_stream
 from .utils import EventHandle, EventOverlap
 
 __all__ = ["CommStreams", "check_flags", "completed_event", "cuda_event_of"]
@@ -106,24 +106,14 @@ class CommStreams:
                 torch.cuda.current_stream(device).wait_event(event)
             return fn(), EventOverlap(None)
         comm = self.get(device)
-        comm_ids = (comm.stream_id, comm.device_index, comm.device_type)
         if event is not None:
             comm.wait_event(event)
-        native = _native()
-        # The comm stream becomes current (after waiting for the current stream when there is no
-        # previous_event), as in `with torch.cuda.stream(comm)`, in one C++ call (ep's async_op
-        # switch, ep_backend/_streams.py).
-        current_ids = native._enter_comm_stream(*comm_ids, event is None)
-        try:
+
+        def body() -> tuple[T, list[torch.Tensor]]:
             result = fn()
-            done = EventHandle(comm.record_event())  # on comm, whatever the current device
-            outputs = [t for t in outputs_of(result) if t is not None]
-        except BaseException:
-            native._exit_comm_stream(current_ids, comm_ids, [], [])  # nothing to record
-            raise
-        # The current stream again, then ep_backend.record_stream of each input on comm and each
-        # output on the current stream.
-        native._exit_comm_stream(
-            current_ids, comm_ids, [t for t in inputs if t is not None], outputs
-        )
-        return result, EventOverlap(done)
+            return result, [t for t in outputs_of(result) if t is not None]
+
+        comm_ids = (comm.stream_id, comm.device_index, comm.device_type)
+        result = _on_comm_stream(comm_ids, event is None, inputs, body)
+        # Recorded on comm itself: its event follows the op whatever the current device.
+        return result, EventOverlap(EventHandle(comm.record_event()))
