@@ -15,7 +15,8 @@ comments describe the protocol; the sizes come from ``nvshmem_common.hpp``), on 
 - **combine** (``nvshmem_combine.cu``): step 0, every rank sends its ``T * K`` weights to every
   peer as tagged u64 words, then a weights flag; then each expert rank returns ONE partial per
   (token, expert rank): float32 ``[H]`` (``4H`` bytes) when the token had more than one entry
-  there, else the BF16 row (``2H``), each followed by its u64 flag.
+  there, else the BF16 row (``2H``), each followed by its u64 flag. With
+  ``Options.low_latency_combine_bf16_partials`` every partial is BF16 (``2H``).
 
 Only messages to other ranks leave a GPU. What rank ``s``'s tokens cause is known from its own
 ``topk_idx`` (:func:`ll_wire_bytes`); what one GPU sends in a combine (the partials it returns)
@@ -120,13 +121,15 @@ def ll_wire_bytes(
     rank: int,
     hidden: int,
     max_topk: int | None = None,
+    bf16_partials: bool = False,
 ) -> LLWire:
     """Bytes this rank's tokens put on the link, per peer, in one LL dispatch (FP8 and BF16) and
     one BF16 combine.
 
     ``topk_idx``: this rank's int ``[T, K]`` routing, ``-1`` = no expert. ``max_topk``: the
     largest top-k of the runtime (its message header size); default ``K`` (the runtime takes the
-    largest ``K`` of the ranks' calls, the bench's ``K`` on every rank). The bytes leaving this
+    largest ``K`` of the ranks' calls, the bench's ``K`` on every rank). ``bf16_partials``: the
+    combine of ``Options.low_latency_combine_bf16_partials`` (a sum goes back as BF16). The bytes leaving this
     GPU in a dispatch are ``dispatch_fp8_sent`` / ``dispatch_bf16_sent``; those of a combine and
     those entering it need every rank's share: :func:`ll_link_bytes`.
     """
@@ -156,7 +159,8 @@ def ll_wire_bytes(
     rows = (per_rank == 1).sum(0).tolist()  # and BF16 rows
     signals = SIGNAL_BYTES * (1 + experts_per_rank + num_tokens)  # token count, row counts, flags
     weights = WEIGHT_WORD_BYTES * num_tokens * topk + SIGNAL_BYTES  # the words, the weights flag
-    partial_sum = PARTIAL_SUM_BYTES * hidden + SIGNAL_BYTES
+    sum_bytes = PARTIAL_ROW_BYTES if bf16_partials else PARTIAL_SUM_BYTES
+    partial_sum = sum_bytes * hidden + SIGNAL_BYTES
     partial_row = PARTIAL_ROW_BYTES * hidden + SIGNAL_BYTES
     fp8, bf16 = message_bytes(hidden, True, max_topk), message_bytes(hidden, False, max_topk)
     remote = [d != rank for d in range(world)]

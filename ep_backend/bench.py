@@ -774,7 +774,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         from ep_backend._ll_wire import LLWire, ll_link_bytes, ll_wire_bytes
 
         ops = (("fp8", "dispatch FP8"), ("bf16", "dispatch BF16"), ("combine", "combine BF16"),
-               ("pair", "dispatch FP8 + combine BF16"))  # fmt: skip
+               ("pair", "dispatch FP8 + combine BF16"),
+               ("combine_bf16p", "combine BF16, BF16 partials"),
+               ("pair_bf16p", "dispatch FP8 + combine BF16, BF16 partials"))  # fmt: skip
 
         def bound_op(name: str) -> str:
             return f"ll bound: {name} wire bytes at the limit (all SMs)"
@@ -787,15 +789,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             return None
         # Every rank's share of the traffic (what its tokens send and get back, per peer): what
         # one GPU sends in a combine and receives in a dispatch depends on its peers' routing.
-        shares = torch.zeros(world, 4, world, dtype=torch.int64)
-        shares[rank] = ll_wire_bytes(idx, ll_experts, world, rank, hidden).as_tensor()
+        # (Options.low_latency_combine_bf16_partials: index 1.)
+        shares = torch.zeros(2, world, 4, world, dtype=torch.int64)
+        for i, bf16_partials in enumerate((False, True)):
+            shares[i, rank] = ll_wire_bytes(idx, ll_experts, world, rank, hidden,
+                                            bf16_partials=bf16_partials).as_tensor()  # fmt: skip
         dist.all_reduce(shares)  # CPU tensor: Gloo; only row `rank` of each rank is non-zero
-        link = ll_link_bytes([LLWire.from_tensor(r, shares[r]) for r in range(world)])
-        loads = {"fp8": link.dispatch_fp8, "bf16": link.dispatch_bf16, "combine": link.combine}
+        link, halved = (ll_link_bytes([LLWire.from_tensor(r, shares[i, r]) for r in range(world)])
+                        for i in range(2))  # fmt: skip
+        loads = {"fp8": link.dispatch_fp8, "bf16": link.dispatch_bf16, "combine": link.combine,
+                 "combine_bf16p": halved.combine}  # fmt: skip
         wire = {op: load.bound_bytes for op, load in loads.items()}
-        wire["pair"] = wire["fp8"] + wire["combine"]  # one after the other: the bounds add up
         where = {op: load.busiest for op, load in loads.items()}
-        where["pair"] = f"FP8 dispatch's {where['fp8']} + combine's {where['combine']}"
+        for pair, combine in (("pair", "combine"), ("pair_bf16p", "combine_bf16p")):
+            # one after the other: the bounds add up
+            wire[pair] = wire["fp8"] + wire[combine]
+            where[pair] = f"FP8 dispatch's {where['fp8']} + combine's {where[combine]}"
         if probe is not None and sm_count not in limit:  # --no-high-throughput: not yet measured
             limit_us[sm_count], limit[sm_count] = push_limit(sm_count)
             mib = probe.bytes_per_launch / 2**20
@@ -987,6 +996,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             wire_bytes=w.get("combine"))  # fmt: skip
         add("ll dispatch FP8 + combine BF16 (graph, in step)", (a_pair, g_pair[1]),
             row_fp8 + row_bf16, note, wire_bytes=w.get("pair"))  # fmt: skip
+        # The same pair with each rank's sums returned as BF16 (half their bytes): the option
+        # is read when the combine is captured, so the graph replays it after it is reset.
+        options = ep.get_backend().options
+        options.low_latency_combine_bf16_partials = True
+        try:
+            b_pair = per_call(pair, "pair_bf16p")
+        finally:
+            options.low_latency_combine_bf16_partials = False
+        note += "; Options.low_latency_combine_bf16_partials"
+        a_pair_b = aligned["pair_bf16p"]
+        add("ll combine BF16, BF16 partials (graph, in step: pair - FP8 dispatch)",
+            (a_pair_b - a_fp8, b_pair[1] - g_fp8[1]), row_bf16, note,
+            wire_bytes=w.get("combine_bf16p"))  # fmt: skip
+        add("ll dispatch FP8 + combine BF16, BF16 partials (graph, in step)",
+            (a_pair_b, b_pair[1]), row_fp8 + row_bf16, note,
+            wire_bytes=w.get("pair_bf16p"))  # fmt: skip
 
     if args.high_throughput:
         measure_limit(args.tokens)

@@ -921,6 +921,37 @@ def low_latency_dispatch(
     )
 
 
+def _sum_of_rank_partials(
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    y: torch.Tensor,
+    experts_per_rank: int,
+    bf16_partials: bool,
+) -> torch.Tensor:
+    """``low_latency_combine``'s sum with ``per_rank_partials`` (see there): ``topk_idx`` without
+    masked ranks, ``y`` float32 ``[T, K, H]`` the returned rows in their entries' places."""
+    num_topk = topk_idx.shape[1]
+    valid = topk_idx >= 0
+    dest = torch.where(valid, topk_idx.long() // experts_per_rank, -1)
+    acc = torch.zeros((y.shape[0], y.shape[2]), dtype=torch.float32, device=y.device)
+    for k in range(num_topk):
+        first = valid[:, k].clone()  # the token's first entry on rank dest[:, k]
+        for j in range(k):
+            first &= dest[:, j] != dest[:, k]
+        partial = torch.zeros_like(acc)
+        entries = torch.zeros_like(dest[:, k])
+        for j in range(k, num_topk):
+            on_d = valid[:, j] & (dest[:, j] == dest[:, k])
+            weighted = topk_weights[:, j].unsqueeze(1) * y[:, j]
+            partial = torch.where(on_d.unsqueeze(1), partial + weighted, partial)
+            entries = entries + on_d.long()
+        if bf16_partials:
+            rounded = partial.to(torch.bfloat16).float()
+            partial = torch.where((entries > 1).unsqueeze(1), rounded, partial)
+        acc = torch.where(first.unsqueeze(1), acc + partial, acc)
+    return acc.to(torch.bfloat16)
+
+
 def low_latency_combine(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -930,6 +961,7 @@ def low_latency_combine(
     out: torch.Tensor | None = None,
     group: Group = None,
     mask: Sequence[int] | None = None,
+    per_rank_partials: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Low-latency combine: weighted sum of each token's expert outputs, in ``k`` order.
 
@@ -939,7 +971,16 @@ def low_latency_combine(
 
     ``out[t] = bf16(acc)`` where ``acc`` (float32) starts at +0.0 and, for ``k = 0 .. K-1``
     with ``topk_idx[t, k] >= 0``: ``acc = acc + topk_weights[t, k] * float32(y)``, ``y`` being
-    the row of ``x`` in the slot that dispatch filled for ``(t, k)``.
+    the row of ``x`` in the slot that dispatch filled for ``(t, k)`` (every product rounded to
+    float32, then added).
+
+    With ``per_rank_partials`` the products are added per expert rank first, as the NVSHMEM
+    kernels add them: for each rank ``d`` the token's entries reach, in the order its entries
+    first reach them, a partial ``p_d`` (+0.0, then ``+ w * y`` of each entry on ``d`` in ``k``
+    order), then ``out[t] = bf16(+0.0 + p_d1 + p_d2 + ...)``. ``torch.float32``: the kernels'
+    default bits; ``torch.bfloat16``: ``p_d`` rounded to BF16 (to nearest even) where ``d``
+    holds more than one of the token's entries, the bits of every transport with
+    ``Options.low_latency_combine_bf16_partials``.
 
     Args:
         x: BF16 ``[E_loc, R*M, H]`` expert outputs in the dispatch layout (only the valid slots
@@ -950,10 +991,14 @@ def low_latency_combine(
         out: optional BF16 ``[T, H]`` to write the result into.
         group: process group (default: WORLD).
         mask: ranks masked (``ep_backend.low_latency_update_mask``), or None.
+        per_rank_partials: None (``k`` order), ``torch.float32`` or ``torch.bfloat16``.
 
     Returns:
         BF16 ``[T, H]`` (``out`` when given). Tokens without experts give 0.
     """
+    assert per_rank_partials in (None, torch.float32, torch.bfloat16), (
+        "per_rank_partials must be None, torch.float32 or torch.bfloat16"
+    )
     num_ranks = _check_handle_group(handle, group)
     masked = _check_mask(mask, num_ranks, _group_size_and_rank(group)[1])
     experts_per_rank = handle.num_experts // num_ranks
@@ -993,12 +1038,17 @@ def low_latency_combine(
 
     y = torch.zeros((num_tokens, num_topk, hidden), dtype=torch.float32, device=x.device)
     y[entry_token, entry_k] = returned.float()
-    valid = topk_idx >= 0
-    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-    for k in range(num_topk):
-        weighted = topk_weights[:, k].unsqueeze(1) * y[:, k]
-        acc = torch.where(valid[:, k].unsqueeze(1), acc + weighted, acc)
-    result = acc.to(torch.bfloat16)
+    if per_rank_partials is not None:
+        result = _sum_of_rank_partials(
+            topk_idx, topk_weights, y, experts_per_rank, per_rank_partials == torch.bfloat16
+        )
+    else:
+        valid = topk_idx >= 0
+        acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+        for k in range(num_topk):
+            weighted = topk_weights[:, k].unsqueeze(1) * y[:, k]
+            acc = torch.where(valid[:, k].unsqueeze(1), acc + weighted, acc)
+        result = acc.to(torch.bfloat16)
     if out is not None:
         assert tuple(out.shape) == (num_tokens, hidden) and out.dtype == torch.bfloat16, (
             "out must be BF16 [T, H]"

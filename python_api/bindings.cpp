@@ -97,33 +97,43 @@ Args:
     ranks_per_node: 0 (default): the nodes are found from the ranks' hosts at group creation.
         k in 1..8: each host's ranks are split into nodes of k consecutive ranks (emulated
         nodes: the legs between them take the internode path); k must divide the group size.
-        ``EP_RANKS_PER_NODE`` sets it where this is 0.)")
-      .def(
-          py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
-                      bool overlap_dispatch_host_wait, int64_t recv_slabs, int64_t ranks_per_node) {
-            TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
-            TORCH_CHECK(recv_slabs >= 0 && recv_slabs <= 64,
-                        "ep.Options: recv_slabs must be in [0, 64], got ", recv_slabs);
-            TORCH_CHECK(kernel_timeout_s > 0, "ep.Options: kernel_timeout_s must be positive, got ",
-                        kernel_timeout_s);
-            auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
-            opts->num_sms = num_sms;
-            opts->kernel_timeout_s = kernel_timeout_s;
-            opts->overlap_dispatch_host_wait = overlap_dispatch_host_wait;
-            opts->recv_slabs = recv_slabs;
-            TORCH_CHECK(ranks_per_node >= 0 && ranks_per_node <= 8,
-                        "ep.Options: ranks_per_node must be 0 (find the nodes from the hosts) or "
-                        "in [1, 8], got ",
-                        ranks_per_node);
-            opts->ranks_per_node = ranks_per_node;
-            return opts;
-          }),
-          py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
-          py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true,
-          py::arg("recv_slabs") = 2, py::arg("ranks_per_node") = 0)
+        ``EP_RANKS_PER_NODE`` sets it where this is 0.
+    low_latency_combine_bf16_partials: False (default): ``low_latency_combine`` adds a token's
+        products in float32 throughout. True: the sum of a token's entries held by one expert
+        rank (where it holds more than one) is rounded to BF16 before the ranks' sums are added,
+        one more rounding per output that halves those sums' bytes on the NVSHMEM kernels (the
+        low-latency combine's link traffic at 4 and more ranks); every transport gives the bits of
+        ``reference.low_latency_combine(per_rank_partials=torch.bfloat16)``.)")
+      .def(py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
+                       bool overlap_dispatch_host_wait, int64_t recv_slabs, int64_t ranks_per_node,
+                       bool low_latency_combine_bf16_partials) {
+             TORCH_CHECK(num_sms > 0, "ep.Options: num_sms must be positive, got ", num_sms);
+             TORCH_CHECK(recv_slabs >= 0 && recv_slabs <= 64,
+                         "ep.Options: recv_slabs must be in [0, 64], got ", recv_slabs);
+             TORCH_CHECK(kernel_timeout_s > 0,
+                         "ep.Options: kernel_timeout_s must be positive, got ", kernel_timeout_s);
+             auto opts = c10::make_intrusive<ep::EPOptions>(timeout);
+             opts->num_sms = num_sms;
+             opts->kernel_timeout_s = kernel_timeout_s;
+             opts->overlap_dispatch_host_wait = overlap_dispatch_host_wait;
+             opts->recv_slabs = recv_slabs;
+             TORCH_CHECK(ranks_per_node >= 0 && ranks_per_node <= 8,
+                         "ep.Options: ranks_per_node must be 0 (find the nodes from the hosts) or "
+                         "in [1, 8], got ",
+                         ranks_per_node);
+             opts->ranks_per_node = ranks_per_node;
+             opts->low_latency_combine_bf16_partials = low_latency_combine_bf16_partials;
+             return opts;
+           }),
+           py::arg("timeout") = ep::kEPDefaultTimeout, py::arg("num_sms") = 24,
+           py::arg("kernel_timeout_s") = 60.0, py::arg("overlap_dispatch_host_wait") = true,
+           py::arg("recv_slabs") = 2, py::arg("ranks_per_node") = 0,
+           py::arg("low_latency_combine_bf16_partials") = false)
       .def_readwrite("num_sms", &ep::EPOptions::num_sms)
       .def_readwrite("kernel_timeout_s", &ep::EPOptions::kernel_timeout_s)
       .def_readwrite("overlap_dispatch_host_wait", &ep::EPOptions::overlap_dispatch_host_wait)
+      .def_readwrite("low_latency_combine_bf16_partials",
+                     &ep::EPOptions::low_latency_combine_bf16_partials)
       .def_property(
           "recv_slabs", [](const ep::EPOptions& o) { return o.recv_slabs; },
           [](ep::EPOptions& o, int64_t n) {
@@ -153,7 +163,9 @@ Args:
                ", kernel_timeout_s=" + std::to_string(o.kernel_timeout_s) +
                ", overlap_dispatch_host_wait=" + (o.overlap_dispatch_host_wait ? "True" : "False") +
                ", recv_slabs=" + std::to_string(o.recv_slabs) +
-               ", ranks_per_node=" + std::to_string(o.ranks_per_node) + ")";
+               ", ranks_per_node=" + std::to_string(o.ranks_per_node) +
+               ", low_latency_combine_bf16_partials=" +
+               (o.low_latency_combine_bf16_partials ? "True" : "False") + ")";
       });
 }
 

@@ -330,6 +330,11 @@ def test_ll_wire_bytes_by_hand() -> None:
     one = ll_wire_bytes(torch.tensor([[12, 13, 14, 15]]), 16, 4, 1, 128, max_topk=8)
     assert one.dispatch_bf16 == (8 * 6, 0, 8 * 6, 80 + 256 + 8 * 6)  # T = 1: 6 signals a peer
     assert one.combine_partials == (0, 0, 0, 4 * 128 + 8)
+    # BF16 partials: a sum goes back in a BF16 row's bytes; nothing else changes
+    halved = ll_wire_bytes(idx, 16, 4, 0, 128, bf16_partials=True)
+    assert halved.combine_partials == (0, bf16, bf16, bf16)
+    assert halved.dispatch_fp8 == wire.dispatch_fp8
+    assert halved.combine_weights == wire.combine_weights
 
 
 def test_ll_link_bytes_puts_every_ranks_share_together() -> None:

@@ -380,6 +380,48 @@ def test_low_latency_on_cuda_match_reference(
         assert failures == [], (rank, failures)
 
 
+def _ll_bf16_partials(rank: int, world: int) -> list[str]:
+    import ep_backend as ep
+    from ep_backend import reference as ref
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    failures: list[str] = []
+    check = _checker(failures)
+    hidden, topk, num_experts = 7168, 8, 32
+    num_tokens = [128, 77, 0, 64][rank % 4]
+    x, idx, w = cuda_routing(num_tokens, hidden, num_experts, topk, 6000 + rank)
+    g = torch.Generator(device=dev).manual_seed(7000 + rank)
+    want = ref.low_latency_dispatch(x, idx, 128, num_experts, use_fp8=False)
+    y = torch.randn(want.recv_x.shape, device=dev, generator=g).bfloat16()
+    options = ep.get_backend().options
+    for partials in (torch.float32, torch.bfloat16):
+        expected = ref.low_latency_combine(y, idx, w, want.handle, per_rank_partials=partials)
+        options.low_latency_combine_bf16_partials = partials == torch.bfloat16
+        d = ep.low_latency_dispatch(x, idx, 128, num_experts, use_fp8=False)
+        check(f"kernel combine, {partials} partials", ep.low_latency_combine(y, idx, w, d.handle),
+              expected)  # fmt: skip
+        transport = ep.get_backend().low_latency_transport
+        if nvshmem_built() and transport != "nvshmem":
+            failures.append(f"the combine ran on {transport!r}, not the NVSHMEM kernels")
+        if partials == torch.bfloat16:
+            # the handle's kernel state is spent: the ATen path runs, with the model's bits too
+            check("second combine (ATen path), BF16 partials",
+                  ep.low_latency_combine(y, idx, w, d.handle), expected)  # fmt: skip
+    options.low_latency_combine_bf16_partials = False
+    torch.cuda.synchronize()
+    return failures
+
+
+@pytest.mark.parametrize("one_rank", LL_WORLDS)
+def test_low_latency_bf16_partials_match_reference(one_rank: bool) -> None:
+    """The kernels' combine, bit for bit the reference's model of it: float32 partials (the
+    default) and ``Options.low_latency_combine_bf16_partials``. At one rank each token has one
+    partial, so both give the same bits: that run checks the BF16 partial's store and load."""
+    world = _world(one_rank)
+    for rank, failures in enumerate(run_distributed(_ll_bf16_partials, world, backend="ep")):
+        assert failures == [], (rank, failures)
+
+
 def _ll_graph_replay(rank: int, world: int, hidden: int, topk: int, num_experts: int) -> dict:
     """Low-latency dispatch + combine captured once, replayed 100x with new data.
 

@@ -6,7 +6,8 @@ mask it (explicitly with ``low_latency_update_mask``, or automatically: ``low_la
 masks it when it misses the next call) and make ``STEPS_MASKED`` more calls, checked against the
 reference with ``mask=[last]`` (which the stopped rank does not call either). On CPU the ATen
 path is checked bit for bit; on CUDA the NVSHMEM kernels (dispatch bitwise, combine within
-float32-accumulation tolerance). The reference runs on CPU copies over a side Gloo group, where
+float32-accumulation tolerance; with ``Options.low_latency_combine_bf16_partials`` bitwise the
+reference's model of them, on both paths). The reference runs on CPU copies over a side Gloo group, where
 the stopped rank also waits until the others are done. Also: argument checks, the deep_ep facade's ``*_mask_buffer`` methods, and ranks that
 disagree on the mask raising on every live rank.
 """
@@ -79,6 +80,17 @@ def _step(
                                             mask=mask)  # fmt: skip
         bad = ll_combine_beyond_tolerance(out, expected, magnitude, TOPK)
         m.check(bad == 0, f"combine step {step}: {bad} outputs beyond tolerance")
+    # BF16 partials: the same bits on either path (the reference's model of the kernels).
+    options = ep.get_backend(group).options
+    options.low_latency_combine_bf16_partials = True
+    try:
+        got = ep.low_latency_dispatch(xd, idxd, MAX_TOKENS, experts, use_fp8=False, group=group)
+        out = ep.low_latency_combine(y.to(device), idxd, wd, got.handle, group=group)
+    finally:
+        options.low_latency_combine_bf16_partials = False
+    expected = ref.low_latency_combine(y, idx, w, want.handle, group=ref_group, mask=mask,
+                                       per_rank_partials=torch.bfloat16)  # fmt: skip
+    m.bitwise(out, expected, f"combine with BF16 partials, step {step}")
 
 
 def _mask_worker(rank: int, world: int, how: str, device_type: str) -> dict[str, Any]:

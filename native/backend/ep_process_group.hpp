@@ -50,6 +50,11 @@ struct EPOptions : c10d::Backend::Options {
   // hosts; k in 1..8 splits each host's ranks into nodes of k consecutive ranks, so the legs
   // between them take the internode path. EP_RANKS_PER_NODE sets it where this is 0.
   int64_t ranks_per_node = 0;
+  // low_latency_combine rounds each expert rank's sum of a token's entries (when the rank holds
+  // more than one of them) to BF16 before the token side adds the ranks' sums: on the NVSHMEM
+  // kernels those sums then cross the link in half the bytes; every transport gives the same
+  // bits (reference.low_latency_combine(per_rank_partials=torch.bfloat16)).
+  bool low_latency_combine_bf16_partials = false;
 };
 
 class EPProcessGroup : public c10d::Backend {

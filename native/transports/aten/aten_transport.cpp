@@ -179,6 +179,39 @@ at::Tensor withoutMaskedRanks(const at::Tensor& topk_idx, const RankMaskSnapshot
   return at::where(drop, at::full({}, -1, topk_idx.options()), topk_idx);
 }
 
+// low_latency_combine with Options.low_latency_combine_bf16_partials, token side, as the NVSHMEM
+// kernels add (reference.low_latency_combine(per_rank_partials=torch.bfloat16)): per expert rank
+// in the order the token's entries first reach it, the rank's partial (+0.0, then + w * y of
+// each of its entries in k order), rounded to BF16 where it summed more than one entry; out =
+// bf16(+0.0 + each rank's partial in that order). `live_idx`: topk_idx without masked ranks;
+// `y`: float32 [T, K, H], the returned rows in their entries' places.
+at::Tensor sumOfRankPartialsInBf16(const at::Tensor& live_idx, const at::Tensor& topk_weights,
+                                   const at::Tensor& y, int64_t experts_per_rank) {
+  const int64_t topk = live_idx.size(1);
+  const at::Tensor idx = live_idx.to(at::kLong);
+  const at::Tensor valid = idx.ge(0);
+  const at::Tensor dest =
+      at::where(valid, idx.div(experts_per_rank, "floor"), at::full({}, -1, idx.options()));
+  at::Tensor acc = at::zeros({y.size(0), y.size(2)}, y.options());
+  for (int64_t k = 0; k < topk; ++k) {
+    const at::Tensor d = dest.select(1, k);
+    at::Tensor first = valid.select(1, k);  // the token's first entry on rank d
+    for (int64_t j = 0; j < k; ++j) first = first.logical_and(dest.select(1, j).ne(d));
+    at::Tensor partial = at::zeros_like(acc);
+    at::Tensor entries = at::zeros_like(d);
+    for (int64_t j = k; j < topk; ++j) {
+      const at::Tensor on_d = valid.select(1, j).logical_and(dest.select(1, j).eq(d));
+      const at::Tensor weighted = topk_weights.select(1, j).unsqueeze(1) * y.select(1, j);
+      partial = at::where(on_d.unsqueeze(1), partial + weighted, partial);
+      entries = entries + on_d.to(at::kLong);
+    }
+    partial =
+        at::where(entries.gt(1).unsqueeze(1), partial.to(at::kBFloat16).to(at::kFloat), partial);
+    acc = at::where(first.unsqueeze(1), acc + partial, acc);
+  }
+  return acc.to(at::kBFloat16);
+}
+
 // allToAllRows among the live ranks of a masked call: point-to-point over the group's CPU
 // backend (a CUDA tensor goes through the host), nothing to or from a masked rank (its counts are
 // zero by construction: its rows were announced as absent).
@@ -586,10 +619,12 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
   }
   std::vector<int64_t> payload = send_back;
   payload.insert(payload.end(), expect.begin(), expect.end());
+  const bool bf16_partials = pg.options()->low_latency_combine_bf16_partials;
   std::vector<AgreedField> fields{
       {"num_max_dispatch_tokens_per_rank", a.num_max_dispatch_tokens_per_rank},
       {"hidden size H", ok ? a.x.size(2) : -1},
       {"experts per rank", experts_per_rank},
+      {"Options.low_latency_combine_bf16_partials", bf16_partials},
   };
   const std::vector<uint8_t> masked_before = mask.masked;
   at::Tensor gathered =
@@ -629,6 +664,10 @@ at::Tensor lowLatencyCombine(EPProcessGroup& pg, const LowLatencyCombineInputs& 
   const int64_t topk = a.topk_idx.size(1);
   at::Tensor y = at::zeros({num_tokens, topk, hidden}, a.x.options().dtype(at::kFloat));
   y.index_put_({entry_token, entry_k}, rows.to(at::kFloat));
+  if (bf16_partials) {
+    return sumOfRankPartialsInBf16(withoutMaskedRanks(a.topk_idx, mask, experts_per_rank),
+                                   a.topk_weights, y, experts_per_rank);
+  }
   at::Tensor valid = a.topk_idx.ge(0);
   at::Tensor acc = at::zeros({num_tokens, hidden}, a.x.options().dtype(at::kFloat));
   for (int64_t k = 0; k < topk; ++k) {

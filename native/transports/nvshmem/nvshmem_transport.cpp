@@ -950,9 +950,13 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
       buffer = -1;
     }
   }
+  // Read once: the agreement and the launch see the same value, also if a thread sets it.
+  const bool bf16_partials = pg.options()->low_latency_combine_bf16_partials;
   std::vector<AgreedField> fields{
       {"num_max_dispatch_tokens_per_rank", a.num_max_dispatch_tokens_per_rank},
       {"hidden size H", ok ? a.x.size(2) : -1},
+      // The token side reads each partial in the format its expert rank wrote.
+      {"Options.low_latency_combine_bf16_partials", bf16_partials},
   };
   // Every rank's buffer index and dispatch number: a handle this group's kernels did not make
   // on every rank (a copy, an older one, another dispatch's) sends every rank down the ATen path
@@ -989,6 +993,7 @@ std::optional<at::Tensor> combine(EPProcessGroup& pg, const LowLatencyCombineInp
   args.phases = nvshmem::kPhaseBoth;
   args.timeout_seconds = pg.options()->kernel_timeout_s;  // per call: settable live
   args.rank_mask = rankMaskDevice(pg, device).data_ptr<int>();
+  args.bf16_partials = bf16_partials;
   char err[1024] = {0};
   stages.mark("alloc");
   check(

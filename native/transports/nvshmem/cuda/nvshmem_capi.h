@@ -11,7 +11,7 @@
 //    ep_nvshmem_create takes no unique id and never initialises NVSHMEM).
 // 8: ep_nvshmem_create makes this rank's part only; ep_nvshmem_connect (collective) the symmetric
 //    region; ep_nvshmem_abandon frees a failed setup's buffers with no collective.
-#define EP_NVSHMEM_ABI_VERSION 8
+#define EP_NVSHMEM_ABI_VERSION 9
 
 namespace ep {
 struct NvshmemConfig;

@@ -3,7 +3,9 @@
 // Each expert rank sums a token's entries that it holds (in k order, float32, weighted) and
 // returns ONE partial per (token, expert rank): float32 [H], or the BF16 row itself when the
 // token had a single entry there (the token side weights it). At EP2 with top-8 of 16 experts
-// that is half the bytes of returning every (token, expert) row.
+// that is half the bytes of returning every (token, expert) row. With bf16_partials
+// (Options.low_latency_combine_bf16_partials) a sum goes back rounded to BF16 too, which halves
+// its bytes again at the cost of one more rounding (reference.low_latency_combine's model).
 //
 // Numbers (ControlBlock): the dispatch's messages are found by the seq of b's dispatch; every
 // weight, weights flag and partial flag below carries this combine's own number (combine_seq[b]
@@ -19,14 +21,15 @@
 //     weight words of (s, t) to carry this call's tag (on the put path: for s's weights flag,
 //     then read them); then acc = +0.0 and, for the header's entries in k order,
 //     acc = acc + w_k * y (separately rounded, no FMA), y being x[le, begin(le, s) + p], stored
-//     as float32 in two halves (st_partial); with one entry, the BF16 row y itself. It goes to
+//     as float32 in two halves (st_partial), or bf16(acc) with bf16_partials; with one entry,
+//     the BF16 row y itself. It goes to
 //     comb_recv[r * M + t] on rank s (P2P), or to comb_stage. A block stores its items (up to
 //     kMaxPending) back to back, then releases each comb_flag[r * M + t] (P2P) or puts each
 //     staged partial with the flag as its signal.
 // RECV (token side, rank s): wait for every rank's weights flag (its dispatch RECV is over, so
 // the next dispatch on this buffer may overwrite what it read), then per token: the ranks its
 // entries went to (send_route of the dispatch, first-appearance order), wait for their
-// partials, out[t] = bf16(sum of the partials in that order, float32).
+// partials, out[t] = bf16(sum of the partials in that order, float32; a BF16 sum adds as w = 1).
 //
 // Versus the reference (one float32 sum over k): the same products, added in another order.
 // The result is within float32-accumulation tolerance of it and bitwise identical run to run.
@@ -52,8 +55,8 @@ struct CombineShared {
   long long item_row[2][kMaxTopk];
   float item_weight[2][kMaxTopk];
   long long row[kMaxTopk];  // RECV: partial offset of destination j
-  float weight[kMaxTopk];   // RECV: w of the single entry, or 0
-  int single[kMaxTopk];     // RECV: destination j returned a BF16 row
+  float weight[kMaxTopk];   // RECV: w of a BF16 row (1 for a BF16 sum)
+  int bf16_row[kMaxTopk];   // RECV: destination j returned a BF16 row, else float32
   int dest[kMaxTopk];       // RECV: destination rank j
   int count;                // entries (SEND) or destinations (RECV) of the current token
   int items;
@@ -76,6 +79,16 @@ __device__ __forceinline__ void st_partial(char* row, int v, int vecs, const flo
                                         __float_as_int(acc[2]), __float_as_int(acc[3])));
   st_v4(row + size_t(vecs + v) * 16, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
                                                __float_as_int(acc[6]), __float_as_int(acc[7])));
+}
+
+// Eight float32 values as eight BF16 (round to nearest even), in channel order.
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+  int4 o;
+  o.x = static_cast<int>(float_to_bf16_rne(acc[0]) | (float_to_bf16_rne(acc[1]) << 16));
+  o.y = static_cast<int>(float_to_bf16_rne(acc[2]) | (float_to_bf16_rne(acc[3]) << 16));
+  o.z = static_cast<int>(float_to_bf16_rne(acc[4]) | (float_to_bf16_rne(acc[5]) << 16));
+  o.w = static_cast<int>(float_to_bf16_rne(acc[6]) | (float_to_bf16_rne(acc[7]) << 16));
+  return o;
 }
 
 // acc[0..8) += w * the eight BF16 values of `y` (separately rounded multiply and add).
@@ -251,7 +264,10 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
             add_weighted_bf16x8(acc, weights[k0 + u], y[u]);
           }
         }
-        st_partial(dst, v, vecs, acc);
+        if (p.bf16_partials)
+          st_v4(dst + size_t(v) * 16, pack_bf16x8(acc));
+        else
+          st_partial(dst, v, vecs, acc);
       }
       if (tid == 0) {
         sh.pending_rank[pending] = s;
@@ -272,7 +288,7 @@ __device__ bool send_phase(const CombineParams& p, const Waiter& w, CombineShare
       if (kP2P || c.peer[d] != nullptr) {
         if (lane_id() == 0) st_release_sys(reinterpret_cast<uint64_t*>(c.peer[d] + flag), call);
       } else if constexpr (!kP2P) {
-        const size_t bytes = size_t(H) * (sh.pending_entries[j] == 1 ? 2 : 4);
+        const size_t bytes = size_t(H) * (sh.pending_entries[j] == 1 || p.bf16_partials ? 2 : 4);
         const char* src = c.local + c.layout.comb_stage_offset +
                           (size_t(d) * M + sh.pending_token[j]) * size_t(H) * 4;
         warp_put_signal(c, d, c.layout.comb_recv_offset + at * size_t(H) * 4, src, bytes, flag,
@@ -328,9 +344,12 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t cal
         const bool single = __popc(listed) == 1;
         const int k = __ffs(listed) - 1;
         sh.dest[j] = d;
-        sh.single[j] = single ? 1 : 0;
-        sh.weight[j] =
-            single ? (p.topk_weights != nullptr ? p.topk_weights[size_t(t) * K + k] : 1.0f) : 0.0f;
+        // A BF16 row: a single entry (weighted here) or, with bf16_partials, a sum weighted
+        // on its rank (w = 1 adds it as it is).
+        float weight = 1.0f;
+        if (single && p.topk_weights != nullptr) weight = p.topk_weights[size_t(t) * K + k];
+        sh.bf16_row[j] = single || p.bf16_partials ? 1 : 0;
+        sh.weight[j] = weight;
         sh.row[j] = static_cast<long long>(size_t(d) * M + t) * H * 4;
       }
       if (lane == 0) sh.count = __popc(firsts);
@@ -349,7 +368,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t cal
       for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
       for (int j = 0; j < nd; ++j) {
         const char* part = recv + sh.row[j];
-        if (sh.single[j]) {
+        if (sh.bf16_row[j]) {
           add_weighted_bf16x8(acc, sh.weight[j], ld_cg_v4(part + size_t(v) * 16));
         } else {
           const int4 a = ld_cg_v4(part + size_t(v) * 16);
@@ -364,12 +383,7 @@ __device__ void recv_phase(const CombineParams& p, const Waiter& w, uint64_t cal
           acc[7] = __fadd_rn(acc[7], __int_as_float(b.w));
         }
       }
-      int4 o;
-      o.x = static_cast<int>(float_to_bf16_rne(acc[0]) | (float_to_bf16_rne(acc[1]) << 16));
-      o.y = static_cast<int>(float_to_bf16_rne(acc[2]) | (float_to_bf16_rne(acc[3]) << 16));
-      o.z = static_cast<int>(float_to_bf16_rne(acc[4]) | (float_to_bf16_rne(acc[5]) << 16));
-      o.w = static_cast<int>(float_to_bf16_rne(acc[6]) | (float_to_bf16_rne(acc[7]) << 16));
-      st_v4(p.out + size_t(t) * H + size_t(v) * 8, o);
+      st_v4(p.out + size_t(t) * H + size_t(v) * 8, pack_bf16x8(acc));
     }
     __syncthreads();  // sh.dest / sh.row are the next token's
   }

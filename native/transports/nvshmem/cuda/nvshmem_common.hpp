@@ -124,7 +124,8 @@ struct Message {
 //   comb_wstage       [M * max_topk] weight words of this rank (put source)
 //   comb_recv[R*M]    partials returned to this rank, (d, t) at d * M + t: float32 [H] (channels
 //                     8v..8v+3 at 16-byte piece v, 8v+4..8v+7 at piece H/8 + v), or the
-//                     BF16 [H] row itself when the token had one entry on d
+//                     BF16 [H] row itself when the token had one entry on d, or its BF16
+//                     sum with CombineParams::bf16_partials
 //   comb_stage[R*M]   partials of this rank for source s, token t (put source)
 //   comb_send         [E_loc][R*M] BF16 rows (zero-copy expert outputs)
 struct BufferLayout {
@@ -235,7 +236,8 @@ struct CombineParams {
   int num_topk;
   int hidden;
   int phases;
-  uint16_t* out;  // BF16 [T, H]
+  uint16_t* out;      // BF16 [T, H]
+  int bf16_partials;  // 1: a sum of several entries goes back as BF16, not float32
 };
 
 }  // namespace nvshmem

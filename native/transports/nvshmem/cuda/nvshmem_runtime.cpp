@@ -456,6 +456,7 @@ void NvshmemRuntime::combine(const NvshmemCombineArgs& a, cudaStream_t stream) {
   p.hidden = a.hidden;
   p.phases = a.phases;
   p.out = static_cast<uint16_t*>(a.out);
+  p.bf16_partials = a.bf16_partials ? 1 : 0;
   DeviceGuard guard(device_);
   kChecks.cuda(nvshmem::launch_combine(p, combine_blocks_, stream), "low_latency_combine launch");
 }

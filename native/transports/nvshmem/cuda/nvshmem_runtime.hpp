@@ -36,8 +36,9 @@
 //                 it into combine_buffer(b)), topk_weights float32 [T, K] (T, K of the
 //                 dispatch), layout_range of the dispatch, its buffer index.
 //   combine out : out BF16 [T, H] = bf16(sum of w_k * y_k), float32, no FMA: per expert rank in k
-//                 order, then the ranks in first-appearance order (within float32-accumulation
-//                 tolerance of the reference's k order; deterministic).
+//                 order, then the ranks in first-appearance order: bit for bit
+//                 reference.low_latency_combine(per_rank_partials=float32, or bfloat16 with
+//                 bf16_partials); within float32-accumulation tolerance of its k order.
 //
 // Rules:
 //  * NVSHMEM is initialised once per process (start_session) and never finalised by ep: after
@@ -142,6 +143,9 @@ struct NvshmemCombineArgs {
   int phases = nvshmem::kPhaseBoth;
   double timeout_seconds = 0;      // of this call's spin-waits; 0: config().timeout_seconds
   const int* rank_mask = nullptr;  // device int32 [R], 1 = masked (nvshmem::Context), or null
+  // A rank's sum of a token's entries goes back rounded to BF16 instead of float32
+  // (Options.low_latency_combine_bf16_partials); every rank of the call must pass the same.
+  bool bf16_partials = false;
 };
 
 // A region of the symmetric heap seen as a contiguous row-major tensor.
