@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One pass over a candidate branch (`next`: main + work not yet run on a GPU) on the GPU machine
-# (every visible GPU, or GPUS=N): builds once with CUDA, then runs the GPU tests of the areas that
-# changed (rank masking, reliability, NVSHMEM session, internode, bench, Megatron) and the
-# low-latency GPU tests as regression, each step with its own timeout, then the bench once (no
-# sweep); gpu_moe and gpu_rest cover the rest of the GPU suite. Sized for a 10-minute command limit: every timeout is
-# cut to what is left of BUDGET_S (540 s from the start); a step that runs out of time is
-# reported as TIMED OUT, one never reached as NOT RUN. The full README test command is run separately.
+# The first pass on a machine with several GPUs (every visible GPU, or GPUS=N): builds once with
+# CUDA, then runs, each step with its own timeout, the GPU tests that need 2+ GPUs and have not run
+# on them yet or guard what changed (rank masking, the low-latency kernels with BF16 partials,
+# the all-to-all's call sequences and shared-GPU ranks, reliability, NVSHMEM session, internode,
+# bench, Megatron), then the bench once (no sweep); gpu_moe and gpu_rest cover the rest of the
+# GPU suite. Sized for a 10-minute command limit: every timeout is cut to what is left of BUDGET_S
+# (540 s from the start); a step that runs out of time is reported as TIMED OUT, one never
+# reached as NOT RUN. The full README test command is run separately.
 # Usage: OUT=/some/dir bash tools/verify_next.sh     (default ./out)
 # $OUT gets two files, since the device tool returns only a few: summary.txt and logs.tgz (every
 # step's log with its slowest tests, the build log, the bench's output). Step limits are sized
@@ -13,8 +14,9 @@
 # A second call on the same warm machine can finish what the budget cut, without rebuilding:
 #   SKIP_BUILD=1 STEPS="internode bench" bash tools/verify_next.sh
 # GPUS=2 keeps a run on the first two GPUs of a larger machine.
-# (steps: rank_mask ll_call_tags adversarial malformed_gpu moe_low_latency bench_gpu megatron_alltoall
-# nvshmem_session peer_killed internode bench; gpu_moe and gpu_rest only when named).
+# (steps: rank_mask ll_call_tags adversarial malformed_gpu moe_low_latency all_to_all bench_gpu
+# megatron_alltoall nvshmem_session peer_killed internode bench; gpu_moe and gpu_rest only when
+# named).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PIP_NO_INDEX=1
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
@@ -106,8 +108,11 @@ step adversarial 60 -- tests/test_adversarial.py
 # -s: each case prints one line per rank (its round trip's outcome), and a case stuck for 20 s
 # every rank's Python stacks, into the step's log.
 step malformed_gpu 120 -- -s tests/test_malformed_calls_gpu.py
-# Regression: the low-latency kernels now read the rank mask on every launch.
+# The low-latency kernels against the reference, BF16 partials bitwise against its model.
 step moe_low_latency 90 -- tests/test_moe_gpu.py -k low_latency
+# The all-to-all against NCCL (its sequence of calls through every ring mode) and with ranks
+# sharing GPUs (3 and 4 ranks on fewer GPUs).
+step all_to_all 150 -- tests/test_all_to_all_gpu.py tests/test_all_to_all_shared_gpu.py
 # bench43 (issue #43): push-limit and loop-of-steps rows.
 step bench_gpu 60 -- tests/test_bench_gpu.py
 # meg42: Megatron's alltoall dispatcher on an "ep" group (skipped where Megatron is missing).
@@ -129,7 +134,7 @@ step internode 200 EP_INTERNODE_TRACE=1 \
 # when STEPS names them (STEPS="gpu_moe" then STEPS="gpu_rest"): with the steps above they cover
 # every GPU test (`-m gpu`).
 stepped=(test_rank_mask.py test_ll_call_tags_gpu.py test_adversarial.py test_malformed_calls_gpu.py
-  test_bench_gpu.py test_nvshmem_session_gpu.py test_peer_killed_gpu.py test_recovery.py
+  test_all_to_all_gpu.py test_all_to_all_shared_gpu.py test_bench_gpu.py test_nvshmem_session_gpu.py test_peer_killed_gpu.py test_recovery.py
   test_internode_emulation_gpu.py test_moe_gpu.py)
 if [[ " ${STEPS:-} " == *" gpu_moe "* ]]; then
   step gpu_moe 400 -- -m gpu tests/test_moe_gpu.py
