@@ -129,9 +129,9 @@ def ll_wire_bytes(
     ``topk_idx``: this rank's int ``[T, K]`` routing, ``-1`` = no expert. ``max_topk``: the
     largest top-k of the runtime (its message header size); default ``K`` (the runtime takes the
     largest ``K`` of the ranks' calls, the bench's ``K`` on every rank). ``bf16_partials``: the
-    combine of ``Options.low_latency_combine_bf16_partials`` (a sum goes back as BF16). The bytes leaving this
-    GPU in a dispatch are ``dispatch_fp8_sent`` / ``dispatch_bf16_sent``; those of a combine and
-    those entering it need every rank's share: :func:`ll_link_bytes`.
+    combine of ``Options.low_latency_combine_bf16_partials`` (a sum goes back as BF16). The bytes
+    leaving this GPU in a dispatch are ``dispatch_fp8_sent`` / ``dispatch_bf16_sent``; those of a
+    combine and those entering it need every rank's share: :func:`ll_link_bytes`.
     """
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected [T, K], got shape {tuple(topk_idx.shape)}")

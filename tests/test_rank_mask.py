@@ -7,9 +7,10 @@ masks it when it misses the next call) and make ``STEPS_MASKED`` more calls, che
 reference with ``mask=[last]`` (which the stopped rank does not call either). On CPU the ATen
 path is checked bit for bit; on CUDA the NVSHMEM kernels (dispatch bitwise, combine within
 float32-accumulation tolerance; with ``Options.low_latency_combine_bf16_partials`` bitwise the
-reference's model of them, on both paths). The reference runs on CPU copies over a side Gloo group, where
-the stopped rank also waits until the others are done. Also: argument checks, the deep_ep facade's ``*_mask_buffer`` methods, and ranks that
-disagree on the mask raising on every live rank.
+reference's model of them, on both paths). The reference runs on CPU copies over a side Gloo
+group, where the stopped rank also waits until the others are done. Also: argument checks, the
+deep_ep facade's ``*_mask_buffer`` methods, and ranks that disagree on the mask raising on every
+live rank.
 """
 
 from __future__ import annotations
