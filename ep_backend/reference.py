@@ -933,6 +933,8 @@ def _sum_of_rank_partials(
     num_topk = topk_idx.shape[1]
     valid = topk_idx >= 0
     dest = torch.where(valid, topk_idx.long() // experts_per_rank, -1)
+    # Each product rounded to float32 once, as the kernels form it.
+    weighted = [topk_weights[:, j].unsqueeze(1) * y[:, j] for j in range(num_topk)]
     acc = torch.zeros((y.shape[0], y.shape[2]), dtype=torch.float32, device=y.device)
     for k in range(num_topk):
         first = valid[:, k].clone()  # the token's first entry on rank dest[:, k]
@@ -942,8 +944,7 @@ def _sum_of_rank_partials(
         entries = torch.zeros_like(dest[:, k])
         for j in range(k, num_topk):
             on_d = valid[:, j] & (dest[:, j] == dest[:, k])
-            weighted = topk_weights[:, j].unsqueeze(1) * y[:, j]
-            partial = torch.where(on_d.unsqueeze(1), partial + weighted, partial)
+            partial = torch.where(on_d.unsqueeze(1), partial + weighted[j], partial)
             entries = entries + on_d.long()
         if bf16_partials:
             rounded = partial.to(torch.bfloat16).float()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The first pass on a machine with several GPUs (every visible GPU, or GPUS=N): builds once with
-# CUDA, then runs, each step with its own timeout, the GPU tests that need 2+ GPUs and have not run
-# on them yet or guard what changed (rank masking, the low-latency kernels with BF16 partials,
+# One pass on a machine with several GPUs (every visible GPU, or GPUS=N): builds once with
+# CUDA, then runs, each step with its own timeout, the GPU tests that need 2+ GPUs by area
+# (rank masking, the low-latency kernels with BF16 partials,
 # the all-to-all's call sequences and shared-GPU ranks, reliability, NVSHMEM session, internode,
 # bench, Megatron), then the bench once (no sweep); gpu_moe and gpu_rest cover the rest of the
 # GPU suite. Sized for a 10-minute command limit: every timeout is cut to what is left of BUDGET_S
