@@ -897,10 +897,21 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             return ep.low_latency_combine(y, idx, weights, dd.handle)
 
         steps = 100 if use_cuda else 10
+        loop_note = f"{transport}; eager loop of {steps} steps, one sync at the end; µs per step"
         t_loop, host_loop, wall_loop = ll_timer.loop(ll_step, steps)
         add("ll dispatch FP8 + combine BF16", (t_loop, host_loop), row_fp8 + row_bf16,
-            f"{transport}; eager loop of {steps} steps, one sync at the end; µs per step",
-            wall_loop if use_cuda else 0.0, wire_of("pair"))  # fmt: skip
+            loop_note, wall_loop if use_cuda else 0.0, wire_of("pair"))  # fmt: skip
+        # The same loop with each rank's sums returned as BF16 (half the combine's bytes): the
+        # option is read per call, so it is set around the loop only.
+        options = ep.get_backend().options
+        options.low_latency_combine_bf16_partials = True
+        try:
+            t_loop, host_loop, wall_loop = ll_timer.loop(ll_step, steps)
+        finally:
+            options.low_latency_combine_bf16_partials = False
+        add("ll dispatch FP8 + combine BF16, BF16 partials", (t_loop, host_loop),
+            row_fp8 + row_bf16, loop_note + "; Options.low_latency_combine_bf16_partials",
+            wall_loop if use_cuda else 0.0, wire_of("pair_bf16p"))  # fmt: skip
         if full:
             measure_hook_mode(x, idx, m, ll_experts, add, transport, row_fp8, wire)
         if use_cuda and transport == "nvshmem":  # decode runs under CUDA graphs

@@ -52,8 +52,10 @@ def test_bench_runs_on_cpu_and_reports_every_op(tmp_path) -> None:
                             "bound: dispatch + combine bytes at the limit"}, not_run  # fmt: skip
     assert all("needs GPUs" in note for note in not_run.values()), not_run
     assert all(r["us"] > 0 for r in rows if r["op"] not in not_run), rows
-    loop = next(r for r in rows if r["op"] == "ll dispatch FP8 + combine BF16")
-    assert "loop of 10 steps" in loop["note"], loop
+    for op in ("ll dispatch FP8 + combine BF16", "ll dispatch FP8 + combine BF16, BF16 partials"):
+        loop = next(r for r in rows if r["op"] == op)
+        assert "loop of 10 steps" in loop["note"], loop
+    assert "low_latency_combine_bf16_partials" in loop["note"], loop
     swept = sorted(r["tokens"] for r in rows if r["op"] == "ep dispatch+combine BF16")
     assert swept == [32, 128, 256], swept
     assert "== low latency" in done.stdout and "ep is" in done.stdout
