@@ -101,8 +101,9 @@ Args:
     low_latency_combine_bf16_partials: False (default): ``low_latency_combine`` adds a token's
         products in float32 throughout. True: the sum of a token's entries held by one expert
         rank (where it holds more than one) is rounded to BF16 before the ranks' sums are added,
-        one more rounding per output that halves those sums' bytes on the NVSHMEM kernels (the
-        low-latency combine's link traffic at 4 and more ranks); every transport gives the bits of
+        one more rounding per output that halves those sums' bytes on the NVSHMEM kernels (most
+        of the low-latency combine's link traffic whenever a token has several entries on one
+        rank); every transport gives the bits of
         ``reference.low_latency_combine(per_rank_partials=torch.bfloat16)``.)")
       .def(py::init([](std::chrono::milliseconds timeout, int64_t num_sms, double kernel_timeout_s,
                        bool overlap_dispatch_host_wait, int64_t recv_slabs, int64_t ranks_per_node,

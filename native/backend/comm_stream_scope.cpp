@@ -10,6 +10,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <vector>
+
+#include "backend/stream_order.hpp"
 #endif
 
 namespace ep {
@@ -18,20 +20,14 @@ namespace ep {
 
 namespace {
 
-// This thread's ordering event on `device` (no timing), created at its first use there and kept
-// for the thread's life. One event serves every call: cudaStreamWaitEvent waits for the record
-// made just before it, and a later record does not change what an earlier wait waits for.
-cudaEvent_t orderingEvent(c10::DeviceIndex device) {
+// This thread's ordering event on `device` (null until its first use there), kept for the
+// thread's life.
+cudaEvent_t& orderingEvent(c10::DeviceIndex device) {
   thread_local std::vector<cudaEvent_t> events;
   if (static_cast<size_t>(device) >= events.size()) {
     events.resize(static_cast<size_t>(device) + 1, nullptr);
   }
-  cudaEvent_t& event = events[static_cast<size_t>(device)];
-  if (event == nullptr) {
-    const c10::cuda::CUDAGuard guard(device);  // an event records on its own device's streams
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  }
-  return event;
+  return events[static_cast<size_t>(device)];
 }
 
 }  // namespace
@@ -40,9 +36,12 @@ c10::Stream enterCommStream(const c10::Stream& comm, bool wait_current) {
   const c10::cuda::CUDAStream comm_stream(comm);
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(comm.device_index());
   if (wait_current && current != comm_stream) {
-    cudaEvent_t queued = orderingEvent(comm.device_index());
-    C10_CUDA_CHECK(cudaEventRecord(queued, current.stream()));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(comm_stream.stream(), queued, 0));
+    cudaEvent_t& event = orderingEvent(comm.device_index());
+    if (event == nullptr) {
+      const c10::cuda::CUDAGuard guard(comm.device_index());  // an event records on its device
+      orderingEventCreated(event);
+    }
+    streamWaits(comm_stream.stream(), current.stream(), event);
   }
   c10::cuda::setCurrentCUDAStream(comm_stream);
   return current.unwrap();

@@ -192,6 +192,8 @@ at::Tensor sumOfRankPartialsInBf16(const at::Tensor& live_idx, const at::Tensor&
   const at::Tensor valid = idx.ge(0);
   const at::Tensor dest =
       at::where(valid, idx.div(experts_per_rank, "floor"), at::full({}, -1, idx.options()));
+  // Each entry's product, formed once: w * y in float32, as the kernels form it.
+  const at::Tensor weighted = topk_weights.unsqueeze(2) * y;
   at::Tensor acc = at::zeros({y.size(0), y.size(2)}, y.options());
   for (int64_t k = 0; k < topk; ++k) {
     const at::Tensor d = dest.select(1, k);
@@ -201,8 +203,7 @@ at::Tensor sumOfRankPartialsInBf16(const at::Tensor& live_idx, const at::Tensor&
     at::Tensor entries = at::zeros_like(d);
     for (int64_t j = k; j < topk; ++j) {
       const at::Tensor on_d = valid.select(1, j).logical_and(dest.select(1, j).eq(d));
-      const at::Tensor weighted = topk_weights.select(1, j).unsqueeze(1) * y.select(1, j);
-      partial = at::where(on_d.unsqueeze(1), partial + weighted, partial);
+      partial = at::where(on_d.unsqueeze(1), partial + weighted.select(1, j), partial);
       entries = entries + on_d.to(at::kLong);
     }
     partial =

@@ -16,6 +16,7 @@
 #include "backend/ep_process_group.hpp"
 #include "backend/host_stages.hpp"
 #include "backend/stream_capture.hpp"
+#include "backend/stream_order.hpp"
 #include "transports/nvlink/nvlink_capacity.hpp"
 #include "transports/nvlink/nvlink_group_state.hpp"
 #include "transports/nvlink/nvlink_pending_error.hpp"
@@ -72,20 +73,6 @@ void raiseAfterLaunch(const std::string& pending) {
 // Communicating kernels of a rank run one at a time: a call on another stream than the previous
 // one waits for it (an event recorded only when the stream changes; inside a capture the graph's
 // own dependencies order it).
-// `event`, created at its first use (an event without timing: only ordering).
-cudaEvent_t created(cudaEvent_t& event) {
-  if (event == nullptr) {
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  }
-  return event;
-}
-
-// `waiter` waits for the work queued on `on` so far, through `event`.
-void streamWaits(cudaStream_t waiter, cudaStream_t on, cudaEvent_t& event) {
-  C10_CUDA_CHECK(cudaEventRecord(created(event), on));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
-}
-
 void orderBehindLast(GroupState& st, const c10::cuda::CUDAStream& stream, bool capture) {
   if (st.a2a_last_stream.has_value() && *st.a2a_last_stream != stream && !capture) {
     streamWaits(stream.stream(), st.a2a_last_stream->stream(), st.a2a_order);
@@ -100,8 +87,8 @@ void prepareAsync(GroupState& st, const at::Device& device) {
   if (!st.a2a_comm_stream.has_value()) {
     st.a2a_comm_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index());
   }
-  created(st.a2a_comm_ready);
-  created(st.a2a_order);
+  orderingEventCreated(st.a2a_comm_ready);
+  orderingEventCreated(st.a2a_order);
 }
 
 // The type of the futures' value (made once: creating a type allocates).

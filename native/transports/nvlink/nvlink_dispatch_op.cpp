@@ -278,14 +278,10 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
     given_layout_error = {err.dev, &err.ctrl->error_lock};
     layout_error = &given_layout_error;
   } else {
-    const auto layout_ws_bytes = static_cast<int64_t>(nvlink_layout_workspace_bytes(
-        static_cast<int>(num_tokens), static_cast<int>(a.num_experts)));
-    auto t = carveTensors<9>(
-        device,
-        {CarvedShape{{num_ranks}, at::kInt}, CarvedShape{{a.num_experts}, at::kInt},
-         CarvedShape{{num_tokens, num_ranks}, at::kBool},
-         CarvedShape{{num_tokens, num_ranks}, at::kInt}, CarvedShape{{layout_ws_bytes}, at::kByte},
-         recv_prefix, dest_slabs, recv_counts, recv_per_expert});
+    const std::array<CarvedShape, 5> layout =
+        layoutCarvedShapes(num_tokens, num_ranks, a.num_experts);
+    auto t = carveTensors<9>(device, {layout[0], layout[1], layout[2], layout[3], layout[4],
+                                      recv_prefix, dest_slabs, recv_counts, recv_per_expert});
     k.per_rank = t[0];
     k.per_expert = t[1];
     k.in_rank = t[2];
@@ -298,7 +294,7 @@ DispatchResult dispatch(EPProcessGroup& pg, const DispatchArgs& a, DeferredCount
     rt.layout(a.topk_idx.data_ptr(), k.idx_bytes, static_cast<int>(num_tokens),
               static_cast<int>(k.topk), static_cast<int>(a.num_experts), k.per_rank.data_ptr<int>(),
               k.per_expert.data_ptr<int>(), k.in_rank.data_ptr<bool>(), k.send_pos.data_ptr<int>(),
-              stream, layout_ws_bytes > 0 ? layout_ws.data_ptr() : nullptr);
+              stream, layout_ws.numel() > 0 ? layout_ws.data_ptr() : nullptr);
   }
   const bool host_counts = a.num_worst_tokens == 0;
   // Output rows: num_worst_tokens; else, when the host wait overlaps the kernel, storage for

@@ -16,6 +16,16 @@
 
 namespace ep::nvlink {
 
+std::array<CarvedShape, 5> layoutCarvedShapes(int64_t num_tokens, int64_t num_ranks,
+                                              int64_t num_experts) {
+  const auto workspace_bytes = static_cast<int64_t>(
+      nvlink_layout_workspace_bytes(static_cast<int>(num_tokens), static_cast<int>(num_experts)));
+  return {CarvedShape{{num_ranks}, at::kInt}, CarvedShape{{num_experts}, at::kInt},
+          CarvedShape{{num_tokens, num_ranks}, at::kBool},
+          CarvedShape{{num_tokens, num_ranks}, at::kInt},
+          CarvedShape{{workspace_bytes}, at::kByte}};
+}
+
 LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
                              bool report_invalid) {
   HostStages stages("layout");
@@ -47,15 +57,8 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   const at::Tensor idx = topk_idx.contiguous();
   // The four outputs and the kernel's scratch (empty when one block does it all) in one
   // allocation: the scratch is stream-ordered like the outputs, and its contents do not matter.
-  const int64_t num_tokens = idx.size(0);
-  const auto workspace_bytes = static_cast<int64_t>(
-      nvlink_layout_workspace_bytes(static_cast<int>(num_tokens), static_cast<int>(num_experts)));
   auto [per_rank, per_expert, in_rank, send_pos, ws] =
-      carveTensors<5>(device, {{{{num_ranks}, at::kInt},
-                                {{num_experts}, at::kInt},
-                                {{num_tokens, num_ranks}, at::kBool},
-                                {{num_tokens, num_ranks}, at::kInt},
-                                {{workspace_bytes}, at::kByte}}});
+      carveTensors<5>(device, layoutCarvedShapes(idx.size(0), num_ranks, num_experts));
   LayoutParams p{};
   p.topk_idx = idx.data_ptr();
   p.idx_bytes = static_cast<int>(idx.element_size());
@@ -71,7 +74,7 @@ LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, in
   p.error = err.dev;
   p.rank = -1;
   p.ignore_invalid = !report_invalid;
-  p.workspace = workspace_bytes > 0 ? ws.data_ptr() : nullptr;
+  p.workspace = ws.numel() > 0 ? ws.data_ptr() : nullptr;
   stages.mark("alloc");
   C10_CUDA_CHECK(launch_nvlink_layout(p, stream));
   stages.mark("launch");

@@ -5,12 +5,14 @@
 #include <ATen/ATen.h>
 #include <c10/core/Stream.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "backend/carved_tensors.hpp"
 #include "backend/moe_types.hpp"
 #include "backend/transport.hpp"
 
@@ -25,6 +27,13 @@ namespace nvlink {
 // kernel ran raises (without, nothing records them: the caller counts them). num_ranks <= 8.
 LayoutTensors dispatchLayout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
                              bool report_invalid = true);
+
+// The layout kernel's outputs as carved tensors (one allocation with whatever else a call
+// carves): tokens per rank [R] int32, per expert [E] int32, is_token_in_rank [T, R] bool, send
+// positions [T, R] int32, then the kernel's scratch (nvlink_layout_workspace_bytes, 0 when one
+// block does it all). get_dispatch_layout and a dispatch without a given layout carve these.
+std::array<CarvedShape, 5> layoutCarvedShapes(int64_t num_tokens, int64_t num_ranks,
+                                              int64_t num_experts);
 
 // The high-throughput dispatch. With `deferred` and an overlapped host wait (the default, without
 // num_worst_tokens) it returns right after launching the kernels: the outputs have the worst-case
