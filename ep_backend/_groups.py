@@ -26,7 +26,7 @@ class _GroupInfo:
     (``_fallback._check_fallback``).
     """
 
-    __slots__ = ("ref", "name", "size", "pending", "nodes")
+    __slots__ = ("ref", "name", "size", "pending", "nodes", "backend")
 
     def __init__(self, pg: dist.ProcessGroup, on_collect: Callable[[Any], None]) -> None:
         self.ref = weakref.ref(pg, on_collect)
@@ -34,6 +34,7 @@ class _GroupInfo:
         self.size: int = pg.size()
         self.pending: set[str] = {"high_throughput", "low_latency", "all_to_all"}
         self.nodes: tuple[int, ...] | None = None  # _node_of_rank, read at its first use
+        self.backend: EPProcessGroup | None = None  # _backend_of, read at its first use
 
 
 # Groups already seen to have backend "ep" (a group's backend never changes), by id(): a plain
@@ -91,6 +92,13 @@ def _group_state(group: Group) -> tuple[dist.ProcessGroup, set[str]]:
     """The ``"ep"`` group (default WORLD) and its transports still to check (``_check_fallback``)."""
     pg, info = _group_info(group)
     return pg, info.pending
+
+
+def _backend_of(pg: dist.ProcessGroup, info: _GroupInfo) -> EPProcessGroup:
+    """``get_backend(pg)``, read once per group (``info``: ``_group_info(pg)[1]``)."""
+    if info.backend is None:
+        info.backend = get_backend(pg)
+    return info.backend
 
 
 def _node_of_rank(pg: dist.ProcessGroup) -> tuple[int, ...]:

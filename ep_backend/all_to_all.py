@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ._fallback import _check_fallback
-from ._groups import Group, _group_state, get_backend
+from ._groups import Group, _backend_of, _group_info, get_backend
 from ._streams import _run
 from .errors import MoEInputError
 
@@ -73,9 +73,7 @@ def all_to_all_v(
         MoEInputError: at the end of the call (Gloo / NCCL path) or later (kernels, see the
             module docstring) for invalid split values or a capacity overflow.
     """
-    result = _all_to_all(input, splits, out, capacity, 1, group, async_op, "all_to_all_v")
-    output, recv_splits, recv_offsets = result[:3]
-    return (output, recv_splits.view(-1), recv_offsets.view(-1), *result[3:])
+    return _all_to_all(input, splits, out, capacity, 1, group, async_op, "all_to_all_v", flat=True)
 
 
 def all_to_all_v_2d(
@@ -111,8 +109,9 @@ def all_to_all_v_2d(
         raise TypeError(f"num_local_experts must be an int, got {type(num_local_experts).__name__}")
     if not 1 <= num_local_experts <= 256:
         raise ValueError(f"num_local_experts must be in [1, 256], got {num_local_experts}")
+    op = "all_to_all_v_2d"
     return _all_to_all(
-        input, splits, out, capacity, num_local_experts, group, async_op, "all_to_all_v_2d"
+        input, splits, out, capacity, num_local_experts, group, async_op, op, flat=False
     )
 
 
@@ -188,31 +187,42 @@ def _all_to_all(
     group: Group,
     async_op: bool,
     op: str,
+    *,
+    flat: bool,
 ) -> tuple[torch.Tensor | dist.Work, ...]:
-    pg, pending = _group_state(group)
-    num_ranks = pg.size()
+    """all_to_all_v (``flat``: receive splits and offsets ``[R]``) and all_to_all_v_2d (``[E, R]``).
+
+    On ep's kernels the receive splits and offsets come from the backend in one allocation; this
+    layer is on the host path of every call, so it reads the group's size and backend once
+    (``_GroupInfo``).
+    """
+    pg, info = _group_info(group)
+    num_ranks = info.size
     _check_args(input, splits, out, capacity, num_local_experts, num_ranks, op)
     x = input.contiguous()
     if out is None:
         rows = capacity if capacity is not None else x.shape[0] * num_ranks
         out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    backend = get_backend(pg)
+    backend = _backend_of(pg, info)
     on_cuda = x.device.type == "cuda"
+    output = out
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if on_cuda:
+            received = backend._all_to_all_v(x, splits, output, num_local_experts, flat)
+            if received is not None:
+                return output, received[0], received[1]
         recv_splits = torch.empty(
             (num_local_experts, num_ranks), dtype=torch.int64, device=x.device
         )
         recv_offsets = torch.empty_like(recv_splits)
-        served = on_cuda and backend._all_to_all_device_splits(
-            x, splits, out, num_local_experts, recv_splits, recv_offsets
-        )
-        if not served:
-            _exchange(x, splits, out, num_local_experts, recv_splits, recv_offsets, pg, op)
-        return out, recv_splits, recv_offsets
+        _exchange(x, splits, output, num_local_experts, recv_splits, recv_offsets, pg, op)
+        if flat:
+            return output, recv_splits.view(-1), recv_offsets.view(-1)
+        return output, recv_splits, recv_offsets
 
     result, work = _run(run, [x, splits, out], x.device, async_op, lambda r: list(r))
-    _check_fallback(pg, pending, "all_to_all", on_cuda)
+    _check_fallback(pg, info.pending, "all_to_all", on_cuda)
     return (*result, work) if async_op else result
 
 

@@ -304,12 +304,10 @@ void bindProcessGroup(py::module_& m) {
             return ep::transportChoice(self, ep::OpFamily::kAllToAll);
           },
           "all_to_all_transport as a TransportChoice (kind, reason, requested).")
-      .def("_all_to_all_device_splits", &ep::allToAllDeviceSplits, py::arg("input"),
-           py::arg("splits"), py::arg("output"), py::arg("num_local_experts"),
-           py::arg("recv_splits"), py::arg("recv_offsets"),
-           py::call_guard<py::gil_scoped_release>(),
-           "See ep_backend.all_to_all_v (collective at the first call). False when the group's "
-           "all-to-all does not run on ep's kernels.")
+      .def("_all_to_all_v", &ep::allToAllV, py::arg("input"), py::arg("splits"), py::arg("output"),
+           py::arg("num_local_experts"), py::arg("flat"), py::call_guard<py::gil_scoped_release>(),
+           "See ep_backend.all_to_all_v (collective at the first call): (recv_splits, "
+           "recv_offsets), or None when the group's all-to-all does not run on ep's kernels.")
       .def("_take_all_to_all_error", &ep::takeAllToAllError,
            "The error an earlier all-to-all kernel left ('' when none), taken.")
       .def("_low_latency_receive", &ep::nvshmem::receive, py::arg("layout_range"),

@@ -44,9 +44,14 @@ def _shared_gpu(rank: int, world: int) -> list[str]:
         dist.all_to_all_single(out, x, recv, m[rank].tolist())
         if not torch.equal(out.cpu(), want):
             failures.append(f"call {call}: all_to_all_single rows differ")
-        got, got_splits, _ = ep_backend.all_to_all_v(x, m[rank].to(dev), capacity=world * most)
+        got, got_splits, got_offsets = ep_backend.all_to_all_v(
+            x, m[rank].to(dev), capacity=world * most
+        )
+        offsets = [sum(recv[:s]) for s in range(world)]
         if not torch.equal(got[: sum(recv)].cpu(), want) or got_splits.cpu().tolist() != recv:
             failures.append(f"call {call}: all_to_all_v rows or splits differ")
+        if got_offsets.shape != (world,) or got_offsets.cpu().tolist() != offsets:
+            failures.append(f"call {call}: all_to_all_v offsets {got_offsets} != {offsets}")
         experts = 2
         sp = torch.randint(0, most // 2 + 1, (world, world * experts), generator=g)
         inputs = [_rows(s, call + CALLS, int(sp[s].sum())) for s in range(world)]
@@ -56,11 +61,19 @@ def _shared_gpu(rank: int, world: int) -> list[str]:
                 start = int(sp[s, : rank * experts + e].sum())
                 parts.append(inputs[s][start : start + int(sp[s, rank * experts + e])])
         want = torch.cat(parts)
-        got = ep_backend.all_to_all_v_2d(
+        # [E, R]: rows of local expert e from source s, and their first output row
+        want_splits = sp[:, rank * experts : (rank + 1) * experts].t().contiguous()
+        want_offsets = (want_splits.reshape(-1).cumsum(0) - want_splits.reshape(-1)).view(
+            experts, world
+        )
+        got, got_splits, got_offsets = ep_backend.all_to_all_v_2d(
             inputs[rank].to(dev), sp[rank].to(dev), experts, capacity=world * most
-        )[0]
+        )
         if not torch.equal(got[: want.shape[0]].cpu(), want):
             failures.append(f"call {call}: all_to_all_v_2d rows differ")
+        if not (torch.equal(got_splits.cpu(), want_splits)
+                and torch.equal(got_offsets.cpu(), want_offsets)):  # fmt: skip
+            failures.append(f"call {call}: all_to_all_v_2d splits or offsets differ")
     torch.cuda.synchronize()
     transport = ep_backend.get_backend().all_to_all_transport
     if transport != "nvlink":
