@@ -3,7 +3,8 @@ r % count; ranks sharing a GPU reach each other over CUDA IPC within the device)
 ranks, with 2 and 3 peers per sender, run on a one-GPU machine too. NCCL cannot run there (it
 refuses two ranks on one GPU): the expected rows are built from the inputs' formula instead.
 Host splits, ``all_to_all_v`` and ``all_to_all_v_2d``, 14 calls in a row with random splits
-(zeros included) of up to 200 KiB a pair (flagged lines) or 8 MiB (staging rings)."""
+(zeros included) of up to 200 KiB a pair (flagged lines) or 8 MiB (staging rings); then
+``all_to_all_v`` replayed from a CUDA graph with new splits, and with ``async_op``."""
 
 from __future__ import annotations
 
@@ -74,10 +75,61 @@ def _shared_gpu(rank: int, world: int) -> list[str]:
         if not (torch.equal(got_splits.cpu(), want_splits)
                 and torch.equal(got_offsets.cpu(), want_offsets)):  # fmt: skip
             failures.append(f"call {call}: all_to_all_v_2d splits or offsets differ")
+    failures += _graph_and_async(rank, world, dev)
     torch.cuda.synchronize()
     transport = ep_backend.get_backend().all_to_all_transport
     if transport != "nvlink":
         failures.append(f"the all-to-all ran on {transport!r}, not ep's NVLink kernel")
+    return failures
+
+
+def _graph_and_async(rank: int, world: int, dev: torch.device) -> list[str]:
+    """all_to_all_v captured in a CUDA graph with splits that change between replays (no host
+    sync), then the same call with async_op."""
+    failures: list[str] = []
+    most = 64
+    inputs = [_rows(s, 2 * CALLS, world * most) for s in range(world)]
+    static_x = inputs[rank].to(dev)
+    static_splits = torch.zeros(world, dtype=torch.int64, device=dev)
+    static_out = torch.empty((world * world * most, WIDTH), dtype=torch.int32, device=dev)
+
+    def expected(table: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        rows = [inputs[s][int(table[s, :rank].sum()) : int(table[s, : rank + 1].sum())]
+                for s in range(world)]  # fmt: skip
+        return torch.cat(rows), table[:, rank].tolist()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # an eager call first: the transport is set up outside capture
+        ep_backend.all_to_all_v(static_x, static_splits, static_out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, rs, ro = ep_backend.all_to_all_v(static_x, static_splits, static_out)
+    # A CPU all-reduce (Gloo) between replays: a peer's next replay writes into this rank's
+    # static_out, which must wait until this rank has read it.
+    step = torch.zeros(1)
+    for k in range(3):
+        dist.all_reduce(step)
+        table = torch.randint(
+            0, most + 1, (world, world), generator=torch.Generator().manual_seed(k)
+        )
+        static_splits.copy_(table[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        want, recv = expected(table)
+        if not torch.equal(static_out[: want.shape[0]].cpu(), want) or rs.cpu().tolist() != recv:
+            failures.append(f"graph replay {k}: all_to_all_v rows or splits differ")
+        if ro.cpu().tolist() != [sum(recv[:s]) for s in range(world)]:
+            failures.append(f"graph replay {k}: all_to_all_v offsets differ")
+    table = torch.randint(0, most + 1, (world, world), generator=torch.Generator().manual_seed(9))
+    got, got_splits, _, work = ep_backend.all_to_all_v(
+        static_x, table[rank].to(dev), capacity=world * most, async_op=True
+    )
+    work.wait()
+    want, recv = expected(table)
+    if not torch.equal(got[: want.shape[0]].cpu(), want) or got_splits.cpu().tolist() != recv:
+        failures.append("async_op: all_to_all_v rows or splits differ")
     return failures
 
 
