@@ -1307,6 +1307,16 @@ def main(argv: list[str] | None = None) -> int:
             if found is not None:
                 print(f"{op.removeprefix('sm sweep: ')}: {found[0]} SMs reach 95% of its best "
                       f"({found[2]:.1f} µs at {found[1]} SMs)")  # fmt: skip
+    if on_gpu and nprocs <= gpus:  # issue 43's targets, read off this run's rows
+        from ep_backend._bench_targets import format_targets, plot_targets, read_targets
+
+        results = read_targets(rows, nprocs)
+        if results:
+            print(f"\n== issue 43 targets at EP{nprocs} (this run) ==")
+            print("\n".join(format_targets(results)))
+            png = out / "bench_targets.png"
+            if plot_targets(results, png, f"issue 43 targets, EP{nprocs}, {device_name}"):
+                print(f"plot: {png}")
     status = 0
     if args.all_to_all:
         status = _all_to_all_section(gpus, args.a2a_iters, out,
