@@ -14,7 +14,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 [ $# -gt 0 ] || set -- "4 256" "2 256"
 dir=/tmp/ep_a2a_trace
 rm -rf "$dir" && mkdir -p "$dir" "$OUT"
-(cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$dir")
+(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$dir")
 (cd "$dir" && patch -p1 -s <benchmarks/a2a_trace.patch)
 (cd "$dir" && EP_WITH_CUDA=1 EP_BUILD_DIR="$dir/.build" TORCH_CUDA_ARCH_LIST=9.0a \
   python setup.py build_ext --inplace) >"$OUT/build.log" 2>&1 ||

@@ -13,7 +13,8 @@
 #   nvlink_common.hpp)
 #   A patched tree, e.g. benchmarks/a2a_all_destinations.patch (every sender block serves every
 #   destination in turn; correct with 2-4 ranks, never timed):
-#     d=/tmp/alldest; rm -rf $d; mkdir -p $d; git ls-files -z | xargs -0 cp --parents -t $d
+#     d=/tmp/alldest; rm -rf $d; mkdir -p $d
+#     git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t $d
 #     (cd $d && patch -p1 <benchmarks/a2a_all_destinations.patch)
 #     bash benchmarks/a2a_variants.sh "base=" "alldest@$d="
 #   RANKS (default: every GPU), ITERS (default 20), ROUNDS (default 2); logs under $OUT (./out).
@@ -38,8 +39,10 @@ for v in "$@"; do
   if [ -n "$src" ]; then
     cp -r "$src"/. "$dir"
   else
-    # The tracked files as they are in the working tree (uncommitted changes included).
-    (cd "$ROOT" && git ls-files -z | xargs -0 cp --parents -t "$dir")
+    # The source files as they are in the working tree (uncommitted changes and new files
+    # included; a copy whose git index is older than its files still lists them), not the
+    # ignored build outputs.
+    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$dir")
   fi
   (cd "$dir" && EP_WITH_CUDA=1 EP_BUILD_DIR="$dir/.build" TORCH_CUDA_ARCH_LIST=9.0a \
     EP_CMAKE_ARGS="-DEP_VARIANT_DEFINES=${v#*=}" python setup.py build_ext --inplace) \
