@@ -8,14 +8,19 @@ experts, combine expert outputs back).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._native import native as _native
 from ._registration import BACKEND_NAME, register
 
 __version__ = "0.1.0"
 
 _C = _native()
-Options = _C.Options
-EPProcessGroup = _C.EPProcessGroup
+if TYPE_CHECKING:
+    from ._C import EPProcessGroup, Options
+else:
+    Options = _C.Options
+    EPProcessGroup = _C.EPProcessGroup
 
 register()
 

@@ -25,7 +25,9 @@ def _refuse_meta(*tensors: Tensor | None) -> None:
 
 
 def _group_size(group_name: str) -> int:
-    return torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+    # (torch 2.13+ types the name as GroupName, a str at run time)
+    resolve = torch.distributed.distributed_c10d._resolve_process_group
+    return resolve(group_name).size()  # type: ignore[arg-type]
 
 
 @torch.library.register_fake("ep::dispatch_layout")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,10 @@ from ._native import native
 from ._registration import BACKEND_NAME
 
 Group = dist.ProcessGroup | None
-EPProcessGroup = native().EPProcessGroup
+if TYPE_CHECKING:
+    from ._C import EPProcessGroup
+else:
+    EPProcessGroup = native().EPProcessGroup
 
 
 class _GroupInfo:
@@ -119,7 +122,8 @@ def _group_of(backend: EPProcessGroup) -> dist.ProcessGroup:
     name = backend.options.group_name
     if not name:
         raise RuntimeError("ep: this backend is not attached to a named process group")
-    return _resolve_process_group(name)
+    # (torch 2.13+ types the name as GroupName, a str at run time)
+    return _resolve_process_group(name)  # type: ignore[arg-type]
 
 
 def _bind_method(fn: Callable[..., Any]) -> Callable[..., Any]:

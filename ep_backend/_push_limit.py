@@ -140,6 +140,13 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{major}{minor}" + ("a" if major == 9 else "")
 
 
+def _address(ptr: ctypes.c_void_p, what: str) -> int:
+    """``ptr``'s address; a null pointer (a buffer that was never set up) raises."""
+    if ptr.value is None:
+        raise RuntimeError(f"push limit probe: {what} is not mapped")
+    return ptr.value
+
+
 class PushLimitProbe:
     """One rank's side of the all-peers push: its source rows, its receive buffer, peer mappings.
 
@@ -206,7 +213,9 @@ class PushLimitProbe:
                                                            ctypes.byref(ptr)))  # fmt: skip
                     self.opened.append(ptr)
                     # this rank's slot in the peer's buffer
-                    dst.append(ctypes.c_void_p(ptr.value + rank * slot_bytes))
+                    dst.append(
+                        ctypes.c_void_p(_address(ptr, f"rank {peer}'s buffer") + rank * slot_bytes)
+                    )
             except RuntimeError as exc:
                 self.setup_error = str(exc)
                 for ptr in self.opened:
@@ -251,7 +260,7 @@ class PushLimitProbe:
         self._check(self.lib.ep_probe_set_device(self.device.index))
         self._check(self.lib.ep_probe_copy_to_host(
             ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_void_p(self.recv.value + src_rank * self.slot_bytes),
+            ctypes.c_void_p(_address(self.recv, "the receive buffer") + src_rank * self.slot_bytes),
             ctypes.c_size_t(self.slot_bytes)))  # fmt: skip
         return out
 

@@ -106,4 +106,5 @@ def monitored_barrier(
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     if timeout.total_seconds() <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
-    pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+    # ProcessGroup.monitored_barrier is bound in C++ and missing from torch's type stubs.
+    pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)  # type: ignore[attr-defined]

@@ -44,7 +44,7 @@ def _comm_ids(device: torch.device) -> tuple[int, int, int]:
 def _completed_work(result: list[torch.Tensor]) -> dist.Work:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(fut)
+    return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
 
 def record_stream(tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -152,4 +152,4 @@ def _run(
     # not wait for the current stream, which may still read them) are recorded for the current
     # stream, inputs for the comm stream.
     result, fut = _on_comm_stream(_comm_ids(device), previous_event is None, inputs, body)
-    return result, torch._C._distributed_c10d._create_work_from_future(fut)
+    return result, torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]

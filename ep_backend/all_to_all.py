@@ -37,6 +37,12 @@ from .errors import MoEInputError
 
 __all__ = ["all_to_all_check", "all_to_all_v", "all_to_all_v_2d"]
 
+# (output, recv_splits, recv_offsets), and the call's Work last with async_op=True.
+AllToAllVResult = (
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor, dist.Work]
+)
+
 
 def all_to_all_v(
     input: torch.Tensor,
@@ -46,7 +52,7 @@ def all_to_all_v(
     capacity: int | None = None,
     group: Group = None,
     async_op: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> AllToAllVResult:
     """All-to-all of the rows of ``input`` with split sizes on the device.
 
     Args:
@@ -85,7 +91,7 @@ def all_to_all_v_2d(
     capacity: int | None = None,
     group: Group = None,
     async_op: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> AllToAllVResult:
     """All-to-all of rows chunked by (destination rank, local expert), output grouped by expert.
 
     Args:
@@ -189,7 +195,7 @@ def _all_to_all(
     op: str,
     *,
     flat: bool,
-) -> tuple[torch.Tensor | dist.Work, ...]:
+) -> AllToAllVResult:
     """all_to_all_v (``flat``: receive splits and offsets ``[R]``) and all_to_all_v_2d (``[E, R]``).
 
     On ep's kernels the receive splits and offsets come from the backend in one allocation; this
@@ -223,7 +229,10 @@ def _all_to_all(
 
     result, work = _run(run, [x, splits, out], x.device, async_op, lambda r: list(r))
     _check_fallback(pg, info.pending, "all_to_all", on_cuda)
-    return (*result, work) if async_op else result
+    if not async_op:
+        return result
+    assert work is not None  # _run makes one for async_op
+    return (*result, work)
 
 
 def _exchange(

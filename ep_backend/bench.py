@@ -650,7 +650,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         out = ep.dispatch(x, idx, weights, num_experts)
         y = out.recv_x
         t_combine = timer.both(lambda: ep.combine(y, out.handle))
-        t_both = tuple(a + b for a, b in zip(t_dispatch, t_combine, strict=True))
+        t_both = (t_dispatch[0] + t_combine[0], t_dispatch[1] + t_combine[1],
+                  t_dispatch[2] + t_combine[2])  # fmt: skip
         add("ep dispatch+combine BF16", t_both, row_bf16, 2 * remote_rows, 2 * recv_rows)
         if shared_gpus:
             rows.append(Row("baseline a2a pipeline (both ways)", num_tokens, 0.0, 0.0, 0.0, 0.0,
@@ -760,7 +761,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
                                 num_sms=num_sms))  # fmt: skip
             t_d = timer.both(lambda: ep.dispatch(x, idx, weights, num_experts, layout=layout))
             handed = ep.dispatch(x, idx, weights, num_experts, layout=layout)
-            t_c = timer.both(lambda d=handed: ep.combine(d.recv_x, d.handle))
+
+            def combine_handed(d: ep.DispatchOutput = handed) -> object:
+                return ep.combine(d.recv_x, d.handle)
+
+            t_c = timer.both(combine_handed)
             add("sm sweep: dispatch BF16", t_d, row_bf16, remote_rows, recv_rows, sm_row=True)
             add("sm sweep: combine BF16", t_c, row_bf16, remote_rows, recv_rows, sm_row=True)
         ep_options.num_sms = budget
@@ -866,7 +871,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         # launch work and the ranks' start skew, which a loop pays once, not per call. A combine
         # needs its own dispatch first: its "time" is the queued pair minus the FP8 dispatch, its
         # "call" and "host" come from the pair timed apart within each iteration.
-        def ll_fp8() -> object:
+        def ll_fp8() -> ep.LowLatencyDispatchOutput:
             return ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True)
 
         def ll_pair() -> object:
@@ -939,6 +944,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
         def hooked() -> None:
             out = ep.low_latency_dispatch(x, idx, m, ll_experts, use_fp8=True,
                                           return_recv_hook=True)  # fmt: skip
+            assert out.hook is not None
             out.hook()
 
         t_send, t_recv = ll_timer.split(

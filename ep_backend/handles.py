@@ -9,9 +9,11 @@ real implementations, so both return exactly the same structure. Shapes use the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -44,7 +46,7 @@ class DispatchLayout:
     num_tokens_per_expert: torch.Tensor
     is_token_in_rank: torch.Tensor
     send_pos: torch.Tensor | None = None
-    work: object | None = field(default=None, compare=False)
+    work: dist.Work | None = field(default=None, compare=False)
     # What it was computed from and what it returned: (weak reference to topk_idx, its version,
     # num_experts, R, weak references to the four tensors, their versions), so dispatch can
     # refuse a layout of another (or since modified) topk_idx, or one whose tensors were replaced
@@ -140,9 +142,9 @@ class DispatchOutput:
     recv_topk_idx: torch.Tensor | None
     recv_topk_weights: torch.Tensor | None
     num_recv_tokens_per_expert: torch.Tensor | None
+    handle: DispatchHandle
     num_recv_tokens_per_expert_list: list[int] = field(default_factory=list)
-    handle: DispatchHandle | None = None
-    work: object | None = None
+    work: dist.Work | None = None
 
 
 @dataclass
@@ -157,7 +159,7 @@ class CombineOutput:
 
     combined_x: torch.Tensor
     combined_topk_weights: torch.Tensor | None = None
-    work: object | None = None
+    work: dist.Work | None = None
 
     def __iter__(self):  # allows ``x, w = combine(...)``
         return iter((self.combined_x, self.combined_topk_weights))
@@ -213,5 +215,5 @@ class LowLatencyDispatchOutput:
     recv_x_scales: torch.Tensor | None
     recv_count: torch.Tensor
     handle: LowLatencyHandle
-    hook: object | None = None
-    work: object | None = None
+    hook: Callable[[], None] | None = None
+    work: dist.Work | None = None

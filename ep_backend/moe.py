@@ -361,6 +361,7 @@ def all_to_all_moe_dispatch(
         _reject(pg, op, exc)
     if handle is not None:
         return _cached_dispatch(x, x_scales, handle, pg, name, async_op, previous_event)
+    assert num_experts is not None  # required without a handle (checked above)
 
     # The count wait of a plain eager call (no autograd, no async_op, no tensor subclass, not
     # traced) runs last, in `finish`: this function's own result objects are built while the GPU

@@ -140,6 +140,7 @@ def _all_to_all_rows_among_live(
         if theirs.shape[0] > 0:
             works.append(dist.irecv(theirs, peer, group=group))
     for work in works:
+        assert work is not None, "isend / irecv on a group this rank is in"
         work.wait()
     return recv.view(t.dtype).reshape(sum(recv_counts), *t.shape[1:])
 

@@ -826,7 +826,7 @@ class Buffer:
             def hook() -> None:
                 """Receives this dispatch's rows (every rank, once)."""
                 receive()
-                if scales is not None and scales is not ep_scales:
+                if scales is not None and ep_scales is not None and scales is not ep_scales:
                     scales.copy_(ep_scales)
 
         recv = (out.recv_x, scales) if use_fp8 else out.recv_x

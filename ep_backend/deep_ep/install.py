@@ -37,7 +37,7 @@ def _is_ours(module: ModuleType) -> bool:
     if module is sys.modules.get(_FACADE):
         return True
     origin = getattr(module, "__file__", None)
-    return bool(origin) and os.path.realpath(origin).startswith(shim_path() + os.sep)
+    return isinstance(origin, str) and os.path.realpath(origin).startswith(shim_path() + os.sep)
 
 
 def _real_deep_ep_origin() -> str | None:
