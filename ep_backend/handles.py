@@ -129,10 +129,10 @@ class DispatchOutput:
             when no weights were given or for a cached dispatch.
         num_recv_tokens_per_expert: int32 ``[E_loc]`` on the device of ``x``: rows per local
             expert, each rounded up to ``expert_alignment``; ``None`` for a cached dispatch.
+        handle: the routing, for ``combine`` and cached dispatch.
         num_recv_tokens_per_expert_list: the same as a Python list, known on the host before
             the data moves (so also with ``async_op=True``); empty with ``num_worst_tokens`` > 0
             (no host step) and for a cached dispatch.
-        handle: the routing, for ``combine`` and cached dispatch.
         work: the ``Work`` of an ``async_op=True`` call (``None`` otherwise); wait on it before
             using the tensors.
     """
