@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ep_backend._pyplot import pyplot
 from ep_backend.bench import gpu_us_per_call, host_us_per_call
 
 # Bytes each rank sends to each peer.
@@ -320,12 +321,8 @@ def plot(by_world: Mapping[int, Mapping[Any, Any]], path: Path | str) -> bool:
 
     False (nothing written) when matplotlib is missing.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     worlds = sorted(by_world)
     fig, axes = plt.subplots(len(worlds), 2, figsize=(12, 4.5 * len(worlds)), squeeze=False)

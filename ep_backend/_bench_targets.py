@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ep_backend._pyplot import pyplot
+
 __all__ = ["Target", "TargetResult", "plot_targets", "read_targets", "targets_for"]
 
 
@@ -136,12 +138,8 @@ def plot_targets(results: list[TargetResult], path: Path, title: str) -> bool:
     targets."""
     if not results:
         return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(results) + 1.2))
     labels = [r.target.label for r in results]

@@ -108,7 +108,7 @@ def _node_of_rank(pg: dist.ProcessGroup) -> tuple[int, ...]:
     """``[R]`` node of each rank of an ``"ep"`` group (fixed at its creation; read once)."""
     info = _group_info(pg)[1]
     if info.nodes is None:
-        info.nodes = tuple(get_backend(pg)._topology()[2])
+        info.nodes = tuple(_backend_of(pg, info)._topology()[2])
     return info.nodes
 
 

@@ -56,7 +56,8 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -908,12 +909,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             loop_note, wall_loop if use_cuda else 0.0, wire_of("pair"))  # fmt: skip
         # The same loop with each rank's sums returned as BF16 (half the combine's bytes): the
         # option is read per call, so it is set around the loop only.
-        options = ep.get_backend().options
-        options.low_latency_combine_bf16_partials = True
-        try:
+        with _bf16_partials():
             t_loop, host_loop, wall_loop = ll_timer.loop(ll_step, steps)
-        finally:
-            options.low_latency_combine_bf16_partials = False
         add("ll dispatch FP8 + combine BF16, BF16 partials", (t_loop, host_loop),
             row_fp8 + row_bf16, loop_note + "; Options.low_latency_combine_bf16_partials",
             wall_loop if use_cuda else 0.0, wire_of("pair_bf16p"))  # fmt: skip
@@ -1015,12 +1012,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, result_p
             row_fp8 + row_bf16, note, wire_bytes=w.get("pair"))  # fmt: skip
         # The same pair with each rank's sums returned as BF16 (half their bytes): the option
         # is read when the combine is captured, so the graph replays it after it is reset.
-        options = ep.get_backend().options
-        options.low_latency_combine_bf16_partials = True
-        try:
+        with _bf16_partials():
             b_pair = per_call(pair, "pair_bf16p")
-        finally:
-            options.low_latency_combine_bf16_partials = False
         note += "; Options.low_latency_combine_bf16_partials"
         a_pair_b = aligned["pair_bf16p"]
         add("ll combine BF16, BF16 partials (graph, in step: pair - FP8 dispatch)",
@@ -1135,13 +1128,24 @@ def _check_args(args: argparse.Namespace, nprocs: int, on_gpu: bool) -> str | No
     return None
 
 
-def _plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
+@contextmanager
+def _bf16_partials() -> Iterator[None]:
+    """``Options.low_latency_combine_bf16_partials`` set for the calls (or captures) inside."""
+    import ep_backend as ep
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    options = ep.get_backend().options
+    options.low_latency_combine_bf16_partials = True
+    try:
+        yield
+    finally:
+        options.low_latency_combine_bf16_partials = False
+
+
+def _plot(rows: list[dict], path: Path) -> bool:
+    from ep_backend._pyplot import pyplot
+
+    plt = pyplot()
+    if plt is None:
         return False
     for op, label in (
         ("ep dispatch+combine BF16", "ep"),

@@ -18,7 +18,7 @@ from ._arguments import _require_bool, _require_int, _require_tensor
 from ._custom_ops import _low_latency_combine_op, _low_latency_dispatch_op
 from ._failures import _failed, _reject
 from ._fallback import _check_fallback
-from ._groups import Group, _group, _group_info, get_backend
+from ._groups import Group, _backend_of, _group, _group_info, get_backend
 from ._streams import _run
 from .handles import LowLatencyDispatchOutput, LowLatencyHandle
 from .moe import _check_handle_group
@@ -132,7 +132,7 @@ def low_latency_dispatch(
     )
     hook = None
     if return_recv_hook:
-        backend = get_backend(pg)
+        backend = _backend_of(pg, info)
 
         def hook() -> None:
             """Receives this dispatch's rows (every rank must call it once, on any stream)."""
